@@ -22,6 +22,7 @@ import numpy as np
 EOT = 50256
 VOCAB_SIZE = 50257
 TOKENIZER_ID = "gpt2-r50k"
+FORMAT = 2  # bump when the token file layout changes: it is part of the cache key
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text", ".tex", ".py", ".html", ".csv", ".json", ""}
 DEFAULT_VAL_FRACTION = 0.05
 META = "meta.json"
@@ -84,7 +85,7 @@ def _collect(sources: Sequence[str] | None) -> list[Path]:
 
 
 def _content_hash(files: list[Path], val_fraction: float) -> str:
-    h = hashlib.sha256(f"{TOKENIZER_ID}|{val_fraction}|".encode())
+    h = hashlib.sha256(f"{TOKENIZER_ID}|{FORMAT}|{val_fraction}|".encode())
     for f in files:
         h.update(f.name.encode() + b"\0")
         h.update(hashlib.sha256(f.read_bytes()).digest())
