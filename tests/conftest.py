@@ -1,5 +1,7 @@
-"""Test session setup: 8 emulated CPU devices, set before any test module imports jax."""
+"""Test-wide setup. Runs before any test module imports jax."""
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+# 8 emulated CPU devices for every in-process JAX test (an inherited count wins, as in the trainer).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
