@@ -1,13 +1,22 @@
-"""The `tpuctl` command: a thin click layer over the orchestrator's Python API."""
+"""The `tpuctl` command: a thin click layer over the orchestrator's Python API (orchestrator/slices.py)."""
 from __future__ import annotations
 
+import functools
+import json
+import signal
 import sys
+import time
 
 import click
+
+from orchestrator.spec import UserError
 
 
 class TpuctlError(click.ClickException):
     """A user-facing error: one clear line naming what is wrong and how to fix it, exit code 1."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))  # always one line
 
 
 def _not_built(verb: str):
@@ -16,7 +25,101 @@ def _not_built(verb: str):
     return cmd
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _errors(fn):
+    """UserError/CloudError -> one line and exit 1; Ctrl-C -> one line and exit 130; never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from orchestrator.slices import Interrupted
+        try:
+            return fn(*args, **kwargs)
+        except Interrupted as e:
+            click.echo(f"Error: {' '.join(str(e).split())}", err=True)
+            sys.exit(130)
+        except UserError as e:
+            raise TpuctlError(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("Error: interrupted", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+def _api_options(f):
+    f = click.option("--project", metavar="P",
+                     help="Google Cloud project id. Default: TPUCTL_PROJECT, GOOGLE_CLOUD_PROJECT, gcloud's "
+                          "configured project, then the credentials' project; 'local-project' with --local.")(f)
+    f = click.option("--local", is_flag=True, default=False,
+                     help="Use the local Cloud TPU stand-in (infra/fake_tpu_api.py, started in the background and "
+                          "reused; its pid/port are in $TPUCTL_HOME/local/fake_tpu_api.json). No cloud account.")(f)
+    f = click.option("--api-endpoint", metavar="URL",
+                     help="Any endpoint speaking the Cloud TPU v2 API (regional/private endpoint, proxy, stand-in). "
+                          "http:// URLs use anonymous credentials, others Application Default Credentials. "
+                          "Default: env TPUCTL_TPU_API_ENDPOINT, else tpu.googleapis.com.")(f)
+    return f
+
+
+def _json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout (for scripts) instead of text.")(f)
+
+
+class StatusLine:
+    """A live status line on stderr: a spinner on a terminal, one line per change otherwise (logs, CI)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet, self.last, self.t0 = quiet, None, time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._status = None
+
+    def __enter__(self):
+        if self.tty and not self.quiet:
+            from rich.console import Console
+            self._status = Console(stderr=True).status("starting")
+            self._status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+    def __call__(self, msg: str) -> None:
+        if self.quiet:
+            return
+        if self._status is not None:
+            self._status.update(f"{msg}  [{time.monotonic() - self.t0:.0f}s]")
+        elif msg != self.last:
+            click.echo(f"  {msg}", err=True)
+        self.last = msg
+
+    def note(self, msg: str) -> None:
+        """A line that stays (above the spinner)."""
+        if self._status is not None:
+            self._status.console.print(msg, markup=False, highlight=False)
+        else:
+            click.echo(msg, err=True)
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _age(s: float) -> str:
+    from orchestrator.slices import fmt_duration
+    return fmt_duration(s)
+
+
+def _workers_table(workers) -> str:
+    return _table(["WORKER", "INTERNAL IP", "EXTERNAL IP"],
+                  [[w.index, w.internal_ip, w.external_ip or "-"] for w in workers])
+
+
+def _status_json(st) -> dict:
+    d = st.to_json()
+    d["workers"] = [{"index": w.index, "internal_ip": w.internal_ip, "external_ip": w.external_ip} for w in st.workers]
+    return d
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="tpuctl")
 def cli():
     """Take a JAX training job to a Cloud TPU slice and back.
@@ -27,18 +130,281 @@ def cli():
       tpuctl down NAME                                           delete everything it created
 
     Add --local to any verb to use the local stand-ins (no cloud account needed).
+    The local record of what was created lives in $TPUCTL_HOME (default ~/.tpuctl).
     """
 
 
+# ---- up --------------------------------------------------------------------------------------------------
+
+@cli.command("up")
+@click.argument("name", required=False)
+@click.option("-a", "--accelerator", metavar="TYPE",
+              help="Accelerator type, e.g. v4-16, v5litepod-16 (alias v5e-16), v5p-8, v6e-4. Checked against the "
+                   "catalog, then against the API's acceleratorTypes listing for the zone.")
+@click.option("-z", "--zone", metavar="ZONE", help="Zone to create in, e.g. us-central2-b. Default with --local: "
+                                                     "the catalog's first zone for the accelerator.")
+@click.option("--zones", metavar="A,B,C", help="Zones to try in order: on a stockout the next one is tried.")
+@click.option("--spot", is_flag=True, default=None, help="Spot capacity: cheaper, can be preempted at any time.")
+@click.option("--reserved", is_flag=True, default=None, help="Use the project's reservation.")
+@click.option("--runtime-version", metavar="V", help="TPU VM software version. Default per generation "
+                                                      "(v4: tpu-ubuntu2204-base, v5e: v2-alpha-tpuv5-lite, ...).")
+@click.option("--labels", multiple=True, metavar="K=V[,K=V]", help="Extra labels (repeatable). tpuctl always adds "
+                                                                  "tpuctl-name, tpuctl-owner and tpuctl-expiry.")
+@click.option("--ttl", metavar="DURATION", help="Expiry (e.g. 8h, 2d) written to the tpuctl-expiry label; "
+                                                 "`tpuctl gc` deletes expired slices. Default: none.")
+@click.option("--no-queue", is_flag=True, default=None, help="Create a plain node instead of a queued resource.")
+@click.option("--wait-capacity", is_flag=True, default=None,
+              help="On a stockout keep the queued resource waiting for capacity (up to --timeout; after that it "
+                   "stays queued and recorded) instead of giving up on the zone.")
+@click.option("--capacity-wait", metavar="DURATION",
+              help="Without --wait-capacity: how long a queued resource may wait for capacity in one zone before "
+                   "tpuctl deletes it and tries the next zone (default 10m).")
+@click.option("--timeout", metavar="DURATION", help="Total time to wait for READY (default 30m). On timeout the "
+                                                     "slice is deleted (or kept with --keep-on-failure).")
+@click.option("--keep-on-failure", is_flag=True, default=None,
+              help="On timeout or Ctrl-C keep what was created (recorded, so `tpuctl down NAME` finds it) instead "
+                   "of deleting it.")
+@click.option("--spec", "spec_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Read the slice spec from a YAML/TOML file (keys: name, accelerator, zone/zones, project, spot, "
+                   "reserved, runtime_version, labels, ttl, queued, wait_capacity, capacity_wait, timeout); "
+                   "flags given on the command line win.")
+@click.option("--dry-run", is_flag=True, help="Validate (also against the API) and print the plan; create nothing.")
+@_json_option
+@_api_options
+@_errors
+def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labels, ttl, no_queue,
+           wait_capacity, capacity_wait, timeout, keep_on_failure, spec_file, dry_run, as_json, api_endpoint,
+           local, project):
+    """Create a TPU slice (queued resource) and wait until it is READY.
+
+    Validates everything first, prints the plan (chips, hosts, topology, HBM, list $/hour), creates, waits
+    with a live status line, and prints each worker's index, internal and external IP. A failure after the
+    create call never leaves an orphan: it is deleted, or kept in the local record for `tpuctl down`.
+    """
+    from orchestrator import slices
+    from orchestrator.spec import SliceSpec, load_slice_spec, parse_duration, parse_labels, split_zones
+
+    spec = load_slice_spec(spec_file) if spec_file else SliceSpec(name="", accelerator="")
+    if name:
+        spec.name = name
+    if accelerator:
+        spec.accelerator = accelerator
+    if not spec.name:
+        raise UserError("missing NAME: `tpuctl up NAME --accelerator v4-16 --zone us-central2-b`")
+    if not spec.accelerator:
+        raise UserError("missing --accelerator: e.g. --accelerator v4-16 (see `tpuctl up --help`)")
+    if zone or zones:
+        spec.zones = split_zones(([zone] if zone else []) + ([zones] if zones else []))
+    # Flags default to None (not False) so that an unset flag leaves the spec file's value alone.
+    for attr, value in (("spot", spot), ("reserved", reserved), ("wait_capacity", wait_capacity),
+                        ("keep_on_failure", keep_on_failure)):
+        if value:
+            setattr(spec, attr, True)
+    if no_queue:
+        spec.queued = False
+    if runtime_version:
+        spec.runtime_version = runtime_version
+    if labels:
+        spec.labels = {**spec.labels, **parse_labels(labels)}
+    if ttl:
+        spec.ttl_s = parse_duration(ttl, "--ttl")
+    if capacity_wait:
+        spec.capacity_wait_s = parse_duration(capacity_wait, "--capacity-wait")
+    if timeout:
+        spec.timeout_s = parse_duration(timeout, "--timeout")
+    if project:
+        spec.project = project
+    if api_endpoint:
+        spec.api_endpoint = api_endpoint
+    if local:
+        spec.local = True
+
+    line = StatusLine()
+
+    def on_plan(plan):
+        line.note(("plan: " if not dry_run else "plan (dry run): ") + plan.summary())
+
+    old = signal.getsignal(signal.SIGTERM)
+    if old in (signal.SIG_DFL, None):  # `kill` while waiting cleans up like Ctrl-C does
+        signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        with line:
+            res = slices.up(spec, progress=line, on_plan=on_plan, dry_run=dry_run)
+    finally:
+        if old in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    rec = res.record
+    if as_json:
+        out = {"name": rec.name, "state": "PLANNED" if dry_run else "READY", "project": rec.project,
+               "zone": rec.zone, "accelerator": rec.accelerator, "node": rec.node,
+               "queued_resource": rec.queued_resource, "price_per_hour": rec.price_per_hour, "labels": rec.labels,
+               "workers": [{"index": w.index, "internal_ip": w.internal_ip, "external_ip": w.external_ip}
+                           for w in rec.workers],
+               "attempts": [a.__dict__ for a in res.attempts], "elapsed_s": round(res.elapsed_s, 2),
+               "plan": res.plan.__dict__}
+        click.echo(json.dumps(out, indent=2))
+        return
+    if dry_run:
+        click.echo(f"dry run: {rec.name} would be created in {', '.join(res.plan.zones)}; nothing was created")
+        return
+    click.echo(f"{rec.name} is READY in {rec.zone} ({rec.accelerator}, {len(rec.workers)} workers) after "
+               f"{_age(res.elapsed_s)}; ${rec.price_per_hour:.2f}/hour list price")
+    click.echo(_workers_table(rec.workers))
+    click.echo(f"next: tpuctl run {rec.name} -- ...    delete: tpuctl down {rec.name}")
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+# ---- down ------------------------------------------------------------------------------------------------
+
+@cli.command("down")
+@click.argument("name", required=False)
+@click.option("--all", "all_", is_flag=True, help="Delete every slice in the local record (with --local: only "
+                                                  "local-mode ones). Asks first unless --yes.")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("-z", "--zone", metavar="ZONE", help="For a name not in the local record: look for it in this zone.")
+@click.option("--no-wait", is_flag=True, help="Start the deletion and return without waiting until it is gone.")
+@_json_option
+@_api_options
+@_errors
+def down_cmd(name, all_, yes, zone, no_wait, as_json, api_endpoint, local, project):
+    """Delete a slice: its queued resource (force) and its node. Idempotent.
+
+    Works in any state (READY, FAILED, SUSPENDED, PREEMPTED, still waiting). A second `down`, or a name
+    that exists nowhere, says there is nothing to delete and exits 0.
+    """
+    from orchestrator import slices
+    if bool(name) == bool(all_):
+        raise UserError("give a NAME or --all: `tpuctl down NAME` (or `tpuctl down --all --yes`)")
+    line = StatusLine(quiet=as_json)
+    with line:
+        if all_:
+            from orchestrator import state
+            names = [n for n, r in state.records().items() if not local or r.local]
+            if not names:
+                results = []
+            else:
+                if not yes:
+                    if not sys.stdin.isatty():
+                        raise UserError(f"--all would delete {len(names)} slice(s) ({', '.join(names)}): "
+                                        "pass --yes to confirm")
+                    click.confirm(f"delete {len(names)} slice(s): {', '.join(names)}?", abort=True, err=True)
+                results = [slices.down(n, api_endpoint=api_endpoint, local=local or None, wait=not no_wait,
+                                       progress=line) for n in names]
+        else:
+            results = [slices.down(name, project=project, zone=zone, api_endpoint=api_endpoint,
+                                   local=local or None, wait=not no_wait, progress=line)]
+    if as_json:
+        click.echo(json.dumps([r.__dict__ for r in results], indent=2))
+        return
+    if not results:
+        click.echo("nothing to delete: the local record is empty")
+    for r in results:
+        click.echo(r.message)
+
+
+# ---- status / ls -----------------------------------------------------------------------------------------
+
+@cli.command("status")
+@click.argument("name")
+@click.option("-z", "--zone", metavar="ZONE", help="For a name not in the local record: look for it in this zone.")
+@_json_option
+@_api_options
+@_errors
+def status_cmd(name, zone, as_json, api_endpoint, local, project):
+    """Show one slice: state, health, accelerator, workers (index, internal/external IP), age, $/hour, cost."""
+    from orchestrator import slices
+    st = slices.status(name, project=project, zone=zone, api_endpoint=api_endpoint, local=local or None)
+    if as_json:
+        click.echo(json.dumps(_status_json(st), indent=2))
+        return
+    click.echo(_table(["NAME", "STATE", "HEALTH", "ACCELERATOR", "ZONE", "WORKERS", "AGE", "$/HOUR", "COST"],
+                      [_ls_row(st)]))
+    if st.queued_resource:
+        click.echo(f"queued resource: {st.queued_resource} ({st.queued_state or 'gone'})")
+    click.echo(f"node: {st.node}")
+    if st.error:
+        click.echo(f"note: could not read the live state: {st.error}")
+    if st.note:
+        click.echo(f"note: {st.note}")
+    if st.workers:
+        click.echo(_workers_table(st.workers))
+
+
+def _ls_row(st) -> list:
+    return [st.name, st.state, st.health or "-", st.accelerator, st.zone + (" (local)" if st.local else ""),
+            f"{len(st.workers)}/{st.hosts}", _age(st.age_s), f"{st.price_per_hour:.2f}", f"{st.cost_so_far:.2f}"]
+
+
+@cli.command("ls")
+@_json_option
+@click.option("--local", is_flag=True, default=False, help="Only local-mode slices.")
+@click.option("--cloud", is_flag=True, default=False, help="Only slices in the cloud (not local mode).")
+@click.option("--api-endpoint", metavar="URL", help="Refresh cloud slices through this endpoint instead of the one "
+                                                    "each was created with.")
+@_errors
+def ls_cmd(as_json, local, cloud, api_endpoint):
+    """List the slices in the local record, refreshed from the API: state, health, accelerator, workers,
+    age, $/hour and cost so far (list price x age, an estimate)."""
+    from orchestrator import slices
+    if local and cloud:
+        raise UserError("--local and --cloud exclude each other; drop one (or both to see everything)")
+    rows = slices.ls(local=True if local else (False if cloud else None), api_endpoint=api_endpoint)
+    if as_json:
+        click.echo(json.dumps([_status_json(s) for s in rows], indent=2))
+        return
+    if not rows:
+        click.echo("no slices in the local record (create one with `tpuctl up NAME --accelerator ... --zone ...`)")
+        return
+    click.echo(_table(["NAME", "STATE", "HEALTH", "ACCELERATOR", "ZONE", "WORKERS", "AGE", "$/HOUR", "COST"],
+                      [_ls_row(s) for s in rows]))
+    for s in rows:
+        if s.error:
+            click.echo(f"note: {s.name}: {s.error}")
+
+
+# ---- gc --------------------------------------------------------------------------------------------------
+
+@cli.command("gc")
+@click.option("-y", "--yes", is_flag=True, help="Delete what was found (default: only list it).")
+@click.option("--zones", metavar="A,B,C", help="Zones to scan. Default: the zones in the local record plus every "
+                                               "zone in the catalog.")
+@_json_option
+@_api_options
+@_errors
+def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
+    """Find tpuctl's leftovers: resources whose tpuctl-expiry label has passed, resources of yours (tpuctl-owner)
+    that the local record no longer lists, and records whose resources are gone. Lists them; --yes deletes."""
+    from orchestrator import slices
+    from orchestrator.spec import split_zones
+    line = StatusLine(quiet=True)
+    with line:
+        res = slices.gc(yes=yes, project=project, zones=split_zones([zones]) if zones else None,
+                        api_endpoint=api_endpoint, local=local)
+    if as_json:
+        click.echo(json.dumps({"items": [i.__dict__ for i in res.items], "zones": res.zones,
+                               "skipped_zones": res.skipped_zones, "applied": res.applied}, indent=2))
+        return
+    if not res.items:
+        click.echo(f"nothing to collect in {len(res.zones)} zone(s)")
+    else:
+        click.echo(_table(["KIND", "NAME", "ZONE", "REASON", "DONE"],
+                          [[i.kind, i.name, i.zone, i.reason, ("deleted" if i.deleted else (i.error or "-"))]
+                           for i in res.items]))
+        if not yes:
+            click.echo(f"{len(res.items)} item(s) found; run `tpuctl gc --yes` to delete them")
+    for z, why in res.skipped_zones.items():
+        click.echo(f"note: skipped {z}: {why}", err=True)
+
+
+# ---- verbs built elsewhere -------------------------------------------------------------------------------
+
 for _verb, _help in [
-    ("up", "Create a TPU slice (queued resource) and wait until it is READY."),
     ("run", "Ship the code to every host and run the multi-host trainer."),
-    ("down", "Delete a slice and its queued resource (idempotent)."),
-    ("status", "Show one slice: state, workers, cost."),
-    ("ls", "List the slices tpuctl created."),
     ("ssh", "Open a shell or run a command on one or all workers."),
     ("logs", "Show a run's per-host logs."),
-    ("gc", "Find and delete expired or unrecorded tpuctl resources."),
 ]:
     cli.command(_verb, help=_help + " (not built yet)",
                 context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(_not_built(_verb))

@@ -1,0 +1,916 @@
+"""A local stand-in of the Cloud TPU v2 REST API, so the real `google-cloud-tpu` client is what tests exercise.
+
+Speaks `/v2/projects/P/locations/Z/{nodes,queuedResources,acceleratorTypes,runtimeVersions,operations}` in
+camelCase JSON, with long-running operations shaped the way the client's strict parser wants them. State moves
+with the clock (no background thread: every request first advances everything to "now"):
+
+  node:            CREATING --creating_s--> READY --(preempt)--> PREEMPTED;  DELETE -> DELETING --deleting_s--> gone
+  queued resource: ACCEPTED --accept_s--> WAITING_FOR_RESOURCES --waiting_s--> PROVISIONING --(node READY)--> ACTIVE
+                   stockout: stays WAITING_FOR_RESOURCES until its validUntil (or the injection's fail_after_s)
+                   passes -> FAILED (code 8); a preempted node makes it SUSPENDED; DELETE ?force -> DELETING -> gone
+
+A control API under /_fake/ (JSON) injects failures, changes timings and zone offerings, sets the worker IPs
+that new nodes get, and returns the stand-in's own record (GET /_fake/state) for tests to assert on.
+
+Run: python -m infra.fake_tpu_api --port 8470 [--host 127.0.0.1]    or, in tests: start_in_thread().
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import itertools
+import json
+import os
+import re
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+try:  # the stand-in's default offerings come from tpuctl's catalog, but it can be told otherwise
+    from orchestrator import catalog as _catalog
+except ImportError:  # pragma: no cover - infra used on its own
+    _catalog = None
+
+OP_META = "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata"
+T_NODE = "type.googleapis.com/google.cloud.tpu.v2.Node"
+T_QR = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
+T_EMPTY = "type.googleapis.com/google.protobuf.Empty"
+_ID_RE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+# Node fields a request may carry that we echo back; anything else would break the client's strict LRO parser.
+_NODE_SPEC_FIELDS = ("description", "acceleratorType", "acceleratorConfig", "runtimeVersion", "networkConfig",
+                     "cidrBlock", "serviceAccount", "schedulingConfig", "labels", "metadata", "tags",
+                     "dataDisks", "shieldedInstanceConfig")
+_STATUS = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
+           429: "RESOURCE_EXHAUSTED", 412: "FAILED_PRECONDITION", 500: "INTERNAL"}
+INJECTION_KINDS = ("stockout", "quota", "permission", "bad_argument", "never_ready", "slow")
+
+
+@dataclass
+class FakeConfig:
+    creating_s: float = 0.3     # node CREATING -> READY
+    deleting_s: float = 0.1     # DELETING -> gone
+    accept_s: float = 0.05      # queued resource ACCEPTED -> WAITING_FOR_RESOURCES
+    waiting_s: float = 0.05     # WAITING_FOR_RESOURCES -> PROVISIONING when there is capacity
+    stockout_fail_s: float = 0.2  # plain-node stockout: the create LRO fails after this
+    idle_timeout_s: float = 0.0   # >0: the server exits after this long without a request
+    zones: dict[str, list[str]] | None = None   # zone -> accelerator types; None: from the catalog's hints
+    runtime_versions: list[str] | None = None
+
+
+def default_zones() -> dict[str, list[str]]:
+    zones: dict[str, list[str]] = {}
+    if _catalog is not None:
+        for g in _catalog.GENERATIONS.values():
+            for z in g.zones:
+                zones.setdefault(z, []).extend(f"{g.name}-{s}" for s in g.topologies)
+    return zones
+
+
+def default_runtime_versions() -> list[str]:
+    versions = ["tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e"]
+    if _catalog is not None:
+        versions += [g.runtime_version for g in _catalog.GENERATIONS.values()]
+    return sorted(set(versions))
+
+
+def _shape(accelerator: str) -> tuple[str, str, int]:
+    """(AcceleratorConfig type, topology, worker count) for an accelerator type name."""
+    if _catalog is not None:
+        try:
+            a = _catalog.lookup(accelerator)
+            return a.generation.api_type, a.topology, a.hosts
+        except ValueError:
+            pass
+    return "TYPE_UNSPECIFIED", "", 1
+
+
+def _rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _duration_s(text) -> float | None:
+    if not text:
+        return None
+    return float(str(text).rstrip("s"))
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, message: str, details: list | None = None, status: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.details = code, message, details or []
+        self.status = status or _STATUS.get(code, "UNKNOWN")
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message, "status": self.status, "details": self.details}}
+
+
+@dataclass
+class _Node:
+    name: str
+    project: str
+    zone: str
+    spec: dict
+    hosts: int
+    created: float
+    t_ready: float | None            # None: READY never comes
+    state: str = "CREATING"
+    qr: str | None = None
+    t_fail: float | None = None      # plain-node failure (stockout / async quota): removed, its LRO errors
+    fail_error: dict | None = None
+    t_gone: float | None = None
+    endpoints: list[dict] = field(default_factory=list)
+    id: int = 0
+
+
+@dataclass
+class _QR:
+    name: str
+    project: str
+    zone: str
+    body: dict
+    created: float
+    t_waiting: float
+    t_fail: float | None = None      # FAILED at this time when still waiting
+    fail_error: dict | None = None   # the error it fails with
+    blocked_by: int | None = None    # id of the stockout injection that keeps it waiting
+    slow_creating_s: float | None = None
+    never_ready: bool = False
+    state: str = "ACCEPTED"
+    initiator: str = "USER"
+    node: str | None = None
+    t_provision: float | None = None
+    t_gone: float | None = None
+    error: dict | None = None
+
+
+@dataclass
+class _Op:
+    name: str
+    verb: str        # create | delete
+    kind: str        # node | queuedResource
+    target: str
+    created: float
+    done: bool = False
+    result: dict | None = None      # {"response": ...} or {"error": ...}, frozen once done
+
+
+class FakeTpu:
+    """The stand-in's state. Every public method takes the lock and first advances the clock."""
+
+    def __init__(self, config: FakeConfig | None = None):
+        self.config = config or FakeConfig()
+        self._initial = dataclasses.replace(self.config)
+        self.zones = {z: list(t) for z, t in (self.config.zones or default_zones()).items()}
+        self.runtime_versions = list(self.config.runtime_versions or default_runtime_versions())
+        self.lock = threading.RLock()
+        self.nodes: dict[str, _Node] = {}
+        self.qrs: dict[str, _QR] = {}
+        self.ops: dict[str, _Op] = {}
+        self.create_calls: list[dict] = []
+        self.delete_calls: list[dict] = []
+        self.injections: list[dict] = []
+        self.worker_ips: list[str] | None = None
+        self._ids = itertools.count(1)
+        self.last_request = time.monotonic()
+        self._failed: dict[str, dict] = {}  # plain nodes that failed to create -> the error their LRO reports
+
+    # ---- clock ------------------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for q in list(self.qrs.values()):
+            self._tick_qr(q, now)
+        for n in list(self.nodes.values()):
+            self._tick_node(n, now)
+        for q in list(self.qrs.values()):  # a node that just became READY or PREEMPTED moves its QR
+            self._tick_qr(q, now)
+        for op in self.ops.values():
+            self._tick_op(op)
+
+    def _tick_node(self, n: _Node, now: float) -> None:
+        if n.state == "CREATING" and n.t_fail is not None and now >= n.t_fail:
+            del self.nodes[n.name]
+        elif n.state == "CREATING" and n.t_ready is not None and now >= n.t_ready:
+            n.state = "READY"
+            n.endpoints = n.endpoints or self._endpoints(n)
+        elif n.state == "DELETING" and now >= (n.t_gone or 0):
+            del self.nodes[n.name]
+
+    def _tick_qr(self, q: _QR, now: float) -> None:
+        if q.state == "ACCEPTED" and now >= q.t_waiting:
+            q.state = "WAITING_FOR_RESOURCES"
+        if q.state == "WAITING_FOR_RESOURCES":
+            blocked = q.blocked_by is not None and any(i["id"] == q.blocked_by for i in self.injections)
+            if q.fail_error is not None and now >= (q.t_fail or 0):      # e.g. an asynchronous quota error
+                q.state, q.error, q.initiator = "FAILED", q.fail_error, "SERVICE"
+            elif blocked:                                                 # stockout: wait, maybe fail
+                if q.t_fail is not None and now >= q.t_fail:
+                    q.state, q.initiator = "FAILED", "SERVICE"
+                    q.error = {"code": 8, "message": _stockout_message(q.zone)}
+            elif now >= q.t_waiting + self.config.waiting_s:             # capacity (again)
+                self._provision(q, now)
+        if q.state == "PROVISIONING":
+            node = self.nodes.get(q.node or "")
+            if node is not None and node.state == "READY":
+                q.state = "ACTIVE"
+        if q.state == "ACTIVE":
+            node = self.nodes.get(q.node or "")
+            if node is not None and node.state == "PREEMPTED":
+                q.state, q.initiator = "SUSPENDED", "SERVICE"
+        if q.state == "DELETING" and now >= (q.t_gone or 0):
+            del self.qrs[q.name]
+
+    def _provision(self, q: _QR, now: float) -> None:
+        spec = q.body["tpu"]["nodeSpec"][0]
+        name = f"{spec['parent']}/nodes/{spec['nodeId']}"
+        creating = q.slow_creating_s if q.slow_creating_s is not None else self.config.creating_s
+        node = self._new_node(name, q.project, q.zone, spec.get("node") or {}, now,
+                              None if q.never_ready else now + creating)
+        node.qr = q.name
+        if q.body.get("spot") is not None:
+            node.spec.setdefault("schedulingConfig", {})["spot"] = True
+        q.state, q.node, q.t_provision = "PROVISIONING", name, now
+
+    def _tick_op(self, op: _Op) -> None:
+        if op.done:
+            return
+        if op.verb == "create" and op.kind == "node":
+            n = self.nodes.get(op.target)
+            if n is None:
+                err = self._failed.pop(op.target, None) or {"code": 10, "message": "the node was deleted while it was being created"}
+                op.done, op.result = True, {"error": err}
+            elif n.state == "READY":
+                op.done, op.result = True, {"response": {"@type": T_NODE, **self.node_json(n)}}
+        elif op.verb == "create":
+            q = self.qrs.get(op.target)
+            op.done = True
+            op.result = {"response": {"@type": T_QR, **self.qr_json(q)}} if q else \
+                {"error": {"code": 10, "message": "the queued resource was deleted"}}
+        elif op.target not in (self.nodes if op.kind == "node" else self.qrs):
+            op.done, op.result = True, {"response": {"@type": T_EMPTY}}
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _new_node(self, name: str, project: str, zone: str, spec: dict, now: float, t_ready: float | None) -> _Node:
+        spec = {k: spec[k] for k in _NODE_SPEC_FIELDS if k in spec}
+        acc = spec.get("acceleratorType") or ""
+        api_type, topology, hosts = _shape(acc)
+        if not acc and spec.get("acceleratorConfig"):
+            topology = spec["acceleratorConfig"].get("topology", "")
+        node = _Node(name=name, project=project, zone=zone, spec=spec, hosts=hosts, created=now, t_ready=t_ready,
+                     id=next(self._ids))
+        node.spec.setdefault("acceleratorConfig", {"type": api_type, "topology": topology})
+        if self.worker_ips:
+            node.endpoints = self._endpoints(node)  # decided at creation: later /_fake/workers calls don't move it
+        self.nodes[name] = node
+        return node
+
+    def _endpoints(self, n: _Node) -> list[dict]:
+        external = (n.spec.get("networkConfig") or {}).get("enableExternalIps", True)
+        out = []
+        for i in range(n.hosts):
+            if self.worker_ips and i < len(self.worker_ips):
+                internal = ext = self.worker_ips[i]
+            else:
+                a, b = (n.id // 250) % 250, n.id % 250
+                internal, ext = f"10.{a}.{b}.{i + 2}", f"34.{a}.{b}.{i + 2}"
+            ep = {"ipAddress": internal, "port": 8470}
+            if external:
+                ep["accessConfig"] = {"externalIp": ext}
+            out.append(ep)
+        return out
+
+    def node_json(self, n: _Node) -> dict:
+        d = dict(n.spec)
+        d.update(name=n.name, state=n.state, id=str(n.id), createTime=_rfc3339(time.time() - (time.monotonic() - n.created)),
+                 apiVersion="V2")
+        if n.endpoints and n.state in ("READY", "PREEMPTED", "DELETING"):
+            d["networkEndpoints"] = n.endpoints
+        if n.state == "READY":
+            d["health"] = "HEALTHY"
+        if n.qr:
+            d["queuedResource"] = n.qr
+        return d
+
+    def qr_json(self, q: _QR) -> dict:
+        d = {k: q.body[k] for k in ("tpu", "spot", "guaranteed", "queueingPolicy", "reservationName") if k in q.body}
+        d["name"] = q.name
+        d["createTime"] = _rfc3339(time.time() - (time.monotonic() - q.created))
+        key = {"ACCEPTED": "acceptedData", "PROVISIONING": "provisioningData", "ACTIVE": "activeData",
+               "FAILED": "failedData", "DELETING": "deletingData", "SUSPENDED": "suspendedData"}.get(q.state)
+        state = {"state": q.state, "stateInitiator": q.initiator}
+        if key:
+            state[key] = {"error": q.error} if q.state == "FAILED" else {}
+        d["state"] = state
+        return d
+
+    def _match(self, kinds: tuple[str, ...], project: str, zone: str, acc: str | None, op: str) -> dict | None:
+        for inj in self.injections:
+            if inj["kind"] not in kinds:
+                continue
+            if inj.get("zone") and inj["zone"] != zone:
+                continue
+            if inj.get("project") and inj["project"] != project:
+                continue
+            if acc is not None and inj.get("accelerator") and inj["accelerator"] != acc:
+                continue
+            if inj.get("op", "create") != "any" and op != "create":
+                continue
+            return inj
+        return None
+
+    def _consume(self, inj: dict) -> None:
+        if inj.get("times") is not None:
+            inj["times"] -= 1
+            if inj["times"] <= 0 and inj["kind"] != "stockout":  # a stockout lasts until cleared
+                self.injections.remove(inj)
+
+    def _check_zone(self, project: str, zone: str, op: str = "read") -> None:
+        inj = self._match(("permission",), project, zone, None, op)
+        if inj is not None:
+            self._consume(inj)
+            raise _permission_error(project, zone, inj, "tpu.nodes.list")
+        if zone not in self.zones:
+            raise ApiError(404, f"Location projects/{project}/locations/{zone} is not found or access is unauthorized.")
+
+    def _new_op(self, verb: str, kind: str, project: str, zone: str, target: str, now: float) -> _Op:
+        name = f"projects/{project}/locations/{zone}/operations/operation-{int(time.time() * 1000)}-{next(self._ids)}"
+        op = _Op(name=name, verb=verb, kind=kind, target=target, created=now)
+        self.ops[name] = op
+        self._tick_op(op)
+        return op
+
+    def op_json(self, op: _Op) -> dict:
+        d = {"name": op.name, "done": op.done,
+             "metadata": {"@type": OP_META, "createTime": _rfc3339(time.time() - (time.monotonic() - op.created)),
+                          "target": op.target, "verb": op.verb, "apiVersion": "v2"}}
+        if op.done:
+            d.update(op.result or {})
+        return d
+
+    # ---- API ----------------------------------------------------------------------------------------
+    def create(self, kind: str, project: str, zone: str, rid: str | None, body: dict) -> dict:
+        """POST nodes?nodeId= or queuedResources?queuedResourceId=."""
+        now = time.monotonic()
+        self.tick(now)
+        if kind == "node":
+            spec = body
+        else:
+            specs = ((body.get("tpu") or {}).get("nodeSpec")) or []
+            spec = (specs[0].get("node") if specs else None) or {}
+        acc = spec.get("acceleratorType") or ""
+        call = {"kind": kind, "project": project, "zone": zone, "id": rid, "accelerator": acc,
+                "spot": bool(body.get("spot") is not None or (spec.get("schedulingConfig") or {}).get("spot")),
+                "labels": dict(spec.get("labels") or {}), "time": time.time(), "status": 200}
+        self.create_calls.append(call)
+        try:
+            return self._create(kind, project, zone, rid, body, spec, acc, now)
+        except ApiError as e:
+            call["status"], call["error"] = e.code, e.message
+            raise
+
+    def _create(self, kind, project, zone, rid, body, spec, acc, now) -> dict:
+        self._check_zone(project, zone, "create")
+        inj = self._match(("permission",), project, zone, acc, "create")
+        if inj:
+            self._consume(inj)
+            raise _permission_error(project, zone, inj, "tpu.nodes.create" if kind == "node" else "tpu.queuedResources.create")
+        inj = self._match(("bad_argument",), project, zone, acc, "create")
+        if inj:
+            self._consume(inj)
+            raise ApiError(400, inj.get("message") or "Invalid value in the request.")
+        what = "nodeId" if kind == "node" else "queuedResourceId"
+        if not rid or not _ID_RE.fullmatch(rid):
+            raise ApiError(400, f"Invalid {what} {rid!r}: must match [a-z]([-a-z0-9]*[a-z0-9])? and be at most 63 characters.")
+        if kind == "queuedResource":
+            specs = body["tpu"]["nodeSpec"]
+            if len(specs) != 1 or not specs[0].get("nodeId"):
+                raise ApiError(400, "tpu.nodeSpec must hold exactly one node spec with a nodeId.")
+            parent = f"projects/{project}/locations/{zone}"
+            if specs[0].get("parent") != parent:
+                raise ApiError(400, f"tpu.nodeSpec[0].parent must be {parent}.")
+        if not acc and not spec.get("acceleratorConfig"):
+            raise ApiError(400, "acceleratorType or acceleratorConfig is required.")
+        if acc and acc not in self.zones[zone]:
+            raise ApiError(400, f"Accelerator type \"{acc}\" is not available in zone \"{zone}\".")
+        rv = spec.get("runtimeVersion")
+        if not rv or rv not in self.runtime_versions:
+            raise ApiError(400, f"Runtime version \"{rv}\" is not supported in zone \"{zone}\".")
+        inj = self._match(("quota",), project, zone, acc, "create")
+        if inj and not inj.get("async"):
+            self._consume(inj)
+            raise _quota_error(project, zone, inj)
+        quota_async = inj
+        name = f"projects/{project}/locations/{zone}/{'nodes' if kind == 'node' else 'queuedResources'}/{rid}"
+        node_name = name if kind == "node" else f"projects/{project}/locations/{zone}/nodes/{body['tpu']['nodeSpec'][0]['nodeId']}"
+        if name in (self.nodes if kind == "node" else self.qrs) or node_name in self.nodes:
+            raise ApiError(409, f"Resource '{name}' already exists.")
+        stockout = self._match(("stockout",), project, zone, acc, "create")
+        slow = self._match(("slow",), project, zone, acc, "create")
+        never = self._match(("never_ready",), project, zone, acc, "create")
+        for i in (stockout, slow, never, quota_async):
+            if i:
+                self._consume(i)
+        creating = slow.get("creating_s", 5.0) if slow else self.config.creating_s
+
+        if kind == "node":
+            node = self._new_node(name, project, zone, spec, now, None if never else now + creating)
+            if stockout or quota_async:
+                node.t_fail = now + self.config.stockout_fail_s
+                node.t_ready = None
+                self._failed[name] = ({"code": 8, "message": _stockout_message(zone)} if stockout
+                                             else {"code": 8, "message": _quota_message(zone, quota_async)})
+            op = self._new_op("create", "node", project, zone, name, now)
+            return self.op_json(op)
+
+        q = _QR(name=name, project=project, zone=zone, body=body, created=now, t_waiting=now + self.config.accept_s,
+                slow_creating_s=creating if slow else None, never_ready=bool(never))
+        valid = _duration_s((body.get("queueingPolicy") or {}).get("validUntilDuration"))
+        if stockout:
+            q.blocked_by = stockout["id"]
+            fail_after = stockout.get("fail_after_s")
+            candidates = [t for t in (valid, fail_after) if t is not None]
+            q.t_fail = now + min(candidates) if candidates else None
+        elif quota_async:
+            q.fail_error = {"code": 8, "message": _quota_message(zone, quota_async)}
+            q.t_fail = q.t_waiting
+        self.qrs[name] = q
+        op = self._new_op("create", "queuedResource", project, zone, name, now)
+        return self.op_json(op)
+
+    def get(self, kind: str, name: str) -> dict:
+        self.tick()
+        table = self.nodes if kind == "node" else self.qrs
+        project, zone = _parts(name)
+        self._check_zone(project, zone)
+        obj = table.get(name)
+        if obj is None:
+            raise ApiError(404, f"Resource '{name}' was not found")
+        return self.node_json(obj) if kind == "node" else self.qr_json(obj)
+
+    def list(self, kind: str, project: str, zone: str) -> list[dict]:
+        self.tick()
+        self._check_zone(project, zone)
+        prefix = f"projects/{project}/locations/{zone}/"
+        if kind == "node":
+            return [self.node_json(n) for n in self.nodes.values() if n.name.startswith(prefix)]
+        return [self.qr_json(q) for q in self.qrs.values() if q.name.startswith(prefix)]
+
+    def delete(self, kind: str, name: str, force: bool = False) -> dict:
+        now = time.monotonic()
+        self.tick(now)
+        project, zone = _parts(name)
+        self.delete_calls.append({"kind": kind, "name": name, "force": force, "time": time.time()})
+        inj = self._match(("permission",), project, zone, None, "delete")
+        if inj:
+            self._consume(inj)
+            raise _permission_error(project, zone, inj, f"tpu.{'nodes' if kind == 'node' else 'queuedResources'}.delete")
+        self._check_zone(project, zone)
+        if kind == "node":
+            n = self.nodes.get(name)
+            if n is None:
+                raise ApiError(404, f"Resource '{name}' was not found")
+            if n.qr and n.qr in self.qrs and self.qrs[n.qr].state != "DELETING":
+                raise ApiError(400, f"Node {name} belongs to queued resource {n.qr}; delete the queued resource "
+                                    "(with force) instead.", status="FAILED_PRECONDITION")
+            if n.state != "DELETING":
+                n.state, n.t_gone = "DELETING", now + self.config.deleting_s
+        else:
+            q = self.qrs.get(name)
+            if q is None:
+                raise ApiError(404, f"Resource '{name}' was not found")
+            node = self.nodes.get(q.node or "")
+            if node is not None and not force:
+                raise ApiError(400, f"Queued resource {name} has an existing node {node.name}; delete with "
+                                    "force=true or delete the node first.", status="FAILED_PRECONDITION")
+            if q.state != "DELETING":
+                q.state, q.t_gone, q.initiator = "DELETING", now + self.config.deleting_s, "USER"
+            if node is not None and node.state != "DELETING":
+                node.state, node.t_gone = "DELETING", now + self.config.deleting_s
+        return self.op_json(self._new_op("delete", kind, project, zone, name, now))
+
+    def get_op(self, name: str) -> dict:
+        self.tick()
+        op = self.ops.get(name)
+        if op is None:
+            raise ApiError(404, f"Operation '{name}' was not found")
+        return self.op_json(op)
+
+    def accelerator_types(self, project: str, zone: str) -> list[dict]:
+        self._check_zone(project, zone)
+        out = []
+        for t in self.zones[zone]:
+            api_type, topology, _ = _shape(t)
+            out.append({"name": f"projects/{project}/locations/{zone}/acceleratorTypes/{t}", "type": t,
+                        "acceleratorConfigs": [{"type": api_type, "topology": topology}]})
+        return out
+
+    def runtime_version_list(self, project: str, zone: str) -> list[dict]:
+        self._check_zone(project, zone)
+        return [{"name": f"projects/{project}/locations/{zone}/runtimeVersions/{v}", "version": v}
+                for v in self.runtime_versions]
+
+    # ---- control (/_fake/) ----------------------------------------------------------------------------
+    def inject(self, spec: dict) -> dict:
+        kind = spec.get("kind")
+        if kind not in INJECTION_KINDS:
+            raise ApiError(400, f"unknown injection kind {kind!r}; known: {', '.join(INJECTION_KINDS)}")
+        inj = dict(spec, id=next(self._ids))
+        self.injections.append(inj)
+        return inj
+
+    def clear(self, kind: str | None = None) -> None:
+        self.injections = [i for i in self.injections if kind and i["kind"] != kind]
+
+    def preempt(self, node: str) -> dict:
+        self.tick()
+        n = self._find_node(node)
+        if n.state != "READY":
+            raise ApiError(400, f"node {n.name} is {n.state}, only a READY node can be preempted", status="FAILED_PRECONDITION")
+        n.state = "PREEMPTED"
+        self.tick()
+        return self.node_json(n)
+
+    def _find_node(self, node: str) -> _Node:
+        if node in self.nodes:
+            return self.nodes[node]
+        matches = [n for n in self.nodes.values() if n.name.rsplit("/", 1)[-1] == node]
+        if len(matches) != 1:
+            raise ApiError(404, f"no node named {node!r} (or several: give the full name)")
+        return matches[0]
+
+    def set_node_workers(self, node: str, ips: list[str]) -> dict:
+        n = self._find_node(node)
+        saved, self.worker_ips = self.worker_ips, list(ips)
+        try:
+            n.endpoints = self._endpoints(n)
+        finally:
+            self.worker_ips = saved
+        return self.node_json(n)
+
+    def snapshot(self) -> dict:
+        self.tick()
+        return {
+            "nodes": [dict(self.node_json(n), hosts=n.hosts) for n in self.nodes.values()],
+            "queued_resources": [self.qr_json(q) for q in self.qrs.values()],
+            "create_calls": self.create_calls,
+            "delete_calls": self.delete_calls,
+            "operations": len(self.ops),
+            "injections": self.injections,
+            "worker_ips": self.worker_ips,
+            "zones": self.zones,
+            "config": {k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("zones", "runtime_versions")},
+        }
+
+    def reset(self) -> None:
+        """Forget everything and go back to the offerings and timings it started with."""
+        self.nodes.clear(), self.qrs.clear(), self.ops.clear(), self._failed.clear()
+        self.create_calls.clear(), self.delete_calls.clear()
+        self.injections.clear()
+        self.worker_ips = None
+        self.config = dataclasses.replace(self._initial)
+        self.zones = {z: list(t) for z, t in (self.config.zones or default_zones()).items()}
+        self.runtime_versions = list(self.config.runtime_versions or default_runtime_versions())
+
+
+def _parts(name: str) -> tuple[str, str]:
+    p = name.split("/")
+    return p[1], p[3]
+
+
+def _stockout_message(zone: str) -> str:
+    # The wording Cloud TPU uses (catalog.md, errors [18]).
+    return (f"There is no more capacity in the zone \"{zone}\"; you can try in another zone where Cloud TPU Nodes "
+            "are offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0xfa4e]")
+
+
+def _quota_message(zone: str, inj: dict) -> str:
+    quota = inj.get("quota") or "TPUV4PodPerProjectPerZoneForTPUAPI"
+    return (f"Quota limit '{quota}' has been exceeded. Limit: {inj.get('limit', 0)} in zone {zone}. "
+            "Learn more at https://cloud.google.com/tpu/docs/quota")
+
+
+def _quota_error(project: str, zone: str, inj: dict) -> ApiError:
+    quota = inj.get("quota") or "TPUV4PodPerProjectPerZoneForTPUAPI"
+    return ApiError(429, _quota_message(zone, inj), details=[
+        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RATE_LIMIT_EXCEEDED",
+         "domain": "googleapis.com",
+         "metadata": {"quota_limit": quota, "quota_location": zone, "consumer": f"projects/{project}",
+                      "service": "tpu.googleapis.com", "quota_limit_value": str(inj.get("limit", 0))}}])
+
+
+def _permission_error(project: str, zone: str, inj: dict, permission: str) -> ApiError:
+    msg = inj.get("message") or (f"Permission '{permission}' denied on 'projects/{project}/locations/{zone}' "
+                                 "(or it may not exist).")
+    return ApiError(403, msg, details=[
+        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "IAM_PERMISSION_DENIED",
+         "domain": "tpu.googleapis.com", "metadata": {"permission": permission}}])
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------
+_LOC = r"/v2/projects/(?P<p>[^/]+)/locations/(?P<z>[^/]+)"
+_ROUTES = [
+    ("GET", re.compile(_LOC + r"/acceleratorTypes"), "acc_list"),
+    ("GET", re.compile(_LOC + r"/acceleratorTypes/(?P<id>[^/]+)"), "acc_get"),
+    ("GET", re.compile(_LOC + r"/runtimeVersions"), "rv_list"),
+    ("GET", re.compile(_LOC + r"/runtimeVersions/(?P<id>[^/]+)"), "rv_get"),
+    ("POST", re.compile(_LOC + r"/nodes"), "node_create"),
+    ("GET", re.compile(_LOC + r"/nodes"), "node_list"),
+    ("GET", re.compile(_LOC + r"/nodes/(?P<id>[^/:]+)"), "node_get"),
+    ("DELETE", re.compile(_LOC + r"/nodes/(?P<id>[^/:]+)"), "node_delete"),
+    ("POST", re.compile(_LOC + r"/queuedResources"), "qr_create"),
+    ("GET", re.compile(_LOC + r"/queuedResources"), "qr_list"),
+    ("GET", re.compile(_LOC + r"/queuedResources/(?P<id>[^/:]+)"), "qr_get"),
+    ("DELETE", re.compile(_LOC + r"/queuedResources/(?P<id>[^/:]+)"), "qr_delete"),
+    ("GET", re.compile(_LOC + r"/operations/(?P<id>[^/:]+)"), "op_get"),
+    ("GET", re.compile(r"/v2/projects/(?P<p>[^/]+)/locations"), "loc_list"),
+]
+
+
+def _page(items: list, key: str, q: dict) -> dict:
+    size = int((q.get("pageSize") or ["0"])[0] or 0)
+    start = int((q.get("pageToken") or ["0"])[0] or 0)
+    if size <= 0:
+        return {key: items[start:]}
+    out = {key: items[start:start + size]}
+    if start + size < len(items):
+        out["nextPageToken"] = str(start + size)
+    return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "fake-tpu-api/1"
+    fake: FakeTpu  # set on the subclass made by make_server
+    verbose = False
+
+    def log_message(self, fmt, *args):  # quiet unless asked
+        if self.verbose:
+            sys.stderr.write("fake_tpu_api: " + fmt % args + "\n")
+
+    def _send(self, code: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict:
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b""
+        if not raw.strip():
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ApiError(400, "Invalid JSON payload received.") from None
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        q = parse_qs(url.query)
+        try:
+            body = self._body() if method in ("POST", "PATCH") else {}
+            with self.fake.lock:
+                self.fake.last_request = time.monotonic()
+                if url.path.startswith("/_fake/"):
+                    code, obj = 200, self._control(method, url.path[len("/_fake/"):], body, q)
+                else:
+                    code, obj = 200, self._api(method, url.path, body, q)
+        except ApiError as e:
+            code, obj = e.code, e.body()
+        except Exception as e:  # a bug in the stand-in: answer 500 rather than hang the client
+            code, obj = 500, ApiError(500, f"fake_tpu_api internal error: {type(e).__name__}: {e}").body()
+        self._send(code, obj)
+
+    def _api(self, method: str, path: str, body: dict, q: dict):
+        f = self.fake
+        for m, rx, action in _ROUTES:
+            mt = rx.fullmatch(path)
+            if m != method or not mt:
+                continue
+            g = mt.groupdict()
+            p, z, rid = g.get("p"), g.get("z"), g.get("id")
+            base = f"projects/{p}/locations/{z}"
+            if action == "acc_list":
+                return _page(f.accelerator_types(p, z), "acceleratorTypes", q)
+            if action == "acc_get":
+                for t in f.accelerator_types(p, z):
+                    if t["type"] == rid:
+                        return t
+                raise ApiError(404, f"Accelerator type '{rid}' is not available in zone {z}.")
+            if action == "rv_list":
+                return _page(f.runtime_version_list(p, z), "runtimeVersions", q)
+            if action == "rv_get":
+                for v in f.runtime_version_list(p, z):
+                    if v["version"] == rid:
+                        return v
+                raise ApiError(404, f"Runtime version '{rid}' was not found.")
+            if action == "node_create":
+                return f.create("node", p, z, (q.get("nodeId") or [None])[0], body)
+            if action == "qr_create":
+                return f.create("queuedResource", p, z, (q.get("queuedResourceId") or [None])[0], body)
+            if action == "node_list":
+                return _page(f.list("node", p, z), "nodes", q)
+            if action == "qr_list":
+                return _page(f.list("queuedResource", p, z), "queuedResources", q)
+            if action == "node_get":
+                return f.get("node", f"{base}/nodes/{rid}")
+            if action == "qr_get":
+                return f.get("queuedResource", f"{base}/queuedResources/{rid}")
+            if action == "node_delete":
+                return f.delete("node", f"{base}/nodes/{rid}")
+            if action == "qr_delete":
+                force = (q.get("force") or ["false"])[0].lower() in ("true", "1")
+                return f.delete("queuedResource", f"{base}/queuedResources/{rid}", force=force)
+            if action == "op_get":
+                return f.get_op(f"{base}/operations/{rid}")
+            if action == "loc_list":
+                return {"locations": [{"name": f"projects/{p}/locations/{zz}", "locationId": zz} for zz in f.zones]}
+        raise ApiError(404, f"no such method: {method} {path}")
+
+    def _control(self, method: str, what: str, body: dict, q: dict):
+        f = self.fake
+        if what == "health":
+            return {"ok": True, "pid": os.getpid()}
+        if what == "state":
+            return f.snapshot()
+        if what == "inject" and method == "POST":
+            return f.inject(body)
+        if what in ("inject", "clear") and method in ("DELETE", "POST"):
+            f.clear(body.get("kind") or (q.get("kind") or [None])[0])
+            return {"injections": f.injections}
+        if what == "config" and method == "POST":
+            for k, v in body.items():
+                if k not in ("creating_s", "deleting_s", "accept_s", "waiting_s", "stockout_fail_s", "idle_timeout_s"):
+                    raise ApiError(400, f"unknown config key {k!r}")
+                setattr(f.config, k, float(v))
+            return dataclasses.asdict(f.config)
+        if what == "zones" and method == "POST":
+            if "zones" in body:
+                f.zones = {z: list(t) for z, t in body["zones"].items()}
+            else:
+                f.zones[body["zone"]] = list(body.get("accelerator_types") or [])
+            return {"zones": f.zones}
+        if what == "runtime_versions" and method == "POST":
+            f.runtime_versions = list(body.get("versions") or [])
+            return {"versions": f.runtime_versions}
+        if what == "workers" and method == "POST":
+            ips = body.get("ips")
+            f.worker_ips = list(ips) if ips else None
+            return {"ips": f.worker_ips}
+        if what == "node_workers" and method == "POST":
+            return f.set_node_workers(body["node"], body.get("ips") or [])
+        if what == "preempt" and method == "POST":
+            return f.preempt(body["node"])
+        if what == "reset" and method == "POST":
+            f.reset()
+            return {"ok": True}
+        raise ApiError(404, f"no such control endpoint: {method} /_fake/{what}")
+
+
+def make_server(host: str = "127.0.0.1", port: int = 0, config: FakeConfig | None = None,
+                verbose: bool = False) -> ThreadingHTTPServer:
+    fake = FakeTpu(config)
+    handler = type("Handler", (_Handler,), {"fake": fake, "verbose": verbose})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    server.fake = fake  # type: ignore[attr-defined]
+    return server
+
+
+class FakeControl:
+    """A small client of the control API (tests, local mode)."""
+
+    def __init__(self, url: str, timeout: float = 10.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def call(self, method: str, what: str, payload: dict | None = None) -> dict:
+        data = json.dumps(payload).encode() if payload is not None else None
+        req = urllib.request.Request(f"{self.url}/_fake/{what}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"/_fake/{what}: {e.code} {e.read().decode(errors='replace')}") from None
+
+    def health(self) -> dict:
+        return self.call("GET", "health")
+
+    def state(self) -> dict:
+        return self.call("GET", "state")
+
+    def inject(self, kind: str, **kw) -> dict:
+        return self.call("POST", "inject", {"kind": kind, **kw})
+
+    def clear(self, kind: str | None = None) -> dict:
+        return self.call("POST", "clear", {"kind": kind} if kind else {})
+
+    def config(self, **kw) -> dict:
+        return self.call("POST", "config", kw)
+
+    def set_zone(self, zone: str, accelerator_types: list[str]) -> dict:
+        return self.call("POST", "zones", {"zone": zone, "accelerator_types": accelerator_types})
+
+    def set_workers(self, ips: list[str] | None) -> dict:
+        return self.call("POST", "workers", {"ips": ips})
+
+    def set_node_workers(self, node: str, ips: list[str]) -> dict:
+        return self.call("POST", "node_workers", {"node": node, "ips": ips})
+
+    def preempt(self, node: str) -> dict:
+        return self.call("POST", "preempt", {"node": node})
+
+    def reset(self) -> dict:
+        return self.call("POST", "reset", {})
+
+
+@dataclass
+class RunningFake:
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+    url: str
+
+    @property
+    def fake(self) -> FakeTpu:
+        return self.server.fake  # type: ignore[attr-defined]
+
+    @property
+    def control(self) -> FakeControl:
+        return FakeControl(self.url)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def start_in_thread(config: FakeConfig | None = None, host: str = "127.0.0.1", port: int = 0) -> RunningFake:
+    """Serve in a daemon thread of this process; call .stop() when done."""
+    server = make_server(host, port, config)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
+                         name="fake-tpu-api")
+    t.start()
+    return RunningFake(server, t, f"http://{host}:{server.server_address[1]}")
+
+
+def _watch_idle(server: ThreadingHTTPServer, idle_s: float) -> None:
+    fake: FakeTpu = server.fake  # type: ignore[attr-defined]
+    while True:
+        time.sleep(min(idle_s, 5.0))
+        if time.monotonic() - fake.last_request > idle_s:
+            server.shutdown()
+            return
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infra.fake_tpu_api", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8470, help="0 picks a free port (see --ready-file)")
+    ap.add_argument("--ready-file", help="write {pid, host, port, url} as JSON here once listening")
+    ap.add_argument("--creating-s", type=float, default=FakeConfig.creating_s)
+    ap.add_argument("--deleting-s", type=float, default=FakeConfig.deleting_s)
+    ap.add_argument("--idle-timeout", type=float, default=0.0, help="exit after this many idle seconds (0: never)")
+    ap.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    a = ap.parse_args(argv)
+    cfg = FakeConfig(creating_s=a.creating_s, deleting_s=a.deleting_s, idle_timeout_s=a.idle_timeout)
+    try:
+        server = make_server(a.host, a.port, cfg, verbose=a.verbose)
+    except OSError as e:
+        print(f"error: cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port", file=sys.stderr)
+        return 2
+    port = server.server_address[1]
+    info = {"pid": os.getpid(), "host": a.host, "port": port, "url": f"http://{a.host}:{port}"}
+    if a.ready_file:
+        tmp = f"{a.ready_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, a.ready_file)
+    print(f"fake Cloud TPU API listening on {info['url']}", flush=True)
+    if a.idle_timeout > 0:
+        threading.Thread(target=_watch_idle, args=(server, a.idle_timeout), daemon=True).start()
+    try:
+        server.serve_forever(poll_interval=0.1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

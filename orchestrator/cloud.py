@@ -1,0 +1,481 @@
+"""The Cloud TPU v2 API through the official `google-cloud-tpu` client (REST transport).
+
+`connect()` resolves the endpoint (default, `--api-endpoint`/TPUCTL_TPU_API_ENDPOINT, or the local stand-in
+for `--local`), the credentials (anonymous for http://, otherwise Application Default Credentials) and the
+project. `Api` wraps the calls tpuctl makes and turns every google.api_core error into a CloudError: one line
+that says what happened and how to fix it, with a `kind` the caller can branch on.
+"""
+from __future__ import annotations
+
+import configparser
+import contextlib
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
+
+from orchestrator import state
+from orchestrator.spec import LOCAL_PROJECT, UserError
+from orchestrator.state import Worker
+
+ENV_ENDPOINT = "TPUCTL_TPU_API_ENDPOINT"
+_REST_PREFIX = re.compile(r"^\d{3} (GET|POST|DELETE|PATCH|PUT) \S+: ")
+_QUOTA_NAME = re.compile(r"[Qq]uota (?:limit |metric )?'([^']+)'")
+_CAPACITY_WORDS = re.compile(r"no more capacity|stockout|insufficient capacity|not enough resources|"
+                             r"capacity (?:is )?(?:not )?available|resources? (?:are )?(?:not )?available", re.I)
+
+
+class CloudError(UserError):
+    """An explained API failure. kind: capacity | quota | permission | auth | bad-argument | precondition |
+    not-found | exists | unreachable | server | timeout | failed."""
+
+    def __init__(self, kind: str, message: str, *, raw: str = "", quota: str | None = None):
+        super().__init__(message)
+        self.kind, self.raw, self.quota = kind, raw, quota
+
+
+# ---- endpoint, credentials, project ---------------------------------------------------------------------
+
+def _gcloud_project() -> str | None:
+    """The project in the active gcloud configuration, read from its file (no gcloud process)."""
+    cfg_dir = Path(os.environ.get("CLOUDSDK_CONFIG") or Path.home() / ".config" / "gcloud")
+    try:
+        active = (cfg_dir / "active_config").read_text().strip() or "default"
+    except OSError:
+        active = "default"
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(cfg_dir / "configurations" / f"config_{active}")
+    except configparser.Error:
+        return None
+    return parser.get("core", "project", fallback=None) or None
+
+
+def resolve_project(project: str | None, *, local: bool = False, adc_project: str | None = None) -> str:
+    if local:  # the stand-in's default, whatever the environment says about real projects
+        project = project or LOCAL_PROJECT
+    project = (project or os.environ.get("TPUCTL_PROJECT") or os.environ.get("GOOGLE_CLOUD_PROJECT")
+               or os.environ.get("CLOUDSDK_CORE_PROJECT") or _gcloud_project() or adc_project)
+    if not project:
+        raise UserError("no Google Cloud project: pass --project P, set GOOGLE_CLOUD_PROJECT, "
+                        "or run `gcloud config set project P`")
+    if not re.fullmatch(r"[a-z][-a-z0-9.:]{4,62}[a-z0-9]", project):
+        raise UserError(f"invalid project id {project!r}: use the project ID (lowercase, e.g. my-project-123), "
+                        "not its name or number")
+    return project
+
+
+def resolve_endpoint(api_endpoint: str | None = None, local: bool = False) -> str | None:
+    """The URL the client talks to; None means the default googleapis.com endpoint."""
+    if local:
+        return local_api_url()
+    url = api_endpoint or os.environ.get(ENV_ENDPOINT) or None
+    if url and not re.match(r"^(https?://)?[A-Za-z0-9.\-\[\]:]+(:\d+)?/?$", url):
+        raise UserError(f"invalid --api-endpoint {url!r}: give a host or URL such as "
+                        "https://us-central1-tpu.googleapis.com or http://127.0.0.1:8470")
+    return url.rstrip("/") if url else None
+
+
+def make_client(endpoint: str | None) -> tuple[tpu_v2.TpuClient, str | None]:
+    """(client, ADC project). http:// endpoints get anonymous credentials, others Application Default ones."""
+    options = {"api_endpoint": endpoint} if endpoint else None
+    if endpoint and endpoint.startswith("http://"):
+        from google.auth.credentials import AnonymousCredentials
+        return tpu_v2.TpuClient(transport="rest", credentials=AnonymousCredentials(), client_options=options), None
+    import google.auth
+    from google.auth import exceptions as auth_exc
+    try:
+        creds, adc_project = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+    except auth_exc.DefaultCredentialsError as e:
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        raise CloudError("auth", "no Google Cloud credentials found: run `gcloud auth application-default login` "
+                                 "(or set GOOGLE_APPLICATION_CREDENTIALS to a key file), or use --local "
+                                 f"to try tpuctl without a cloud account ({first})") from None
+    return tpu_v2.TpuClient(transport="rest", credentials=creds, client_options=options), adc_project
+
+
+# ---- the local stand-in (infra/fake_tpu_api.py as a background server) -------------------------------
+
+def _local_dir() -> Path:
+    return state.home() / "local"
+
+
+def _alive(url: str, pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with urllib.request.urlopen(f"{url}/_fake/health", timeout=2) as r:
+            return json.loads(r.read()).get("pid") == pid
+    except (OSError, ValueError):
+        return False
+
+
+def local_api_url(idle_timeout_s: float = 6 * 3600) -> str:
+    """Start (or reuse) the local Cloud TPU stand-in; its pid and port live in $TPUCTL_HOME/local/fake_tpu_api.json."""
+    d = _local_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    info_path = d / "fake_tpu_api.json"
+    with open(d / "fake_tpu_api.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two tpuctl processes must not start two stand-ins
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(info_path.read_text())
+            if _alive(info["url"], info["pid"]):
+                return info["url"]
+        with contextlib.suppress(FileNotFoundError):
+            info_path.unlink()
+        log = open(d / "fake_tpu_api.log", "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.fake_tpu_api", "--port", "0", "--ready-file", str(info_path),
+             "--idle-timeout", str(idle_timeout_s)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)  # outlives this command
+        log.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if info_path.exists():
+                return json.loads(info_path.read_text())["url"]
+            if proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise UserError(f"could not start the local Cloud TPU stand-in; see {d / 'fake_tpu_api.log'}")
+
+
+def local_api_info() -> dict | None:
+    """{pid, host, port, url} of the running local stand-in, or None."""
+    try:
+        info = json.loads((_local_dir() / "fake_tpu_api.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if _alive(info["url"], info["pid"]) else None
+
+
+def stop_local_api() -> bool:
+    """Stop the local stand-in (its state is lost). True if one was running."""
+    info = local_api_info()
+    with contextlib.suppress(FileNotFoundError):
+        (_local_dir() / "fake_tpu_api.json").unlink()
+    if not info:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(info["pid"], signal.SIGTERM)
+        for _ in range(100):
+            os.kill(info["pid"], 0)
+            time.sleep(0.02)
+        os.kill(info["pid"], signal.SIGKILL)
+    return True
+
+
+# ---- what the API returns, as plain dataclasses ---------------------------------------------------------
+
+@dataclass
+class NodeInfo:
+    name: str                 # projects/P/locations/Z/nodes/N
+    state: str                # CREATING, READY, PREEMPTED, TERMINATED, DELETING, ...
+    health: str = ""
+    accelerator: str = ""
+    runtime_version: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    workers: list[Worker] = field(default_factory=list)
+    queued_resource: str = ""
+    spot: bool = False
+
+    @property
+    def zone(self) -> str:
+        return self.name.split("/")[3]
+
+
+@dataclass
+class QueuedInfo:
+    name: str
+    state: str                # ACCEPTED, WAITING_FOR_RESOURCES, PROVISIONING, ACTIVE, FAILED, SUSPENDED, DELETING
+    node: str = ""            # full name of the node it creates
+    labels: dict[str, str] = field(default_factory=dict)
+    error_code: int = 0
+    error_message: str = ""
+    spot: bool = False
+
+    @property
+    def zone(self) -> str:
+        return self.name.split("/")[3]
+
+
+def _enum_name(v) -> str:
+    return getattr(v, "name", str(v))
+
+
+def node_info(n: tpu_v2.Node) -> NodeInfo:
+    workers = [Worker(index=i, internal_ip=ep.ip_address, external_ip=ep.access_config.external_ip or None)
+               for i, ep in enumerate(n.network_endpoints)]
+    return NodeInfo(name=n.name, state=_enum_name(n.state), health=_enum_name(n.health) if n.health else "",
+                    accelerator=n.accelerator_type, runtime_version=n.runtime_version, labels=dict(n.labels),
+                    workers=workers, queued_resource=n.queued_resource,
+                    spot=bool(n.scheduling_config.spot or n.scheduling_config.preemptible))
+
+
+def queued_info(q: tpu_v2.QueuedResource) -> QueuedInfo:
+    spec = q.tpu.node_spec[0] if q.tpu.node_spec else None
+    err = q.state.failed_data.error
+    return QueuedInfo(name=q.name, state=_enum_name(q.state.state),
+                      node=f"{spec.parent}/nodes/{spec.node_id}" if spec else "",
+                      labels=dict(spec.node.labels) if spec else {},
+                      error_code=err.code, error_message=err.message, spot="spot" in q)
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+def _message(exc: Exception) -> str:
+    msg = getattr(exc, "message", None) or str(exc)
+    return _REST_PREFIX.sub("", str(msg)).strip()
+
+
+def _quota_name(exc_or_msg) -> str | None:
+    meta = getattr(exc_or_msg, "metadata", None) or {}
+    for key in ("quota_limit", "quota_metric"):
+        if meta.get(key):
+            return meta[key]
+    m = _QUOTA_NAME.search(exc_or_msg if isinstance(exc_or_msg, str) else _message(exc_or_msg))
+    return m.group(1) if m else None
+
+
+def exhausted(msg: str, *, sync: bool, zone: str, accelerator: str, project: str, exc=None) -> CloudError:
+    """Stockout and quota both arrive as RESOURCE_EXHAUSTED (429 / code 8): tell them apart."""
+    quota = _quota_name(exc if exc is not None else msg)
+    if quota or re.search(r"quota", msg, re.I):
+        name = quota or "the TPU quota named in the error"
+        return CloudError("quota", f"quota exceeded for {accelerator} in {zone} ({name}): request more at "
+                                   f"https://console.cloud.google.com/iam-admin/quotas?project={project} "
+                                   f"(filter by {name}), or pick a smaller --accelerator. API said: {msg}",
+                          raw=msg, quota=quota)
+    if sync and not _CAPACITY_WORDS.search(msg):
+        return CloudError("quota", f"the Cloud TPU API is rate-limiting requests ({msg}): wait a minute and retry, "
+                                   f"or request a higher request quota for project {project}", raw=msg)
+    return CloudError("capacity", f"no capacity for {accelerator} in {zone} right now (stockout): try other zones "
+                                  "with --zones a,b,c, or --wait-capacity to queue until capacity frees up", raw=msg)
+
+
+def explain(exc: BaseException, *, action: str, project: str, zone: str = "", accelerator: str = "",
+            endpoint: str | None = None) -> CloudError:
+    """Turn a client exception into a one-line CloudError with the fix."""
+    where = f"project {project}" + (f", zone {zone}" if zone else "")
+    msg = _message(exc) if isinstance(exc, Exception) else str(exc)
+    if isinstance(exc, CloudError):
+        return exc
+    if isinstance(exc, gexc.TooManyRequests):  # ResourceExhausted subclasses it
+        return exhausted(msg, sync=True, zone=zone, accelerator=accelerator, project=project, exc=exc)
+    if isinstance(exc, gexc.Forbidden):
+        perm = (getattr(exc, "metadata", None) or {}).get("permission", "")
+        return CloudError("permission", f"permission denied while trying to {action} in {where}"
+                          + (f" (missing {perm})" if perm else "")
+                          + f": grant your account roles/tpu.admin on {project}, check that the project id is "
+                            f"right, and enable the API (gcloud services enable tpu.googleapis.com --project {project})."
+                            f" API said: {msg}", raw=msg)
+    if isinstance(exc, gexc.Unauthorized):
+        return CloudError("auth", f"the Cloud TPU API rejected the credentials ({msg}): run "
+                                  "`gcloud auth application-default login`", raw=msg)
+    if isinstance(exc, gexc.NotFound):
+        return CloudError("not-found", f"not found while trying to {action} in {where}: {msg}", raw=msg)
+    if isinstance(exc, gexc.Conflict):
+        return CloudError("exists", f"cannot {action}: it already exists in {where} ({msg}); pick another name "
+                                    "or delete it with `tpuctl down NAME --zone Z --project P`", raw=msg)
+    if isinstance(exc, gexc.FailedPrecondition):
+        return CloudError("precondition", f"cannot {action} in {where} now: {msg}", raw=msg)
+    if isinstance(exc, gexc.BadRequest):
+        return CloudError("bad-argument", f"the Cloud TPU API rejected the request to {action} in {where}: {msg} "
+                                          "(check --accelerator, --zone and --runtime-version; see `tpuctl up --help`)",
+                          raw=msg)
+    if isinstance(exc, (gexc.DeadlineExceeded, gexc.RetryError)):
+        return CloudError("timeout", f"the Cloud TPU API did not answer in time while trying to {action} "
+                                     f"({msg}); retry, or check --api-endpoint", raw=msg)
+    if isinstance(exc, gexc.ServerError):
+        return CloudError("server", f"the Cloud TPU API failed while trying to {action} in {where} ({msg}); "
+                                    "retry in a minute", raw=msg)
+    import requests
+    if isinstance(exc, requests.exceptions.RequestException):
+        target = endpoint or "https://tpu.googleapis.com"
+        return CloudError("unreachable", f"cannot reach the Cloud TPU API at {target} ({type(exc).__name__}): "
+                                         "check your network or --api-endpoint", raw=str(exc))
+    if isinstance(exc, gexc.GoogleAPICallError):
+        return CloudError("failed", f"the Cloud TPU API failed to {action} in {where}: {msg}", raw=msg)
+    from google.auth import exceptions as auth_exc
+    if isinstance(exc, auth_exc.GoogleAuthError):
+        return CloudError("auth", f"could not get Google credentials ({str(exc).splitlines()[0][:200]}): run "
+                                  "`gcloud auth application-default login`", raw=str(exc))
+    raise exc  # not an API error: a bug, let it surface
+
+
+def operation_error(code: int, msg: str, *, zone: str, accelerator: str, project: str, action: str) -> CloudError:
+    """An error reported by an LRO or a FAILED queued resource (a google.rpc.Status)."""
+    if code == 8:  # RESOURCE_EXHAUSTED
+        return exhausted(msg, sync=False, zone=zone, accelerator=accelerator, project=project)
+    if code == 7:
+        return CloudError("permission", f"permission denied while trying to {action} in project {project}: {msg}", raw=msg)
+    if code in (3, 9):
+        return CloudError("bad-argument", f"the Cloud TPU API rejected the request to {action}: {msg}", raw=msg)
+    if not msg and code == 0:
+        msg = "no reason given"
+    return CloudError("failed", f"could not {action} in {zone}: {msg} (code {code})", raw=msg)
+
+
+# ---- the API ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Api:
+    client: tpu_v2.TpuClient
+    project: str
+    endpoint: str | None = None   # None: the default Cloud TPU endpoint
+    local: bool = False
+    call_timeout: float = 30.0
+
+    @property
+    def poll_s(self) -> float:
+        """How often waits poll: fast against a local stand-in, gently against the real API."""
+        env = os.environ.get("TPUCTL_POLL_S")
+        if env:
+            return float(env)
+        return 0.1 if (self.local or (self.endpoint or "").startswith("http://")) else 5.0
+
+    def parent(self, zone: str) -> str:
+        return f"projects/{self.project}/locations/{zone}"
+
+    def _do(self, fn, *, action: str, zone: str = "", accelerator: str = ""):
+        try:
+            return fn()
+        except Exception as e:  # every client error becomes one explained line
+            raise explain(e, action=action, project=self.project, zone=zone, accelerator=accelerator,
+                          endpoint=self.endpoint) from None
+
+    def accelerator_types(self, zone: str) -> list[str]:
+        return self._do(lambda: [a.type_ for a in self.client.list_accelerator_types(
+            parent=self.parent(zone), timeout=self.call_timeout)], action="list accelerator types", zone=zone)
+
+    def runtime_versions(self, zone: str) -> list[str]:
+        return self._do(lambda: [r.version for r in self.client.list_runtime_versions(
+            parent=self.parent(zone), timeout=self.call_timeout)], action="list runtime versions", zone=zone)
+
+    def node_body(self, accelerator: str, runtime_version: str, labels: dict[str, str], *, spot: bool = False,
+                  reserved: bool = False, in_queue: bool = False) -> tpu_v2.Node:
+        sched = tpu_v2.SchedulingConfig(spot=spot and not in_queue, reserved=reserved)
+        return tpu_v2.Node(accelerator_type=accelerator, runtime_version=runtime_version, labels=labels,
+                           network_config=tpu_v2.NetworkConfig(enable_external_ips=True),
+                           scheduling_config=sched)
+
+    def create_node(self, zone: str, node_id: str, node: tpu_v2.Node):
+        """Start creating a plain node; returns the google.api_core Operation."""
+        return self._do(lambda: self.client.create_node(parent=self.parent(zone), node_id=node_id, node=node,
+                                                        timeout=self.call_timeout),
+                        action="create a TPU node", zone=zone, accelerator=node.accelerator_type)
+
+    def create_queued_resource(self, zone: str, qr_id: str, node_id: str, node: tpu_v2.Node, *, spot: bool = False,
+                               valid_until_s: float | None = None):
+        """Start creating a queued resource holding one node; returns the Operation."""
+        qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[
+            tpu_v2.QueuedResource.Tpu.NodeSpec(parent=self.parent(zone), node_id=node_id, node=node)]))
+        if spot:
+            qr.spot = tpu_v2.QueuedResource.Spot()
+        if valid_until_s:
+            qr.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(
+                valid_until_duration={"seconds": max(1, int(valid_until_s))})
+        return self._do(lambda: self.client.create_queued_resource(
+            parent=self.parent(zone), queued_resource_id=qr_id, queued_resource=qr, timeout=self.call_timeout),
+            action="create a queued resource", zone=zone, accelerator=node.accelerator_type)
+
+    def get_node(self, name: str) -> NodeInfo | None:
+        try:
+            return node_info(self._do(lambda: self.client.get_node(name=name, timeout=self.call_timeout),
+                                      action="get node", zone=name.split("/")[3]))
+        except CloudError as e:
+            if e.kind == "not-found":
+                return None
+            raise
+
+    def get_queued_resource(self, name: str) -> QueuedInfo | None:
+        try:
+            return queued_info(self._do(lambda: self.client.get_queued_resource(name=name, timeout=self.call_timeout),
+                                        action="get queued resource", zone=name.split("/")[3]))
+        except CloudError as e:
+            if e.kind == "not-found":
+                return None
+            raise
+
+    def delete_node(self, name: str) -> bool:
+        """Start deleting a node. False when it does not exist."""
+        try:
+            self._do(lambda: self.client.delete_node(name=name, timeout=self.call_timeout),
+                     action="delete node", zone=name.split("/")[3])
+            return True
+        except CloudError as e:
+            if e.kind == "not-found":
+                return False
+            raise
+
+    def delete_queued_resource(self, name: str, force: bool = True) -> bool:
+        """Start deleting a queued resource (force: with its node). False when it does not exist."""
+        try:
+            self._do(lambda: self.client.delete_queued_resource(request={"name": name, "force": force},
+                                                                timeout=self.call_timeout),
+                     action="delete queued resource", zone=name.split("/")[3])
+            return True
+        except CloudError as e:
+            if e.kind == "not-found":
+                return False
+            raise
+
+    def list_nodes(self, zone: str) -> list[NodeInfo]:
+        return self._do(lambda: [node_info(n) for n in self.client.list_nodes(
+            parent=self.parent(zone), timeout=self.call_timeout)], action="list nodes", zone=zone)
+
+    def list_queued_resources(self, zone: str) -> list[QueuedInfo]:
+        return self._do(lambda: [queued_info(q) for q in self.client.list_queued_resources(
+            parent=self.parent(zone), timeout=self.call_timeout)], action="list queued resources", zone=zone)
+
+    def poll_operation(self, op) -> tuple[bool, int, str]:
+        """(done, error code, error message) of an Operation, refreshed once."""
+        self._do(lambda: op.done(), action="poll operation")
+        pb = op.operation
+        if not pb.done:
+            return False, 0, ""
+        return True, (pb.error.code if pb.HasField("error") else 0), (pb.error.message if pb.HasField("error") else "")
+
+
+def connect(*, api_endpoint: str | None = None, local: bool = False, project: str | None = None) -> Api:
+    """An Api for this endpoint and project (see the module doc for how each is resolved)."""
+    if local and api_endpoint:
+        raise UserError("--local and --api-endpoint exclude each other: --local starts its own stand-in; drop one")
+    url = api_endpoint or os.environ.get(ENV_ENDPOINT) or ""
+    if local or url.startswith("http://"):
+        # No credentials involved: check the project before anything starts or is called.
+        project = resolve_project(project, local=local)
+        endpoint = resolve_endpoint(api_endpoint, local)
+        client, _ = make_client(endpoint)
+    else:
+        endpoint = resolve_endpoint(api_endpoint, local)
+        client, adc_project = make_client(endpoint)
+        project = resolve_project(project, adc_project=adc_project)
+    return Api(client=client, project=project, endpoint=endpoint, local=local)
+
+
+def get_node(name: str, *, project: str | None = None, zone: str | None = None, api_endpoint: str | None = None,
+             local: bool = False) -> NodeInfo | None:
+    """A node's current state (READY, PREEMPTED, ...) and workers, or None when it is gone.
+
+    `name` is a full node name (projects/P/locations/Z/nodes/N) or a short one with project and zone."""
+    if not name.startswith("projects/"):
+        if not zone:
+            raise UserError(f"get_node({name!r}) needs a zone (or the full node name)")
+        api = connect(api_endpoint=api_endpoint, local=local, project=project)
+        return api.get_node(f"{api.parent(zone)}/nodes/{name}")
+    api = connect(api_endpoint=api_endpoint, local=local, project=name.split("/")[1])
+    return api.get_node(name)

@@ -1,0 +1,142 @@
+"""The local record of what tpuctl created, so that down/status/run work by name.
+
+`$TPUCTL_HOME/state.json` (default ~/.tpuctl). Every write is read-modify-write under an exclusive
+flock, to a temp file that is fsynced and then os.replace()d over the old one: a crash mid-write
+leaves either the old or the new record, never a torn one. No secrets are ever stored here.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+VERSION = 1
+
+
+@dataclass
+class Worker:
+    index: int
+    internal_ip: str
+    external_ip: str | None = None
+
+
+@dataclass
+class SliceRecord:
+    name: str
+    project: str
+    zone: str
+    accelerator: str
+    node: str                          # full node name projects/P/locations/Z/nodes/N
+    queued_resource: str | None = None  # full queued resource name, None for --no-queue
+    api_endpoint: str | None = None    # None: the default Cloud TPU endpoint (or local mode)
+    local: bool = False                # local mode: the endpoint is the local stand-in, wherever it runs now
+    labels: dict[str, str] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    price_per_hour: float = 0.0
+    spot: bool = False
+    reserved: bool = False
+    runtime_version: str = ""
+    status: str = "creating"           # creating | ready | failed (kept after a failure, for down/gc)
+    note: str = ""                     # why a failed record was kept
+    workers: list[Worker] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SliceRecord":
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["workers"] = [Worker(**w) for w in d.get("workers") or []]
+        return cls(**d)
+
+
+def home() -> Path:
+    return Path(os.environ.get("TPUCTL_HOME") or Path.home() / ".tpuctl")
+
+
+def state_path() -> Path:
+    return home() / "state.json"
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read() -> dict[str, SliceRecord]:
+    path = state_path()
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        from orchestrator.spec import UserError
+        raise UserError(f"the local record {path} is unreadable ({e}); move it aside and run `tpuctl gc` "
+                        "to find what it listed") from None
+    return {name: SliceRecord.from_json(d) for name, d in (raw.get("slices") or {}).items()}
+
+
+def _write(records: dict[str, SliceRecord]) -> None:
+    path = state_path()
+    payload = json.dumps({"version": VERSION, "slices": {n: r.to_json() for n, r in sorted(records.items())}},
+                         indent=2, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".state.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(payload + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def update(fn: Callable[[dict[str, SliceRecord]], None]) -> dict[str, SliceRecord]:
+    """Apply fn to the records under the lock and write them back atomically."""
+    with _locked():
+        records = _read()
+        fn(records)
+        _write(records)
+        return records
+
+
+def records() -> dict[str, SliceRecord]:
+    with _locked():
+        return _read()
+
+
+def lookup(name: str) -> SliceRecord | None:
+    """The record of a slice by name, or None."""
+    return records().get(name)
+
+
+def save(rec: SliceRecord) -> None:
+    update(lambda rs: rs.__setitem__(rec.name, rec))
+
+
+def remove(name: str) -> bool:
+    removed = []
+    update(lambda rs: removed.append(rs.pop(name, None)))
+    return removed[0] is not None
