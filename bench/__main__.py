@@ -1,0 +1,58 @@
+"""`python -m bench` (what `make bench` runs): our trainer's step side by side with the seed article's.
+
+Prints, from one process on this machine: the seed's and our tokens/s and step time on the seed's config
+(L4 D256 H4 T256 B16, 8 emulated CPU devices, mesh 8x1, f32) and their ratio; a same-run f32 matmul
+"peak" and each model's achieved FLOP/s against it; gpt2-tiny and a gpt2-124m step; the step-time cost of
+async Orbax saves. Numbers on a shared machine are noisy: read the ratios, not the absolute values.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+COUNT_FLAG = "xla_force_host_platform_device_count"
+SECTIONS = ("ckpt", "124m")
+
+
+def emulate(n: int) -> None:
+    """n CPU devices, set before jax is imported; an inherited device-count flag wins."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --{COUNT_FLAG}={n}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, one round: checks the bench runs (its numbers mean nothing)")
+    p.add_argument("--rounds", type=int, default=None, help="alternation rounds for seed vs ours (default 3)")
+    p.add_argument("--per-round", type=int, default=None, help="timed steps per config per round (default 2)")
+    p.add_argument("--ckpt-every", type=int, default=None, help="K for the checkpoint-cost section (default 5)")
+    p.add_argument("--skip", action="append", default=[], choices=SECTIONS,
+                   help="leave out a section (repeatable)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    for name in ("rounds", "per_round", "ckpt_every"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            print(f"error: --{name.replace('_', '-')} {v}: must be at least 1", file=sys.stderr)
+            return 2
+    emulate(8)
+    import dataclasses
+
+    from bench import run  # imports jax: after XLA_FLAGS
+
+    plan = run.QUICK if args.quick else run.Plan()
+    plan = dataclasses.replace(plan, **{k: v for k, v in (("rounds", args.rounds), ("per_round", args.per_round),
+                                                           ("ckpt_every", args.ckpt_every)) if v is not None})
+    run.main(plan, set(SECTIONS) - set(args.skip))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The benchmark's sections, all in one process on one machine (imported after XLA_FLAGS is set).
+
+Measured configs are alternated round by round (A B, then B A, ...) so that load from other processes
+hits each alike; every figure is a median over timed steps after warm-up, and the comparisons are ratios.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from bench import seed_gpt2
+from bench.ours import OursTrainer, config
+from bench.peak import MatmulPeak, median, model_flops_per_token
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one bench run (`--quick` shrinks every one of them)."""
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 4
+    seq_len: int = 256
+    batch: int = 16
+    rounds: int = 3
+    per_round: int = 2
+    ckpt_every: int = 5
+    ckpt_rounds: int = 3
+    m124_batch: int = 8
+    m124_seq: int = 256
+    m124_steps: int = 2
+    m124_mesh: str = "data=2,model=4"
+    tiny_seq: int = 0  # 0 = the preset's
+    tiny_batch: int = 0
+    do_124m: bool = True
+    vocab: int = 50257
+    quick: bool = False
+
+
+# Smoke-test sizes (a small vocab too: the 50k output matmul is most of a step). Its numbers mean nothing.
+QUICK = Plan(n_layer=1, d_model=32, n_head=2, seq_len=16, batch=8, rounds=1, per_round=1, ckpt_every=2,
+             ckpt_rounds=1, do_124m=False, vocab=512, quick=True)
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def tokens(rng: np.random.Generator, batch: int, seq_len: int, vocab: int) -> np.ndarray:
+    return rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32)
+
+
+def alternate(runners: dict, rounds: int, per_round: int, on_round=None) -> dict[str, list[float]]:
+    """Run each runner `per_round` timed times per round, the order reversed every other round."""
+    names = list(runners)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                runners[name]()
+                times[name].append(time.perf_counter() - t0)
+        if on_round:
+            on_round()
+    return times
+
+
+def gflops(x: float) -> str:
+    return f"{x / 1e9:,.1f} GFLOP/s"
+
+
+def fmt_times(ts: list[float]) -> str:
+    return "[" + " ".join(f"{t:.2f}" for t in ts) + "]"
+
+
+def section_seed_vs_ours(plan: Plan, rng, tmp: str) -> dict:
+    p = plan
+    cfg_txt = f"L{p.n_layer} D{p.d_model} H{p.n_head} T{p.seq_len} B{p.batch} vocab {p.vocab}, mesh 8x1, f32"
+    say(f"== [1-3] seed article vs ours, same config: {cfg_txt}")
+    t0 = time.perf_counter()
+    seed = seed_gpt2.SeedTrainer(seed_gpt2.SeedConfig(
+        n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, batch_size=p.batch,
+        vocab_size=p.vocab))
+    ours = OursTrainer(config("gpt2-tiny", os.path.join(tmp, "ours"), model=dict(
+        n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, dropout=0.1,
+        vocab_size=p.vocab), train=dict(batch_size=p.batch, mesh="data=8,model=1", dtype="float32", keep=2)))
+    peak = MatmulPeak()
+    batches = [tokens(rng, p.batch, p.seq_len, p.vocab) for _ in range(4)]
+    i = {"n": 0}
+
+    def nxt():
+        i["n"] += 1
+        return batches[i["n"] % len(batches)]
+
+    def seed_step():
+        b = nxt()
+        seed.step(b[:, :-1].astype(np.int64), b[:, 1:].astype(np.int64))  # the notebook's get_batch dtype
+
+    # Warm-up: the seed compiles twice (its params start on one device, come back replicated after step 1).
+    for _ in range(2):
+        seed_step()
+    ours.step(nxt())
+    say(f"   setup + compile + warm-up: {time.perf_counter() - t0:.0f} s (ours compiled ahead of time in "
+        f"{ours.compile_s:.1f} s)")
+
+    peaks: dict[str, list[float]] = {}
+
+    def sample_peak():
+        for k, v in peak.sample().items():
+            peaks.setdefault(k, []).append(v)
+
+    sample_peak()
+    times = alternate({"seed": seed_step, "ours": lambda: ours.step(nxt())}, p.rounds, p.per_round, sample_peak)
+    tok = p.batch * p.seq_len
+    st, ot = median(times["seed"]), median(times["ours"])
+    say(f"[1] seed (article's code: nnx MHA + mask, dropout never runs): {tok / st:,.0f} tokens/s, "
+        f"step {st:.3f} s  (median of {len(times['seed'])}: {fmt_times(times['seed'])})")
+    say(f"[2] ours (trainer.loop.Steps, dropout on):                     {tok / ot:,.0f} tokens/s, "
+        f"step {ot:.3f} s  (median of {len(times['ours'])}: {fmt_times(times['ours'])})")
+    # Round by round ratios too: they show how much the noise moves the comparison.
+    rr = []
+    for r in range(p.rounds):
+        s = median(times["seed"][r * p.per_round:(r + 1) * p.per_round])
+        o = median(times["ours"][r * p.per_round:(r + 1) * p.per_round])
+        rr.append(s / o)
+    say(f"    ratio ours/seed tokens/s: {st / ot:.2f}x  (target >= 1.3x; per round: "
+        + " ".join(f"{x:.2f}x" for x in rr) + ")")
+
+    pk = {k: median(v) for k, v in peaks.items()}
+    best = max(pk, key=pk.get)
+    n_seed = seed.n_params() - p.seq_len * p.d_model  # minus the position table (no matmul)
+    n_ours = ours.n_params() - p.seq_len * p.d_model
+    f_seed = model_flops_per_token(n_seed, p.n_layer, p.seq_len, p.d_model)
+    f_ours = model_flops_per_token(n_ours, p.n_layer, p.seq_len, p.d_model)
+    # Useful work is the same model on both sides: count ours with the unpadded vocab as well.
+    f_useful = model_flops_per_token(n_seed, p.n_layer, p.seq_len, p.d_model)
+    say("[3] CPU peak, f32 2048x2048 jnp.dot, median over rounds: "
+        + ", ".join(f"{k} {gflops(v)}" for k, v in pk.items())
+        + f"; peak = the higher ({best})")
+    say(f"    model FLOPs/token = 6*N + 12*L*T*D (PaLM; N = params in matmuls = all but the position table, "
+        f"tied embedding included; attention not halved for causality)")
+    say(f"    seed: N={n_seed:,}, {f_seed / 1e6:.1f} MFLOP/token -> {gflops(f_seed * tok / st)} = "
+        f"{100 * f_seed * tok / st / pk[best]:.0f}% of peak")
+    say(f"    ours: N={n_ours:,} (vocab padded to {ours.cfg.model.padded_vocab}), counted at the seed's "
+        f"{f_useful / 1e6:.1f} MFLOP/token of useful work -> {gflops(f_useful * tok / ot)} = "
+        f"{100 * f_useful * tok / ot / pk[best]:.0f}% of peak "
+        f"(with the padded rows: {100 * f_ours * tok / ot / pk[best]:.0f}%)")
+    return {"peak": pk[best], "ours": ours}
+
+
+def section_tiny_and_ckpt(plan: Plan, rng, tmp: str, peak: float, reuse: OursTrainer | None = None) -> None:
+    p = plan
+    if reuse is None:
+        cfg = config("gpt2-tiny", os.path.join(tmp, "tiny"), train=dict(mesh="data=8,model=1", keep=2))
+        tr = OursTrainer(cfg)
+        title = "gpt2-tiny preset"
+    else:  # --quick: the section 1-3 trainer, to spare a compile
+        tr, cfg, title = reuse, reuse.cfg, "--quick: the config above"
+    ckdir = cfg.train.ckpt_dir
+    m, t = cfg.model, cfg.train
+    say(f"== [4,5] {title}: L{m.n_layer} D{m.d_model} H{m.n_head} T{m.seq_len} B{t.batch_size}, "
+        f"mesh 8x1, dtype {t.dtype} (f32 on CPU), dropout {m.dropout}")
+    batches = [tokens(rng, t.batch_size, m.seq_len, m.vocab_size) for _ in range(4)]
+    for b in batches[:2]:
+        tr.step(b)
+    k = p.ckpt_every
+
+    def window(save: bool):
+        def run():
+            if save:  # the loop saves after a --ckpt-every step; steady state = one save per K steps
+                tr.save()
+            for j in range(k):
+                tr.step(batches[j % len(batches)])
+            if save:  # a save still running would hold up the next one: count it
+                tr.ckpt.wait()
+        return run
+
+    tr.save()  # the first save creates the manager and directory: keep that out of the timings
+    tr.ckpt.wait()
+    times = alternate({"plain": window(False), "save": window(True)}, p.ckpt_rounds * 2, 1)
+    tok = t.batch_size * m.seq_len
+    plain = median(times["plain"]) / k
+    saved = median(times["save"]) / k
+    n = tr.n_params() - m.seq_len * m.d_model
+    f = model_flops_per_token(n - (m.padded_vocab - m.vocab_size) * m.d_model, m.n_layer, m.seq_len, m.d_model)
+    say(f"[4] {'gpt2-tiny' if reuse is None else 'quick config'}: {tok / plain:,.0f} tokens/s, step {plain:.3f} s "
+        f"(median window of {k} steps over {len(times['plain'])} windows), "
+        f"{gflops(f * tok / plain)} = {100 * f * tok / plain / peak:.0f}% of peak")
+    say(f"[5] async Orbax save every {k} steps to a local tmp dir ({_size(ckdir)}/step): "
+        f"step {saved:.3f} s vs {plain:.3f} s without saves")
+    say(f"    ratio save-every-{k}/no-save step time: {saved / plain:.2f}x  (per window, s: plain "
+        f"{fmt_times(times['plain'])}, save {fmt_times(times['save'])})")
+    tr.close()
+
+
+def _size(d: str) -> str:
+    steps = [os.path.join(d, s) for s in os.listdir(d) if s.isdigit()] if os.path.isdir(d) else []
+    if not steps:
+        return "?"
+    total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(steps[-1]) for f in fs)
+    return f"{total / 2**20:.0f} MiB"
+
+
+def section_124m(plan: Plan, rng, tmp: str, peak: float) -> None:
+    p = plan
+    cfg = config("gpt2-124m", os.path.join(tmp, "m124"), model=dict(seq_len=p.m124_seq),
+                 train=dict(batch_size=p.m124_batch, mesh=p.m124_mesh, dtype="float32"))
+    m = cfg.model
+    say(f"== [4b] gpt2-124m preset, small batch: L{m.n_layer} D{m.d_model} H{m.n_head} T{m.seq_len} "
+        f"(preset 1024, cut so a step fits here) B{p.m124_batch}, mesh {p.m124_mesh} "
+        f"(params sharded 4 ways: 8 replicas of 124M + Adam would not fit beside others), f32")
+    t0 = time.perf_counter()
+    tr = OursTrainer(cfg)
+    b = tokens(rng, p.m124_batch, m.seq_len, m.vocab_size)
+    tr.step(b)
+    warm = time.perf_counter() - t0
+    ts = []
+    for _ in range(p.m124_steps):
+        t1 = time.perf_counter()
+        tr.step(b)
+        ts.append(time.perf_counter() - t1)
+    st = median(ts)
+    tok = p.m124_batch * m.seq_len
+    n = tr.n_params() - m.seq_len * m.d_model - (m.padded_vocab - m.vocab_size) * m.d_model
+    f = model_flops_per_token(n, m.n_layer, m.seq_len, m.d_model)
+    say(f"[4b] gpt2-124m ({tr.n_params() / 1e6:.0f}M params): step {st:.2f} s, {tok / st:,.0f} tokens/s, "
+        f"{gflops(f * tok / st)} = {100 * f * tok / st / peak:.0f}% of peak  (timed {fmt_times(ts)}; "
+        f"compile {tr.compile_s:.0f} s, setup+compile+first step {warm:.0f} s)")
+    tr.close()
+    del tr
+    gc.collect()
+
+
+def main(plan: Plan, sections: set[str]) -> None:
+    t0 = time.perf_counter()
+    dev = jax.devices()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    say(f"bench: {len(dev)} {dev[0].device_kind} devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}), "
+        f"{os.cpu_count()} cores {platform.processor() or platform.machine()}, jax {jax.__version__}, "
+        f"load average {load:.1f} at start")
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(prefix="tpuctl-bench-") as tmp:
+        first = section_seed_vs_ours(plan, rng, tmp)
+        peak = first["peak"]
+        if "ckpt" in sections:
+            section_tiny_and_ckpt(plan, rng, tmp, peak, reuse=first["ours"] if plan.quick else None)
+        if not plan.quick or "ckpt" not in sections:
+            first["ours"].close()
+        del first
+        gc.collect()
+        if "124m" in sections and plan.do_124m:
+            section_124m(plan, rng, tmp, peak)
+        else:
+            say("[4b] gpt2-124m: skipped" + (" (--quick)" if not plan.do_124m else ""))
+    say(f"[6] orchestrator launch bench (issue 4): skipped here")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")
