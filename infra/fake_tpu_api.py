@@ -110,8 +110,17 @@ class ApiError(Exception):
         return {"error": {"code": self.code, "message": self.message, "status": self.status, "details": self.details}}
 
 
+class _Tracked:
+    """Keeps every state a resource passed through (GET /_fake/state shows it as `history`)."""
+
+    def __setattr__(self, key, value):
+        if key == "state":
+            self.__dict__.setdefault("history", []).append(value)
+        object.__setattr__(self, key, value)
+
+
 @dataclass
-class _Node:
+class _Node(_Tracked):
     name: str
     project: str
     zone: str
@@ -129,7 +138,7 @@ class _Node:
 
 
 @dataclass
-class _QR:
+class _QR(_Tracked):
     name: str
     project: str
     zone: str
@@ -174,6 +183,7 @@ class FakeTpu:
         self.ops: dict[str, _Op] = {}
         self.create_calls: list[dict] = []
         self.delete_calls: list[dict] = []
+        self.gone: list[dict] = []  # resources that no longer exist, with the states they went through
         self.injections: list[dict] = []
         self.worker_ips: list[str] | None = None
         self._ids = itertools.count(1)
@@ -194,12 +204,12 @@ class FakeTpu:
 
     def _tick_node(self, n: _Node, now: float) -> None:
         if n.state == "CREATING" and n.t_fail is not None and now >= n.t_fail:
-            del self.nodes[n.name]
+            self._gone("node", n)
         elif n.state == "CREATING" and n.t_ready is not None and now >= n.t_ready:
             n.state = "READY"
             n.endpoints = n.endpoints or self._endpoints(n)
         elif n.state == "DELETING" and now >= (n.t_gone or 0):
-            del self.nodes[n.name]
+            self._gone("node", n)
 
     def _tick_qr(self, q: _QR, now: float) -> None:
         if q.state == "ACCEPTED" and now >= q.t_waiting:
@@ -223,7 +233,11 @@ class FakeTpu:
             if node is not None and node.state == "PREEMPTED":
                 q.state, q.initiator = "SUSPENDED", "SERVICE"
         if q.state == "DELETING" and now >= (q.t_gone or 0):
-            del self.qrs[q.name]
+            self._gone("queuedResource", q)
+
+    def _gone(self, kind: str, obj) -> None:
+        (self.nodes if kind == "node" else self.qrs).pop(obj.name, None)
+        self.gone.append({"kind": kind, "name": obj.name, "history": list(obj.history)})
 
     def _provision(self, q: _QR, now: float) -> None:
         spec = q.body["tpu"]["nodeSpec"][0]
@@ -270,7 +284,7 @@ class FakeTpu:
         return node
 
     def _endpoints(self, n: _Node) -> list[dict]:
-        external = (n.spec.get("networkConfig") or {}).get("enableExternalIps", True)
+        external = (n.spec.get("networkConfig") or {}).get("enableExternalIps", False)  # proto3: absent = false
         out = []
         for i in range(n.hosts):
             if self.worker_ips and i < len(self.worker_ips):
@@ -555,8 +569,9 @@ class FakeTpu:
     def snapshot(self) -> dict:
         self.tick()
         return {
-            "nodes": [dict(self.node_json(n), hosts=n.hosts) for n in self.nodes.values()],
-            "queued_resources": [self.qr_json(q) for q in self.qrs.values()],
+            "nodes": [dict(self.node_json(n), hosts=n.hosts, history=n.history) for n in self.nodes.values()],
+            "queued_resources": [dict(self.qr_json(q), history=q.history) for q in self.qrs.values()],
+            "gone": self.gone,
             "create_calls": self.create_calls,
             "delete_calls": self.delete_calls,
             "operations": len(self.ops),
@@ -569,7 +584,7 @@ class FakeTpu:
     def reset(self) -> None:
         """Forget everything and go back to the offerings and timings it started with."""
         self.nodes.clear(), self.qrs.clear(), self.ops.clear(), self._failed.clear()
-        self.create_calls.clear(), self.delete_calls.clear()
+        self.create_calls.clear(), self.delete_calls.clear(), self.gone.clear()
         self.injections.clear()
         self.worker_ips = None
         self.config = dataclasses.replace(self._initial)

@@ -110,10 +110,21 @@ def _local_dir() -> Path:
     return state.home() / "local"
 
 
-def _alive(url: str, pid: int) -> bool:
+def _pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not yet reaped) counts as dead."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): trust kill(0)
+
+
+def _alive(url: str, pid: int) -> bool:
+    if not _pid_alive(pid):
         return False
     try:
         with urllib.request.urlopen(f"{url}/_fake/health", timeout=2) as r:
@@ -169,12 +180,17 @@ def stop_local_api() -> bool:
         (_local_dir() / "fake_tpu_api.json").unlink()
     if not info:
         return False
+    pid = info["pid"]
     with contextlib.suppress(ProcessLookupError):
-        os.kill(info["pid"], signal.SIGTERM)
-        for _ in range(100):
-            os.kill(info["pid"], 0)
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(250):
+            with contextlib.suppress(ChildProcessError):  # our own child: reap it, or it lingers as a zombie
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return True
+            if not _pid_alive(pid):
+                return True
             time.sleep(0.02)
-        os.kill(info["pid"], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     return True
 
 

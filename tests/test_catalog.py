@@ -1,0 +1,100 @@
+"""The accelerator catalog and the offline validation of a slice spec."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import catalog
+from orchestrator.spec import (SliceSpec, UserError, check_name, load_slice_spec, parse_duration, parse_labels)
+
+
+@pytest.mark.parametrize("name, chips, hosts, topology, per_host", [
+    ("v4-8", 4, 1, "2x2x1", 4), ("v4-16", 8, 2, "2x2x2", 4), ("v4-32", 16, 4, "2x2x4", 4),
+    ("v5p-8", 4, 1, "2x2x1", 4), ("v5p-32", 16, 4, "2x2x4", 4),
+    ("v5litepod-1", 1, 1, "1x1", 1), ("v5litepod-8", 8, 1, "2x4", 8), ("v5litepod-16", 16, 4, "4x4", 4),
+    ("v6e-8", 8, 1, "2x4", 8), ("v6e-16", 16, 4, "4x4", 4), ("v6e-256", 256, 64, "16x16", 4),
+])
+def test_shapes(name, chips, hosts, topology, per_host):
+    a = catalog.lookup(name)
+    assert (a.chips, a.hosts, a.topology, a.chips_per_host) == (chips, hosts, topology, per_host)
+    assert a.devices_per_host == per_host
+
+
+def test_figures_and_prices():
+    v4, v5e, v5p, v6e = (catalog.lookup(n) for n in ("v4-16", "v5litepod-16", "v5p-8", "v6e-4"))
+    assert (v4.hbm_gib_per_chip, v4.generation.peak_bf16_tflops) == (32, 275)
+    assert (v5e.hbm_gib_per_chip, v5e.generation.peak_bf16_tflops) == (16, 197)
+    assert (v5p.hbm_gib_per_chip, v5p.generation.peak_bf16_tflops) == (95, 459)
+    assert (v6e.hbm_gib_per_chip, v6e.generation.peak_bf16_tflops) == (32, 918)
+    assert v4.hbm_gib == 256 and v4.peak_bf16_tflops == 8 * 275
+    assert v4.price_per_hour("us-central2-b") == pytest.approx(8 * 3.22)
+    assert v4.price_per_hour("us-central2-b", spot=True) == pytest.approx(8 * 0.92)
+    assert v5e.price_per_hour("us-west4-a", spot=True) == pytest.approx(16 * 0.469)
+    assert v5e.price_per_hour("us-central1-a", spot=True) == pytest.approx(16 * 0.213)
+    assert v6e.price_per_hour("europe-west4-a", spot=True) == pytest.approx(4 * 0.648)  # default spot price
+    assert v4.default_runtime_version == "tpu-ubuntu2204-base"
+    assert v5e.default_runtime_version == "v2-alpha-tpuv5-lite"
+    assert catalog.zones_for("v4-8") == ("us-central2-b",)
+    assert "us-central2-b" in catalog.all_zones() and "europe-west4-a" in catalog.all_zones()
+    for a in catalog.all_types():  # every entry is self-consistent
+        assert a.chips % a.hosts == 0 and a.price_per_hour() > 0 and a.topology
+
+
+def test_aliases_and_unknown():
+    assert catalog.lookup("v5e-16").name == "v5litepod-16"
+    assert catalog.lookup(" V4-16 ").name == "v4-16"
+    with pytest.raises(catalog.UnknownAccelerator, match="did you mean v4-16"):
+        catalog.lookup("v4-17")
+    with pytest.raises(catalog.UnknownAccelerator, match="known types: v4-8..v4-4096"):
+        catalog.lookup("h100")
+
+
+@pytest.mark.parametrize("bad", ["X", "1abc", "a_b", "abc-", "a" * 64, "", "my slice"])
+def test_bad_names(bad):
+    with pytest.raises(UserError, match="invalid slice name"):
+        check_name(bad)
+
+
+def test_good_names_durations_labels():
+    assert check_name("a") == "a" and check_name("my-slice-1") == "my-slice-1"
+    assert parse_duration("8h") == 8 * 3600 and parse_duration("90s") == 90 and parse_duration("2d") == 172800
+    assert parse_duration("500ms") == 0.5 and parse_duration(None) is None
+    for bad in ("8 hours", "-1h", "0"):
+        with pytest.raises(UserError):
+            parse_duration(bad)
+    assert parse_labels(["team=nlp,run=7", "x=y"]) == {"team": "nlp", "run": "7", "x": "y"}
+    for bad, msg in (("Team=x", "label key"), ("a=B", "label value"), ("novalue", "key=value"),
+                     ("tpuctl-name=x", "reserved")):
+        with pytest.raises(UserError, match=msg):
+            parse_labels([bad])
+
+
+def test_spec_validation():
+    s = SliceSpec(name="ok", accelerator="v5e-16", zones=["us-west4-a,us-central1-a"]).validate()
+    assert s.accelerator == "v5litepod-16" and s.zones == ["us-west4-a", "us-central1-a"]
+    assert s.runtime == "v2-alpha-tpuv5-lite"
+    for kw, msg in ((dict(spot=True, reserved=True), "exclude each other"),
+                    (dict(accelerator="v9-8"), "unknown accelerator"),
+                    (dict(zones=["uscentral"]), "invalid zone"),
+                    (dict(local=True, api_endpoint="http://x"), "--local and --api-endpoint"),
+                    (dict(wait_capacity=True, queued=False), "--no-queue"),
+                    (dict(timeout_s=0), "--timeout")):
+        base = dict(name="ok", accelerator="v4-8")
+        with pytest.raises(UserError, match=msg):
+            SliceSpec(**{**base, **kw}).validate()
+
+
+def test_spec_files(tmp_path):
+    y = tmp_path / "s.yaml"
+    y.write_text("name: from-yaml\naccelerator: v4-16\nzone: us-central2-b\nttl: 8h\nlabels: {team: nlp}\nspot: true\n")
+    s = load_slice_spec(y).validate()
+    assert (s.name, s.zones, s.ttl_s, s.labels, s.spot) == ("from-yaml", ["us-central2-b"], 28800, {"team": "nlp"}, True)
+    t = tmp_path / "s.toml"
+    t.write_text('[slice]\nname = "from-toml"\naccelerator = "v6e-4"\nzones = ["us-east1-d"]\ntimeout = "5m"\n')
+    s = load_slice_spec(t).validate()
+    assert (s.name, s.zones, s.timeout_s) == ("from-toml", ["us-east1-d"], 300)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\naccelerator: v4-8\ncolour: blue\n")
+    with pytest.raises(UserError, match="unknown key.*colour"):
+        load_slice_spec(bad)
+    with pytest.raises(UserError, match="cannot read spec file"):
+        load_slice_spec(tmp_path / "missing.yaml")
