@@ -4,13 +4,23 @@ Speaks `/v2/projects/P/locations/Z/{nodes,queuedResources,acceleratorTypes,runti
 camelCase JSON, with long-running operations shaped the way the client's strict parser wants them. State moves
 with the clock (no background thread: every request first advances everything to "now"):
 
-  node:            CREATING --creating_s--> READY --(preempt)--> PREEMPTED;  DELETE -> DELETING --deleting_s--> gone
+  node:            CREATING --creating_s--> READY --(preempt)--> PREEMPTED | TERMINATED;
+                   DELETE -> DELETING --deleting_s--> gone
   queued resource: ACCEPTED --accept_s--> WAITING_FOR_RESOURCES --waiting_s--> PROVISIONING --(node READY)--> ACTIVE
                    stockout: stays WAITING_FOR_RESOURCES until its validUntil (or the injection's fail_after_s)
                    passes -> FAILED (code 8); a preempted node makes it SUSPENDED; DELETE ?force -> DELETING -> gone
 
-A control API under /_fake/ (JSON) injects failures, changes timings and zone offerings, sets the worker IPs
-that new nodes get, and returns the stand-in's own record (GET /_fake/state) for tests to assert on.
+A control API under /_fake/ (JSON; FakeControl is its client):
+  GET  health | state            state: live nodes/queued resources (with `history`), `gone`, create_calls,
+                                 delete_calls, injections, worker_ips, zones, config
+  POST inject {kind, zone?, accelerator?, project?, times?, ...}   kinds: stockout {fail_after_s?},
+       quota {quota?, limit?, async?}, permission {op: create|any, message?}, bad_argument {message?},
+       never_ready, slow {creating_s}
+  POST clear {kind?} · config {creating_s, deleting_s, accept_s, waiting_s, stockout_fail_s} · reset
+  POST zones {zones: {zone: [types]}} or {zone, accelerator_types} · runtime_versions {versions}
+  POST workers {ips: [...] | null}   nodes created afterwards get these IPs (ipAddress and externalIp), port 8470
+  POST node_workers {node, ips}      set them on an existing node
+  POST preempt {node, state?: PREEMPTED|TERMINATED}   a READY node; its queued resource goes SUSPENDED
 
 Run: python -m infra.fake_tpu_api --port 8470 [--host 127.0.0.1]    or, in tests: start_in_thread().
 """
@@ -230,7 +240,7 @@ class FakeTpu:
                 q.state = "ACTIVE"
         if q.state == "ACTIVE":
             node = self.nodes.get(q.node or "")
-            if node is not None and node.state == "PREEMPTED":
+            if node is not None and node.state in ("PREEMPTED", "TERMINATED"):
                 q.state, q.initiator = "SUSPENDED", "SERVICE"
         if q.state == "DELETING" and now >= (q.t_gone or 0):
             self._gone("queuedResource", q)
@@ -540,12 +550,15 @@ class FakeTpu:
     def clear(self, kind: str | None = None) -> None:
         self.injections = [i for i in self.injections if kind and i["kind"] != kind]
 
-    def preempt(self, node: str) -> dict:
+    def preempt(self, node: str, to: str = "PREEMPTED") -> dict:
+        """A READY node is preempted (spot) or TERMINATED (maintenance/host failure) by the service."""
         self.tick()
         n = self._find_node(node)
+        if to not in ("PREEMPTED", "TERMINATED"):
+            raise ApiError(400, f"state must be PREEMPTED or TERMINATED, not {to!r}")
         if n.state != "READY":
             raise ApiError(400, f"node {n.name} is {n.state}, only a READY node can be preempted", status="FAILED_PRECONDITION")
-        n.state = "PREEMPTED"
+        n.state = to
         self.tick()
         return self.node_json(n)
 
@@ -790,7 +803,7 @@ class _Handler(BaseHTTPRequestHandler):
         if what == "node_workers" and method == "POST":
             return f.set_node_workers(body["node"], body.get("ips") or [])
         if what == "preempt" and method == "POST":
-            return f.preempt(body["node"])
+            return f.preempt(body["node"], body.get("state", "PREEMPTED"))
         if what == "reset" and method == "POST":
             f.reset()
             return {"ok": True}
@@ -847,8 +860,8 @@ class FakeControl:
     def set_node_workers(self, node: str, ips: list[str]) -> dict:
         return self.call("POST", "node_workers", {"node": node, "ips": ips})
 
-    def preempt(self, node: str) -> dict:
-        return self.call("POST", "preempt", {"node": node})
+    def preempt(self, node: str, state: str = "PREEMPTED") -> dict:
+        return self.call("POST", "preempt", {"node": node, "state": state})
 
     def reset(self) -> dict:
         return self.call("POST", "reset", {})
