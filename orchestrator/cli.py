@@ -5,6 +5,7 @@ import functools
 import json
 import signal
 import sys
+import threading
 import time
 
 import click
@@ -224,14 +225,15 @@ def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labe
     def on_plan(plan):
         line.note(("plan: " if not dry_run else "plan (dry run): ") + plan.summary())
 
-    old = signal.getsignal(signal.SIGTERM)
-    if old in (signal.SIG_DFL, None):  # `kill` while waiting cleans up like Ctrl-C does
+    # `kill` while waiting cleans up like Ctrl-C does (only where a handler can be set: the main thread).
+    hook = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if hook:
         signal.signal(signal.SIGTERM, _sigterm)
     try:
         with line:
             res = slices.up(spec, progress=line, on_plan=on_plan, dry_run=dry_run)
     finally:
-        if old in (signal.SIG_DFL, None):
+        if hook:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rec = res.record
     if as_json:
@@ -247,7 +249,8 @@ def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labe
     if dry_run:
         click.echo(f"dry run: {rec.name} would be created in {', '.join(res.plan.zones)}; nothing was created")
         return
-    click.echo(f"{rec.name} is READY in {rec.zone} ({rec.accelerator}, {len(rec.workers)} workers) after "
+    n = len(rec.workers)
+    click.echo(f"{rec.name} is READY in {rec.zone} ({rec.accelerator}, {n} worker{'' if n == 1 else 's'}) after "
                f"{_age(res.elapsed_s)}; ${rec.price_per_hour:.2f}/hour list price")
     click.echo(_workers_table(rec.workers))
     click.echo(f"next: tpuctl run {rec.name} -- ...    delete: tpuctl down {rec.name}")
@@ -327,6 +330,8 @@ def status_cmd(name, zone, as_json, api_endpoint, local, project):
     click.echo(f"node: {st.node}")
     if st.error:
         click.echo(f"note: could not read the live state: {st.error}")
+    if st.state == "GONE":
+        click.echo(f"note: {name} no longer exists in the cloud; `tpuctl down {name}` drops it from the local record")
     if st.note:
         click.echo(f"note: {st.note}")
     if st.workers:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from orchestrator import catalog, cloud, state
-from orchestrator.cloud import Api, CloudError, NodeInfo, QueuedInfo
+from orchestrator.cloud import Api, CloudError, NodeInfo
 from orchestrator.spec import LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, owner_label
 from orchestrator.state import SliceRecord, Worker
 
