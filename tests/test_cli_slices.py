@@ -162,6 +162,20 @@ def test_down_twice_unknown_all_and_gc_via_cli(fake):
     assert live(fake) == ([], []) and state.records() == {}
 
 
+def test_dry_run_and_spec_file(fake, tmp_path):
+    spec = tmp_path / "slice.yaml"
+    spec.write_text(f"name: c-spec\naccelerator: v4-16\nzone: {ZONE}\nlabels: {{team: nlp}}\nttl: 2h\n")
+    dry = run("up", "--spec", spec, "--dry-run", "--json", *api(fake))
+    plan = json.loads(dry.stdout)
+    assert plan["state"] == "PLANNED" and plan["plan"]["chips"] == 8 and plan["labels"]["team"] == "nlp"
+    assert fake.control.state()["create_calls"] == [] and state.records() == {}
+    res = json.loads(run("up", "--spec", spec, "-a", "v4-8", "--json", *api(fake)).stdout)  # the flag wins
+    assert res["accelerator"] == "v4-8" and res["name"] == "c-spec" and len(res["workers"]) == 1
+    assert fake.control.state()["create_calls"][0]["labels"]["team"] == "nlp"
+    missing = run("status", "nope", ok=False)
+    assert "no slice named nope in the local record" in error_line(missing)
+
+
 @pytest.mark.parametrize("verb", ["up", "down", "status", "ls", "gc"])
 def test_help_explains_every_flag(verb):
     cmd = cli.commands[verb]
