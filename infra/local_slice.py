@@ -6,7 +6,7 @@ in which its hostname resolves to its own loopback IP (gloo advertises that addr
 that dies as a whole when the namespace's init (sshd) is killed. Paths that the private home or /tmp would
 hide and the hosts still need (the Python interpreter, the slice's shared dir) are bind-mounted back.
 
-A record (`<base_dir>/<name>/slice.json`) lets another process (`tpuctl down`) find and stop the slice.
+A record (`<base_dir>/<name>/slice.json`, base_dir default $TPUCTL_HOME/local/slices) lets another process (`tpuctl down`) find and stop the slice.
 
     python -m infra.local_slice start NAME --hosts 2     |  stop NAME  |  ls
 """
@@ -37,7 +37,7 @@ def tpuctl_home() -> Path:
 
 
 def default_base_dir() -> Path:
-    return tpuctl_home() / "local"
+    return tpuctl_home() / "local" / "slices"
 
 
 class LocalSliceError(RuntimeError):
@@ -69,6 +69,7 @@ class LocalSlice:
     ssh_user: str = "root"
     shared_dir: str = ""   # visible at the same path on every host and on the machine
     python: str = ""       # an interpreter every host can run (the one this machine uses)
+    wheelhouse: str = ""   # the machine's wheelhouse (+ uv cache), visible on every host at the same path
     created: float = 0.0
 
     # ---------------------------------------------------------------- paths and record
@@ -119,10 +120,11 @@ class LocalSlice:
     @classmethod
     def start(cls, name: str, n_hosts: int, base_dir: str | os.PathLike | None = None, *,
               port: int = 2222, first_ip: str | None = None, keep: tuple[str, ...] = (),
-              timeout: float = 15.0) -> "LocalSlice":
+              wheelhouse: str | os.PathLike | None = None, timeout: float = 15.0) -> "LocalSlice":
         """Start (or return the already running) local slice NAME with n_hosts hosts.
 
         keep: extra paths under /root or /tmp that the hosts must still see at the same path.
+        wheelhouse: the machine's shared wheelhouse (default $TPUCTL_HOME/wheelhouse), kept visible.
         """
         if not NAME_RE.match(name):
             raise LocalSliceError(f"invalid local slice name {name!r}: use lowercase letters, digits and '-', "
@@ -155,15 +157,17 @@ class LocalSlice:
         hostnames = [f"{name}-w{i}" for i in range(n_hosts)]
         # The interpreter's installation (e.g. /root/.pyenv/...) must survive the private home.
         py_prefix = os.path.realpath(sys.base_prefix)
+        wh = Path(wheelhouse or tpuctl_home() / "wheelhouse").resolve()
+        wh.mkdir(parents=True, exist_ok=True)
         s = cls(name=name, base_dir=str(base_dir), hosts=[], ssh_key=str(key), shared_dir=str(shared),
-                python=_base_python(), created=time.time())
+                python=_base_python(), wheelhouse=str(wh), created=time.time())
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation dir
         try:
             for i, ip in enumerate(ips):
                 hdir = sdir / f"w{i}"
                 host = LocalHost(index=i, ip=ip, port=port, hostname=hostnames[i], home=str(hdir / "home"))
                 _prepare_host(hdir, host, key, ips, hostnames)
-                keeps = [py_prefix, str(shared), str(hdir / "etc"), *keep]
+                keeps = [py_prefix, str(shared), str(wh), str(hdir / "etc"), *keep]
                 proc = subprocess.Popen(
                     ["unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child",
                      "sh", "-c", _host_script(hdir, host, keeps)],
@@ -436,7 +440,7 @@ def _reap(pid: int) -> None:
 # -------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m infra.local_slice", description=__doc__.split("\n")[0])
-    ap.add_argument("--base-dir", default=None, help="where records live (default $TPUCTL_HOME/local)")
+    ap.add_argument("--base-dir", default=None, help="where records live (default $TPUCTL_HOME/local/slices)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start")
     st.add_argument("name")

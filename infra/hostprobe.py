@@ -1,0 +1,186 @@
+"""Preflight probe, run on every host over SSH with the host's own python3 (stdlib only, Python >= 3.8).
+
+Reports one JSON line (after the marker TPUCTL_PROBE): hostname, Python, free disk, the clock, which
+layers of the bundle are installed, and whatever holds the accelerator: processes with /dev/accel*,
+/dev/vfio/* or the libtpu lockfile open, a lockfile nobody holds, and a tpuctl trainer still running
+from an earlier run (recorded by hostwrap's pidfile). With --kill-stale it clears them first.
+
+usage: python3 hostprobe.py --root DIR [--app-hash H] [--deps-key K] [--wrap NAME ...] [--kill-stale]
+"""
+import argparse
+import glob
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+LOCKFILE = "/tmp/libtpu_lockfile"
+
+
+def device_paths():
+    return sorted(glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit()])
+
+
+def holders(paths):
+    """{path: [pid, ...]} for the open file descriptors of every process we can inspect."""
+    want = {os.path.realpath(p): p for p in paths}
+    out = {}
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            fds = os.listdir("/proc/%s/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink("/proc/%s/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if target in want:
+                out.setdefault(want[target], [])
+                if int(pid) not in out[want[target]]:
+                    out[want[target]].append(int(pid))
+    return out
+
+
+def cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "?"
+
+
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def pgid_members(pgid):
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open("/proc/%s/stat" % pid) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    out.append(int(pid))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def find_stale(root):
+    stale = []
+    paths = device_paths() + ([LOCKFILE] if os.path.exists(LOCKFILE) else [])
+    held = holders(paths)
+    for path in paths:
+        for pid in held.get(path, []):
+            stale.append({"kind": "device", "path": path, "pid": pid, "cmd": cmdline(pid)})
+    if os.path.exists(LOCKFILE) and not held.get(LOCKFILE):
+        stale.append({"kind": "lockfile", "path": LOCKFILE, "pid": None, "cmd": ""})
+    for pidfile in glob.glob(os.path.join(root, "run", "*.pid")):
+        try:
+            with open(pidfile) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        members = pgid_members(int(rec.get("pgid", 0))) if rec.get("pgid") else []
+        wrapper = rec.get("wrapper_pid")
+        if wrapper and alive(wrapper) and wrapper not in members:
+            members.append(wrapper)
+        if members:
+            stale.append({"kind": "trainer", "path": pidfile, "pid": rec.get("pgid") or wrapper,
+                          "pgid": rec.get("pgid"), "run_id": rec.get("run_id"), "cmd": cmdline(members[0])})
+        else:
+            os.unlink(pidfile)  # a record of a run that is gone: not a problem, just litter
+    return stale
+
+
+def _kill(pid, sig, group=False):
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:  # someone else's process on a real VM: try sudo
+        subprocess.call(["sudo", "-n", "kill", "-%d" % sig, ("-%d" % pid) if group else str(pid)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_stale(stale, grace=3.0):
+    targets = []
+    for s in stale:
+        if s["kind"] == "trainer" and s.get("pgid"):
+            targets.append((s["pgid"], True))
+        elif s.get("pid"):
+            targets.append((s["pid"], False))
+    for pid, group in targets:
+        _kill(pid, signal.SIGTERM, group)
+    deadline = time.time() + grace
+    while time.time() < deadline and any((pgid_members(p) if g else alive(p)) for p, g in targets):
+        time.sleep(0.05)
+    for pid, group in targets:
+        _kill(pid, signal.SIGKILL, group)
+    time.sleep(0.05)
+    for s in stale:
+        if s["kind"] in ("lockfile", "device") and s["path"] == LOCKFILE and os.path.exists(LOCKFILE):
+            try:
+                os.unlink(LOCKFILE)
+            except PermissionError:
+                subprocess.call(["sudo", "-n", "rm", "-f", LOCKFILE])
+            except FileNotFoundError:
+                pass
+        if s["kind"] == "trainer" and os.path.exists(s["path"]):
+            os.unlink(s["path"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--app-hash", default="")
+    ap.add_argument("--deps-key", default="")
+    ap.add_argument("--deps-root", default="")
+    ap.add_argument("--wrap", action="append", default=[])
+    ap.add_argument("--kill-stale", action="store_true")
+    a = ap.parse_args()
+    root = os.path.expanduser(a.root)
+    os.makedirs(os.path.join(root, "run"), exist_ok=True)
+    stale = find_stale(root)
+    cleared = []
+    if stale and a.kill_stale:
+        kill_stale(stale)
+        cleared, stale = stale, find_stale(root)
+    disk = shutil.disk_usage(root)
+    flavour = "tpu" if device_paths() else "cpu"
+    key = "%s-%s" % (a.deps_key, flavour) if a.deps_key else ""
+    print("TPUCTL_PROBE " + json.dumps({
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "python_path": sys.executable,
+        "free_gb": round(disk.free / 2**30, 2),
+        "time": time.time(),
+        "root": root,
+        "flavour": flavour,
+        "devices": device_paths(),
+        "stale": stale,
+        "cleared": cleared,
+        "deps_key": key,
+        "have_deps": bool(key) and os.path.exists(os.path.join(
+            os.path.expanduser(a.deps_root) if a.deps_root else os.path.join(root, "deps"), key, ".complete")),
+        "have_app": bool(a.app_hash) and os.path.exists(os.path.join(root, "app", a.app_hash, ".complete")),
+        "have_files": [w for w in a.wrap if os.path.exists(os.path.join(root, "bin", w))],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""`tpuctl run`, `tpuctl ssh`, `tpuctl logs`: plain click commands, registered into the `tpuctl` group by
+orchestrator/cli.py (`cli.add_command(run)` ...); also runnable alone: `python -m orchestrator.cli_run run ...`.
+
+Workers come from the slice's record and the TPU API (orchestrator.slices.workers), or directly from
+`--hosts ip[:port],...`. For a local slice the SSH user, key and port come from its LocalSlice record.
+"""
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from orchestrator import launch as L
+from orchestrator.bundle import BundleError
+from orchestrator.hosts import HostError, Hosts, SshConfig
+from orchestrator.spec import UserError
+
+DEFAULT_SSH_PORT = 22
+
+
+def _home() -> Path:
+    return Path(os.environ.get("TPUCTL_HOME") or Path.home() / ".tpuctl")
+
+
+class RunCliError(click.ClickException):
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))  # one line
+
+
+def _errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        from infra.local_slice import LocalSliceError
+        try:
+            return fn(*a, **kw)
+        except (UserError, L.LaunchError, HostError, BundleError, LocalSliceError) as e:
+            raise RunCliError(str(e)) from None
+    return wrapper
+
+
+# ------------------------------------------------------------------------------ workers and SSH
+@dataclass
+class Target:
+    name: str
+    workers: list[L.Worker]
+    ssh: SshConfig
+    local_slice: object | None = None  # infra.local_slice.LocalSlice for a local slice
+
+
+def _parse_hosts(spec: str) -> list[L.Worker]:
+    out = []
+    for i, item in enumerate(x.strip() for x in spec.split(",") if x.strip()):
+        host, _, port = item.rpartition(":") if item.count(":") == 1 else (item, "", "")
+        if not port.isdigit() and port:
+            raise UserError(f"--hosts {item!r}: write ip or ip:port, comma-separated")
+        out.append(L.Worker(index=i, internal_ip=host, port=int(port) if port else None))
+    if not out:
+        raise UserError("--hosts is empty: write --hosts 10.0.0.2,10.0.0.3[:22]")
+    return out
+
+
+def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = None, local: bool | None = None,
+            ssh_user: str | None = None, ssh_key: str | None = None, ssh_port: int | None = None) -> Target:
+    """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > local slice > TPU VM defaults)."""
+    from infra.local_slice import LocalSlice
+    ls = None
+    if hosts:
+        workers = _parse_hosts(hosts)
+        ls = LocalSlice.load(name) if local else None
+    else:
+        from orchestrator import slices, state
+        rec = state.lookup(name)
+        is_local = bool(local) or (rec is not None and rec.local)
+        if rec is None and not local and not api_endpoint:
+            raise UserError(f"no slice named {name} in the local record: `tpuctl ls`, or pass --hosts IP,...")
+        ws = slices.workers(name, api_endpoint=api_endpoint, local=True if is_local else None)
+        workers = [L.Worker(index=w.index, internal_ip=w.internal_ip, external_ip=w.external_ip) for w in ws]
+        if is_local:
+            ls = LocalSlice.load(name)
+            if ls is None or not all(ls.alive()):
+                raise UserError(f"the local hosts of {name} are not running: "
+                                f"`tpuctl down {name}` then `tpuctl up {name} --local` again")
+    user = ssh_user or os.environ.get("TPUCTL_SSH_USER") or (ls.ssh_user if ls else getpass.getuser())
+    key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or (ls.ssh_key if ls else None)
+    port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or (ls.hosts[0].port if ls else DEFAULT_SSH_PORT)
+    ssh = SshConfig(user=user, port=port) if key is None else SshConfig(user=user, key=key, port=port)
+    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls)
+
+
+def _ssh_options(f):
+    f = click.option("--ssh-port", type=int, help="SSH port (default 22; the local slice's for --local).")(f)
+    f = click.option("--ssh-key", type=click.Path(dir_okay=False),
+                     help="Private key (default ~/.ssh/google_compute_engine, as gcloud makes; env TPUCTL_SSH_KEY).")(f)
+    f = click.option("--ssh-user", help="SSH user (default: your user name; env TPUCTL_SSH_USER).")(f)
+    f = click.option("--hosts", metavar="IP[:PORT],...",
+                     help="Connect to these hosts (worker order) instead of looking the slice up.")(f)
+    f = click.option("--local", is_flag=True, default=None, help="NAME is a local slice (`tpuctl up --local`).")(f)
+    f = click.option("--api-endpoint", metavar="URL", help="Cloud TPU API endpoint to read the workers from.")(f)
+    return f
+
+
+# ------------------------------------------------------------------------------ checks on the trainer argv
+def _arg_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def check_ckpt_dir(argv: list[str], target: Target) -> None:
+    """A local --ckpt-dir with several hosts must be on a filesystem they all share."""
+    ckpt = _arg_value(argv, "--ckpt-dir")
+    if not ckpt or "://" in ckpt or len(target.workers) < 2:
+        return
+    ls = target.local_slice
+    private = ("/root", "/tmp")  # what each local host has its own copy of (infra/local_slice.py)
+    if ls is not None and ckpt.startswith("/") and not any(ckpt == p or ckpt.startswith(p + "/") for p in private):
+        return
+    where = "each host's private home or /tmp" if ls is not None else "each host's own disk"
+    raise UserError(f"--ckpt-dir {ckpt} is a local path on {len(target.workers)} hosts ({where}): every host must "
+                    "write the same checkpoint, so use gs://BUCKET/PATH (or, on a local slice, an absolute path "
+                    "outside /root and /tmp)")
+
+
+def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
+    """Local slice + a gs:// path: point the hosts at the GCS emulator (started if none runs)."""
+    if target.local_slice is None or not any(a.startswith("gs://") or "=gs://" in a for a in argv):
+        return {}
+    from infra import gcs
+    buckets = {a.split("gs://", 1)[1].split("/", 1)[0] for a in argv if "gs://" in a}
+    emu = gcs.start(buckets=tuple(sorted(b for b in buckets if b)))
+    return emu.env
+
+
+# ------------------------------------------------------------------------------ run
+@click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("name")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--env", "env_pairs", multiple=True, metavar="K=V", help="Set K=V in the trainer's environment on "
+              "every host (repeatable).")
+@click.option("--secret-env", "secret_names", multiple=True, metavar="K",
+              help="Pass $K from your environment to the trainer on every host, through stdin into a 0600 file: "
+                   "never in argv, logs or state (repeatable).")
+@click.option("--kill-stale", is_flag=True, help="Kill processes that hold the accelerator (and stale lockfiles, "
+              "earlier tpuctl trainers) instead of stopping at preflight.")
+@click.option("--workdir", type=click.Path(file_okay=False, exists=True),
+              help="Also ship this directory (the trainer runs in it, and it is on PYTHONPATH).")
+@click.option("--raw", is_flag=True, help="Run COMMAND as it is (no bundle, no Python environment needed).")
+@click.option("--coordinator-port", type=int, default=L.DEFAULT_COORDINATOR_PORT, show_default=True)
+@click.option("--heartbeat-timeout", type=int, default=10, show_default=True,
+              help="Seconds before jax.distributed declares a silent host dead.")
+@click.option("--init-timeout", type=int, default=60, show_default=True,
+              help="Seconds jax.distributed waits for every host to join.")
+@click.option("--json", "as_json", is_flag=True, help="Stream the hosts' output to stderr and print the result as "
+              "JSON on stdout.")
+@_ssh_options
+@_errors
+def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
+        init_timeout, as_json, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+    """Ship the code to every worker of NAME and run COMMAND there, all at once.
+
+    \b
+      tpuctl run NAME -- pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run1
+      tpuctl run NAME -- python my_script.py --flag      (the bundle's Python; with --workdir .)
+      tpuctl run NAME --raw -- nvidia-smi                 (as it is, nothing installed)
+
+    Preflight (reachable, Python, disk, accelerator held by a stale process, clock), push (one wheel, installed
+    once per content hash), launch with jax.distributed settings, prefixed output per host. The first host
+    to fail stops all others; Ctrl-C stops every host.
+    """
+    from orchestrator import bundle as B
+    from orchestrator.runner import RunFailed, local_install, run_job
+    command = list(command)
+    if not command:
+        raise UserError("nothing to run: `tpuctl run NAME -- pretrain --preset gpt2-tiny ...`")
+    env = L.parse_env(env_pairs)
+    secrets = L.read_secrets(secret_names, dict(os.environ))
+    if raw:
+        argv = command
+    elif command[0] in ("python", "python3"):
+        argv = [L.PYTHON, *command[1:]]
+    else:
+        argv = [L.PYTHON, "-m", "trainer", *command]
+    target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
+                     ssh_key=ssh_key, ssh_port=ssh_port)
+    check_ckpt_dir(argv, target)
+    env = {**_gcs_env(argv, target), **env}
+    out = sys.stderr if as_json else sys.stdout
+    bundle = install = layout = None
+    if not raw:
+        bundle = B.build(workdir=workdir)
+        if target.local_slice is not None:
+            ls = target.local_slice
+            install, layout = local_install(ls.wheelhouse, bundle, python=ls.python,
+                                            log=lambda m: print(f"[tpuctl] {m}", file=out))
+    run_dir = _home() / "runs" / name / L.new_run_id()
+    try:
+        res = run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
+                      kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
+                      coordinator_port=coordinator_port, heartbeat_timeout_s=heartbeat_timeout,
+                      init_timeout_s=init_timeout, run_id=run_dir.name, out=out)
+    except RunFailed as e:
+        res = e.result
+        click.echo(f"Error: {e}", err=True)
+    if as_json:
+        click.echo(json.dumps({"name": name, "run_id": res.run_id, "run_dir": str(res.run_dir),
+                               "returncode": res.returncode, "exit_codes": res.exit_codes,
+                               "failed_worker": res.failed_worker, "push": res.push, "timings": res.timings}))
+    elif res.ok:
+        click.echo(f"[tpuctl] done on {len(target.workers)} host(s) in {res.timings.get('total_s', 0):.1f} s; "
+                   f"logs: {res.run_dir}", file=out)
+    sys.exit(res.returncode)
+
+
+# ------------------------------------------------------------------------------ ssh
+def _select(workers: list[L.Worker], worker: str) -> list[int]:
+    if worker == "all":
+        return list(range(len(workers)))
+    if not worker.isdigit() or int(worker) >= len(workers):
+        raise UserError(f"--worker {worker}: pick 0..{len(workers) - 1} or all")
+    return [int(worker)]
+
+
+@click.command("ssh", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("name")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")
+@_ssh_options
+@_errors
+def ssh(name, command, worker, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+    """Run COMMAND on one or all workers of NAME (output prefixed [wI]), or open a shell on one.
+
+    \b
+      tpuctl ssh NAME --worker all -- nproc
+      tpuctl ssh NAME --worker 1
+    """
+    target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
+                     ssh_key=ssh_key, ssh_port=ssh_port)
+    idx = _select(target.workers, worker)
+    if not command:
+        if len(idx) != 1:
+            raise UserError("a shell needs one worker: --worker N (or give a command for --worker all)")
+        w = target.workers[idx[0]]
+        args = ["ssh", "-p", str(w.port or target.ssh.port), f"{target.ssh.user}@{w.address}"]
+        if target.ssh.key:
+            args[1:1] = ["-i", target.ssh.key, "-o", "IdentitiesOnly=yes"]
+        if target.local_slice is not None:  # fresh host keys on every `up --local`
+            args[1:1] = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+        sys.stdout.flush()
+        os.execvp("ssh", args)
+    with Hosts(target.workers, target.ssh) as h:
+        codes = h.stream(" ".join(command) if len(command) == 1 else _join(command), idx,
+                         prefix=len(target.workers) > 1 or len(idx) > 1)
+    bad = {i: rc for i, rc in codes.items() if rc}
+    if bad:
+        click.echo("Error: " + ", ".join(f"w{i} exited {rc}" for i, rc in bad.items()), err=True)
+        sys.exit(max(bad.values()) if max(bad.values()) < 256 else 1)
+
+
+def _join(command: list[str]) -> str:
+    import shlex
+    return " ".join(shlex.quote(c) for c in command)
+
+
+# ------------------------------------------------------------------------------ logs
+def _run_dir(name: str, run_id: str | None) -> Path:
+    base = _home() / "runs" / name
+    if run_id:
+        d = base / run_id
+        if not d.is_dir():
+            raise UserError(f"no run {run_id} of {name} in {base}")
+        return d
+    runs = sorted(d for d in base.glob("*") if d.is_dir()) if base.is_dir() else []
+    if not runs:
+        raise UserError(f"no runs of {name} yet (they are kept in {base}): `tpuctl run {name} -- ...`")
+    return runs[-1]
+
+
+@click.command("logs")
+@click.argument("name")
+@click.option("--worker", "-w", default="all", show_default=True, help="Worker index, or all.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends (Ctrl-C to stop).")
+@click.option("--run", "run_id", help="Run id (default: the latest run of NAME).")
+@click.option("--tail", type=int, default=0, help="Only the last N lines of each host.")
+@_errors
+def logs(name, worker, follow, run_id, tail):
+    """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]."""
+    d = _run_dir(name, run_id)
+    files = sorted(d.glob("w*.log"), key=lambda p: int(p.stem[1:]))
+    if worker != "all":
+        if not worker.isdigit():
+            raise UserError(f"--worker {worker}: pick a worker index or all")
+        files = [f for f in files if f.stem == f"w{worker}"]
+        if not files:
+            raise UserError(f"no log of worker {worker} in {d}")
+    prefix = len(files) > 1 or worker == "all"
+    handles = []
+    for f in files:
+        h = open(f, encoding="utf-8", errors="replace")
+        lines = h.readlines()
+        for line in lines[-tail:] if tail else lines:
+            click.echo((f"[{f.stem}] " if prefix else "") + line.rstrip("\n"))
+        handles.append((f.stem, h))
+    if not follow:
+        return
+    try:
+        while True:
+            got = False
+            for stem, h in handles:
+                for line in h.readlines():
+                    got = True
+                    click.echo((f"[{stem}] " if prefix else "") + line.rstrip("\n"))
+            if not got and _finished(d):
+                for stem, h in handles:  # what arrived between the last read and the end
+                    for line in h.readlines():
+                        click.echo((f"[{stem}] " if prefix else "") + line.rstrip("\n"))
+                return
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        return
+
+
+def _finished(d: Path) -> bool:
+    try:
+        rec = json.loads((d / "run.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "returncode" in rec
+
+
+@click.group()
+def main():
+    """tpuctl run / ssh / logs on their own (the `tpuctl` command registers the same commands)."""
+
+
+main.add_command(run)
+main.add_command(ssh)
+main.add_command(logs)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""SSH to every worker of a slice with fabric: preflight, push the bundle, run everywhere, stop.
+
+One fabric Connection per worker, used from one thread per worker (a ThreadingGroup for the
+all-at-once steps). Nothing reads the local stdin (`in_stream=False`) except the secrets upload,
+whose stdin is an in-memory buffer.
+"""
+from __future__ import annotations
+
+import getpass
+import hashlib
+import io
+import json
+import os
+import shlex
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from fabric import Config, Connection, ThreadingGroup
+
+from orchestrator.bundle import Bundle
+from orchestrator.launch import HOSTWRAP, HostLayout, Worker, _home_path
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+MIN_FREE_GB = 2.0
+MAX_SKEW_S = 60.0     # TLS to GCS and the coordinator's deadlines go wrong past this
+WARN_SKEW_S = 2.0
+
+
+class HostError(RuntimeError):
+    """What went wrong on which host, one line each."""
+
+
+def _default_key() -> str | None:
+    # What `gcloud compute tpus tpu-vm ssh` creates and TPU VMs accept.
+    k = Path.home() / ".ssh" / "google_compute_engine"
+    return str(k) if k.exists() else None
+
+
+@dataclass
+class SshConfig:
+    user: str = field(default_factory=getpass.getuser)
+    key: str | None = field(default_factory=_default_key)
+    port: int = 22
+    connect_timeout: float = 10.0
+
+
+@dataclass
+class InstallOptions:
+    """How bootstrap.sh builds the dependency layer (defaults: a real host, from the package index)."""
+    wheelhouse: str | None = None  # install only from this directory of wheels (shared on the machine)
+    uv_cache: str | None = None    # uv's cache (shared on the machine: a second host links, not unpacks)
+    python: str | None = None      # a Python >= 3.11 the host has (else bootstrap finds or installs one)
+
+
+@dataclass
+class Probe:
+    """One host's preflight answer."""
+    worker: Worker
+    error: str | None = None          # unreachable, no python3, ...
+    hostname: str = ""
+    python: str = ""
+    free_gb: float = 0.0
+    skew_s: float = 0.0
+    flavour: str = "cpu"
+    devices: list[str] = field(default_factory=list)
+    stale: list[dict] = field(default_factory=list)
+    cleared: list[dict] = field(default_factory=list)
+    deps_key: str = ""
+    have_deps: bool = False
+    have_app: bool = False
+    have_files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def problems(self) -> list[str]:
+        w = f"{self.worker.name} ({self.worker.address})"
+        if self.error:
+            return [f"{w}: {self.error}"]
+        out = []
+        for s in self.stale:
+            what = {"device": f"holds {s['path']}", "lockfile": f"left {s['path']} behind (no process holds it)",
+                    "trainer": f"is a tpuctl trainer still running (run {s.get('run_id')})"}[s["kind"]]
+            who = f"PID {s['pid']} ({s['cmd'][:80]})" if s.get("pid") else "a dead process"
+            out.append(f"{w}: {who} {what}: rerun with --kill-stale to clear it")
+        if self.free_gb < MIN_FREE_GB:
+            out.append(f"{w}: only {self.free_gb:.1f} GB free in the home directory (need {MIN_FREE_GB} GB)")
+        if abs(self.skew_s) > MAX_SKEW_S:
+            out.append(f"{w}: clock is {self.skew_s:+.0f} s off this machine's: fix NTP on the host")
+        return out
+
+    def warnings(self) -> list[str]:
+        w = f"{self.worker.name} ({self.worker.address})"
+        out = []
+        if not self.error and abs(self.skew_s) > WARN_SKEW_S:
+            out.append(f"{w}: clock is {self.skew_s:+.1f} s off this machine's")
+        if not self.error and self.python and tuple(map(int, self.python.split(".")[:2])) < (3, 11):
+            out.append(f"{w}: host Python is {self.python}; bootstrap brings 3.11 for jax")
+        return out
+
+
+def file_id(path: Path) -> str:
+    """Name of a helper script on the host: versioned by content, so an edit is re-uploaded."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    return f"{path.stem}-{digest}{path.suffix}"
+
+
+class Hosts:
+    """The workers of one slice, over SSH."""
+
+    def __init__(self, workers: list[Worker], ssh: SshConfig, layout: HostLayout | None = None):
+        if not workers:
+            raise HostError("no workers to connect to")
+        self.workers = sorted(workers, key=lambda w: w.index)
+        self.ssh = ssh
+        self.layout = layout or HostLayout()
+        if ssh.key and not Path(ssh.key).expanduser().exists():
+            raise HostError(f"SSH key {ssh.key} does not exist: pass --ssh-key PATH")
+        self.conns = [self._connect(w) for w in self.workers]
+        self.helpers = {p.name: file_id(p) for p in (INFRA / HOSTWRAP, INFRA / "bootstrap.sh")}
+
+    def _connect(self, w: Worker) -> Connection:
+        config = Config(overrides={"load_ssh_configs": False,
+                                   "run": {"in_stream": False, "hide": True, "warn": True}})
+        kw = {"banner_timeout": 30, "auth_timeout": 30}
+        if self.ssh.key:  # exactly this key: no agent, no ~/.ssh/id_* guessing
+            kw.update(key_filename=str(Path(self.ssh.key).expanduser()), look_for_keys=False, allow_agent=False)
+        return Connection(w.address, user=self.ssh.user, port=w.port or self.ssh.port, config=config,
+                          connect_timeout=self.ssh.connect_timeout, connect_kwargs=kw)
+
+    def group(self, indices: list[int] | None = None) -> ThreadingGroup:
+        conns = [self.conns[i] for i in (range(len(self.conns)) if indices is None else indices)]
+        return ThreadingGroup.from_connections(conns)
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---------------------------------------------------------------- helpers
+    def each(self, fn: Callable[[int, Connection], object], indices: list[int] | None = None) -> list:
+        """fn(i, conn) on every (or the given) worker at once; results in worker order (exceptions kept)."""
+        idx = list(range(len(self.conns))) if indices is None else list(indices)
+        if not idx:
+            return []
+
+        def call(i):
+            try:
+                return fn(i, self.conns[i])
+            except Exception as e:  # noqa: BLE001 - reported per host by the caller
+                return e
+        with ThreadPoolExecutor(max_workers=min(32, len(idx))) as ex:
+            return list(ex.map(call, idx))
+
+    def run_all(self, command: str, indices: list[int] | None = None, timeout: float | None = None):
+        """Run a command on the workers; {index: invoke Result or exception}."""
+        res = self.each(lambda i, c: c.run(command, timeout=timeout), indices)
+        idx = list(range(len(self.conns))) if indices is None else list(indices)
+        return dict(zip(idx, res))
+
+    def stream(self, command: str, indices: list[int] | None = None, out=None, prefix: bool = True,
+               timeout: float | None = None) -> dict[int, int]:
+        """Run a command on the workers at once, output line by line with a [wI] prefix; {index: exit}."""
+        import sys
+        out = out or sys.stdout
+        lock = threading.Lock()
+
+        class Lines:
+            def __init__(self, i):
+                self.buf, self.tag = "", f"[{self_.workers[i].name}] " if prefix else ""
+
+            def write(self, s):
+                self.buf += s
+                *lines, self.buf = self.buf.split("\n")
+                with lock:
+                    out.writelines(self.tag + line + "\n" for line in lines)
+                    out.flush()
+
+            def flush(self):
+                pass
+
+        self_ = self
+
+        def one(i, c):
+            w = Lines(i)
+            try:
+                r = c.run(command, out_stream=w, err_stream=w, hide=False, warn=True, timeout=timeout)
+                rc = r.exited
+            except Exception as e:  # noqa: BLE001
+                w.write(f"tpuctl: {_one_line(e)}\n")
+                rc = 255
+            if w.buf:
+                w.write("\n")
+            return rc
+        idx = list(range(len(self.conns))) if indices is None else list(indices)
+        return dict(zip(idx, self.each(one, idx)))
+
+    # ---------------------------------------------------------------- preflight
+    def preflight(self, *, kill_stale: bool = False, bundle: Bundle | None = None) -> list[Probe]:
+        """Probe every host in parallel. Raises HostError naming each host's problem (and the PID)."""
+        src = (INFRA / "hostprobe.py").read_text()
+        args = ["--root", self.layout.root]
+        if bundle is not None:
+            args += ["--app-hash", bundle.short, "--deps-key", bundle.deps_hash[:16]]
+        if self.layout.deps_root:
+            args += ["--deps-root", self.layout.deps_root]
+        for name in self.helpers.values():
+            args += ["--wrap", name]
+        if kill_stale:
+            args.append("--kill-stale")
+        cmd = "cd && python3 -c " + shlex.quote(src) + " " + " ".join(shlex.quote(a) for a in args)
+
+        def probe(i: int, c: Connection) -> Probe:
+            p = Probe(worker=self.workers[i])
+            t0 = time.time()
+            try:
+                r = c.run(cmd, timeout=60)
+            except Exception as e:  # noqa: BLE001
+                p.error = f"unreachable over SSH as {self.ssh.user}@{c.host}:{c.port}: {_one_line(e)}"
+                return p
+            t1 = time.time()
+            line = next((l for l in r.stdout.splitlines() if l.startswith("TPUCTL_PROBE ")), None)
+            if r.exited != 0 or line is None:
+                err = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                p.error = ("python3 not found on the host" if r.exited == 127 else f"preflight failed: {err}")
+                return p
+            d = json.loads(line[len("TPUCTL_PROBE "):])
+            p.hostname, p.python, p.free_gb = d["hostname"], d["python"], d["free_gb"]
+            p.skew_s = d["time"] - (t0 + t1) / 2  # against the midpoint of the round trip
+            p.flavour, p.devices, p.stale, p.cleared = d["flavour"], d["devices"], d["stale"], d["cleared"]
+            p.deps_key, p.have_deps, p.have_app = d["deps_key"], d["have_deps"], d["have_app"]
+            p.have_files, p.seconds = d["have_files"], t1 - t0
+            return p
+
+        probes = self.each(probe)
+        problems = [line for p in probes for line in p.problems()]
+        if problems:
+            raise HostError("preflight: " + "\n  ".join(problems) if len(problems) > 1 else
+                            "preflight: " + problems[0])
+        return probes
+
+    # ---------------------------------------------------------------- push
+    def push(self, bundle: Bundle | None, probes: list[Probe], install: InstallOptions | None = None, *,
+             out: Callable[[int, str], None] | None = None) -> dict[int, str]:
+        """Upload and install the bundle where it is missing; {index: "cached" | bootstrap's summary}."""
+        need = [i for i, p in enumerate(probes) if bundle is not None and not (p.have_app and p.have_deps)]
+        files_missing = [i for i, p in enumerate(probes)
+                         if set(self.helpers.values()) - set(p.have_files)]
+        result = {i: "cached" for i in range(len(probes))}
+        upload = sorted(set(need) | set(files_missing))
+        if not upload:
+            return result
+        lay = self.layout
+        if bundle is not None:
+            remote_wheel = f"{lay.root}/bundles/{bundle.wheel.name}"
+            remote_reqs = f"{lay.root}/bundles/requirements-{bundle.deps_hash[:16]}.txt"
+            reqs_local = bundle.wheel.parent / f"requirements-{bundle.deps_hash[:16]}.txt"
+        if bundle is not None and not reqs_local.exists():
+            tmp = reqs_local.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(bundle.requirements_text())
+            os.replace(tmp, reqs_local)
+
+        def put(i: int, c: Connection) -> None:
+            c.run(f"mkdir -p {_home_path(lay.root + '/bundles')} {_home_path(lay.bin())}", warn=False)
+            home = c.run("echo $HOME", warn=False).stdout.strip()
+            for src, name in self.helpers.items():
+                if name not in probes[i].have_files:
+                    _put(c, INFRA / src, f"{home}/{lay.bin(name)}")
+            if i in need:
+                _put(c, bundle.wheel, f"{home}/{remote_wheel}")
+                _put(c, reqs_local, f"{home}/{remote_reqs}")
+
+        errors = {i: e for i, e in zip(upload, self.each(put, upload)) if isinstance(e, Exception)}
+        if errors:
+            raise HostError("push: " + "; ".join(f"{self.workers[i].name}: upload failed: {_one_line(e)}"
+                                                 for i, e in errors.items()))
+        if not need:
+            return result
+
+        def bootstrap(i: int, c: Connection) -> str:
+            args = ["--root", lay.root, "--deps-key", probes[i].deps_key, "--reqs", remote_reqs,
+                    "--app-hash", bundle.short, "--wheel", remote_wheel]
+            opt = install or InstallOptions()
+            for flag, value in (("--wheelhouse", opt.wheelhouse), ("--uv-cache", opt.uv_cache),
+                                ("--python", opt.python)):
+                if value:
+                    args += [flag, value]
+            if lay.deps_root:
+                args += ["--deps-root", lay.deps_root]
+            cmd = "cd && bash " + _home_path(lay.bin(self.helpers["bootstrap.sh"])) + " " + \
+                " ".join(shlex.quote(a) for a in args) + " 2>&1"
+            r = c.run(cmd, timeout=3600)
+            lines = r.stdout.splitlines()
+            if out:
+                for line in lines:
+                    if not line.startswith("TPUCTL_BOOTSTRAP"):
+                        out(i, line)
+            summary = next((l for l in lines if l.startswith("TPUCTL_BOOTSTRAP ")), None)
+            if r.exited != 0 or summary is None:
+                tail = " | ".join(lines[-3:]) or "no output"
+                raise HostError(f"bootstrap failed (exit {r.exited}): {tail}")
+            return summary[len("TPUCTL_BOOTSTRAP "):]
+
+        for i, r in zip(need, self.each(bootstrap, need)):
+            if isinstance(r, Exception):
+                errors[i] = r
+            else:
+                result[i] = r
+        if errors:
+            raise HostError("push: " + "; ".join(f"{self.workers[i].name}: {_one_line(e)}"
+                                                 for i, e in errors.items()))
+        return result
+
+    # ---------------------------------------------------------------- secrets and stop
+    def upload_secrets(self, command: str, payload: str, indices: list[int] | None = None) -> None:
+        """Pipe the payload into `command`'s stdin on each host (never argv, never echoed)."""
+        def send(i: int, c: Connection):
+            r = c.run(command, in_stream=io.StringIO(payload), echo_stdin=False, hide=True, warn=True)
+            if r.exited != 0:
+                raise HostError(f"could not write the secrets file (exit {r.exited})")
+        errors = [(i, e) for i, e in zip(indices or range(len(self.conns)), self.each(send, indices))
+                  if isinstance(e, Exception)]
+        if errors:
+            raise HostError("secrets: " + "; ".join(f"{self.workers[i].name}: {_one_line(e)}" for i, e in errors))
+
+    def stop(self, command: str, indices: list[int] | None = None, timeout: float = 30) -> dict:
+        """Run the stop command on fresh connections (the run's own are busy streaming)."""
+        idx = list(range(len(self.conns))) if indices is None else list(indices)
+
+        def stop_one(i: int, _c: Connection):
+            c = self._connect(self.workers[i])
+            try:
+                return c.run(command, timeout=timeout)
+            finally:
+                c.close()
+        return dict(zip(idx, self.each(stop_one, idx)))
+
+
+def _put(c: Connection, local: Path, remote: str) -> None:
+    """Upload to a temp name, then rename: a half-written file never carries the final name."""
+    tmp = f"{remote}.part{os.getpid()}-{threading.get_ident()}"
+    c.put(str(local), tmp)
+    sftp = c.sftp()
+    try:
+        sftp.posix_rename(tmp, remote)
+    except OSError:
+        sftp.remove(remote)
+        sftp.rename(tmp, remote)
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    text = s[-1] if s else type(e).__name__
+    if hasattr(e, "result") and getattr(e.result, "stderr", ""):
+        text = e.result.stderr.strip().splitlines()[-1]
+    return f"{type(e).__name__}: {text}" if text and type(e).__name__ not in text else text

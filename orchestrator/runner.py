@@ -1,0 +1,301 @@
+"""A run's life on a slice: preflight -> push -> launch everywhere at once -> watch -> stop.
+
+Every host's output streams to the terminal with a [wI] prefix and into run_dir/wI.log. The first
+non-zero exit stops every other host's process group (over SSH, through hostwrap's pidfile), shows each
+host's last lines and names the failing worker. Ctrl-C stops every host the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from orchestrator import launch as L
+from orchestrator.bundle import Bundle
+from orchestrator.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig
+
+PREEMPTED = 42  # the trainer saved a checkpoint on a preemption notice (docs/CONTRACTS.md)
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    returncode: int
+    exit_codes: dict[int, int | None]       # worker index -> exit status (None: did not finish)
+    failed_worker: int | None = None
+    push: dict[int, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class RunFailed(RuntimeError):
+    def __init__(self, message: str, result: RunResult):
+        super().__init__(message)
+        self.result = result
+
+
+class _HostStream:
+    """invoke out_stream for one host: whole lines, secrets masked, to the terminal and the log."""
+
+    def __init__(self, index: int, out: TextIO, log: Path, lock: threading.Lock, secrets: list[str],
+                 first_output: dict, t0: float, tail: int):
+        self.prefix, self.out, self.lock, self.secrets = f"[w{index}] ", out, lock, secrets
+        self.log = open(log, "a", encoding="utf-8", errors="replace")
+        self.buf, self.tail = "", deque(maxlen=tail)
+        self.index, self.first_output, self.t0 = index, first_output, t0
+
+    def write(self, s: str) -> int:
+        self.buf += s
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            self._line(line)
+        return len(s)
+
+    def _line(self, line: str) -> None:
+        line = line.rstrip("\r")
+        for v in self.secrets:
+            line = line.replace(v, "***")
+        self.first_output.setdefault(self.index, time.monotonic() - self.t0)
+        self.tail.append(line)
+        self.log.write(line + "\n")
+        self.log.flush()
+        with self.lock:
+            self.out.write(self.prefix + line + "\n")
+            self.out.flush()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.buf:
+            self._line(self.buf)
+            self.buf = ""
+        self.log.close()
+
+
+def _describe(rc: int | None) -> str:
+    if rc is None:
+        return "did not finish"
+    if rc > 128 and rc - 128 in signal.Signals._value2member_map_:
+        return f"exit {rc} (killed by {signal.Signals(rc - 128).name})"
+    return f"exit {rc}"
+
+
+def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir: Path | str,
+            env: dict[str, str] | None = None, secret_env: dict[str, str] | None = None,
+            kill_stale: bool = False, bundle: Bundle | None = None, install: InstallOptions | None = None,
+            coordinator_port: int = L.DEFAULT_COORDINATOR_PORT, heartbeat_timeout_s: int = 10,
+            init_timeout_s: int = 60, distributed: bool = True, run_id: str | None = None,
+            out: TextIO | None = None, tail_lines: int = 30, stop_grace_s: float = 10.0,
+            fail_grace_s: float = 2.0, preempt_grace_s: float = 120.0,
+            layout: L.HostLayout | None = None) -> RunResult:
+    """Run argv on every worker at once; argv[0] == "python" is the bundle's Python (needs `bundle`).
+
+    secret_env holds values (read from the user's environment by the caller); they reach the hosts only
+    through stdin and are masked in the output. Raises RunFailed (with .result) when a host fails or the
+    run is interrupted, HostError when preflight or push fails (nothing was started then).
+    """
+    out = out or sys.stdout
+    env, secret_env = dict(env or {}), dict(secret_env or {})
+    for k in env:
+        L.check_env_name(k, "--env")
+    spec = L.LaunchSpec(argv=list(argv), env=env, secret_names=sorted(secret_env),
+                        run_id=run_id or L.new_run_id(), coordinator_port=coordinator_port,
+                        heartbeat_timeout_s=heartbeat_timeout_s, init_timeout_s=init_timeout_s,
+                        distributed=distributed, stop_grace_s=stop_grace_s)
+    if argv and argv[0] == L.PYTHON and bundle is None:
+        raise L.LaunchError("the command runs `python` from the bundle, but no bundle was given")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    say = lambda msg: (out.write(f"[tpuctl] {msg}\n"), out.flush())  # noqa: E731
+    hosts = Hosts(workers, ssh, layout)
+    lay = hosts.layout
+    workers = hosts.workers
+    record = {"run_id": spec.run_id, "argv": spec.argv, "env": env, "secret_env": spec.secret_names,
+              "workers": [asdict(w) for w in workers], "bundle": bundle.hash if bundle else None,
+              "started": time.time()}
+    _write_json(run_dir / "run.json", record)
+    try:
+        probes = hosts.preflight(kill_stale=kill_stale, bundle=bundle)
+        timings["preflight_s"] = time.monotonic() - t0
+        for p in probes:
+            for c in p.cleared:
+                say(f"{p.worker.name}: cleared stale {c['kind']} {c.get('pid') or c['path']}")
+            for w in p.warnings():
+                say(w)
+        t1 = time.monotonic()
+        pushed = hosts.push(bundle, probes, install,
+                            out=lambda i, line: (out.write(f"[w{i}] {line}\n"), out.flush()))
+        timings["push_s"] = time.monotonic() - t1
+        if bundle is not None:
+            state = {v.split()[0] if v != "cached" else v for v in pushed.values()}
+            say(f"bundle {bundle.short}: " + ("unchanged, install skipped on every host" if state == {"cached"}
+                                              else ", ".join(f"w{i} {v}" for i, v in pushed.items())))
+        record["push"] = pushed
+        if secret_env:
+            hosts.upload_secrets(L.secrets_upload_command(lay, spec.run_id), L.secrets_payload(secret_env))
+        wrap = hosts.helpers[L.HOSTWRAP]
+        cmds = [_command(spec, workers, i, lay, probes[i], bundle, wrap) for i in range(len(workers))]
+        result = _watch(hosts, spec, cmds, probes, run_dir, out, secret_env, tail_lines, fail_grace_s,
+                        preempt_grace_s, t0, timings, say)
+        result.push = pushed
+    except BaseException:
+        record["returncode"] = None
+        _write_json(run_dir / "run.json", record)
+        hosts.close()
+        raise
+    record.update(returncode=result.returncode, exit_codes=result.exit_codes, timings=timings,
+                  failed_worker=result.failed_worker, finished=time.time())
+    _write_json(run_dir / "run.json", record)
+    hosts.close()
+    if not result.ok:
+        raise RunFailed(result_message(result, workers), result)
+    return result
+
+
+def local_install(machine_dir: str | Path, bundle: Bundle, python: str | None = None,
+                  log=print) -> tuple[InstallOptions, L.HostLayout]:
+    """Install options for hosts that share this machine (the local slice): a wheelhouse filled once from
+    the package index, one uv cache, and one dependency layer per dependency hash for all of them
+    (machine_dir must be visible at the same path on every host: LocalSlice.wheelhouse is)."""
+    from orchestrator.bundle import fill_wheelhouse
+    machine_dir = Path(machine_dir)
+    wh = fill_wheelhouse(bundle, machine_dir, log=log)
+    opts = InstallOptions(wheelhouse=str(wh), uv_cache=str(machine_dir / "uv-cache"), python=python)
+    return opts, L.HostLayout(deps_root=str(machine_dir / "deps"))
+
+
+def result_message(r: RunResult, workers: list[L.Worker]) -> str:
+    if r.interrupted:
+        return "interrupted: stopped the run on every host"
+    if r.failed_worker is not None:
+        w = workers[r.failed_worker]
+        return f"worker {w.name} ({w.address}) failed: {_describe(r.exit_codes.get(r.failed_worker))}"
+    return f"run failed with exit {r.returncode}"
+
+
+def _command(spec: L.LaunchSpec, workers: list[L.Worker], i: int, lay: L.HostLayout, probe: Probe,
+             bundle: Bundle | None, wrap: str) -> str:
+    if bundle is None:
+        return L.host_command(spec, workers, i, layout=lay, wrap_python="python3", wrap_script=wrap)
+    py = lay.python(probe.deps_key)
+    app = lay.app(bundle.short)
+    path = [app] + ([f"{app}/tpuctl_workdir"] if bundle.has_workdir else [])
+    # hostwrap needs only a python3 (stdlib): the host's own, which preflight already used.
+    return L.host_command(spec, workers, i, layout=lay, wrap_python="python3", env_python=py, pythonpath=path,
+                          cwd=f"{app}/tpuctl_workdir" if bundle.has_workdir else None, wrap_script=wrap)
+
+
+def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe], run_dir: Path,
+           out: TextIO, secret_env: dict, tail_lines: int, fail_grace_s: float, preempt_grace_s: float,
+           t0: float, timings: dict, say) -> RunResult:
+    n = len(cmds)
+    lock = threading.Lock()
+    first: dict[int, float] = {}
+    secrets = sorted((v for v in secret_env.values() if v), key=len, reverse=True)
+    streams = [_HostStream(i, out, run_dir / f"w{i}.log", lock, secrets, first, t0, tail_lines) for i in range(n)]
+    done: queue.Queue = queue.Queue()
+    codes: dict[int, int | None] = {i: None for i in range(n)}
+
+    def host(i: int) -> None:
+        try:
+            r = hosts.conns[i].run(cmds[i], out_stream=streams[i], err_stream=streams[i], hide=False,
+                                   warn=True, pty=False)
+            rc = r.exited
+        except Exception as e:  # noqa: BLE001 - the connection dropped: that host failed
+            streams[i].write(f"tpuctl: lost the SSH connection: {e}\n")
+            rc = 255
+        finally:
+            streams[i].close()
+        done.put((i, rc))
+
+    threads = [threading.Thread(target=host, args=(i,), daemon=True, name=f"w{i}") for i in range(n)]
+    timings["launch_s"] = time.monotonic() - t0
+    for t in threads:
+        t.start()
+    failed, interrupted, stopped = None, False, False
+
+    def stop_all(grace: float, indices: list[int]) -> None:
+        cmd = L.stop_command(hosts.layout, spec.run_id, wrap_python="python3", grace=grace,
+                             wrap_script=hosts.helpers[L.HOSTWRAP])
+        hosts.stop(cmd, indices)
+
+    try:
+        remaining = n
+        deadline = None
+        while remaining:
+            try:
+                i, rc = done.get(timeout=0.2 if deadline is None else max(0.05, deadline - time.monotonic()))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline and not stopped:
+                    stopped = True
+                    stop_all(fail_grace_s, [j for j in range(n) if codes[j] is None])
+                continue
+            codes[i] = rc
+            remaining -= 1
+            if rc != 0 and failed is None:
+                failed = i
+                others = [j for j in range(n) if codes[j] is None]
+                if rc == PREEMPTED and others:  # the others are saving the same step: let them finish
+                    say(f"w{i} stopped on a preemption notice; waiting for the other hosts to save")
+                    deadline = time.monotonic() + preempt_grace_s
+                elif others:
+                    say(f"w{i} failed ({_describe(rc)}): stopping {', '.join(f'w{j}' for j in others)}")
+                    stopped = True
+                    stop_all(fail_grace_s, others)
+    except KeyboardInterrupt:
+        interrupted = True
+        say("interrupted: stopping every host (Ctrl-C again to stop waiting)")
+        try:
+            stop_all(spec.stop_grace_s, [j for j in range(n) if codes[j] is None])
+        except KeyboardInterrupt:
+            stop_all(0, list(range(n)))
+    for t in threads:
+        t.join(timeout=30)
+    for i in range(n):
+        if threads[i].is_alive():  # SSH hung: close it so the thread ends
+            hosts.conns[i].close()
+    while not done.empty():
+        i, rc = done.get()
+        codes[i] = rc
+    timings["first_output_s"] = min(first.values()) if first else float("nan")
+    timings["total_s"] = time.monotonic() - t0
+    if interrupted:
+        rc_all = 130
+    elif failed is not None:
+        rc_all = codes[failed] or 1
+    else:
+        rc_all = 0
+    if rc_all != 0:
+        for i, s in enumerate(streams):
+            with lock:
+                out.write(f"---- w{i} ({hosts.workers[i].address}): {_describe(codes[i])}, "
+                          f"last {len(s.tail)} lines ----\n")
+                out.writelines(f"[w{i}] {line}\n" for line in s.tail)
+        if failed is not None and not interrupted:
+            w = hosts.workers[failed]
+            say(f"FAILED: worker {w.name} ({w.address}) {_describe(codes[failed])}; logs in {run_dir}")
+        out.flush()
+    return RunResult(run_id=spec.run_id, run_dir=run_dir, returncode=rc_all, exit_codes=codes,
+                     failed_worker=None if interrupted else failed, timings=timings, interrupted=interrupted)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)

@@ -1,0 +1,62 @@
+"""Helpers for tests on a local slice (real sshd hosts): start/stop, SSH, what runs on each host."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from infra.local_slice import LocalSlice, _pids_in_ns
+from orchestrator.hosts import SshConfig
+from orchestrator.launch import Worker
+
+# The wheelhouse, uv cache and dependency layers are a machine-wide cache (as $TPUCTL_HOME/wheelhouse is for
+# users): filled once per dependency list, then reused by every test run on this machine.
+TEST_CACHE = Path(os.environ.get("TPUCTL_TEST_CACHE") or Path.home() / ".cache" / "tpuctl-test")
+
+
+def start(name: str, n: int, base: Path) -> LocalSlice:
+    return LocalSlice.start(name, n, base, wheelhouse=TEST_CACHE / "wheelhouse")
+
+
+def workers(s: LocalSlice) -> list[Worker]:
+    return [Worker(h.index, h.ip) for h in s.hosts]
+
+
+def ssh_config(s: LocalSlice) -> SshConfig:
+    return SshConfig(user=s.ssh_user, key=s.ssh_key, port=s.hosts[0].port)
+
+
+def ssh(s: LocalSlice, i: int, command: str, check: bool = True) -> subprocess.CompletedProcess:
+    h = s.hosts[i]
+    return subprocess.run(["ssh", "-i", s.ssh_key, "-p", str(h.port), "-o", "StrictHostKeyChecking=no",
+                           "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes",
+                           f"{s.ssh_user}@{h.ip}", command],
+                          capture_output=True, text=True, timeout=60, check=check, stdin=subprocess.DEVNULL)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def host_processes(s: LocalSlice, i: int) -> list[tuple[int, str]]:
+    """Everything alive in host i's PID namespace except its sshd listener (PID 1 there)."""
+    h = s.hosts[i]
+    return [(p, cmdline(p)) for p in _pids_in_ns(h.pidns) if p != h.init_pid]
+
+
+def wait_idle(s: LocalSlice, timeout: float = 15.0) -> dict[int, list[tuple[int, str]]]:
+    """Wait until no host runs anything but sshd's listener; returns what is left (empty when clean).
+
+    SSH sessions take a moment to end after their command does, so this polls instead of checking once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {i: host_processes(s, i) for i in range(len(s.hosts))}
+        left = {i: p for i, p in left.items() if p}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)

@@ -1,0 +1,86 @@
+"""The local slice: N real sshd hosts, each with its own hostname, home, /tmp, /etc/hosts and process tree."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _local_hosts import host_processes, ssh, start
+from infra.local_slice import LocalSlice, LocalSliceError, _pids_in_ns
+
+
+@pytest.fixture(scope="module")
+def sl(tmp_path_factory):
+    s = start("lstest", 3, tmp_path_factory.mktemp("slices"))
+    yield s
+    s.stop()
+
+
+def test_each_host_is_its_own_machine(sl):
+    seen = set()
+    for i, h in enumerate(sl.hosts):
+        out = ssh(sl, i, "hostname; getent hosts $(hostname) | cut -d' ' -f1; echo $HOME; ls -A ~; "
+                         "touch /tmp/mine-$(hostname) ~/home-$(hostname); ls /tmp; ps -e -o pid= | wc -l").stdout.split()
+        hostname, ip, home = out[:3]
+        assert hostname == f"lstest-w{i}" and ip == h.ip and home == "/root"
+        assert f"mine-lstest-w{i}" in out and not any(f"mine-lstest-w{j}" in out for j in range(3) if j != i)
+        seen.add(hostname)
+        # its home is the private dir the record names, not the machine's /root
+        assert os.path.exists(f"{h.home}/home-{hostname}")
+        assert not os.path.exists(f"/root/home-{hostname}")
+        # the machine's Python is still reachable inside (bind-mounted back)
+        assert ssh(sl, i, f"{sl.python} -c 'print(1)'").stdout.strip() == "1"
+    assert len(seen) == 3
+
+
+def test_start_is_idempotent_and_visible_to_other_processes(sl):
+    again = LocalSlice.start("lstest", 3, sl.base_dir)
+    assert [h.init_pid for h in again.hosts] == [h.init_pid for h in sl.hosts]
+    with pytest.raises(LocalSliceError, match="running with 3 hosts"):
+        LocalSlice.start("lstest", 2, sl.base_dir)
+    out = subprocess.run([sys.executable, "-m", "infra.local_slice", "--base-dir", sl.base_dir, "ls"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "lstest  3/3 hosts up" in out
+
+
+def test_bad_name_is_one_clear_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "infra.local_slice", "--base-dir", str(tmp_path), "start", "Bad_Name"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.startswith("error: invalid local slice name") and len(p.stderr.splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_stop_from_another_process_kills_everything_started_on_the_hosts(tmp_path):
+    s = start("lsstop", 2, tmp_path)
+    # a daemonised process (own session, reparented) on each host: stop must still find it
+    for i in range(2):
+        ssh(s, i, "setsid nohup sleep 4242 >/dev/null 2>&1 < /dev/null &")
+    assert all(any("sleep 4242" in c for _, c in host_processes(s, i)) for i in range(2))
+    namespaces = [h.pidns for h in s.hosts]
+    p = subprocess.run([sys.executable, "-m", "infra.local_slice", "--base-dir", str(tmp_path), "stop", "lsstop"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "stopped lsstop" in p.stdout
+    assert all(_pids_in_ns(ns) == [] for ns in namespaces)
+    assert LocalSlice.load("lsstop", tmp_path) is None and not (tmp_path / "lsstop").exists()
+    assert not LocalSlice.stop_by_name("lsstop", tmp_path)  # second stop: nothing to do
+
+
+def test_a_stale_record_is_replaced(tmp_path):
+    s = start("lsstale", 1, tmp_path)
+    os.kill(s.hosts[0].init_pid, signal.SIGKILL)  # the host dies behind tpuctl's back
+    stale = LocalSlice.load("lsstale", tmp_path)
+    deadline = time.monotonic() + 10
+    while stale.alive() != [False] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stale.alive() == [False]
+    fresh = start("lsstale", 1, tmp_path)
+    try:
+        assert fresh.alive() == [True] and fresh.hosts[0].init_pid != s.hosts[0].init_pid
+        assert ssh(fresh, 0, "hostname").stdout.strip() == "lsstale-w0"
+        rec = json.loads((tmp_path / "lsstale" / "slice.json").read_text())
+        assert rec["hosts"][0]["init_pid"] == fresh.hosts[0].init_pid
+    finally:
+        fresh.stop()
