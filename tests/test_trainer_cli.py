@@ -1,0 +1,90 @@
+"""Bad input: one `error: ...` line on stderr, exit code 2, nothing left behind. And --emulate-devices."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _trainer_util import REPO, TINY, env, session_cache, shakespeare
+from trainer.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TPUCTL_CACHE", session_cache(tmp_path_factory))
+    yield shakespeare(tmp_path_factory)
+    mp.undo()
+
+
+def fails(capsys, argv: list[str], *needles: str) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--mesh", "data=3,model=2"], ["--mesh data=3,model=2", "8 devices"]),
+    (["--mesh", "data=8,model=1", "--batch-size", "12"], ["--batch-size 12", "data axis (8)"]),
+    (["--mesh", "data=2,model=4", "--n-head", "2"], ["--n-head 2", "model axis (4)"]),
+    (["--preset", "gpt2-xxl"], ["unknown preset 'gpt2-xxl'", "gpt2-tiny"]),
+    (["--mesh", "data=8,model"], ["--mesh"]),
+    (["--warmup-steps", "60", "--decay-steps", "50"], ["--warmup-steps 60"]),
+    (["--no-such-flag", "1"], ["--no-such-flag"]),
+])
+def test_bad_flags_are_refused_before_anything_is_written(capsys, corpus, tmp_path, flags, needles):
+    ckpt = tmp_path / "ckpt"
+    fails(capsys, ["pretrain", "--data", corpus, *TINY, "--ckpt-dir", str(ckpt), *flags], *needles)
+    assert not ckpt.exists()
+
+
+def test_empty_corpus(capsys, corpus, tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "empty.txt").write_text("")
+    fails(capsys, ["pretrain", "--data", str(tmp_path / "texts"), *TINY, "--ckpt-dir", str(tmp_path / "ckpt")],
+          "empty")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_unwritable_checkpoint_dir(capsys, corpus, tmp_path):
+    (tmp_path / "file").write_text("not a directory")  # root ignores permission bits: use a file as parent
+    fails(capsys, ["pretrain", "--data", corpus, *TINY, "--ckpt-dir", str(tmp_path / "file" / "ckpt")],
+          "--ckpt-dir", "not writable")
+
+
+def test_checkpoint_of_another_model_is_refused(capsys, corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = ["pretrain", "--data", corpus, *TINY, "--ckpt-dir", str(ckpt), "--log-every", "1", "--eval-batches", "1"]
+    assert main([*run, "--steps", "1"]) == 0
+    before = sorted(p.name for p in ckpt.iterdir())
+    config_before = (ckpt / "config.json").read_text()
+    fails(capsys, [*run, "--steps", "2", "--d-model", "64"], "different model", "d_model 32->64")
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert (ckpt / "config.json").read_text() == config_before
+
+
+def test_sample_without_checkpoint(capsys, tmp_path):
+    fails(capsys, ["sample", "--ckpt-dir", str(tmp_path / "nothing"), "--prompt", "hi"], "does not exist")
+
+
+def run_cli(args, environ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=REPO, env=environ, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_emulate_devices_sets_the_count_and_an_inherited_flag_wins(corpus, tmp_path):
+    cache = os.environ["TPUCTL_CACHE"]
+    args = ["pretrain", "--emulate-devices", "4", "--mesh", "data=3,model=1", "--data", corpus, *TINY,
+            "--ckpt-dir", str(tmp_path / "c")]
+    out = run_cli(args, env(cache, devices=None))
+    assert out.returncode == 2 and out.stderr.splitlines() == [out.stderr.strip()], out.stderr
+    assert "there are 4 devices" in out.stderr
+    out = run_cli(args, env(cache, devices=8))  # XLA_FLAGS already has a device count: it wins
+    assert out.returncode == 2 and "there are 8 devices" in out.stderr, out.stderr
+    assert not (tmp_path / "c").exists()

@@ -1,0 +1,114 @@
+"""Orbax checkpoints: async saves to a local dir or gs:// (same code), resume, save on a preemption notice.
+
+A step holds three items: `params` and `opt` (sharded arrays, restored straight into the shardings of
+whatever mesh the new run uses) and `meta` (the step and the run's config, JSON). Only finished steps
+count: Orbax ignores a step whose save did not complete.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from trainer.config import Config, UsageError, model_diff
+
+
+def check_writable(directory: str) -> None:
+    """Create the dir (if missing) and write + delete a probe file, or raise a one-line UsageError."""
+    path = epath.Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_text("ok")
+        probe.unlink()
+    except Exception as e:  # OSError locally; google/gcsfs errors on gs://
+        reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--ckpt-dir {directory} is not writable ({reason}); pass a directory you can write") from None
+
+
+class Checkpointer:
+    def __init__(self, directory: str, keep: int, *, read_only: bool = False, async_save: bool = True):
+        self.directory = directory
+        self.path = epath.Path(directory)
+        self.mngr = ocp.CheckpointManager(
+            self.path,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=not read_only, read_only=read_only,
+                enable_async_checkpointing=async_save),
+            item_names=("params", "opt", "meta"),
+        )
+        self._signalled = False
+        self._distributed = False
+
+    # --- what is there --------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def saved_config(self, step: int) -> Config:
+        meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        return Config.from_dict(meta["config"])
+
+    def check_compatible(self, step: int, cfg: Config) -> None:
+        """Refuse to resume a checkpoint whose model differs (run-length settings may differ)."""
+        diff = model_diff(self.saved_config(step).model, cfg.model)
+        if diff:
+            raise UsageError(f"--ckpt-dir {self.directory} holds a checkpoint (step {step}) of a different model "
+                             f"({', '.join(diff)}); use another --ckpt-dir or the same model flags")
+
+    # --- save / restore -------------------------------------------------------------------------
+
+    def save(self, step: int, params, opt_state, cfg: Config) -> None:
+        """Start an async save of `step` (every process calls this; Orbax coordinates the writers)."""
+        self.mngr.save(step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
+            meta=ocp.args.JsonSave({"step": step, "config": cfg.to_dict()})))
+
+    def restore(self, step: int, abstract_params, abstract_opt=None):
+        """Arrays land in the shardings carried by the abstract trees (ShapeDtypeStruct with .sharding)."""
+        items = {"params": ocp.args.StandardRestore(abstract_params)}
+        if abstract_opt is not None:
+            items["opt"] = ocp.args.StandardRestore(abstract_opt)
+        out = self.mngr.restore(step, args=ocp.args.Composite(**items))
+        return out.params, (out.opt if abstract_opt is not None else None)
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mngr.wait_until_finished()
+        self.mngr.close()
+
+    # --- preemption -----------------------------------------------------------------------------
+
+    def watch_preemption(self, distributed: bool) -> None:
+        """Multi-process: JAX's coordination service owns SIGTERM and agrees on a sync step.
+        Single process: no such service, so catch SIGTERM here and stop after the current step."""
+        self._distributed = distributed
+        if not distributed:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._signalled = True
+
+    def preempted(self, step: int) -> bool:
+        """Call once per step on every process: True when this step is the one to save and stop at."""
+        if self._distributed:
+            return self.mngr.reached_preemption(step)
+        return self._signalled
+
+    def unwatch(self) -> None:
+        if not self._distributed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def write_config(directory: str, cfg: Config) -> None:
+    """config.json beside the steps, for people and tools (the steps carry their own copy in `meta`)."""
+    (epath.Path(directory) / "config.json").write_text(cfg.to_json() + "\n")
+
+
+def read_json(path: str) -> dict:
+    return json.loads(epath.Path(path).read_text())

@@ -1,0 +1,171 @@
+"""Run configuration: a model config and a train config, named presets, CLI overrides.
+
+Jax-free on purpose: `python -m trainer` parses flags before jax is imported (--emulate-devices).
+Every field is a flag (`--n-layer`, `--decay-steps`, ...); a flag left out takes the preset's value.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+
+
+class UsageError(ValueError):
+    """Bad input. The message is the one-line error the user sees (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything that fixes the parameter shapes (and the math). A checkpoint must match these."""
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int = 0  # 0 = 4 * d_model
+    seq_len: int = 128  # context length = size of the position table
+    vocab_size: int = 50257
+    vocab_multiple: int = 128  # the embedding table is padded to this; padded logits are masked out
+    dropout: float = 0.1
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def padded_vocab(self) -> int:
+        m = max(1, self.vocab_multiple)
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: run length, optimizer, data, checkpoints, logging. May change between resumes."""
+    steps: int = 200  # absolute step to train up to; a resumed run continues to it
+    seed: int = 0
+    batch_size: int = 16  # global, in sequences
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 20
+    decay_steps: int = 2000  # length of warmup + cosine, independent of --steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16
+    mesh: str = ""  # "data=D,model=M"; empty = all devices on data
+    data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
+    ckpt_dir: str = ""
+    ckpt_every: int = 100
+    keep: int = 3
+    log_every: int = 10
+    eval_every: int = 50  # val loss at these steps (and the last); 0 = only at the last step
+    eval_batches: int = 4
+    peak_flops: float = 0.0  # peak FLOP/s of ONE device for MFU; 0 = the trainer's table (None on CPU)
+
+
+@dataclass(frozen=True)
+class Config:
+    preset: str
+    model: ModelConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict:
+        return {"preset": self.preset, "model": dataclasses.asdict(self.model),
+                "train": dataclasses.asdict(self.train)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Config":
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        tnames = {f.name for f in dataclasses.fields(TrainConfig)}
+        return Config(d.get("preset", "?"), ModelConfig(**{k: v for k, v in d["model"].items() if k in names}),
+                      TrainConfig(**{k: v for k, v in d.get("train", {}).items() if k in tnames}))
+
+
+PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
+    # CPU-sized: a few hundred steps in a few minutes on 2 cores; the 50k-vocab output matmul dominates.
+    "gpt2-tiny": (ModelConfig(n_layer=2, n_head=4, d_model=128, seq_len=128, dropout=0.1),
+                  TrainConfig(batch_size=16, lr=3e-3, warmup_steps=20, decay_steps=2000, steps=300,
+                              ckpt_every=100, log_every=10, eval_every=100)),
+    "gpt2-124m": (ModelConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024, dropout=0.0),
+                  TrainConfig(batch_size=256, lr=6e-4, warmup_steps=700, decay_steps=50000, steps=50000,
+                              ckpt_every=1000, log_every=10, eval_every=500, eval_batches=8)),
+    "gpt2-350m": (ModelConfig(n_layer=24, n_head=16, d_model=1024, seq_len=1024, dropout=0.0),
+                  TrainConfig(batch_size=256, lr=3e-4, warmup_steps=700, decay_steps=50000, steps=50000,
+                              ckpt_every=1000, log_every=10, eval_every=500, eval_batches=8)),
+}
+DEFAULT_PRESET = "gpt2-tiny"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(cls, f: dataclasses.Field):
+    t = typing.get_type_hints(cls)[f.name]
+    return {int: int, float: float, str: str}[t]
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per config field, defaulting to None (= take the preset's value)."""
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
+    for cls, title in ((ModelConfig, "model (must match a checkpoint)"), (TrainConfig, "training")):
+        g = p.add_argument_group(title)
+        for f in dataclasses.fields(cls):
+            g.add_argument(_flag(f.name), dest=f.name, type=_field_type(cls, f), default=None,
+                           metavar=f.name.upper().split("_")[-1])
+
+
+def resolve(args: argparse.Namespace) -> Config:
+    """Preset + the flags that were given -> a validated Config (device-independent checks only)."""
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}: choose one of {', '.join(PRESETS)}")
+    model, train = PRESETS[args.preset]
+    pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                        if getattr(args, f.name, None) is not None}
+    cfg = Config(args.preset, dataclasses.replace(model, **pick(ModelConfig)),
+                 dataclasses.replace(train, **pick(TrainConfig)))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    m, t = cfg.model, cfg.train
+    positive = {"--n-layer": m.n_layer, "--n-head": m.n_head, "--d-model": m.d_model, "--seq-len": m.seq_len,
+                "--steps": t.steps, "--batch-size": t.batch_size, "--grad-accum": t.grad_accum,
+                "--decay-steps": t.decay_steps, "--keep": t.keep, "--log-every": t.log_every,
+                "--eval-batches": t.eval_batches}
+    for flag, v in positive.items():
+        if v < 1:
+            raise UsageError(f"{flag} {v}: must be at least 1")
+    for flag, v in {"--warmup-steps": t.warmup_steps, "--ckpt-every": t.ckpt_every, "--eval-every": t.eval_every,
+                    "--d-ff": m.d_ff, "--lr": t.lr, "--weight-decay": t.weight_decay, "--peak-flops": t.peak_flops,
+                    "--grad-clip": t.grad_clip}.items():
+        if v < 0:
+            raise UsageError(f"{flag} {v}: must not be negative")
+    if m.d_model % m.n_head:
+        raise UsageError(f"--d-model {m.d_model} is not divisible by --n-head {m.n_head}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise UsageError(f"--dropout {m.dropout}: must be in [0, 1)")
+    if t.warmup_steps >= t.decay_steps:
+        raise UsageError(f"--warmup-steps {t.warmup_steps} must be below --decay-steps {t.decay_steps}")
+    if t.batch_size % t.grad_accum:
+        raise UsageError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
+    if t.dtype not in ("auto", "float32", "bfloat16"):
+        raise UsageError(f"--dtype {t.dtype}: choose auto, float32 or bfloat16")
+    if not t.ckpt_dir:
+        raise UsageError("--ckpt-dir is required: a local directory or gs://BUCKET/PATH for checkpoints and metrics")
+
+
+def model_diff(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
+    """Model fields that differ, as 'name saved->wanted' (empty when they match)."""
+    a, b = dataclasses.asdict(saved), dataclasses.asdict(wanted)
+    return [f"{k} {a[k]}->{b[k]}" for k in a if a[k] != b[k]]

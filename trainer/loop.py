@@ -1,0 +1,242 @@
+"""Pretraining: the jitted step, evaluation, checkpoints and metrics around it.
+
+Every process runs this same program on its share of the global batch. The train state is two
+pytrees of global arrays (params, optimizer state) that stay in the shardings the rules give them:
+the step is compiled with those as in/out shardings and donates its inputs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from trainer import checkpoint, data, metrics, optim
+from trainer import mesh as mesh_lib
+from trainer.config import Config, UsageError
+from trainer.models import gpt2
+
+PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
+
+
+def enable_compile_cache() -> None:
+    """Persistent XLA compilation cache (a restart after preemption skips recompiling).
+
+    JAX_COMPILATION_CACHE_DIR wins; else $TPUCTL_CACHE/jax (default ~/.cache/tpuctl/jax), private to the user.
+    """
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    if jax.config.jax_compilation_cache_dir:
+        return
+    root = Path(os.environ.get("TPUCTL_CACHE", Path.home() / ".cache" / "tpuctl"))
+    cc.set_cache_dir(str(root / "jax"))
+    cc.reset_cache()  # in case something compiled earlier in this process with no cache configured
+
+
+def compute_dtype(name: str):
+    if name == "auto":  # bf16 matmuls are native on TPU/GPU; on CPU they are slower than f32
+        return jnp.bfloat16 if jax.default_backend() in ("tpu", "gpu") else jnp.float32
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
+    """The config against the mesh: clear errors before anything is allocated."""
+    m, t = cfg.model, cfg.train
+    d, mp = shape["data"], shape["model"]
+    micro = t.batch_size // t.grad_accum
+    if micro % d:
+        per = f" (per micro-step {micro} with --grad-accum {t.grad_accum})" if t.grad_accum > 1 else ""
+        raise UsageError(f"--batch-size {t.batch_size}{per} is not divisible by the mesh's data axis ({d}); "
+                         f"use a multiple of {d * t.grad_accum}")
+    if t.batch_size % n_processes:
+        raise UsageError(f"--batch-size {t.batch_size} is not divisible by the {n_processes} processes")
+    for what, v in (("--n-head", m.n_head), ("the MLP width (--d-ff)", m.ff),
+                    ("the padded vocab", m.padded_vocab)):
+        if v % mp:
+            raise UsageError(f"{what} {v} is not divisible by the mesh's model axis ({mp}); "
+                             f"use a --mesh whose model size divides {v}")
+
+
+class Steps:
+    """The compiled train and eval steps of one (config, mesh)."""
+
+    def __init__(self, cfg: Config, mesh):
+        m, t = cfg.model, cfg.train
+        self.cfg, self.mesh = cfg, mesh
+        self.dtype = compute_dtype(t.dtype)
+        self.graphdef, _ = gpt2.abstract(m)
+        self.param_sh = gpt2.param_shardings(m, mesh)
+        self.rep = mesh_lib.replicated(mesh)
+        self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
+        self.tx = optim.make(t)
+        self.lr = optim.schedule(t)
+        shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(gpt2.GPT2(m, nnx.Rngs(0)), nnx.Param)))
+        self.abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                            shapes, self.param_sh)
+        self.opt_sh = optim.state_shardings(self.tx, self.abstract_params, self.param_sh, self.rep)
+        self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                         jax.eval_shape(self.tx.init, self.abstract_params), self.opt_sh)
+        self._train = jax.jit(self._train_step, in_shardings=(self.param_sh, self.opt_sh, self.batch_sh, self.rep),
+                              out_shardings=(self.param_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
+        self._eval = jax.jit(self._eval_step, in_shardings=(self.param_sh, self.batch_sh), out_shardings=self.rep)
+        self.train_fn = self.eval_fn = None
+
+    # --- pure functions ---------------------------------------------------------------------------
+
+    def _loss(self, params, tokens, key):
+        model = nnx.merge(self.graphdef, params)
+        logits = model(tokens[:, :-1], dropout_key=key, dtype=self.dtype)
+        return gpt2.loss_fn(logits, tokens[:, 1:])
+
+    def _train_step(self, params, opt_state, batch, step):
+        t = self.cfg.train
+        # Dropout keys from (seed, step), drawn on global arrays: independent of the process count.
+        key = jax.random.fold_in(jax.random.key(t.seed), step)
+        grad = jax.value_and_grad(self._loss)
+        if t.grad_accum == 1:
+            loss, grads = grad(params, batch, key)
+        else:
+            a = t.grad_accum
+            # Micro-batch i = rows i, a+i, 2a+i, ...: each device keeps its own rows (no data movement).
+            micro = batch.reshape(batch.shape[0] // a, a, batch.shape[1]).swapaxes(0, 1)
+            micro = mesh_lib.constrain(micro, (None, "batch", None))
+
+            def body(acc, xs):
+                i, mb = xs
+                out = grad(params, mb, jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, acc, out), None
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(a), micro))
+            loss, grads = loss / a, jax.tree.map(lambda g: g / a, grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "lr": self.lr(step - 1)}
+
+    def _eval_step(self, params, batch):
+        return self._loss(params, batch, None)
+
+    # --- compiled ---------------------------------------------------------------------------------
+
+    def compile(self) -> float:
+        """Ahead-of-time compile of the train step, so no step's time includes compilation."""
+        t0 = time.perf_counter()
+        t, m = self.cfg.train, self.cfg.model
+        batch = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), jnp.int32, sharding=self.batch_sh)
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
+        with jax.set_mesh(self.mesh):
+            self.train_fn = self._train.lower(self.abstract_params, self.abstract_opt, batch, step).compile()
+        return time.perf_counter() - t0
+
+    def init(self):
+        params = gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(params)
+        return params, opt_state
+
+    def global_batch(self, local: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.batch_sh, local)
+
+    def step(self, params, opt_state, local: np.ndarray, step: int):
+        return self.train_fn(params, opt_state, self.global_batch(local), np.int32(step))
+
+    def evaluate(self, params, val: data.BatchLoader, n: int) -> float:
+        if self.eval_fn is None:  # compiled at the first evaluation, outside any timed step
+            t, m = self.cfg.train, self.cfg.model
+            shape = jax.ShapeDtypeStruct((t.batch_size // t.grad_accum, m.seq_len + 1), jnp.int32,
+                                         sharding=self.batch_sh)
+            with jax.set_mesh(self.mesh):
+                self.eval_fn = self._eval.lower(self.abstract_params, shape).compile()
+        losses = [self.eval_fn(params, self.global_batch(val.local_batch(i))) for i in range(n)]
+        return float(np.mean([float(x) for x in losses]))
+
+
+def setup_mesh(cfg: Config):
+    shape = mesh_lib.parse_mesh(cfg.train.mesh, jax.device_count())
+    check_fits(cfg, shape, jax.process_count())
+    return mesh_lib.make_mesh(shape)
+
+
+def pretrain(cfg: Config) -> int:
+    """Train to cfg.train.steps, resuming from the latest checkpoint. Returns the exit code."""
+    t, m = cfg.train, cfg.model
+    distributed = mesh_lib.init_distributed()
+    enable_compile_cache()
+    mesh = setup_mesh(cfg)
+    pid, nproc, primary = jax.process_index(), jax.process_count(), jax.process_index() == 0
+    data_dir = data.resolve(t.data or None)
+    loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc)
+    val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc)
+
+    checkpoint.check_writable(t.ckpt_dir)
+    ckpt = checkpoint.Checkpointer(t.ckpt_dir, t.keep)
+    start = ckpt.latest_step() or 0
+    if start:
+        ckpt.check_compatible(start, cfg)
+    if primary:
+        checkpoint.write_config(t.ckpt_dir, cfg)
+        metrics.say(f"config: {cfg.to_json()}")
+
+    steps = Steps(cfg, mesh)
+    if start:
+        params, opt_state = ckpt.restore(start, steps.abstract_params, steps.abstract_opt)
+    else:
+        params, opt_state = steps.init()
+    if primary:
+        metrics.say(f"{gpt2.count_params(params):,} params | mesh data={mesh.shape['data']},model={mesh.shape['model']}"
+                    f" over {jax.device_count()} {jax.devices()[0].device_kind} devices in {nproc} process(es)"
+                    f" | dtype {jnp.dtype(steps.dtype).name} | "
+                    + (f"resuming from step {start}" if start else "starting from scratch"))
+    if start >= t.steps:
+        if primary:
+            metrics.say(f"already at step {start} >= --steps {t.steps}: nothing to do")
+        ckpt.close()
+        return 0
+
+    compile_s = steps.compile()
+    if primary:
+        metrics.say(f"compiled the train step in {compile_s:.1f} s")
+    log = metrics.MetricsLog(t.ckpt_dir, start, enabled=primary)
+    fpt = metrics.flops_per_token(m)
+    peak = metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops)
+    tokens_per_step = t.batch_size * m.seq_len
+    ckpt.watch_preemption(distributed)
+    code = 0
+    try:
+        last_t, last_step = time.perf_counter(), start
+        for step, local in loader.iterate(start + 1):
+            params, opt_state, out = steps.step(params, opt_state, local, step)
+            last = step == t.steps
+            if step == start + 1 or step % t.log_every == 0 or last:
+                rec = {"step": step, "loss": float(out["loss"])}  # blocks until the step is done
+                dt = (time.perf_counter() - last_t) / (step - last_step)
+                tps = tokens_per_step / dt
+                rec.update(tokens_per_s=tps, mfu=(tps * fpt / (peak * jax.device_count())) if peak else None,
+                           step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
+                if last or (t.eval_every and step % t.eval_every == 0):
+                    rec["val_loss"] = steps.evaluate(params, val, t.eval_batches)
+                log.log(rec)
+                if primary:
+                    metrics.say(metrics.progress(rec, t.steps))
+                last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
+            preempted = ckpt.preempted(step)
+            if preempted or last or (t.ckpt_every and step % t.ckpt_every == 0):
+                ckpt.save(step, params, opt_state, cfg)
+            if preempted:
+                ckpt.wait()
+                if primary:
+                    metrics.say(f"preemption notice: saved step {step} to {t.ckpt_dir}; exiting {PREEMPTED}")
+                code = PREEMPTED
+                break
+            if last:
+                break
+    finally:
+        ckpt.unwatch()
+        ckpt.close()
+        log.close()
+    if code == 0 and primary:
+        metrics.say(f"done: step {t.steps}, checkpoint in {t.ckpt_dir}")
+    return code

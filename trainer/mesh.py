@@ -1,0 +1,88 @@
+"""Processes and devices: jax.distributed from the TPUCTL_* env, the (data, model) mesh, sharding rules.
+
+Sharding is written once, as logical axis names -> mesh axes (RULES). Parameters carry logical names in
+their `axes` metadata; activations are constrained with the same names; the batch is sharded over `data`.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from trainer.config import UsageError
+
+AXES = ("data", "model")
+RULES: dict[str, str | None] = {
+    "batch": "data",
+    "vocab": "model",
+    "heads": "model",
+    "mlp": "model",
+    "embed": None,
+    "seq": None,
+    "head_dim": None,
+}
+
+
+def init_distributed() -> bool:
+    """Join the multi-process job described by TPUCTL_* (see docs/CONTRACTS.md). True if joined."""
+    coord = os.environ.get("TPUCTL_COORDINATOR")
+    if not coord:
+        return False
+    try:
+        n, pid = int(os.environ["TPUCTL_NUM_PROCESSES"]), int(os.environ["TPUCTL_PROCESS_ID"])
+    except (KeyError, ValueError):
+        raise UsageError("TPUCTL_COORDINATOR is set but TPUCTL_NUM_PROCESSES / TPUCTL_PROCESS_ID are "
+                         "missing or not integers") from None
+    jax.distributed.initialize(
+        coordinator_address=coord, num_processes=n, process_id=pid,
+        heartbeat_timeout_seconds=int(os.environ.get("TPUCTL_HEARTBEAT_TIMEOUT_S", 100)),
+        initialization_timeout=int(os.environ.get("TPUCTL_INIT_TIMEOUT_S", 300)))
+    return True
+
+
+def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
+    """'data=4,model=2' -> {'data': 4, 'model': 2}; '' = all devices on data. Checked against n_devices."""
+    shape = {"data": 0, "model": 1}
+    if spec:
+        for part in spec.split(","):
+            name, _, val = part.partition("=")
+            name = name.strip()
+            if name not in shape or not val.strip().isdigit() or int(val) < 1:
+                raise UsageError(f"--mesh {spec}: expected data=D,model=M with positive integers")
+            shape[name] = int(val)
+    if not shape["data"]:
+        if n_devices % shape["model"]:
+            raise UsageError(f"--mesh {spec}: model={shape['model']} does not divide the {n_devices} devices")
+        shape["data"] = n_devices // shape["model"]
+    if shape["data"] * shape["model"] != n_devices:
+        raise UsageError(f"--mesh {spec}: data*model = {shape['data'] * shape['model']} but there are "
+                         f"{n_devices} devices; use sizes whose product is {n_devices}")
+    return shape
+
+
+def make_mesh(shape: dict[str, int]) -> Mesh:
+    # Auto axes: XLA propagates shardings through gathers (the embedding lookup) that Explicit axes reject.
+    return jax.make_mesh((shape["data"], shape["model"]), AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+def spec(axes: tuple[str | None, ...] | None) -> P:
+    """Logical axis names -> PartitionSpec over mesh axes, through RULES."""
+    if not axes:
+        return P()
+    return P(*(RULES[a] if a is not None else None for a in axes))
+
+
+def sharding(mesh: Mesh, axes: tuple[str | None, ...] | None) -> NamedSharding:
+    return NamedSharding(mesh, spec(axes))
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's sharding (inside jit, under `jax.set_mesh(mesh)`; a no-op without a mesh)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec(axes))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,160 @@
+"""GPT-2 in Flax NNX, with logical sharding names on every parameter and activation.
+
+Parameters are f32 (master weights); `dtype` is the compute dtype. Each Param carries `axes` metadata
+(logical names, mapped to the mesh by trainer.mesh.RULES), which `param_shardings` turns into the
+NamedShardings the params are created and kept with. Dropout draws from an explicit key so the jitted
+step can derive it from (seed, step) on global arrays.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainer.config import ModelConfig
+from trainer.mesh import constrain, sharding
+
+normal = jax.nn.initializers.normal
+
+
+def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+def dropout(x: jax.Array, rate: float, keep: jax.Array | None) -> jax.Array:
+    if keep is None:
+        return x
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.scale = _param(rngs, jax.nn.initializers.ones, (d,), ("embed",))
+        self.bias = _param(rngs, jax.nn.initializers.zeros, (d,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Statistics in f32 whatever the compute dtype.
+        xf = x.astype(jnp.float32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, hd = cfg.d_model, cfg.n_head, cfg.head_dim
+        # q/k/v kept as a separate axis so sharding heads over `model` never splits across q, k and v.
+        self.qkv_kernel = _param(rngs, normal(0.02), (d, 3, h, hd), ("embed", None, "heads", "head_dim"))
+        self.qkv_bias = _param(rngs, jax.nn.initializers.zeros, (3, h, hd), (None, "heads", "head_dim"))
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled by depth
+        self.out_kernel = _param(rngs, normal(out_std), (h, hd, d), ("heads", "head_dim", "embed"))
+        self.out_bias = _param(rngs, jax.nn.initializers.zeros, (d,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        qkv = jnp.einsum("btd,dkhe->kbthe", x, self.qkv_kernel[...].astype(dt))
+        qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
+        q, k, v = (constrain(t, ("batch", "seq", "heads", "head_dim")) for t in qkv)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = constrain(y, ("batch", "seq", "heads", "head_dim"))
+        out = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt)) + self.out_bias[...].astype(dt)
+        return constrain(out, ("batch", "seq", "embed"))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.ff
+        self.fc_kernel = _param(rngs, normal(0.02), (d, f), ("embed", "mlp"))
+        self.fc_bias = _param(rngs, jax.nn.initializers.zeros, (f,), ("mlp",))
+        self.proj_kernel = _param(rngs, normal(0.02 / math.sqrt(2 * cfg.n_layer)), (f, d), ("mlp", "embed"))
+        self.proj_bias = _param(rngs, jax.nn.initializers.zeros, (d,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        h = x @ self.fc_kernel[...].astype(dt) + self.fc_bias[...].astype(dt)
+        h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))
+        out = h @ self.proj_kernel[...].astype(dt) + self.proj_bias[...].astype(dt)
+        return constrain(out, ("batch", "seq", "embed"))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.rate = cfg.dropout
+        self.ln1 = LayerNorm(cfg.d_model, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = LayerNorm(cfg.d_model, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, keep: tuple[jax.Array | None, jax.Array | None]) -> jax.Array:
+        x = x + dropout(self.attn(self.ln1(x)), self.rate, keep[0])
+        return x + dropout(self.mlp(self.ln2(x)), self.rate, keep[1])
+
+
+class GPT2(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = _param(rngs, normal(0.02), (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"))
+        self.wpe = _param(rngs, normal(0.01), (cfg.seq_len, cfg.d_model), ("seq", "embed"))
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+        self.ln_f = LayerNorm(cfg.d_model, rngs)
+
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
+                 dtype=jnp.float32) -> jax.Array:
+        """int tokens [B, T] -> f32 logits [B, T, padded_vocab], padded entries at -inf-ish."""
+        cfg = self.cfg
+        b, t = tokens.shape
+        keep = [None] * (2 * cfg.n_layer + 1)
+        if dropout_key is not None and cfg.dropout > 0:
+            # Every dropout mask of the step in one draw: one RNG kernel to compile instead of 2L+1.
+            masks = jax.random.bernoulli(dropout_key, 1.0 - cfg.dropout, (len(keep), b, t, cfg.d_model))
+            keep = list(constrain(masks, (None, "batch", "seq", "embed")))
+        wte = self.wte[...]
+        x = jnp.take(wte, tokens, axis=0) + self.wpe[...][:t]
+        x = constrain(dropout(x, cfg.dropout, keep[-1]).astype(dtype), ("batch", "seq", "embed"))
+        for i, block in enumerate(self.blocks):
+            x = block(x, (keep[2 * i], keep[2 * i + 1]))
+        x = self.ln_f(x)
+        logits = jnp.einsum("btd,vd->btv", x, wte.astype(dtype)).astype(jnp.float32)  # tied embeddings
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        if cfg.padded_vocab != cfg.vocab_size:  # padding rows exist for speed only: never predicted
+            valid = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
+            logits = jnp.where(valid, logits, -1e9)
+        return logits
+
+
+def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in f32."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked)
+
+
+def abstract(cfg: ModelConfig):
+    """(graphdef, abstract param state) without allocating anything."""
+    return nnx.split(nnx.eval_shape(lambda: GPT2(cfg, nnx.Rngs(0))))
+
+
+def param_shardings(cfg: ModelConfig, mesh) -> dict:
+    """Pure-dict tree of NamedShardings, one per parameter, from its logical `axes` through the rules."""
+    _, state = abstract(cfg)
+    return nnx.to_pure_dict(state, extract_fn=lambda v: sharding(mesh, v.get_metadata().get("axes")))
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Pure-dict tree of each parameter's logical axes (tuples are leaves only via is_leaf)."""
+    _, state = abstract(cfg)
+    return nnx.to_pure_dict(state, extract_fn=lambda v: v.get_metadata().get("axes"))
+
+
+def init_params(cfg: ModelConfig, seed: int, mesh) -> dict:
+    """f32 params as a pure dict, created directly in their shardings (no host copy, no replication)."""
+    def init():
+        return nnx.to_pure_dict(nnx.state(GPT2(cfg, nnx.Rngs(seed)), nnx.Param))
+    return jax.jit(init, out_shardings=param_shardings(cfg, mesh))()
+
+
+def count_params(params: dict) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,82 @@
+"""Text from a checkpoint: `python -m trainer sample --ckpt-dir DIR --prompt TEXT`.
+
+No KV cache: each new token re-runs the model over the last seq_len tokens (fixed shape, one compile).
+The logits at the last real position are the same as with a cache because attention is causal.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from flax import nnx
+
+from trainer import data
+from trainer.checkpoint import Checkpointer
+from trainer.config import UsageError
+from trainer.loop import compute_dtype
+from trainer.models import gpt2
+
+
+def load(ckpt_dir: str, step: int | None = None):
+    """(config, params on one device) of `step` (default: the latest finished step)."""
+    if not epath.Path(ckpt_dir).exists():
+        raise UsageError(f"--ckpt-dir {ckpt_dir} does not exist; train into it with `python -m trainer pretrain`")
+    ckpt = Checkpointer(ckpt_dir, keep=1, read_only=True)
+    try:
+        steps = ckpt.mngr.all_steps()
+        if not steps:
+            raise UsageError(f"--ckpt-dir {ckpt_dir} has no finished checkpoint")
+        step = max(steps) if step is None else step
+        if step not in steps:
+            raise UsageError(f"--step {step}: not in {ckpt_dir} (it has {', '.join(map(str, sorted(steps)))})")
+        cfg = ckpt.saved_config(step)
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(gpt2.GPT2(cfg.model, nnx.Rngs(0)), nnx.Param)))
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), shapes)
+        params, _ = ckpt.restore(step, target)
+    finally:
+        ckpt.close()
+    return cfg, params
+
+
+def generate(ckpt_dir: str, prompt: str, **kw) -> str:
+    """Prompt + continuation, decoded (see generate_ids for the options)."""
+    ids = generate_ids(ckpt_dir, data.tokenizer().encode_ordinary(prompt), **kw)
+    return data.tokenizer().decode(ids)
+
+
+def generate_ids(ckpt_dir: str, ids: list[int], *, max_new_tokens: int = 200, temperature: float = 0.8,
+                 top_k: int = 40, seed: int = 0, step: int | None = None, dtype: str = "auto") -> list[int]:
+    """Prompt ids + up to max_new_tokens sampled ids (stops at <|endoftext|>). temperature 0 = greedy."""
+    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
+        raise UsageError("--max-new-tokens, --temperature and --top-k must not be negative")
+    cfg, params = load(ckpt_dir, step)
+    m = cfg.model
+    graphdef, _ = gpt2.abstract(m)
+    dt = compute_dtype(dtype)
+    prompt = list(ids)
+    ids = prompt or [data.EOT]  # an empty prompt starts from a document boundary
+
+    @jax.jit
+    def next_token(params, window, pos, key):
+        logits = nnx.merge(graphdef, params)(window[None], dtype=dt)[0, pos, : m.vocab_size]
+        if temperature == 0:
+            return jnp.argmax(logits)
+        logits = logits / temperature
+        if top_k:
+            kth = jax.lax.top_k(logits, min(top_k, m.vocab_size))[0][-1]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        return jax.random.categorical(key, logits)
+
+    key = jax.random.key(seed)
+    out = list(ids)
+    for i in range(max_new_tokens):
+        ctx = out[-m.seq_len:]
+        window = np.zeros(m.seq_len, np.int32)
+        window[: len(ctx)] = ctx  # right padding never reaches earlier positions (causal)
+        tok = int(next_token(params, window, len(ctx) - 1, jax.random.fold_in(key, i)))
+        if tok == data.EOT:
+            break
+        out.append(tok)
+    return out if prompt else out[1:]
