@@ -16,6 +16,7 @@
 #                     [--deps-root DIR] [--wheelhouse DIR] [--uv-cache DIR] [--python PATH]
 # --deps-root: where the dependency layer lives (default ROOT/deps); hosts of one machine can share it.
 set -euo pipefail
+trap 'echo "error: bootstrap.sh on $(hostname): line $LINENO: $BASH_COMMAND failed" >&2' ERR
 T0=$(date +%s.%N)
 ROOT= KEY= REQS= APPHASH= WHEEL= WH= UVCACHE= PY= DEPSROOT=
 while [ $# -gt 0 ]; do
@@ -105,7 +106,7 @@ if [ ! -f "$DEPS/.complete" ]; then
   if [ ! -f "$DEPS/.complete" ]; then
     DEPS_STATE=installed
     rm -rf "$DEPS"
-    grep -v '^#' "$REQS" | sed '/^\s*$/d' > "$DEPS.req"
+    { grep -v '^#' "$REQS" || true; } | sed '/^\s*$/d' > "$DEPS.req"
     grep '^# no-deps: ' "$REQS" | sed 's/^# no-deps: //' > "$DEPS.nodeps" || true
     if [ "$FLAVOUR" = tpu ]; then sed -i 's/^jax\([=<>~!]\)/jax[tpu]\1/' "$DEPS.req"; fi
     SRC=()
@@ -120,11 +121,11 @@ if [ ! -f "$DEPS/.complete" ]; then
         export UV_LINK_MODE=symlink
       fi
       rm -f "$DEPS/.linktest"
-      "$UV" pip install -q --python "$DEPS/bin/python" "${SRC[@]}" -r "$DEPS.req"
+      [ -s "$DEPS.req" ] && "$UV" pip install -q --python "$DEPS/bin/python" "${SRC[@]}" -r "$DEPS.req"
       [ -s "$DEPS.nodeps" ] && "$UV" pip install -q --python "$DEPS/bin/python" "${SRC[@]}" --no-deps -r "$DEPS.nodeps"
     else
       "$PYTHON" -m venv "$DEPS"
-      "$DEPS/bin/python" -m pip install -q --disable-pip-version-check "${SRC[@]}" -r "$DEPS.req"
+      [ -s "$DEPS.req" ] && "$DEPS/bin/python" -m pip install -q --disable-pip-version-check "${SRC[@]}" -r "$DEPS.req"
       [ -s "$DEPS.nodeps" ] && "$DEPS/bin/python" -m pip install -q "${SRC[@]}" --no-deps -r "$DEPS.nodeps"
     fi
     touch "$DEPS/.complete"

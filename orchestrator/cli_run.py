@@ -142,7 +142,7 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------ run
-@click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--env", "env_pairs", multiple=True, metavar="K=V", help="Set K=V in the trainer's environment on "
@@ -230,7 +230,7 @@ def _select(workers: list[L.Worker], worker: str) -> list[int]:
     return [int(worker)]
 
 
-@click.command("ssh", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command("ssh", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")

@@ -1,0 +1,94 @@
+"""Preflight over real SSH: stale processes holding the "device" are named with host and PID; --kill-stale clears them."""
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from _local_hosts import host_processes, ssh, ssh_config, start, wait_idle, workers
+from orchestrator.hosts import HostError, Hosts
+from orchestrator.launch import Worker
+
+LOCK = "/tmp/libtpu_lockfile"
+
+
+@pytest.fixture(scope="module")
+def sl(tmp_path_factory):
+    s = start("hosts", 2, tmp_path_factory.mktemp("slices"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def hosts(sl):
+    with Hosts(workers(sl), ssh_config(sl)) as h:
+        yield h
+    for i in range(2):  # leave nothing behind for the next test
+        ssh(sl, i, f"rm -f {LOCK} ~/.tpuctl-host/run/*.pid; pkill -9 -f tpuctl-test-stale || true", check=False)
+    assert wait_idle(sl) == {}
+
+
+def _ns_pid(outer: int) -> int:
+    """A process's PID as its host sees it (what a user on that host would kill)."""
+    for line in Path(f"/proc/{outer}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    raise AssertionError(outer)
+
+
+def _wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.05)
+
+
+def test_clean_hosts_pass_preflight(hosts, sl):
+    probes = hosts.preflight()
+    assert [p.hostname for p in probes] == ["hosts-w0", "hosts-w1"]
+    assert all(p.python.startswith("3.") and p.free_gb > 0 and abs(p.skew_s) < 5 and p.stale == [] for p in probes)
+
+
+def test_a_sleeping_process_holding_the_libtpu_lockfile_is_named_then_killed(hosts, sl):
+    ssh(sl, 1, f"setsid nohup python3 -c \"import time; f = open('{LOCK}', 'w'); time.sleep(600)\" "
+               "tpuctl-test-stale >/dev/null 2>&1 < /dev/null &")
+    holder = []
+    _wait_for(lambda: holder.extend(p for p, c in host_processes(sl, 1) if "tpuctl-test-stale" in c) or holder)
+    _wait_for(lambda: (Path(sl.hosts[1].home).parent / "tmp" / "libtpu_lockfile").exists())
+    pid = _ns_pid(holder[0])
+    with pytest.raises(HostError) as e:
+        hosts.preflight()
+    msg = str(e.value)
+    assert re.search(rf"w1 \(127\.0\.\d+\.2\): PID {pid} \(python3 -c .*\) holds {LOCK}: rerun with --kill-stale", msg)
+    assert "w0" not in msg and len(msg.splitlines()) == 1
+    probes = hosts.preflight(kill_stale=True)
+    assert [c["pid"] for c in probes[1].cleared] == [pid] and probes[1].stale == [] and probes[0].cleared == []
+    _wait_for(lambda: not Path(f"/proc/{holder[0]}").exists() or "Z" in Path(f"/proc/{holder[0]}/stat").read_text())
+    assert not (Path(sl.hosts[1].home).parent / "tmp" / "libtpu_lockfile").exists()
+    hosts.preflight()  # clean again
+
+
+def test_a_lockfile_nobody_holds_and_a_leftover_tpuctl_trainer(hosts, sl):
+    ssh(sl, 0, f"touch {LOCK}")
+    with pytest.raises(HostError, match=rf"w0 .*: a dead process left {LOCK} behind"):
+        hosts.preflight()
+    # a trainer from an earlier run, still running under tpuctl's wrapper on w1
+    probes = hosts.preflight(kill_stale=True)
+    hosts.push(None, probes)  # uploads the wrapper
+    wrap = hosts.helpers["hostwrap.py"]
+    ssh(sl, 1, f"mkdir -p ~/.tpuctl-host/run; cd; setsid nohup python3 .tpuctl-host/bin/{wrap} run "
+               "--pidfile .tpuctl-host/run/old.pid --run-id old -- sleep 600 >/dev/null 2>&1 < /dev/null &")
+    _wait_for(lambda: (Path(sl.hosts[1].home) / ".tpuctl-host/run/old.pid").exists())
+    with pytest.raises(HostError, match=r"w1 .*: PID \d+ \(sleep 600\) is a tpuctl trainer still running \(run old\)"):
+        hosts.preflight()
+    probes = hosts.preflight(kill_stale=True)
+    assert [c["kind"] for c in probes[1].cleared] == ["trainer"]
+    assert not any("sleep 600" in c for _, c in host_processes(sl, 1))
+
+
+def test_an_unreachable_worker_is_named(sl, tmp_path):
+    ws = workers(sl) + [Worker(2, sl.hosts[0].ip, port=1)]  # nothing listens on port 1
+    with Hosts(ws, ssh_config(sl)) as h, pytest.raises(HostError, match=r"w2 \(127\.0\.\d+\.1\): unreachable over SSH"):
+        h.preflight()
+    with pytest.raises(HostError, match="does not exist"):
+        Hosts(workers(sl), ssh_config(sl).__class__(user="root", key=str(tmp_path / "nokey")))

@@ -1,0 +1,70 @@
+"""The per-host command and environment (pure functions), run through a real shell."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator import launch as L
+
+WORKERS = [L.Worker(0, "10.0.0.2", "34.1.1.1"), L.Worker(1, "10.0.0.3", "34.1.1.2")]
+NASTY = "a b 'single' \"double\" $(touch PWNED) `touch PWNED2`; touch PWNED3 && echo $HOME\nnewline \\ back"
+
+
+def test_coordinator_is_worker0_internal_ip_and_every_host_gets_its_id():
+    spec = L.LaunchSpec(argv=["python", "-m", "trainer"], env={"A": "1"})
+    envs = [L.host_env(spec, WORKERS, i) for i in range(2)]
+    for i, e in enumerate(envs):
+        assert e["TPUCTL_COORDINATOR"] == f"10.0.0.2:{L.DEFAULT_COORDINATOR_PORT}"
+        assert e["TPUCTL_NUM_PROCESSES"] == "2" and e["TPUCTL_PROCESS_ID"] == str(i)
+        assert int(e["TPUCTL_HEARTBEAT_TIMEOUT_S"]) < 100 and int(e["TPUCTL_INIT_TIMEOUT_S"]) < 300
+        assert e["A"] == "1"
+    assert WORKERS[0].address == "34.1.1.1" and L.Worker(0, "10.0.0.2").address == "10.0.0.2"
+
+
+@pytest.mark.parametrize("pairs,msg", [
+    (["NOEQUALS"], "is not K=V"), (["1BAD=x"], "environment variable name"),
+    (["TPUCTL_PROCESS_ID=3"], "sets TPUCTL_PROCESS_ID itself"), (["A B=x"], "environment variable name")])
+def test_bad_env_is_one_clear_line(pairs, msg):
+    with pytest.raises(L.LaunchError, match=msg):
+        L.parse_env(pairs)
+
+
+def test_env_value_keeps_equals_and_secret_must_be_set():
+    assert L.parse_env(["K=a=b=c", "E="]) == {"K": "a=b=c", "E": ""}
+    assert L.read_secrets(["TOK"], {"TOK": "s3cr3t"}) == {"TOK": "s3cr3t"}
+    with pytest.raises(L.LaunchError, match="TOK is not set in your environment"):
+        L.read_secrets(["TOK"], {})
+
+
+def test_command_passes_nasty_args_and_env_through_a_real_shell_unchanged(tmp_path):
+    """The host command, minus the wrapper, run by sh: argv and env arrive byte for byte, nothing else runs."""
+    spec = L.LaunchSpec(argv=[sys.executable, "-c", "import json,os,sys; print(json.dumps([sys.argv[1:], "
+                              "os.environ['NASTY']]))", NASTY, "--flag=" + NASTY, ";", "&&", "*"],
+                        env={"NASTY": NASTY})
+    cmd = L.host_command(spec, WORKERS, 1, layout=L.HostLayout(root=str(tmp_path / "root")),
+                         wrap_python=sys.executable, wrap_script="hostwrap.py")
+    # Run it with the real hostwrap in place, from a directory where a stray `touch` would be visible.
+    (tmp_path / "root" / "bin").mkdir(parents=True)
+    (tmp_path / "root" / "bin" / "hostwrap.py").write_text(open("infra/hostwrap.py").read())
+    p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
+                       env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    args, env = json.loads(p.stdout.strip().splitlines()[-1])
+    assert args == [NASTY, "--flag=" + NASTY, ";", "&&", "*"] and env == NASTY
+    assert not list(tmp_path.glob("PWNED*")) and not list((tmp_path / "root").glob("**/PWNED*"))
+
+
+def test_secrets_are_never_in_the_command_line():
+    spec = L.LaunchSpec(argv=["python", "-m", "trainer"], secret_names=["TOKEN"])
+    cmd = L.host_command(spec, WORKERS, 0, layout=L.HostLayout(), wrap_python="python3",
+                         env_python=".tpuctl-host/deps/k/bin/python")
+    assert "--secrets" in cmd and "TOKEN" not in cmd
+    up = L.secrets_upload_command(L.HostLayout(), spec.run_id)
+    assert up.startswith("umask 077") and "cat >" in up
+
+
+def test_python_argv0_needs_an_environment():
+    spec = L.LaunchSpec(argv=["python", "x.py"])
+    with pytest.raises(L.LaunchError, match="no bundle"):
+        L.host_command(spec, WORKERS, 0, layout=L.HostLayout(), wrap_python="python3")

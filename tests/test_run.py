@@ -1,0 +1,232 @@
+"""`run` over real SSH on a local slice: fail fast, SIGKILL, secrets, quoting, push once per hash, Ctrl-C, ssh/logs.
+
+Most commands here are small python3 one-liners run by the host's own python3 under tpuctl's wrapper
+(no bundle): they exercise exactly the launch, watch and stop paths the trainer takes.
+"""
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from _local_hosts import TEST_CACHE, cmdline, host_processes, ssh, ssh_config, start, wait_idle, workers
+from orchestrator import bundle as B
+from orchestrator import cli_run
+from orchestrator.runner import RunFailed, local_install, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+ID = "int(os.environ['TPUCTL_PROCESS_ID'])"
+
+
+@pytest.fixture(scope="module")
+def sl(tmp_path_factory):
+    s = start("runs", 3, tmp_path_factory.mktemp("slices"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def clean(sl):
+    yield
+    assert wait_idle(sl) == {}, "processes left on the hosts"
+
+
+def py(code: str) -> list[str]:
+    return ["python3", "-c", "import os, sys, time, json\n" + code]
+
+
+def _run(sl, argv, tmp_path, **kw):
+    out = io.StringIO()
+    try:
+        r = run_job(workers(sl), argv, ssh=ssh_config(sl), run_dir=tmp_path / "run", out=out, **kw)
+    except RunFailed as e:
+        return e, out.getvalue()
+    return r, out.getvalue()
+
+
+def _in_thread(fn):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", fn()), daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait_logs(run_dir: Path, n: int, marker: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((run_dir / f"w{i}.log").exists() and marker in (run_dir / f"w{i}.log").read_text() for i in range(n)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not every host printed {marker!r}")
+
+
+def test_first_failure_stops_every_other_host_and_names_the_worker(sl, tmp_path, clean):
+    e, out = _run(sl, py(f"i = {ID}; print('hello from', i, flush=True)\n"
+                         "if i == 1: time.sleep(1); print('w1 gives up', flush=True); sys.exit(3)\n"
+                         "time.sleep(300)"), tmp_path)
+    assert isinstance(e, RunFailed)
+    r = e.result
+    assert r.failed_worker == 1 and r.exit_codes[1] == 3 and r.returncode == 3
+    assert r.exit_codes[0] != 0 and r.exit_codes[2] != 0  # stopped, not finished
+    assert "worker w1" in str(e) and "FAILED: worker w1" in out
+    assert re.search(r"---- w1 .*last \d+ lines ----\n(\[w1\] .*\n)*\[w1\] w1 gives up", out)
+    for i in range(3):
+        assert f"[w{i}] hello from {i}" in out
+        assert f"hello from {i}" in (tmp_path / "run" / f"w{i}.log").read_text()
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["failed_worker"] == 1
+
+
+def test_a_trainer_killed_with_sigkill_fails_the_run_and_nothing_is_left(sl, tmp_path, clean):
+    run_id = "kill-" + uuid.uuid4().hex[:6]
+    t, box = _in_thread(lambda: _run(sl, py("print('ready', flush=True); time.sleep(300)"), tmp_path, run_id=run_id))
+    _wait_logs(tmp_path / "run", 3, "ready")
+    pidfile = Path(sl.hosts[2].home) / ".tpuctl-host" / "run" / f"{run_id}.pid"
+    pgid = json.loads(pidfile.read_text())["pgid"]
+    t0 = time.monotonic()
+    ssh(sl, 2, f"kill -KILL {pgid}")  # as the kernel's OOM killer (or a user) would, on that host
+    t.join(60)
+    e, out = box["r"]
+    assert isinstance(e, RunFailed) and e.result.failed_worker == 2 and e.result.exit_codes[2] == 137
+    assert "killed by SIGKILL" in str(e) and "FAILED: worker w2" in out
+    assert time.monotonic() - t0 < 30
+
+
+def test_secret_env_reaches_the_trainer_but_no_argv_log_or_record(sl, tmp_path, clean):
+    secret = "s3cr3t-" + uuid.uuid4().hex
+    seen_in_argv = []
+    t, box = _in_thread(lambda: _run(
+        sl, py("v = os.environ['TPUCTL_TEST_SECRET']\n"
+               "print('sha', __import__('hashlib').sha256(v.encode()).hexdigest(), flush=True)\n"
+               "print('oops I print it:', v, flush=True)\nprint('ready', flush=True); time.sleep(2)"),
+        tmp_path, secret_env={"TPUCTL_TEST_SECRET": secret}, env={"VISIBLE": "yes"}))
+    _wait_logs(tmp_path / "run", 3, "ready")
+    for p in Path("/proc").iterdir():  # every process on the machine, hosts included, while it runs
+        if p.name.isdigit() and secret in cmdline(int(p.name)):
+            seen_in_argv.append(cmdline(int(p.name)))
+    t.join(60)
+    r, out = box["r"]
+    assert r.ok and seen_in_argv == []
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    assert out.count(f"sha {digest}") == 3 and secret not in out and "oops I print it: ***" in out
+    for f in (tmp_path / "run").iterdir():
+        assert secret not in f.read_text(), f
+    assert "TPUCTL_TEST_SECRET" in (tmp_path / "run" / "run.json").read_text()  # the name only
+    for h in sl.hosts:  # the host side: its 0600 file is gone, its log masked
+        for f in Path(h.home).rglob("*"):
+            if f.is_file() and f.stat().st_size < 10**7:
+                assert secret.encode() not in f.read_bytes(), f
+        assert not list((Path(h.home) / ".tpuctl-host" / "run").glob("*.secrets"))
+
+
+def test_nasty_arguments_and_env_values_arrive_unchanged_and_run_nothing(sl, tmp_path, clean):
+    nasty = "a b 'q' \"dq\" $(touch /tmp/PWNED1) `touch /tmp/PWNED2`; touch /tmp/PWNED3 && echo $HOME *"
+    r, out = _run(sl, [*py("print('ARGS', json.dumps([sys.argv[1:], os.environ['NASTY']]))"), nasty, ";", "|",
+                       "--x=" + nasty], tmp_path, env={"NASTY": nasty})
+    assert r.ok
+    got = [json.loads(line.split("ARGS ", 1)[1]) for line in out.splitlines() if "ARGS " in line]
+    assert got == [[[nasty, ";", "|", "--x=" + nasty], nasty]] * 3
+    for i in range(3):
+        assert ssh(sl, i, "ls /tmp ~ | grep -c PWNED || true").stdout.strip() == "0"
+
+
+def _project_copy(dst: Path) -> Path:
+    for name in ("pyproject.toml", "Makefile", "README.md"):
+        shutil.copy(ROOT / name, dst / name)
+    for pkg in ("orchestrator", "trainer", "infra"):
+        shutil.copytree(ROOT / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def test_push_installs_once_per_hash_and_a_code_change_keeps_the_dependency_layer(sl, tmp_path, clean):
+    proj = _project_copy(tmp_path)
+    # An empty dependency list keeps this test fast; the e2e test installs the real jax stack the same way.
+    small = lambda: dataclasses.replace(B.build(proj, cache_dir=tmp_path / "bundles"), requirements=[], no_deps=[])  # noqa: E731
+    b1 = small()
+    install, layout = local_install(sl.wheelhouse, b1, python=sl.python)
+    argv = ["python", "-c", "import orchestrator.launch as m, sys; print('FROM', m.__file__, sys.version_info[:2])"]
+    r1, out1 = _run(sl, argv, tmp_path / "1", bundle=b1, install=install, layout=layout)
+    assert r1.ok and all("app=installed" in v for v in r1.push.values()), r1.push
+    assert out1.count(f".tpuctl-host/app/{b1.short}/orchestrator/launch.py (3, 11)") == 3
+    r2, out2 = _run(sl, argv, tmp_path / "2", bundle=small(), install=install, layout=layout)
+    assert r2.ok and r2.push == {0: "cached", 1: "cached", 2: "cached"} and "install skipped" in out2
+    with open(proj / "orchestrator" / "launch.py", "a") as f:
+        f.write("\n# changed\n")
+    b3 = small()
+    assert b3.short != b1.short
+    r3, out3 = _run(sl, argv, tmp_path / "3", bundle=b3, install=install, layout=layout)
+    assert r3.ok and all("deps=cached app=installed" in v for v in r3.push.values()), r3.push
+    assert out3.count(f".tpuctl-host/app/{b3.short}/") == 3
+
+
+def _cli_env(sl, tmp_path):
+    return {**os.environ, "TPUCTL_HOME": str(tmp_path / "home")}
+
+
+def _cli_flags(sl):
+    return ["--hosts", ",".join(h.ip for h in sl.hosts), "--ssh-user", sl.ssh_user, "--ssh-key", sl.ssh_key,
+            "--ssh-port", str(sl.hosts[0].port)]
+
+
+def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli_run", "run", "runs", *_cli_flags(sl), "--raw", "--",
+                          *py("print('ready', flush=True); time.sleep(300)")],
+                         env=_cli_env(sl, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        seen = set()
+        for line in p.stdout:
+            m = re.match(r"\[w(\d)\] ready", line)
+            if m:
+                seen.add(m.group(1))
+            if len(seen) == 3:
+                break
+        p.send_signal(signal.SIGINT)
+        rest = p.communicate(timeout=60)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, rest
+    assert "interrupted" in rest
+    assert wait_idle(sl) == {}
+    res = CliRunner().invoke(cli_run.logs, ["runs", "--worker", "1"], env={"TPUCTL_HOME": str(tmp_path / "home")})
+    assert res.exit_code == 0 and res.output.strip().splitlines()[0] == "ready"
+    res = CliRunner().invoke(cli_run.logs, ["runs"], env={"TPUCTL_HOME": str(tmp_path / "home")})
+    assert sorted(res.output.split()) == sorted(["[w0]", "[w1]", "[w2]", "ready", "ready", "ready"])
+    res = CliRunner().invoke(cli_run.logs, ["nothing"], env={"TPUCTL_HOME": str(tmp_path / "home")})
+    assert res.exit_code == 1 and "no runs of nothing yet" in res.output
+
+
+def test_ssh_runs_on_one_or_all_workers(sl, tmp_path, clean):
+    run = lambda *a: CliRunner().invoke(cli_run.ssh, ["runs", *_cli_flags(sl), *a], env=_cli_env(sl, tmp_path))  # noqa: E731
+    res = run("--worker", "all", "--", "hostname")
+    assert res.exit_code == 0 and sorted(res.output.splitlines()) == [f"[w{i}] runs-w{i}" for i in range(3)]
+    res = run("--worker", "2", "--", "echo", "a b", "$(hostname)")
+    assert res.exit_code == 0 and res.output.strip() == "[w2] a b $(hostname)"
+    res = run("--worker", "all", "--", "test $(hostname) = runs-w0")
+    assert res.exit_code == 1 and "w1 exited 1" in res.output and "w0" not in res.output.split("Error:")[1]
+    res = run("--worker", "7", "--", "true")
+    assert res.exit_code == 1 and "pick 0..2 or all" in res.output
+
+
+def test_run_refuses_bad_input_before_touching_a_host(sl, tmp_path, monkeypatch):
+    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
+    run = lambda *a: CliRunner().invoke(cli_run.run, ["runs", *_cli_flags(sl), *a], env=_cli_env(sl, tmp_path))  # noqa: E731
+    res = run("--secret-env", "NOT_SET_ANYWHERE", "--", "pretrain")
+    assert res.exit_code == 1 and "NOT_SET_ANYWHERE is not set in your environment" in res.output
+    res = run("--env", "NOEQUALS", "--", "pretrain")
+    assert res.exit_code == 1 and "is not K=V" in res.output
+    res = run("--", "pretrain", "--ckpt-dir", "/tmp/ckpt")
+    assert res.exit_code == 1 and "--ckpt-dir /tmp/ckpt is a local path on 3 hosts" in res.output
+    assert not (tmp_path / "home" / "runs").exists()
