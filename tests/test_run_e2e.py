@@ -1,0 +1,83 @@
+"""End to end: the real trainer over 2 SSH hosts x 4 CPU devices (one global mesh of 8), checkpoints in the GCS
+emulator; the loss curve equals the single-process 8-device run's; a second run resumes and skips the install."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _local_hosts import start, ssh_config, wait_idle, workers
+from infra import gcs
+from orchestrator import bundle as B
+from orchestrator.runner import local_install, run_job
+
+# A tiny model (as in the trainer's own tests): a step is cheap, the loss still falls fast.
+TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "8",
+        "--dropout", "0.1", "--warmup-steps", "2", "--decay-steps", "50", "--lr", "1e-2", "--seed", "7",
+        "--mesh", "data=4,model=2", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1"]
+
+
+def _metrics(client, bucket: str, path: str) -> dict[int, float]:
+    text = client.bucket(bucket).blob(path).download_as_text()
+    return {d["step"]: d["loss"] for d in map(json.loads, text.splitlines()) if "loss" in d}
+
+
+@pytest.mark.e2e
+def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_path_factory, tmp_path):
+    emu = gcs.start(home=tmp_path / "home", buckets=("e2e",), record=False)
+    sl = None
+    try:
+        genv = {**emu.env, "JAX_PLATFORMS": "cpu"}
+        local_env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
+        local_env.update(genv, TPUCTL_CACHE=str(tmp_path / "cache"))
+        subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", "gs://e2e/data"], env=local_env,
+                       check=True, capture_output=True, timeout=300)
+
+        sl = start("e2e", 2, tmp_path_factory.mktemp("slices"))
+        bundle = B.build(cache_dir=tmp_path / "bundles")
+        install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+        args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", "gs://e2e/data", *TINY,
+                "--ckpt-dir", "gs://e2e/run", "--ckpt-every", "4"]
+        kw = dict(ssh=ssh_config(sl), env=genv, bundle=bundle, install=install, layout=layout)
+        r1 = run_job(workers(sl), [*args, "--steps", "8"], run_dir=tmp_path / "r1", **kw)
+        assert r1.ok and r1.exit_codes == {0: 0, 1: 0}
+        log0 = (tmp_path / "r1" / "w0.log").read_text()
+        assert "in 2 process(es)" in log0, log0[-2000:]
+
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+        client = storage.Client(project="local", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": emu.endpoint})
+        multi = _metrics(client, "e2e", "run/metrics.jsonl")
+        assert sorted(multi) == list(range(1, 9))
+        assert multi[8] < multi[1] - 1.0, multi  # it learns
+        saved = {b.name.split("/")[1] for b in client.list_blobs("e2e", prefix="run/") if b.name.endswith("commit_success.txt")}
+        assert {"4", "8"} <= saved, saved
+
+        # A second run to step 12: same bundle (install skipped everywhere), resumes from step 8.
+        r2 = run_job(workers(sl), [*args, "--steps", "12"], run_dir=tmp_path / "r2", **kw)
+        assert r2.ok and r2.push == {0: "cached", 1: "cached"}
+        after = _metrics(client, "e2e", "run/metrics.jsonl")
+        assert sorted(after) == list(range(1, 13)) and after[12] < multi[1] - 1.0
+        assert not any(f"step {s}/" in (tmp_path / "r2" / "w0.log").read_text() for s in range(1, 9))
+    finally:
+        if sl is not None:
+            sl.stop()
+    assert sl is not None and wait_idle(sl, timeout=1) == {}
+
+    # The same config in one process with 8 devices: the same loss at every step (the global batch and the
+    # dropout masks depend on (seed, step) only, not on how the devices are split into hosts).
+    local_env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    try:
+        p = subprocess.run([sys.executable, "-m", "trainer", "pretrain", "--data", "gs://e2e/data", *TINY,
+                            "--ckpt-dir", str(tmp_path / "one"), "--ckpt-every", "0", "--steps", "8"],
+                           env=local_env, capture_output=True, text=True, timeout=400)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    finally:
+        emu.stop()
+    one = {d["step"]: d["loss"] for d in map(json.loads, (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(one) == sorted(multi)
+    for s in one:
+        assert abs(one[s] - multi[s]) <= 1e-5, (s, one[s], multi[s])
