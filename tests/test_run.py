@@ -230,3 +230,41 @@ def test_run_refuses_bad_input_before_touching_a_host(sl, tmp_path, monkeypatch)
     res = run("--", "pretrain", "--ckpt-dir", "/tmp/ckpt")
     assert res.exit_code == 1 and "--ckpt-dir /tmp/ckpt is a local path on 3 hosts" in res.output
     assert not (tmp_path / "home" / "runs").exists()
+
+
+def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
+    """`tpuctl up --local` records the slice; the TPU API stand-in reports the local hosts as its workers;
+    `run NAME --local` finds them by name, with SSH settings from the local slice's record."""
+    from infra.fake_tpu_api import FakeControl
+    from orchestrator import cloud
+    home = tmp_path / "home"
+    monkeypatch.setenv("TPUCTL_HOME", str(home))
+    monkeypatch.setenv("TPUCTL_POLL_S", "0.05")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    s = start("byname", 2, home / "local" / "slices")  # where `tpuctl up --local` keeps them
+    url = cloud.local_api_url()
+    info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
+    try:
+        FakeControl(url).set_workers([h.ip for h in s.hosts])
+        up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "byname", "--local", "-a", "v4-16"],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        assert up.returncode == 0, up.stderr
+        res = CliRunner().invoke(cli_run.ssh, ["byname", "--local", "--worker", "all", "--", "hostname"])
+        assert res.exit_code == 0, res.output
+        assert sorted(res.output.splitlines()) == ["[w0] byname-w0", "[w1] byname-w1"]
+        res = CliRunner().invoke(cli_run.run, ["byname", "--local", "--raw", "--", "sh", "-c",
+                                               "echo id=$TPUCTL_PROCESS_ID of $TPUCTL_NUM_PROCESSES at $TPUCTL_COORDINATOR"])
+        assert res.exit_code == 0, res.output
+        for i in range(2):
+            assert f"[w{i}] id={i} of 2 at {s.hosts[0].ip}:8476" in res.output
+        subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", "byname", "--local"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ), check=True)
+    finally:
+        s.stop()
+        os.kill(info["pid"], signal.SIGKILL)
+        try:
+            os.waitpid(info["pid"], 0)
+        except ChildProcessError:
+            pass
