@@ -204,8 +204,32 @@ def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
     assert res.exit_code == 0 and res.output.strip().splitlines()[0] == "ready"
     res = CliRunner().invoke(cli_run.logs, ["runs"], env={"TPUCTL_HOME": str(tmp_path / "home")})
     assert sorted(res.output.split()) == sorted(["[w0]", "[w1]", "[w2]", "ready", "ready", "ready"])
+    res = CliRunner().invoke(cli_run.logs, ["runs", "--follow", "--worker", "2"],
+                             env={"TPUCTL_HOME": str(tmp_path / "home")})  # the run is over: follow ends
+    assert res.exit_code == 0 and res.output.strip() == "ready"
     res = CliRunner().invoke(cli_run.logs, ["nothing"], env={"TPUCTL_HOME": str(tmp_path / "home")})
     assert res.exit_code == 1 and "no runs of nothing yet" in res.output
+
+
+def test_a_killed_tpuctl_takes_its_trainers_with_it(sl, tmp_path, clean):
+    """No Ctrl-C handler runs when tpuctl is SIGKILLed (or the laptop sleeps): the SSH sessions end, and the
+    wrapper on every host notices and kills its trainer's process group."""
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli_run", "run", "runs", *_cli_flags(sl), "--raw", "--",
+                          *py("print('ready', flush=True); time.sleep(300)")],
+                         env=_cli_env(sl, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        seen = set()
+        for line in p.stdout:
+            if line.endswith("ready\n"):
+                seen.add(line[:4])
+            if len(seen) == 3:
+                break
+        assert all(any("time.sleep(300)" in c for _, c in host_processes(sl, i)) for i in range(3))
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    # the `clean` fixture then waits for every host to be empty
 
 
 def test_ssh_runs_on_one_or_all_workers(sl, tmp_path, clean):
