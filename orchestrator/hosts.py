@@ -12,6 +12,7 @@ import io
 import json
 import os
 import shlex
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -171,36 +172,17 @@ class Hosts:
     def stream(self, command: str, indices: list[int] | None = None, out=None, prefix: bool = True,
                timeout: float | None = None) -> dict[int, int]:
         """Run a command on the workers at once, output line by line with a [wI] prefix; {index: exit}."""
-        import sys
         out = out or sys.stdout
         lock = threading.Lock()
 
-        class Lines:
-            def __init__(self, i):
-                self.buf, self.tag = "", f"[{self_.workers[i].name}] " if prefix else ""
-
-            def write(self, s):
-                self.buf += s
-                *lines, self.buf = self.buf.split("\n")
-                with lock:
-                    out.writelines(self.tag + line + "\n" for line in lines)
-                    out.flush()
-
-            def flush(self):
-                pass
-
-        self_ = self
-
-        def one(i, c):
-            w = Lines(i)
+        def one(i: int, c: Connection) -> int:
+            w = _Lines(out, lock, f"[{self.workers[i].name}] " if prefix else "")
             try:
-                r = c.run(command, out_stream=w, err_stream=w, hide=False, warn=True, timeout=timeout)
-                rc = r.exited
-            except Exception as e:  # noqa: BLE001
+                rc = c.run(command, out_stream=w, err_stream=w, hide=False, warn=True, timeout=timeout).exited
+            except Exception as e:  # noqa: BLE001 - that host failed; the others go on
                 w.write(f"tpuctl: {_one_line(e)}\n")
                 rc = 255
-            if w.buf:
-                w.write("\n")
+            w.close()
             return rc
         idx = list(range(len(self.conns))) if indices is None else list(indices)
         return dict(zip(idx, self.each(one, idx)))
@@ -344,6 +326,29 @@ class Hosts:
             finally:
                 c.close()
         return dict(zip(idx, self.each(stop_one, idx)))
+
+
+class _Lines:
+    """invoke out_stream: whole lines, prefixed, written under a lock shared by all hosts."""
+
+    def __init__(self, out, lock: threading.Lock, tag: str):
+        self.out, self.lock, self.tag, self.buf = out, lock, tag, ""
+
+    def write(self, s: str) -> int:
+        self.buf += s
+        *lines, self.buf = self.buf.split("\n")
+        if lines:
+            with self.lock:
+                self.out.writelines(self.tag + line + "\n" for line in lines)
+                self.out.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.buf:
+            self.write("\n")
 
 
 def _put(c: Connection, local: Path, remote: str) -> None:

@@ -170,6 +170,17 @@ def test_push_installs_once_per_hash_and_a_code_change_keeps_the_dependency_laye
     assert out3.count(f".tpuctl-host/app/{b3.short}/") == 3
 
 
+def test_workdir_ships_with_the_bundle_and_the_command_runs_in_it(sl, tmp_path, clean):
+    wd = tmp_path / "mycode"
+    (wd / "pkg").mkdir(parents=True)
+    (wd / "pkg" / "__init__.py").write_text("GREETING = 'hi from my package'\n")
+    (wd / "main.py").write_text("import os, pkg\nprint(pkg.GREETING, os.getcwd().endswith('tpuctl_workdir'))\n")
+    b = dataclasses.replace(B.build(workdir=wd, cache_dir=tmp_path / "bundles"), requirements=[], no_deps=[])
+    install, layout = local_install(sl.wheelhouse, b, python=sl.python)
+    r, out = _run(sl, ["python", "main.py"], tmp_path, bundle=b, install=install, layout=layout)
+    assert r.ok and out.count("hi from my package True") == 3, out
+
+
 def _cli_env(sl, tmp_path):
     return {**os.environ, "TPUCTL_HOME": str(tmp_path / "home")}
 
