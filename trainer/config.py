@@ -93,7 +93,7 @@ class Config:
 PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     # CPU-sized: a few hundred steps in a few minutes on 2 cores; the 50k-vocab output matmul dominates.
     "gpt2-tiny": (ModelConfig(n_layer=2, n_head=4, d_model=128, seq_len=128, dropout=0.1),
-                  TrainConfig(batch_size=16, lr=3e-3, warmup_steps=20, decay_steps=2000, steps=300,
+                  TrainConfig(batch_size=8, lr=3e-3, warmup_steps=10, decay_steps=300, steps=300,
                               ckpt_every=100, log_every=10, eval_every=100)),
     "gpt2-124m": (ModelConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024, dropout=0.0),
                   TrainConfig(batch_size=256, lr=6e-4, warmup_steps=700, decay_steps=50000, steps=50000,

@@ -166,13 +166,24 @@ def pretrain(cfg: Config) -> int:
     distributed = mesh_lib.init_distributed()
     enable_compile_cache()
     mesh = setup_mesh(cfg)
-    pid, nproc, primary = jax.process_index(), jax.process_count(), jax.process_index() == 0
+    pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
     loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc)
     val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc)
 
     checkpoint.check_writable(t.ckpt_dir)
     ckpt = checkpoint.Checkpointer(t.ckpt_dir, t.keep)
+    ckpt.watch_preemption(distributed)  # a notice during setup stops the run after its first step
+    try:
+        return _train(cfg, mesh, ckpt, loader, val)
+    finally:
+        ckpt.unwatch()
+        ckpt.close()
+
+
+def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchLoader, val: data.BatchLoader) -> int:
+    t, m = cfg.train, cfg.model
+    primary = jax.process_index() == 0
     start = ckpt.latest_step() or 0
     if start:
         ckpt.check_compatible(start, cfg)
@@ -187,13 +198,12 @@ def pretrain(cfg: Config) -> int:
         params, opt_state = steps.init()
     if primary:
         metrics.say(f"{gpt2.count_params(params):,} params | mesh data={mesh.shape['data']},model={mesh.shape['model']}"
-                    f" over {jax.device_count()} {jax.devices()[0].device_kind} devices in {nproc} process(es)"
-                    f" | dtype {jnp.dtype(steps.dtype).name} | "
+                    f" over {jax.device_count()} {jax.devices()[0].device_kind} devices in {jax.process_count()}"
+                    f" process(es) | dtype {jnp.dtype(steps.dtype).name} | "
                     + (f"resuming from step {start}" if start else "starting from scratch"))
     if start >= t.steps:
         if primary:
             metrics.say(f"already at step {start} >= --steps {t.steps}: nothing to do")
-        ckpt.close()
         return 0
 
     compile_s = steps.compile()
@@ -203,8 +213,6 @@ def pretrain(cfg: Config) -> int:
     fpt = metrics.flops_per_token(m)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops)
     tokens_per_step = t.batch_size * m.seq_len
-    ckpt.watch_preemption(distributed)
-    code = 0
     try:
         last_t, last_step = time.perf_counter(), start
         for step, local in loader.iterate(start + 1):
@@ -222,21 +230,18 @@ def pretrain(cfg: Config) -> int:
                 if primary:
                     metrics.say(metrics.progress(rec, t.steps))
                 last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
-            preempted = ckpt.preempted(step)
+            preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
             if preempted or last or (t.ckpt_every and step % t.ckpt_every == 0):
                 ckpt.save(step, params, opt_state, cfg)
             if preempted:
                 ckpt.wait()
                 if primary:
                     metrics.say(f"preemption notice: saved step {step} to {t.ckpt_dir}; exiting {PREEMPTED}")
-                code = PREEMPTED
-                break
+                return PREEMPTED
             if last:
                 break
     finally:
-        ckpt.unwatch()
-        ckpt.close()
         log.close()
-    if code == 0 and primary:
+    if primary:
         metrics.say(f"done: step {t.steps}, checkpoint in {t.ckpt_dir}")
-    return code
+    return 0
