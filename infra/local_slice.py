@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
@@ -146,6 +146,17 @@ class LocalSlice:
                                       f"not {n_hosts}: stop it first (python -m infra.local_slice stop {name})")
             existing.stop()  # stale record: clean whatever is left, then start afresh
 
+        for attempt in range(3):
+            try:
+                return cls._start_once(name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout)
+            except LocalSliceError as e:
+                # Another process took an address between our check and sshd's bind: next block.
+                if first_ip or attempt == 2 or "Address already in use" not in str(e):
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(cls, name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout) -> "LocalSlice":
         sdir = base_dir / name
         sdir.mkdir(parents=True, exist_ok=True)
         shared = sdir / "shared"
@@ -365,15 +376,37 @@ def _wait_ssh(h: LocalHost, deadline: float, hdir: Path) -> None:
         if not _pid_in_ns(h.init_pid, h.pidns):
             log = (hdir / "host.log").read_text(errors="replace").strip().splitlines()[-3:]
             raise LocalSliceError(f"sshd of local host w{h.index} ({h.ip}:{h.port}) exited: {' | '.join(log)}")
-        try:
-            with socket.create_connection((h.ip, h.port), timeout=1) as s:
-                s.settimeout(2)
-                if s.recv(4).startswith(b"SSH-"):
-                    return
-        except OSError:
-            pass
+        if _listens(h.init_pid, h.ip, h.port):  # this sshd's own socket, not another slice's on that address
+            try:
+                with socket.create_connection((h.ip, h.port), timeout=1) as s:
+                    s.settimeout(2)
+                    if s.recv(4).startswith(b"SSH-"):
+                        return
+            except OSError:
+                pass
         time.sleep(0.02)
     raise LocalSliceError(f"sshd of local host w{h.index} ({h.ip}:{h.port}) is not answering")
+
+
+def _listens(pid: int, ip: str, port: int) -> bool:
+    """True if process pid holds the listening TCP socket on ip:port."""
+    want = "%08X:%04X" % (int.from_bytes(socket.inet_aton(ip), "little"), port)
+    inodes = set()
+    try:
+        for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[1] == want and f[3] == "0A":  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _pid_in_ns(pid: int, pidns: str) -> bool:

@@ -163,7 +163,7 @@ def _wheel_bytes(root: Path, wd: Path | None, norm: str, name: str, version: str
             p = wd / rel
             files.append((f"{WORKDIR_PKG}/{rel}", p.read_bytes(), os.access(p, os.X_OK)))
     dist = f"{norm}-{version}.dist-info"
-    metadata = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     if meta.get("requires-python"):
         metadata.append(f"Requires-Python: {meta['requires-python']}")
     metadata += [f"Requires-Dist: {r}" for r in reqs]

@@ -20,7 +20,7 @@ from typing import TextIO
 
 from orchestrator import launch as L
 from orchestrator.bundle import Bundle
-from orchestrator.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig
+from orchestrator.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig  # noqa: F401 - HostError: raised from here
 
 PREEMPTED = 42  # the trainer saved a checkpoint on a preemption notice (docs/CONTRACTS.md)
 

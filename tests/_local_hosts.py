@@ -6,13 +6,20 @@ import subprocess
 import time
 from pathlib import Path
 
-from infra.local_slice import LocalSlice, _pids_in_ns
+import pytest
+
+from infra.local_slice import SSHD, LocalSlice, _pids_in_ns
 from orchestrator.hosts import SshConfig
 from orchestrator.launch import Worker
 
 # The wheelhouse, uv cache and dependency layers are a machine-wide cache (as $TPUCTL_HOME/wheelhouse is for
 # users): filled once per dependency list, then reused by every test run on this machine.
 TEST_CACHE = Path(os.environ.get("TPUCTL_TEST_CACHE") or Path.home() / ".cache" / "tpuctl-test")
+
+
+# Local hosts need root (namespaces) and openssh-server (`make setup` installs it); CI has both.
+needs_hosts = pytest.mark.skipif(os.geteuid() != 0 or not os.access(SSHD, os.X_OK),
+                                 reason="local slice needs root and /usr/sbin/sshd (make sys-deps)")
 
 
 def start(name: str, n: int, base: Path) -> LocalSlice:

@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from _local_hosts import host_processes, ssh, ssh_config, start, wait_idle, workers
+from _local_hosts import host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
 from orchestrator.hosts import HostError, Hosts
 from orchestrator.launch import Worker
+
+pytestmark = needs_hosts
 
 LOCK = "/tmp/libtpu_lockfile"
 

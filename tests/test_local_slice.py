@@ -8,8 +8,10 @@ import time
 
 import pytest
 
-from _local_hosts import host_processes, ssh, start
+from _local_hosts import host_processes, ssh, start, needs_hosts
 from infra.local_slice import LocalSlice, LocalSliceError, _pids_in_ns
+
+pytestmark = needs_hosts
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from _local_hosts import TEST_CACHE, cmdline, host_processes, ssh, ssh_config, start, wait_idle, workers
+from _local_hosts import cmdline, host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
 from orchestrator import bundle as B
 from orchestrator import cli_run
 from orchestrator.runner import RunFailed, local_install, run_job
+
+pytestmark = needs_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 ID = "int(os.environ['TPUCTL_PROCESS_ID'])"

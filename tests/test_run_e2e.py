@@ -4,14 +4,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from _local_hosts import start, ssh_config, wait_idle, workers
+from _local_hosts import start, ssh_config, wait_idle, workers, needs_hosts
 from infra import gcs
 from orchestrator import bundle as B
 from orchestrator.runner import local_install, run_job
+
+pytestmark = needs_hosts
 
 # A tiny model (as in the trainer's own tests): a step is cheap, the loss still falls fast.
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "8",
