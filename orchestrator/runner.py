@@ -183,6 +183,8 @@ def local_install(machine_dir: str | Path, bundle: Bundle, python: str | None = 
 def result_message(r: RunResult, workers: list[L.Worker]) -> str:
     if r.interrupted:
         return "interrupted: stopped the run on every host"
+    if set(r.exit_codes.values()) == {PREEMPTED}:
+        return "stopped on a preemption notice after every host saved a checkpoint; run again to resume"
     if r.failed_worker is not None:
         w = workers[r.failed_worker]
         return f"worker {w.name} ({w.address}) failed: {_describe(r.exit_codes.get(r.failed_worker))}"
@@ -287,7 +289,9 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
                 out.write(f"---- w{i} ({hosts.workers[i].address}): {_describe(codes[i])}, "
                           f"last {len(s.tail)} lines ----\n")
                 out.writelines(f"[w{i}] {line}\n" for line in s.tail)
-        if failed is not None and not interrupted:
+        if set(codes.values()) == {PREEMPTED}:
+            say(f"preempted: every host saved a checkpoint (exit {PREEMPTED}); run again to resume; logs in {run_dir}")
+        elif failed is not None and not interrupted:
             w = hosts.workers[failed]
             say(f"FAILED: worker {w.name} ({w.address}) {_describe(codes[failed])}; logs in {run_dir}")
         out.flush()

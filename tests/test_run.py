@@ -105,6 +105,16 @@ def test_a_trainer_killed_with_sigkill_fails_the_run_and_nothing_is_left(sl, tmp
     assert time.monotonic() - t0 < 30
 
 
+def test_a_preemption_exit_lets_the_other_hosts_finish_saving(sl, tmp_path, clean):
+    """Exit 42 (saved a checkpoint on a preemption notice) is not a crash: the other hosts are saving the same
+    step, so they are given time to finish instead of being killed."""
+    e, out = _run(sl, py(f"i = {ID}; time.sleep(0.2 + 1.0 * i); print('saved', i, flush=True); sys.exit(42)"),
+                  tmp_path)
+    assert isinstance(e, RunFailed) and e.result.exit_codes == {0: 42, 1: 42, 2: 42} and e.result.returncode == 42
+    assert "waiting for the other hosts to save" in out and all(f"[w{i}] saved {i}" in out for i in range(3))
+    assert "preemption" in str(e) and "preempted: every host saved a checkpoint" in out and "FAILED" not in out
+
+
 def test_secret_env_reaches_the_trainer_but_no_argv_log_or_record(sl, tmp_path, clean):
     secret = "s3cr3t-" + uuid.uuid4().hex
     seen_in_argv = []
