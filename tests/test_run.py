@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from _local_hosts import cmdline, host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
+from infra import gcs
 from orchestrator import bundle as B
 from orchestrator import cli_run
 from orchestrator.runner import RunFailed, local_install, run_job
@@ -306,10 +307,18 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
         assert res.exit_code == 0, res.output
         for i in range(2):
             assert f"[w{i}] id={i} of 2 at {s.hosts[0].ip}:8476" in res.output
+        # a gs:// path in local mode: the hosts are pointed at the GCS emulator (started, bucket created)
+        res = CliRunner().invoke(cli_run.run, ["byname", "--local", "--raw", "--", *py(
+            "import urllib.request as u\nprint(json.load(u.urlopen(os.environ['STORAGE_EMULATOR_HOST'] + "
+            "'/storage/v1/b/bkt'))['name'] == 'bkt')"), "--ckpt-dir", "gs://bkt/run"])
+        emu = gcs.running(home)
+        assert res.exit_code == 0 and emu is not None, res.output
+        assert res.output.count("] True") == 2, res.output
         subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", "byname", "--local"],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ), check=True)
     finally:
         s.stop()
+        gcs.stop(home)
         os.kill(info["pid"], signal.SIGKILL)
         try:
             os.waitpid(info["pid"], 0)
