@@ -20,12 +20,6 @@ class TpuctlError(click.ClickException):
         super().__init__(" ".join(str(message).split()))  # always one line
 
 
-def _not_built(verb: str):
-    def cmd(**_):
-        raise TpuctlError(f"`tpuctl {verb}` is not built yet in this version; see the README for what works today.")
-    return cmd
-
-
 def _errors(fn):
     """UserError/CloudError -> one line and exit 1; Ctrl-C -> one line and exit 130; never a traceback."""
     @functools.wraps(fn)
@@ -404,15 +398,12 @@ def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
         click.echo(f"note: skipped {z}: {why}", err=True)
 
 
-# ---- verbs built elsewhere -------------------------------------------------------------------------------
+# ---- the verbs that cross SSH live in cli_run.py ----------------------------------------------------------
 
-for _verb, _help in [
-    ("run", "Ship the code to every host and run the multi-host trainer."),
-    ("ssh", "Open a shell or run a command on one or all workers."),
-    ("logs", "Show a run's per-host logs."),
-]:
-    cli.command(_verb, help=_help + " (not built yet)",
-                context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(_not_built(_verb))
+from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run does not import this module)
+
+for _cmd in (cli_run.run, cli_run.ssh, cli_run.logs):
+    cli.add_command(_cmd)
 
 
 def main(argv=None) -> int:
