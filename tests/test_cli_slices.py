@@ -190,10 +190,10 @@ def test_help_explains_every_flag(verb):
         assert "--api-endpoint" in text and "--local" in text
 
 
-def test_not_built_verbs_say_so():
-    for verb in ("run", "ssh", "logs"):
-        res = run(verb, "x", ok=False)
-        assert res.exit_code == 1 and "not built yet" in res.output
+def test_run_without_a_command_says_what_to_type():
+    res = run("run", "x", ok=False)
+    assert res.exit_code == 1 and "nothing to run" in res.output and "tpuctl run NAME --" in res.output
+    assert "Traceback" not in res.output
 
 
 # ---- real subprocesses against the local-mode stand-in ---------------------------------------------------
