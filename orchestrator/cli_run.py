@@ -52,6 +52,7 @@ class Target:
     workers: list[L.Worker]
     ssh: SshConfig
     local_slice: object | None = None  # infra.local_slice.LocalSlice for a local slice
+    devices_per_host: int | None = None  # from the accelerator type, when the slice is recorded
 
 
 def _parse_hosts(spec: str) -> list[L.Worker]:
@@ -70,7 +71,7 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
             ssh_user: str | None = None, ssh_key: str | None = None, ssh_port: int | None = None) -> Target:
     """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > local slice > TPU VM defaults)."""
     from infra.local_slice import LocalSlice
-    ls = None
+    ls, devices = None, None
     if hosts:
         workers = _parse_hosts(hosts)
         ls = LocalSlice.load(name) if local else None
@@ -81,6 +82,12 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
         if rec is None and not local and not api_endpoint:
             raise UserError(f"no slice named {name} in the local record: `tpuctl ls`, or pass --hosts IP,...")
         ws = slices.workers(name, api_endpoint=api_endpoint, local=True if is_local else None)
+        if rec is not None:
+            from orchestrator import catalog
+            try:
+                devices = catalog.lookup(rec.accelerator).devices_per_host
+            except (ValueError, KeyError):
+                devices = None
         workers = [L.Worker(index=w.index, internal_ip=w.internal_ip, external_ip=w.external_ip) for w in ws]
         if is_local:
             ls = LocalSlice.load(name)
@@ -91,7 +98,7 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
     key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or (ls.ssh_key if ls else None)
     port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or (ls.hosts[0].port if ls else DEFAULT_SSH_PORT)
     ssh = SshConfig(user=user, port=port) if key is None else SshConfig(user=user, key=key, port=port)
-    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls)
+    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls, devices_per_host=devices)
 
 
 def _ssh_options(f):
@@ -129,6 +136,15 @@ def check_ckpt_dir(argv: list[str], target: Target) -> None:
     raise UserError(f"--ckpt-dir {ckpt} is a local path on {len(target.workers)} hosts ({where}): every host must "
                     "write the same checkpoint, so use gs://BUCKET/PATH (or, on a local slice, an absolute path "
                     "outside /root and /tmp)")
+
+
+def emulate_devices(argv: list[str], target: Target) -> list[str]:
+    """On a local slice each host emulates its accelerator's devices (v4-16: 2 hosts x 4) unless told otherwise."""
+    trainer = argv[:3] == [L.PYTHON, "-m", "trainer"] and len(argv) > 3
+    if (target.local_slice is None or not target.devices_per_host or not trainer
+            or any(a == "--emulate-devices" or a.startswith("--emulate-devices=") for a in argv)):
+        return argv
+    return [*argv[:4], "--emulate-devices", str(target.devices_per_host), *argv[4:]]
 
 
 def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
@@ -192,6 +208,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         argv = [L.PYTHON, "-m", "trainer", *command]
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
                      ssh_key=ssh_key, ssh_port=ssh_port)
+    argv = emulate_devices(argv, target)
     check_ckpt_dir(argv, target)
     env = {**_gcs_env(argv, target), **env}
     out = sys.stderr if as_json else sys.stdout

@@ -68,3 +68,13 @@ def test_python_argv0_needs_an_environment():
     spec = L.LaunchSpec(argv=["python", "x.py"])
     with pytest.raises(L.LaunchError, match="no bundle"):
         L.host_command(spec, WORKERS, 0, layout=L.HostLayout(), wrap_python="python3")
+
+
+def test_a_local_slice_emulates_its_accelerators_devices_per_host():
+    from orchestrator.cli_run import Target, emulate_devices
+    t = Target(name="x", workers=WORKERS, ssh=None, local_slice=object(), devices_per_host=4)
+    argv = ["python", "-m", "trainer", "pretrain", "--steps", "3"]
+    assert emulate_devices(argv, t) == ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--steps", "3"]
+    assert emulate_devices([*argv, "--emulate-devices=2"], t) == [*argv, "--emulate-devices=2"]  # the user's wins
+    assert emulate_devices(argv, Target(name="x", workers=WORKERS, ssh=None, devices_per_host=4)) == argv  # real hosts
+    assert emulate_devices(["sh", "-c", "true"], t) == ["sh", "-c", "true"]
