@@ -65,6 +65,8 @@ def test_stop_from_another_process_kills_everything_started_on_the_hosts(tmp_pat
     p = subprocess.run([sys.executable, "-m", "infra.local_slice", "--base-dir", str(tmp_path), "stop", "lsstop"],
                        capture_output=True, text=True)
     assert p.returncode == 0 and "stopped lsstop" in p.stdout
+    for h in s.hosts:  # they were this process's children: reap them
+        os.waitpid(h.unshare_pid, 0)
     assert all(_pids_in_ns(ns) == [] for ns in namespaces)
     assert LocalSlice.load("lsstop", tmp_path) is None and not (tmp_path / "lsstop").exists()
     assert not LocalSlice.stop_by_name("lsstop", tmp_path)  # second stop: nothing to do
