@@ -251,8 +251,41 @@ def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progr
     except KeyboardInterrupt:
         raise _abandon(api, rec, spec, "interrupted while waiting", progress) from None
     rec.workers, rec.status = node.workers, "ready"
+    if spec.local:
+        rec.workers = _attach_local_hosts(api, rec, progress)
     state.save(rec)
     return rec
+
+
+MAX_LOCAL_HOSTS = 16  # a local slice is sshd processes on this machine: v4-4096 stays addresses only
+
+
+def _attach_local_hosts(api: Api, rec: SliceRecord, progress: Progress) -> list[Worker]:
+    """Local mode: give the stand-in's node real hosts (sshd on loopback) so `tpuctl run` can reach them.
+
+    Without root or sshd (or for a huge slice) the node keeps the stand-in's made-up addresses: `up`,
+    `status` and `down` still work, and `run` says why it cannot connect.
+    """
+    from infra.fake_tpu_api import FakeControl
+    from infra.local_slice import LocalSlice, LocalSliceError
+
+    n = len(rec.workers)
+    if n > MAX_LOCAL_HOSTS:
+        progress(f"note: {n} workers is more than the {MAX_LOCAL_HOSTS} local hosts tpuctl starts; no SSH hosts")
+        return rec.workers
+    try:
+        hosts = LocalSlice.start(rec.name, n)
+    except (LocalSliceError, OSError) as e:
+        progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
+        return rec.workers
+    try:
+        FakeControl(cloud.local_api_url()).set_node_workers(rec.node, [h.ip for h in hosts.hosts])
+        node = api.get_node(rec.node)
+    except BaseException:
+        hosts.stop()
+        raise
+    progress(f"{rec.name}: {n} local host(s) up (sshd on {', '.join(h.ip for h in hosts.hosts)})")
+    return node.workers
 
 
 def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float, progress: Progress,
@@ -430,6 +463,10 @@ def down(name: str, *, project: str | None = None, zone: str | None = None, api_
         deleted = _delete_and_wait(api, rec, timeout_s=timeout_s, progress=progress)
     else:
         deleted = _start_delete(api, rec)
+    if rec.local:
+        from infra.local_slice import LocalSlice
+        if LocalSlice.stop_by_name(name):
+            progress(f"stopped the local hosts of {name}")
     state.remove(name)
     if not deleted:
         return DownResult(name, nothing=True, message=f"nothing to delete: {name} no longer exists in {rec.zone} "

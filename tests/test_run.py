@@ -281,9 +281,10 @@ def test_run_refuses_bad_input_before_touching_a_host(sl, tmp_path, monkeypatch)
 
 
 def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
-    """`tpuctl up --local` records the slice; the TPU API stand-in reports the local hosts as its workers;
-    `run NAME --local` finds them by name, with SSH settings from the local slice's record."""
-    from infra.fake_tpu_api import FakeControl
+    """`tpuctl up --local` starts the slice's hosts (real sshd) and the TPU API stand-in reports them as its
+    workers; `run NAME --local` finds them by name, with SSH settings from the local slice's record; `down`
+    stops the hosts."""
+    from infra.local_slice import LocalSlice
     from orchestrator import cloud
     home = tmp_path / "home"
     monkeypatch.setenv("TPUCTL_HOME", str(home))
@@ -291,14 +292,15 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
     for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
-    s = start("byname", 2, home / "local" / "slices")  # where `tpuctl up --local` keeps them
-    url = cloud.local_api_url()
+    cloud.local_api_url()
     info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
+    s = None
     try:
-        FakeControl(url).set_workers([h.ip for h in s.hosts])
         up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "byname", "--local", "-a", "v4-16"],
                             capture_output=True, text=True, timeout=120, env=dict(os.environ))
         assert up.returncode == 0, up.stderr
+        s = LocalSlice.load("byname")
+        assert s is not None and all(s.alive()) and len(s.hosts) == 2
         res = CliRunner().invoke(cli_run.ssh, ["byname", "--local", "--worker", "all", "--", "hostname"])
         assert res.exit_code == 0, res.output
         assert sorted(res.output.splitlines()) == ["[w0] byname-w0", "[w1] byname-w1"]
@@ -316,8 +318,10 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
         assert res.output.count("] True") == 2, res.output
         subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", "byname", "--local"],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ), check=True)
+        assert not any(s.alive()) and LocalSlice.load("byname") is None
     finally:
-        s.stop()
+        if s is not None:
+            s.stop()
         gcs.stop(home)
         os.kill(info["pid"], signal.SIGKILL)
         try:
