@@ -37,6 +37,7 @@ def fails(capsys, argv: list[str], *needles: str) -> str:
     (["--mesh", "data=8,model"], ["--mesh"]),
     (["--warmup-steps", "60", "--decay-steps", "50"], ["--warmup-steps 60"]),
     (["--no-such-flag", "1"], ["--no-such-flag"]),
+    (["--vocab-size", "1000"], ["--vocab-size 1000", "50257"]),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(capsys, corpus, tmp_path, flags, needles):
     ckpt = tmp_path / "ckpt"

@@ -146,7 +146,7 @@ def test_presets_and_overrides():
     p = argparse.ArgumentParser()
     config.add_config_flags(p)
     cfg = config.resolve(p.parse_args(["--preset", "gpt2-124m", "--n-layer", "2", "--steps", "7", "--ckpt-dir", "x"]))
-    assert (cfg.model.n_layer, cfg.model.d_model, cfg.train.steps, cfg.train.decay_steps) == (2, 768, 7, 50000)
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.train.steps, cfg.train.decay_steps) == (2, 768, 7, 20000)
     assert config.Config.from_dict(cfg.to_dict()) == cfg
     assert config.model_diff(cfg.model, cfg.model) == []
     with pytest.raises(config.UsageError, match="unknown preset 'gpt2-xl'"):

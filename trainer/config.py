@@ -95,14 +95,39 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     "gpt2-tiny": (ModelConfig(n_layer=2, n_head=4, d_model=128, seq_len=128, dropout=0.1),
                   TrainConfig(batch_size=8, lr=3e-3, warmup_steps=10, decay_steps=300, steps=300,
                               ckpt_every=100, log_every=10, eval_every=100)),
+    # Batch 64 x 1024 tokens fits a 4-chip slice (16 sequences per chip); raise it, or use --grad-accum.
     "gpt2-124m": (ModelConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024, dropout=0.0),
-                  TrainConfig(batch_size=256, lr=6e-4, warmup_steps=700, decay_steps=50000, steps=50000,
+                  TrainConfig(batch_size=64, lr=6e-4, warmup_steps=500, decay_steps=20000, steps=20000,
                               ckpt_every=1000, log_every=10, eval_every=500, eval_batches=8)),
     "gpt2-350m": (ModelConfig(n_layer=24, n_head=16, d_model=1024, seq_len=1024, dropout=0.0),
-                  TrainConfig(batch_size=256, lr=3e-4, warmup_steps=700, decay_steps=50000, steps=50000,
+                  TrainConfig(batch_size=64, lr=3e-4, warmup_steps=500, decay_steps=20000, steps=20000,
                               ckpt_every=1000, log_every=10, eval_every=500, eval_batches=8)),
 }
 DEFAULT_PRESET = "gpt2-tiny"
+
+
+HELP = {
+    "d_ff": "MLP width (0 = 4 x --d-model)",
+    "seq_len": "context length (the position table's size)",
+    "vocab_multiple": "pad the embedding table to a multiple of this (padded logits are masked)",
+    "steps": "absolute step to train up to (a resumed run continues to it)",
+    "batch_size": "global batch, in sequences",
+    "grad_accum": "micro-batches per step (the batch is split, the gradients summed)",
+    "min_lr_ratio": "the cosine decays to lr x this",
+    "warmup_steps": "linear warmup length",
+    "decay_steps": "warmup + cosine length, independent of --steps",
+    "grad_clip": "global-norm clip (0 = off)",
+    "dtype": "compute dtype: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16",
+    "mesh": "data=D,model=M (default: every device on data)",
+    "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
+    "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
+    "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
+    "keep": "checkpoints to keep",
+    "log_every": "log every N steps (and at step 1 and the last)",
+    "eval_every": "validation loss every N steps (0 = only at the last step)",
+    "eval_batches": "validation batches per evaluation",
+    "peak_flops": "peak FLOP/s of ONE device for MFU (default: the trainer's table; none on CPU)",
+}
 
 
 def _flag(name: str) -> str:
@@ -121,7 +146,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
             g.add_argument(_flag(f.name), dest=f.name, type=_field_type(cls, f), default=None,
-                           metavar=f.name.upper().split("_")[-1])
+                           metavar={int: "N", float: "X", str: "S"}[_field_type(cls, f)],
+                           help=HELP.get(f.name, "(from the preset)"))
 
 
 def resolve(args: argparse.Namespace) -> Config:

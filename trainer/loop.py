@@ -168,6 +168,9 @@ def pretrain(cfg: Config) -> int:
     mesh = setup_mesh(cfg)
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
+    vocab = checkpoint.read_json(f"{data_dir}/{data.META}").get("vocab_size", 0)
+    if vocab > m.vocab_size:
+        raise UsageError(f"--vocab-size {m.vocab_size} is smaller than the data's vocabulary ({vocab})")
     loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc)
     val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc)
 

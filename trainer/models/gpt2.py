@@ -117,7 +117,8 @@ class GPT2(nnx.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, (keep[2 * i], keep[2 * i + 1]))
         x = self.ln_f(x)
-        logits = jnp.einsum("btd,vd->btv", x, wte.astype(dtype)).astype(jnp.float32)  # tied embeddings
+        # Tied embeddings; f32 logits whatever the compute dtype (the loss is f32).
+        logits = jnp.einsum("btd,vd->btv", x, wte.astype(dtype), preferred_element_type=jnp.float32)
         logits = constrain(logits, ("batch", "seq", "vocab"))
         if cfg.padded_vocab != cfg.vocab_size:  # padding rows exist for speed only: never predicted
             valid = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
