@@ -36,10 +36,10 @@ def procs():
     p.close()
 
 
-def final_params(ckpt_dir):
+def saved_params(ckpt_dir, step=None):
     ckpt = Checkpointer(str(ckpt_dir), keep=1, read_only=True)
     try:
-        step = ckpt.latest_step()
+        step = step or ckpt.latest_step()
         from trainer.loop import Steps, setup_mesh
         cfg = ckpt.saved_config(step)
         steps = Steps(cfg, setup_mesh(cfg))
@@ -51,9 +51,12 @@ def final_params(ckpt_dir):
 
 @pytest.fixture(scope="module")
 def resume_runs(corpus, tmp_path_factory):
-    """6 steps straight; 3 steps, stop, resume to 6; and the step-3 checkpoint resumed on a 4x2 mesh."""
+    """6 steps straight; 3 steps, stop, resume to 6; and the step-3 checkpoint resumed on a 4x2 mesh.
+
+    Async saves every 2 steps while training goes on: the step buffers are donated to the next step, so
+    this also checks that a save in flight is not clobbered."""
     d = tmp_path_factory.mktemp("resume")
-    base = ["pretrain", "--data", corpus, *RUN, "--mesh", "data=8,model=1"]
+    base = ["pretrain", "--data", corpus, *RUN, "--mesh", "data=8,model=1", "--ckpt-every", "2"]
     assert main([*base, "--ckpt-dir", str(d / "straight"), "--steps", "6"]) == 0
     assert main([*base, "--ckpt-dir", str(d / "resumed"), "--steps", "3"]) == 0
     shutil.copytree(d / "resumed", d / "cross")
@@ -69,10 +72,11 @@ def test_exact_resume_matches_a_straight_run(resume_runs):
     for s in straight:
         assert abs(straight[s] - resumed[s]) <= 1e-6, (s, straight[s], resumed[s])
     assert straight[6] < straight[1]
-    (sa, pa), (sb, pb) = final_params(resume_runs / "straight"), final_params(resume_runs / "resumed")
-    assert sa == sb == 6
-    for a, b in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    for step in (4, 6):  # both saved asynchronously while the next steps ran
+        (sa, pa), (sb, pb) = saved_params(resume_runs / "straight", step), saved_params(resume_runs / "resumed", step)
+        assert sa == sb == step
+        for a, b in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     # The resumed run's config is saved with it and printed; steps 1-3 came from the first run.
     assert (resume_runs / "resumed" / "config.json").is_file()
 
