@@ -3,7 +3,7 @@
 Prints, from one process on this machine: the seed's and our tokens/s and step time on the seed's config
 (L4 D256 H4 T256 B16, 8 emulated CPU devices, mesh 8x1, f32) and their ratio; a same-run f32 matmul
 "peak" and each model's achieved FLOP/s against it; gpt2-tiny and a gpt2-124m step; the step-time cost of
-async Orbax saves. Numbers on a shared machine are noisy: read the ratios, not the absolute values.
+async Orbax saves; and `tpuctl run` on a local slice of 1, 4 and 16 hosts (push+install, run -> first step). Numbers on a shared machine are noisy: read the ratios, not the absolute values.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 import sys
 
 COUNT_FLAG = "xla_force_host_platform_device_count"
-SECTIONS = ("ckpt", "124m")
+SECTIONS = ("ckpt", "124m", "launch")
 
 
 def emulate(n: int) -> None:
