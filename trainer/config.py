@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 
@@ -160,6 +161,8 @@ def resolve(args: argparse.Namespace) -> Config:
     cfg = Config(args.preset, dataclasses.replace(model, **pick(ModelConfig)),
                  dataclasses.replace(train, **pick(TrainConfig)))
     validate(cfg)
+    if "://" not in cfg.train.ckpt_dir:  # Orbax and TensorStore want absolute local paths
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, ckpt_dir=os.path.abspath(cfg.train.ckpt_dir)))
     return cfg
 
 
