@@ -5,6 +5,8 @@ The logits at the last real position are the same as with a cache because attent
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,8 @@ from trainer.models import gpt2
 
 def load(ckpt_dir: str, step: int | None = None):
     """(config, params on one device) of `step` (default: the latest finished step)."""
+    if "://" not in ckpt_dir:
+        ckpt_dir = os.path.abspath(ckpt_dir)  # Orbax wants absolute local paths
     if not epath.Path(ckpt_dir).exists():
         raise UsageError(f"--ckpt-dir {ckpt_dir} does not exist; train into it with `python -m trainer pretrain`")
     ckpt = Checkpointer(ckpt_dir, keep=1, read_only=True)
