@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if args.cmd == "pretrain":
         from trainer import config, loop
         return loop.pretrain(config.resolve(args))
+    from absl import logging
     from trainer import sample
+    logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only checkpoint manager is read-only
     print(sample.generate(args.ckpt_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, seed=args.seed, step=args.step,
                           dtype=args.dtype))

@@ -36,8 +36,8 @@ class Checkpointer:
         self.mngr = ocp.CheckpointManager(
             self.path,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=not read_only, read_only=read_only,
-                enable_async_checkpointing=async_save),
+                max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
+                save_interval_steps=0 if read_only else 1, enable_async_checkpointing=async_save),
             item_names=("params", "opt", "meta"),
         )
         self._signalled = False
