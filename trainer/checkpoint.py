@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import uuid
 
 import orbax.checkpoint as ocp
@@ -42,6 +43,7 @@ class Checkpointer:
         )
         self._signalled = False
         self._distributed = False
+        self._previous = None
 
     # --- what is there --------------------------------------------------------------------------
 
@@ -88,8 +90,8 @@ class Checkpointer:
         """Multi-process: JAX's coordination service owns SIGTERM and agrees on a sync step.
         Single process: no such service, so catch SIGTERM here and stop after the current step."""
         self._distributed = distributed
-        if not distributed:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        if not distributed and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm) or signal.SIG_DFL
 
     def _on_sigterm(self, signum, frame) -> None:
         self._signalled = True
@@ -101,8 +103,9 @@ class Checkpointer:
         return self._signalled
 
     def unwatch(self) -> None:
-        if not self._distributed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def write_config(directory: str, cfg: Config) -> None:
