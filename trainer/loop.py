@@ -34,8 +34,6 @@ def enable_compile_cache() -> None:
         return
     root = Path(os.environ.get("TPUCTL_CACHE", Path.home() / ".cache" / "tpuctl"))
     cc.set_cache_dir(str(root / "jax"))
-    if jax.config.jax_compilation_cache_max_size < 0:
-        jax.config.update("jax_compilation_cache_max_size", 2 << 30)  # least recently used entries go first
     cc.reset_cache()  # in case something compiled earlier in this process with no cache configured
 
 
