@@ -6,6 +6,7 @@ the step is compiled with those as in/out shardings and donates its inputs.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -192,7 +193,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
         ckpt.check_compatible(start, cfg)
     if primary:
         checkpoint.write_config(t.ckpt_dir, cfg)
-        metrics.say(f"config: {cfg.to_json()}")
+        metrics.say(f"config: {json.dumps(cfg.to_dict(), separators=(',', ':'))}")  # one line; config.json has it all
 
     steps = Steps(cfg, mesh)
     if start:
