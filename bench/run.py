@@ -36,7 +36,7 @@ class Plan:
     ckpt_every: int = 5
     ckpt_rounds: int = 3
     m124_batch: int = 8
-    m124_seq: int = 256
+    m124_seq: int = 128
     m124_steps: int = 2
     m124_mesh: str = "data=2,model=4"
     tiny_seq: int = 0  # 0 = the preset's
@@ -237,7 +237,7 @@ def section_124m(plan: Plan, rng, tmp: str, peak: float) -> None:
                  train=dict(batch_size=p.m124_batch, mesh=p.m124_mesh, dtype="float32"))
     m = cfg.model
     say(f"== [4b] gpt2-124m preset, small batch: L{m.n_layer} D{m.d_model} H{m.n_head} T{m.seq_len} "
-        f"(preset 1024, cut so a step fits here) B{p.m124_batch}, mesh {p.m124_mesh} "
+        f"(preset 1024, cut so a step takes about a minute here) B{p.m124_batch}, mesh {p.m124_mesh} "
         f"(params sharded 4 ways: 8 replicas of 124M + Adam would not fit beside others), f32")
     t0 = time.perf_counter()
     tr = OursTrainer(cfg)
