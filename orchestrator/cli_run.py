@@ -178,10 +178,15 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
               help="Seconds jax.distributed waits for every host to join.")
 @click.option("--json", "as_json", is_flag=True, help="Stream the hosts' output to stderr and print the result as "
               "JSON on stdout.")
+@click.option("--on-preemption", type=click.Choice(["recreate", "fail"]), default="recreate", show_default=True,
+              help="When the slice's VMs are preempted mid-run (not for --hosts): recreate the slice and run the "
+                   "same command again (the trainer resumes from the latest step), or stop and say so.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              help="At most this many recreations per run.")
 @_ssh_options
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
-        init_timeout, as_json, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+        init_timeout, as_json, on_preemption, max_restarts, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -191,7 +196,8 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
 
     Preflight (reachable, Python, disk, accelerator held by a stale process, clock), push (one wheel, installed
     once per content hash), launch with jax.distributed settings, prefixed output per host. The first host
-    to fail stops all others; Ctrl-C stops every host.
+    to fail stops all others; Ctrl-C stops every host. If the slice is preempted, it is recreated and the
+    command runs again (--on-preemption, --max-restarts); a crash on a healthy slice is not retried.
     """
     from orchestrator import bundle as B
     from orchestrator.runner import RunFailed, local_install, run_job
@@ -219,15 +225,32 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
             ls = target.local_slice
             install, layout = local_install(ls.wheelhouse, bundle, python=ls.python,
                                             log=lambda m: print(f"[tpuctl] {m}", file=out))
-    run_dir = _home() / "runs" / name / L.new_run_id()
+
+    def attempt(n: int):
+        nonlocal target
+        if n:  # a recreated slice: new workers (and, locally, new hosts and keys)
+            target = resolve(name, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user, ssh_key=ssh_key,
+                             ssh_port=ssh_port)
+        run_dir = _home() / "runs" / name / L.new_run_id()
+        return run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
+                       kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
+                       coordinator_port=coordinator_port, heartbeat_timeout_s=heartbeat_timeout,
+                       init_timeout_s=init_timeout, run_id=run_dir.name, out=out)
+
     try:
-        res = run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
-                      kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
-                      coordinator_port=coordinator_port, heartbeat_timeout_s=heartbeat_timeout,
-                      init_timeout_s=init_timeout, run_id=run_dir.name, out=out)
+        if hosts:  # no slice to ask about or recreate
+            res = attempt(0)
+        else:
+            from orchestrator.supervise import Policy, supervise
+            res = supervise(name, attempt, policy=Policy(on_preemption=on_preemption, max_restarts=max_restarts),
+                            api_endpoint=api_endpoint, local=True if target.local_slice is not None else local,
+                            progress=lambda m: (print(f"[tpuctl] {m}", file=out, flush=True)))
     except RunFailed as e:
         res = e.result
         click.echo(f"Error: {e}", err=True)
+    except KeyboardInterrupt:  # outside a run (recreating, asking the API): up/down clean up after themselves
+        click.echo("Error: interrupted", err=True)
+        sys.exit(130)
     if as_json:
         click.echo(json.dumps({"name": name, "run_id": res.run_id, "run_dir": str(res.run_dir),
                                "returncode": res.returncode, "exit_codes": res.exit_codes,

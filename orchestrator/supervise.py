@@ -1,0 +1,166 @@
+"""A run's life across spot preemptions: run, and when the slice's VMs are preempted, recreate it and run again.
+
+The trainer resumes from the latest Orbax step in --ckpt-dir by itself, so relaunching the same command is
+the whole recovery. Only a lost slice is retried: a crash on a READY node is the user's bug and fails as before.
+
+Local mode: the stand-in's `preempt` only flips the node's state, while a real preemption also kills the VMs.
+So here the supervisor plays that part: while a run is on, it watches the node, and when the node is no longer
+READY it stops the local slice's hosts (their SSH sessions drop, as a dead VM's would).
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from orchestrator import slices
+from orchestrator.hosts import HostError
+from orchestrator.runner import PREEMPTED, RunFailed, RunResult
+from orchestrator.spec import UserError
+
+LOST = ("PREEMPTED", "TERMINATED", "GONE")  # the VMs are gone: recreate
+SSH_LOST = 255                               # runner's code for a host whose SSH connection dropped
+_STEP = re.compile(r"\bstep\s+(\d+)")
+
+
+@dataclass
+class Policy:
+    on_preemption: str = "recreate"   # recreate | fail
+    max_restarts: int = 3
+    settle_s: float = 60.0            # after exit 42 / a lost host, how long the API may lag behind the VMs
+    poll_s: float = 2.0               # node state polling (settling; the local watcher)
+
+    def __post_init__(self):
+        if self.on_preemption not in ("recreate", "fail"):
+            raise UserError(f"--on-preemption {self.on_preemption!r}: use recreate or fail")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts {self.max_restarts}: use 0 or more")
+
+
+class Preempted(UserError):
+    """The slice was preempted and is not recreated (policy fail, or no restarts left)."""
+
+
+def node_state(name: str, *, api_endpoint: str | None = None, local: bool | None = None) -> str:
+    """READY / PREEMPTED / TERMINATED / ... or GONE when the node no longer exists."""
+    n = slices.node(name, api_endpoint=api_endpoint, local=local)
+    return "GONE" if n is None else n.state
+
+
+def latest_step(run_dir: Path | None) -> int | None:
+    """The last `step N` any host printed (trainer progress or its preemption save), for the message."""
+    best = None
+    for log in sorted(Path(run_dir).glob("w*.log")) if run_dir else []:
+        try:
+            steps = _STEP.findall(log.read_text(errors="replace"))
+        except OSError:
+            continue
+        if steps:
+            best = max(best or 0, int(steps[-1]))
+    return best
+
+
+def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy | None = None,
+              api_endpoint: str | None = None, local: bool | None = None,
+              progress: Callable[[str], None] = print) -> RunResult:
+    """run_once(attempt) runs the command on NAME's current workers (attempt 0 first; later attempts must
+    re-read the workers and SSH settings, the slice being new). Returns the successful RunResult; raises
+    the run's own error (RunFailed, HostError, UserError) when the slice is still READY, Preempted when the
+    slice is lost and the policy or the restart budget says stop. Ctrl-C propagates as it is."""
+    policy = policy or Policy()
+    restarts = 0
+    while True:
+        watch = _LocalWatch(name, policy.poll_s, progress) if local else None
+        try:
+            return run_once(restarts)
+        except RunFailed as e:
+            if e.result.interrupted:
+                raise
+            failure, result = e, e.result
+        except (HostError, UserError) as e:  # hosts unreachable, or the slice is not READY any more
+            failure, result = e, None
+        finally:
+            if watch:
+                watch.stop()
+        st = _settled_state(name, result, policy, api_endpoint, local, failure)
+        if st not in LOST:
+            raise failure
+        step = latest_step(result.run_dir if result else None)
+        what = (f"w{result.failed_worker}'s VM was" if result and result.failed_worker is not None
+                else f"{name}'s VMs were") + f" {_verb(st)}" + (f" at step {step}" if step is not None else "")
+        if policy.on_preemption == "fail":
+            raise Preempted(f"{what} (--on-preemption fail): `tpuctl down {name}` and `tpuctl up {name} ...` again, "
+                            f"then rerun (the trainer resumes from the latest step in --ckpt-dir), or pass "
+                            f"--on-preemption recreate") from None
+        if restarts >= policy.max_restarts:
+            raise Preempted(f"{what}; not recreating {name}: {restarts} restart(s) used of --max-restarts "
+                            f"{policy.max_restarts}; `tpuctl down {name}`, `tpuctl up` again and rerun, or "
+                            "raise --max-restarts") from None
+        restarts += 1
+        progress(f"{what}; recreating {name} ({restarts}/{policy.max_restarts})")
+        if _is_local(name, local):  # a real preemption's VMs are dead: so must the local hosts be
+            from infra.local_slice import LocalSlice
+            LocalSlice.stop_by_name(name)
+        try:
+            slices.recreate(name, progress=progress)
+        except UserError as e:
+            raise UserError(f"{name} was {_verb(st)} and recreating it failed: {e}") from None
+        progress(f"{name} is READY again; relaunching (attempt {restarts + 1})")
+
+
+def _verb(state: str) -> str:
+    return {"GONE": "deleted"}.get(state, state.lower())
+
+
+def _is_local(name: str, local: bool | None) -> bool:
+    if local is not None:
+        return local
+    from orchestrator import state
+    rec = state.lookup(name)
+    return bool(rec and rec.local)
+
+
+def _settled_state(name, result, policy, api_endpoint, local, failure) -> str:
+    """The node's state; after exit 42 or a dropped host, give the API time to notice the VMs' end."""
+    try:
+        st = node_state(name, api_endpoint=api_endpoint, local=local)
+    except UserError:
+        raise failure from None  # cannot tell (no record, API down): the run's own error says more
+    codes = set(result.exit_codes.values()) if result else set()
+    if st != "READY" or not codes & {PREEMPTED, SSH_LOST}:
+        return st
+    deadline = time.monotonic() + policy.settle_s
+    while st == "READY" and time.monotonic() < deadline:
+        time.sleep(policy.poll_s)
+        st = node_state(name, api_endpoint=api_endpoint, local=local)
+    return st
+
+
+class _LocalWatch:
+    """Local mode: while the run is on, stop the local hosts once the stand-in says the node is not READY."""
+
+    def __init__(self, name: str, poll_s: float, progress: Callable[[str], None]):
+        self.name, self.poll_s, self.progress = name, poll_s, progress
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"watch-{name}")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        from infra.local_slice import LocalSlice
+        while not self.done.wait(self.poll_s):
+            try:
+                st = node_state(self.name, local=True)
+            except Exception:  # noqa: BLE001 - the stand-in is busy or restarting: ask again next time
+                continue
+            if st in LOST and not self.done.is_set():
+                self.progress(f"{self.name} is {st} in the stand-in: stopping its local hosts, as a real "
+                              "preemption kills the VMs")
+                LocalSlice.stop_by_name(self.name)
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=30)
