@@ -22,7 +22,7 @@ from orchestrator.runner import PREEMPTED, RunFailed, RunResult
 from orchestrator.spec import UserError
 
 LOST = ("PREEMPTED", "TERMINATED", "GONE")  # the VMs are gone: recreate
-SSH_LOST = 255                               # runner's code for a host whose SSH connection dropped
+HOST_LOST = {255, -1}                        # a host whose SSH connection dropped (runner, invoke)
 _STEP = re.compile(r"\bstep\s+(\d+)")
 
 
@@ -130,7 +130,7 @@ def _settled_state(name, result, policy, api_endpoint, local, failure) -> str:
     except UserError:
         raise failure from None  # cannot tell (no record, API down): the run's own error says more
     codes = set(result.exit_codes.values()) if result else set()
-    if st != "READY" or not codes & {PREEMPTED, SSH_LOST}:
+    if st != "READY" or not codes & {PREEMPTED, *HOST_LOST}:
         return st
     deadline = time.monotonic() + policy.settle_s
     while st == "READY" and time.monotonic() < deadline:
