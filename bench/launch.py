@@ -40,6 +40,16 @@ class _Clock(io.TextIOBase):
         return "".join(self.buf)
 
 
+def _push_summary(push: dict) -> str:
+    """{worker: 'deps=installed app=installed ...' | 'cached'} -> 'deps installed on 1/4, app on 4/4'."""
+    n = len(push)
+    if all(v == "cached" for v in push.values()):
+        return f"install skipped on {n}/{n}"
+    deps = sum("deps=installed" in v for v in push.values())
+    app = sum("app=installed" in v for v in push.values())
+    return f"dependency layer installed by {deps}/{n}, app by {app}/{n}"
+
+
 def _wheelhouse_root() -> Path:
     """The machine's wheelhouse: the tests' (already filled here) unless TPUCTL_BENCH_WHEELHOUSE says."""
     env = os.environ.get("TPUCTL_BENCH_WHEELHOUSE")
@@ -88,7 +98,7 @@ def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None
                             "--eval-every", "0", "--eval-batches", "1", "--log-every", "1"]
                     what, pattern = "first training step", STEP1
                 else:
-                    argv = ["python3", "-c", "print('hello from', __import__('os').environ['TPUCTL_PROCESS_ID'])"]
+                    argv = ["python3", "-c", "import socket; print('hello from', socket.gethostname())"]
                     what, pattern = "first output of a small command", re.compile(r"hello from")
                 rows = []
                 for attempt in ("cold install", "unchanged bundle"):
@@ -105,7 +115,7 @@ def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None
                         break
                     rows.append((attempt, r.timings, out.hit, time.monotonic() - t1, r.push))
                 for attempt, tm, hit, total, push in rows:
-                    state = "w0 " + str(push.get(0, "?"))
+                    state = _push_summary(push)
                     say(f"[6] {n:2d} host(s), {attempt:16s}: preflight {tm.get('preflight_s', 0):5.1f} s, "
                         f"push+install {tm.get('push_s', 0):5.1f} s ({state}), run -> {what} "
                         f"{hit if hit is not None else float('nan'):5.1f} s, whole run {total:5.1f} s")
