@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,6 +21,7 @@ def _run(*args, timeout=300):
                           text=True, timeout=timeout, start_new_session=True)
 
 
+@pytest.mark.slow  # ~50 s on 2 idle cores: compiling the seed's step (twice) and ours dominates
 def test_quick_bench_prints_ratios():
     r = _run("--quick", "--skip", "124m")
     assert r.returncode == 0, r.stdout + r.stderr
