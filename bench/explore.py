@@ -13,7 +13,7 @@ import time
 from bench.__main__ import emulate
 
 VARIANTS = ("seed", "ours", "nopad", "foldmask", "nodropout", "noclip", "shardmap", "shardmap_fold", "zero1",
-            "zero1_fold")
+            "zero1_fold", "wte_t", "wte_t_fold", "best")
 
 
 def build(name: str, tmp: str):
@@ -110,14 +110,33 @@ def build(name: str, tmp: str):
                                       out_shardings=(self.param_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
         return Zero1
 
-    cls = {"foldmask": FoldMask, "zero1": zero1(loop.Steps), "zero1_fold": zero1(FoldMask), "shardmap": shard_mapped(loop.Steps),
+    class GPT2T(gpt2.GPT2):
+        """The tied embedding stored (embed, vocab): the head is x @ W with W in its natural layout, so
+        the backward's dW = x^T g transposes the small x, not the [tokens, vocab] cotangent."""
+
+        def __init__(self, cfg, rngs):
+            super().__init__(cfg, rngs)
+            self.wte = nnx.Param(self.wte[...].T, axes=("embed", "vocab"))
+
+        def __call__(self, tokens, **kw):
+            wt = self.wte
+            self.wte = nnx.Param(wt[...].T, axes=("vocab", "embed"))  # the model's code, unchanged, on W^T^T
+            try:
+                return super().__call__(tokens, **kw)
+            finally:
+                self.wte = wt
+
+    if name in ("wte_t", "wte_t_fold", "best"):
+        gpt2.GPT2 = GPT2T  # module global: abstract(), init_params() and loop's eval_shape all build this
+
+    cls = {"foldmask": FoldMask, "wte_t": loop.Steps, "wte_t_fold": FoldMask, "best": shard_mapped(FoldMask), "zero1": zero1(loop.Steps), "zero1_fold": zero1(FoldMask), "shardmap": shard_mapped(loop.Steps),
            "shardmap_fold": shard_mapped(FoldMask)}.get(name, loop.Steps)
-    orig = loop.Steps
+    orig, orig_model = loop.Steps, GPT2T.__mro__[1]
     loop.Steps = cls
     try:
         tr = OursTrainer(cfg)
     finally:
-        loop.Steps = orig
+        loop.Steps, gpt2.GPT2 = orig, orig_model
     return tr.step
 
 
