@@ -24,13 +24,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.local_slice import tpuctl_home as _home
+
 
 class GcsError(RuntimeError):
     """One clear line about the GCS emulator."""
-
-
-def _home() -> Path:
-    return Path(os.environ.get("TPUCTL_HOME") or Path.home() / ".tpuctl")
 
 
 def binary_path() -> Path:

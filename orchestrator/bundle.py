@@ -21,6 +21,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.state import home as _home
+
 WORKDIR_PKG = "tpuctl_workdir"  # where the user's working dir lands inside the wheel (and on hosts)
 _EXCLUDE_DIRS = {"__pycache__", ".git", ".venv", "venv", ".tox", ".pytest_cache", ".mypy_cache", "node_modules",
                  "build", "dist", ".tpuctl", "runs"}
@@ -54,10 +56,6 @@ class Bundle:
 
 def project_root() -> Path:
     return Path(__file__).resolve().parents[1]
-
-
-def _home() -> Path:
-    return Path(os.environ.get("TPUCTL_HOME") or Path.home() / ".tpuctl")
 
 
 def _pyproject(root: Path) -> dict:

@@ -21,12 +21,9 @@ from orchestrator import launch as L
 from orchestrator.bundle import BundleError
 from orchestrator.hosts import HostError, Hosts, SshConfig
 from orchestrator.spec import UserError
+from orchestrator.state import home as _home
 
 DEFAULT_SSH_PORT = 22
-
-
-def _home() -> Path:
-    return Path(os.environ.get("TPUCTL_HOME") or Path.home() / ".tpuctl")
 
 
 class RunCliError(click.ClickException):
