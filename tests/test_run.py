@@ -203,19 +203,27 @@ def _cli_flags(sl):
             "--ssh-port", str(sl.hosts[0].port)]
 
 
-def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
+def _sleeping_run(sl, tmp_path) -> subprocess.Popen:
+    """`tpuctl run` of a long sleep on all 3 hosts, in its own session, returned once every host said ready."""
     p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli_run", "run", "runs", *_cli_flags(sl), "--raw", "--",
                           *py("print('ready', flush=True); time.sleep(300)")],
                          env=_cli_env(sl, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
+    seen = set()
+    for line in p.stdout:
+        m = re.match(r"\[w(\d)\] ready", line)
+        if m:
+            seen.add(m.group(1))
+        if len(seen) == 3:
+            return p
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    raise AssertionError(f"the run ended before every host was ready (exit {p.returncode})")
+
+
+def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
+    p = _sleeping_run(sl, tmp_path)
     try:
-        seen = set()
-        for line in p.stdout:
-            m = re.match(r"\[w(\d)\] ready", line)
-            if m:
-                seen.add(m.group(1))
-            if len(seen) == 3:
-                break
         p.send_signal(signal.SIGINT)
         rest = p.communicate(timeout=60)[0]
     finally:
@@ -238,17 +246,8 @@ def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
 def test_a_killed_tpuctl_takes_its_trainers_with_it(sl, tmp_path, clean):
     """No Ctrl-C handler runs when tpuctl is SIGKILLed (or the laptop sleeps): the SSH sessions end, and the
     wrapper on every host notices and kills its trainer's process group."""
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli_run", "run", "runs", *_cli_flags(sl), "--raw", "--",
-                          *py("print('ready', flush=True); time.sleep(300)")],
-                         env=_cli_env(sl, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = _sleeping_run(sl, tmp_path)
     try:
-        seen = set()
-        for line in p.stdout:
-            if line.endswith("ready\n"):
-                seen.add(line[:4])
-            if len(seen) == 3:
-                break
         assert all(any("time.sleep(300)" in c for _, c in host_processes(sl, i)) for i in range(3))
     finally:
         os.killpg(p.pid, signal.SIGKILL)
