@@ -40,14 +40,16 @@ def spec_of(x) -> P:
     return P(*(tuple(s) + (None,) * (x.ndim - len(s))))  # normalise trailing Nones
 
 
+@pytest.mark.parametrize("vocab_parallel", ["off", "on"])
 @pytest.mark.parametrize("mesh", ["data=8,model=1", "data=4,model=2"])
-def test_params_optimizer_state_and_batch_carry_the_rule_shardings(mesh):
-    cfg = tiny_cfg("--mesh", mesh)
+def test_params_optimizer_state_and_batch_carry_the_rule_shardings(mesh, vocab_parallel):
+    cfg = tiny_cfg("--mesh", mesh, "--vocab-parallel", vocab_parallel)
     steps = loop.Steps(cfg, loop.setup_mesh(cfg))
     params, opt_state = steps.init()
     model = "model"  # the rules name mesh axes whatever their size (on 8x1 the model axis has size 1)
+    vocab = ("data", "model") if vocab_parallel == "on" else model
     want = {
-        "wte": P(model, None),  # vocab -> model
+        "wte": P(vocab, None),  # vocab -> model, or every device with --vocab-parallel
         "wpe": P(None, None),
         ("blocks", 0, "attn", "qkv_kernel"): P(None, None, model, None),  # heads -> model
         ("blocks", 0, "attn", "out_kernel"): P(model, None, None),
@@ -64,10 +66,11 @@ def test_params_optimizer_state_and_batch_carry_the_rule_shardings(mesh):
         assert spec_of(get(adam.mu, key)) == spec, key
         assert spec_of(get(adam.nu, key)) == spec, key
     assert spec_of(adam.count) == P()
-    # Really split, not just labelled: on 4x2 a vocab-sharded table holds half the rows per device.
-    n_model = steps.mesh.shape["model"]
+    # Really split, not just labelled: on 4x2 a vocab-sharded table holds half the rows per device,
+    # an eighth with --vocab-parallel.
+    n_slices = 8 if vocab_parallel == "on" else steps.mesh.shape["model"]
     wte = params["wte"]
-    assert {s.data.shape for s in wte.addressable_shards} == {(wte.shape[0] // n_model, wte.shape[1])}
+    assert {s.data.shape for s in wte.addressable_shards} == {(wte.shape[0] // n_slices, wte.shape[1])}
     batch = steps.global_batch(np.zeros((8, cfg.model.seq_len + 1), np.int32))
     assert spec_of(batch) == P("data", None)
     assert {s.data.shape[0] for s in batch.addressable_shards} == {8 // steps.mesh.shape["data"]}

@@ -60,6 +60,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
+    vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
     ckpt_every: int = 100
@@ -120,6 +121,9 @@ HELP = {
     "grad_clip": "global-norm clip (0 = off)",
     "dtype": "compute dtype: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16",
     "mesh": "data=D,model=M (default: every device on data)",
+    "vocab_parallel": "auto, on or off: shard the tied embedding's vocab rows over every device and compute the "
+                      "output layer + loss per vocab slice (moves hidden states instead of the [V, D] gradient; "
+                      "auto = on when a step's tokens are fewer than the vocab)",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
     "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
@@ -188,6 +192,8 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--warmup-steps {t.warmup_steps} must be below --decay-steps {t.decay_steps}")
     if t.batch_size % t.grad_accum:
         raise UsageError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
+    if t.vocab_parallel not in ("auto", "on", "off"):
+        raise UsageError(f"--vocab-parallel {t.vocab_parallel}: choose auto, on or off")
     if t.dtype not in ("auto", "float32", "bfloat16"):
         raise UsageError(f"--dtype {t.dtype}: choose auto, float32 or bfloat16")
     if not t.ckpt_dir:

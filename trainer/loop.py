@@ -60,6 +60,19 @@ def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
         if v % mp:
             raise UsageError(f"{what} {v} is not divisible by the mesh's model axis ({mp}); "
                              f"use a --mesh whose model size divides {v}")
+    if t.vocab_parallel == "on" and m.padded_vocab % (d * mp):
+        raise UsageError(f"--vocab-parallel on: the padded vocab {m.padded_vocab} is not divisible by the "
+                         f"{d * mp} devices; set --vocab-multiple to a multiple of {d * mp}")
+
+
+def use_vocab_parallel(cfg: Config, n_devices: int) -> bool:
+    """--vocab-parallel resolved. auto: on when the hidden states of a (micro-)step, which it all-gathers,
+    are smaller than the [V, D] table whose gradient it then no longer all-reduces."""
+    m, t = cfg.model, cfg.train
+    if t.vocab_parallel != "auto":
+        return t.vocab_parallel == "on"
+    tokens = t.batch_size // t.grad_accum * m.seq_len
+    return n_devices > 1 and m.padded_vocab % n_devices == 0 and tokens < m.padded_vocab
 
 
 class Steps:
@@ -70,7 +83,9 @@ class Steps:
         self.cfg, self.mesh = cfg, mesh
         self.dtype = compute_dtype(t.dtype)
         self.graphdef, _ = gpt2.abstract(m)
-        self.param_sh = gpt2.param_shardings(m, mesh)
+        self.vocab_parallel = use_vocab_parallel(cfg, mesh.size)
+        self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES
+        self.param_sh = gpt2.param_shardings(m, mesh, self.rules)
         self.rep = mesh_lib.replicated(mesh)
         self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
         self.tx = optim.make(t)
@@ -90,8 +105,7 @@ class Steps:
 
     def _loss(self, params, tokens, key):
         model = nnx.merge(self.graphdef, params)
-        logits = model(tokens[:, :-1], dropout_key=key, dtype=self.dtype)
-        return gpt2.loss_fn(logits, tokens[:, 1:])
+        return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel)
 
     def _train_step(self, params, opt_state, batch, step):
         t = self.cfg.train
@@ -134,7 +148,7 @@ class Steps:
         return time.perf_counter() - t0
 
     def init(self):
-        params = gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh)
+        params = gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(params)
         return params, opt_state
 

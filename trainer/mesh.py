@@ -22,6 +22,8 @@ RULES: dict[str, str | None] = {
     "seq": None,
     "head_dim": None,
 }
+# --vocab-parallel: the tied embedding's vocab rows over every device (trainer/models/vocab_parallel.py).
+VOCAB_PARALLEL_RULES = {**RULES, "vocab": AXES}
 
 
 def init_distributed() -> bool:
@@ -66,15 +68,15 @@ def make_mesh(shape: dict[str, int]) -> Mesh:
     return jax.make_mesh((shape["data"], shape["model"]), AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-def spec(axes: tuple[str | None, ...] | None) -> P:
-    """Logical axis names -> PartitionSpec over mesh axes, through RULES."""
+def spec(axes: tuple[str | None, ...] | None, rules: dict = RULES) -> P:
+    """Logical axis names -> PartitionSpec over mesh axes, through `rules`."""
     if not axes:
         return P()
-    return P(*(RULES[a] if a is not None else None for a in axes))
+    return P(*(rules[a] if a is not None else None for a in axes))
 
 
-def sharding(mesh: Mesh, axes: tuple[str | None, ...] | None) -> NamedSharding:
-    return NamedSharding(mesh, spec(axes))
+def sharding(mesh: Mesh, axes: tuple[str | None, ...] | None, rules: dict = RULES) -> NamedSharding:
+    return NamedSharding(mesh, spec(axes, rules))
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import ModelConfig
-from trainer.mesh import constrain, sharding
+from trainer.mesh import RULES, constrain, sharding
+from trainer.models import vocab_parallel as vocab_parallel_lib
 
 normal = jax.nn.initializers.normal
 
@@ -101,9 +102,12 @@ class GPT2(nnx.Module):
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
         self.ln_f = LayerNorm(cfg.d_model, rngs)
 
-    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
-                 dtype=jnp.float32) -> jax.Array:
-        """int tokens [B, T] -> f32 logits [B, T, padded_vocab], padded entries at -inf-ish."""
+    def hidden(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
+               vocab_parallel: bool = False) -> jax.Array:
+        """int tokens [B, T] -> final hidden states [B, T, D] (after ln_f), in the compute dtype.
+
+        vocab_parallel: the table is sharded as vocab_parallel.TABLE (look up by its shard_map).
+        """
         cfg = self.cfg
         b, t = tokens.shape
         keep = [None] * (2 * cfg.n_layer + 1)
@@ -112,18 +116,34 @@ class GPT2(nnx.Module):
             masks = jax.random.bernoulli(dropout_key, 1.0 - cfg.dropout, (len(keep), b, t, cfg.d_model))
             keep = list(constrain(masks, (None, "batch", "seq", "embed")))
         wte = self.wte[...]
-        x = jnp.take(wte, tokens, axis=0) + self.wpe[...][:t]
+        x = vocab_parallel_lib.lookup(wte, tokens) if vocab_parallel else jnp.take(wte, tokens, axis=0)
+        x = x + self.wpe[...][:t]
         x = constrain(dropout(x, cfg.dropout, keep[-1]).astype(dtype), ("batch", "seq", "embed"))
         for i, block in enumerate(self.blocks):
             x = block(x, (keep[2 * i], keep[2 * i + 1]))
-        x = self.ln_f(x)
+        return self.ln_f(x)
+
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
+                 dtype=jnp.float32) -> jax.Array:
+        """int tokens [B, T] -> f32 logits [B, T, padded_vocab], padded entries at -inf-ish."""
+        cfg = self.cfg
+        x = self.hidden(tokens, dropout_key=dropout_key, dtype=dtype)
         # Tied embeddings; f32 logits whatever the compute dtype (the loss is f32).
-        logits = jnp.einsum("btd,vd->btv", x, wte.astype(dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype), preferred_element_type=jnp.float32)
         logits = constrain(logits, ("batch", "seq", "vocab"))
         if cfg.padded_vocab != cfg.vocab_size:  # padding rows exist for speed only: never predicted
             valid = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
             logits = jnp.where(valid, logits, -1e9)
         return logits
+
+    def loss(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
+             vocab_parallel: bool = False) -> jax.Array:
+        """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:]."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if vocab_parallel:
+            x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=True)
+            return vocab_parallel_lib.xent(x, self.wte[...], targets, self.cfg.vocab_size)
+        return loss_fn(self(inputs, dropout_key=dropout_key, dtype=dtype), targets)
 
 
 def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -138,10 +158,10 @@ def abstract(cfg: ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: GPT2(cfg, nnx.Rngs(0))))
 
 
-def param_shardings(cfg: ModelConfig, mesh) -> dict:
-    """Pure-dict tree of NamedShardings, one per parameter, from its logical `axes` through the rules."""
+def param_shardings(cfg: ModelConfig, mesh, rules: dict = RULES) -> dict:
+    """Pure-dict tree of NamedShardings, one per parameter, from its logical `axes` through `rules`."""
     _, state = abstract(cfg)
-    return nnx.to_pure_dict(state, extract_fn=lambda v: sharding(mesh, v.get_metadata().get("axes")))
+    return nnx.to_pure_dict(state, extract_fn=lambda v: sharding(mesh, v.get_metadata().get("axes"), rules))
 
 
 def param_axes(cfg: ModelConfig) -> dict:
@@ -150,11 +170,11 @@ def param_axes(cfg: ModelConfig) -> dict:
     return nnx.to_pure_dict(state, extract_fn=lambda v: v.get_metadata().get("axes"))
 
 
-def init_params(cfg: ModelConfig, seed: int, mesh) -> dict:
+def init_params(cfg: ModelConfig, seed: int, mesh, rules: dict = RULES) -> dict:
     """f32 params as a pure dict, created directly in their shardings (no host copy, no replication)."""
     def init():
         return nnx.to_pure_dict(nnx.state(GPT2(cfg, nnx.Rngs(seed)), nnx.Param))
-    return jax.jit(init, out_shardings=param_shardings(cfg, mesh))()
+    return jax.jit(init, out_shardings=param_shardings(cfg, mesh, rules))()
 
 
 def count_params(params: dict) -> int:

@@ -1,0 +1,128 @@
+"""The tied embedding's two uses, with its vocabulary sharded over EVERY device of the mesh.
+
+With data parallelism alone each device holds the whole [V, D] table: every step all-reduces its full
+gradient and every device runs the same optimizer update on it, and each device's output matmul has a
+small contraction (its share of the tokens) and a huge output. Here device i of n holds vocab rows
+[i*V/n, (i+1)*V/n) instead. The activations are moved, not the table:
+- lookup: every device gathers the ids of the global batch, looks up the rows it holds (zeros elsewhere)
+  and a reduce-scatter sums those partial embeddings back to each device's batch share;
+- output + loss: every device gathers the final hidden states of the global batch ([B, T, D], small
+  next to [V, D] while B*T < V), computes logits for its vocab slice, and the softmax statistics of the
+  slices are combined with one all-gather of three numbers per token. The gradients are computed in the
+  same pass (a custom VJP): [B, T, V] logits are never kept for a backward pass, the table's gradient
+  stays on its device, and the hidden states' gradient is reduce-scattered.
+
+Numerically the same cross-entropy as `gpt2.loss_fn` on full logits (tests compare them).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+ALL = (DATA, MODEL)  # vocab rows are sharded over both axes, data-major
+TABLE = P(ALL, None)
+ACTS = P(DATA, None, None)
+IDS = P(DATA, None)
+NEG = -1e30  # the padding rows' logit bias: finite, so that a slice of padding only gives no inf - inf
+
+
+def _shard_start(rows: int) -> jax.Array:
+    """First vocab id of this device's slice (inside shard_map)."""
+    return (jax.lax.axis_index(DATA) * jax.lax.axis_size(MODEL) + jax.lax.axis_index(MODEL)) * rows
+
+
+def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids]: [V, D] sharded as TABLE, int [B, T] sharded over data -> [B, T, D] sharded over data."""
+    def local(table, ids):
+        ids = jax.lax.all_gather(ids, DATA, tiled=True)  # the global batch's ids: B*T int32, small
+        rel = ids - _shard_start(table.shape[0])
+        mine = (rel >= 0) & (rel < table.shape[0])
+        rows = jnp.where(mine[..., None], jnp.take(table, jnp.clip(rel, 0, table.shape[0] - 1), axis=0), 0)
+        rows = jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(rows, MODEL)
+    return jax.shard_map(local, in_specs=(TABLE, IDS), out_specs=ACTS)(table, ids)
+
+
+def _local_xent(x, table, targets, vocab_size: int, with_grads: bool):
+    """Inside shard_map: mean cross-entropy of the global batch, and optionally (dx, dtable) for it.
+
+    Layouts are chosen for the matmuls (measured, bench/explore.py): logits [vocab slice, tokens] from
+    table @ x^T with x^T materialised (an [N, D] operand read transposed is ~1.4x slower on XLA:CPU), the
+    x gradient as table^T @ dlogits = [D, N]. The only full passes over the logits are one max and one
+    exp; the target logit, the one-hot part of the gradient and the softmax's per-token scale are
+    applied on [tokens, D]-sized arrays instead.
+    """
+    b, t, d = x.shape
+    rows_here = table.shape[0]
+    dt = x.dtype
+    # [D, N]: hidden states of the global batch, transposed locally (small) before the gather.
+    xs_t = jax.lax.all_gather(x.reshape(b * t, d).T, DATA, axis=1, tiled=True)
+    xs = xs_t.T  # [N, D]
+    ts = jax.lax.all_gather(targets, DATA, tiled=True).reshape(-1)
+    n = ts.shape[0]
+    w = table.astype(dt)
+    start = _shard_start(rows_here)
+    # Padding rows of the table exist for speed only. Their logits get a -1e30 bias through an extra
+    # contraction row (table | bias) . (x | 1), so that the max and the exp pass need no mask: XLA
+    # materialises a [V/n_dev, N] broadcast for a masked reduction. 8 rows keep K a multiple of 8.
+    bias = jnp.where(start + jnp.arange(rows_here) < vocab_size, 0.0, NEG).astype(dt)
+    w_aug = jnp.concatenate([w, bias[:, None], jnp.zeros((rows_here, 7), dt)], axis=1)
+    x_aug = jnp.concatenate([xs_t, jnp.ones((1, n), dt), jnp.zeros((7, n), dt)], axis=0)
+    logits = jnp.einsum("vd,dn->vn", w_aug, x_aug, preferred_element_type=jnp.float32)  # [V/n_dev, N]
+    m = jnp.max(logits, axis=0)  # a slice of padding only: ~NEG, and exp(m - top) = 0 drops it below
+    e = jnp.exp(logits - m)
+    rel = ts - start
+    mine = (rel >= 0) & (rel < rows_here)
+    rel = jnp.clip(rel, 0, rows_here - 1)
+    target_rows = jnp.take(w, rel, axis=0)  # [N, D]: the target's embedding, where this slice holds it
+    picked = jnp.where(mine, jnp.sum(target_rows.astype(jnp.float32) * xs.astype(jnp.float32), -1), 0.0)
+    stats = jax.lax.all_gather(jnp.stack([m, e.sum(0), picked]), ALL)  # [n_dev, 3, N]: one collective
+    top = stats[:, 0].max(0)
+    total = (stats[:, 1] * jnp.exp(stats[:, 0] - top)).sum(0)
+    loss = jnp.sum(top + jnp.log(total) - stats[:, 2].sum(0)) / n
+    if not with_grads:
+        return loss
+    # d loss / d logits[v, i] = (softmax[v, i] - onehot[v, i]) / n = e[v, i] * scale[i] - onehot / n.
+    scale = jnp.exp(m - top) / (total * n)
+    e = e.astype(dt)
+    onehot_x = jnp.where(mine[:, None], xs.astype(jnp.float32), 0.0) / n
+    dx_t = jnp.einsum("vd,vn->dn", w, e, preferred_element_type=jnp.float32) * scale
+    dx_t = dx_t - jnp.where(mine, target_rows.T.astype(jnp.float32), 0.0) / n
+    dx_t = jax.lax.psum(jax.lax.psum_scatter(dx_t, DATA, scatter_dimension=1, tiled=True), MODEL)
+    dx = dx_t.T.reshape(b, t, d)
+    dtable = jnp.einsum("vn,nd->vd", e, (xs * scale[:, None].astype(dt)), preferred_element_type=jnp.float32)
+    dtable = dtable.at[rel].add(-onehot_x)
+    return loss, dx.astype(x.dtype), dtable
+
+
+def _specs(with_grads: bool):
+    return dict(in_specs=(ACTS, TABLE, IDS), out_specs=(P(), ACTS, TABLE) if with_grads else P(),
+                check_vma=False)  # the loss is computed identically on every device
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def xent(x: jax.Array, table: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
+    """Mean next-token cross-entropy (f32) of logits x @ table.T, vocab columns >= vocab_size excluded.
+
+    x [B, T, D] sharded over data, table [V, D] sharded as TABLE, targets int [B, T] sharded over data.
+    """
+    f = partial(_local_xent, vocab_size=vocab_size, with_grads=False)
+    return jax.shard_map(f, **_specs(False))(x, table, targets)
+
+
+def _xent_fwd(x, table, targets, vocab_size):
+    f = partial(_local_xent, vocab_size=vocab_size, with_grads=True)
+    loss, dx, dtable = jax.shard_map(f, **_specs(True))(x, table, targets)
+    return loss, (dx, dtable)
+
+
+def _xent_bwd(vocab_size, res, g):
+    dx, dtable = res
+    return (dx * g.astype(dx.dtype), dtable * g, None)
+
+
+xent.defvjp(_xent_fwd, _xent_bwd)
