@@ -12,7 +12,7 @@ import time
 
 from bench.__main__ import emulate
 
-VARIANTS = ("seed", "ours", "nopad", "foldmask", "nodropout", "noclip", "shardmap", "shardmap_fold", "zero1",
+VARIANTS = ("seed", "ours", "dp", "nopad", "foldmask", "nodropout", "noclip", "shardmap", "shardmap_fold", "zero1",
             "zero1_fold", "wte_t", "wte_t_fold", "best")
 
 
@@ -34,6 +34,8 @@ def build(name: str, tmp: str):
         return lambda tok: s.step(tok[:, :-1].astype(np.int64), tok[:, 1:].astype(np.int64))
     if name == "nopad":
         model["vocab_multiple"] = 1
+    if name == "dp":  # the tied embedding replicated, its gradient all-reduced (as before --vocab-parallel)
+        train["vocab_parallel"] = "off"
     if name == "nodropout":
         model["dropout"] = 0.0
     if name == "noclip":

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
             total = sum(by_name.values())
             print(f"== {name}: top ops by summed thread time over {steps} steps (total {total / 1e9:.1f} s)")
             names = op_names(dump, "jit__train_step" if name == "ours" else "jit_train_step")
-            for k, v in by_name.most_common(30):
+            for k, v in by_name.most_common(int(os.environ.get("TOP", 30))):
                 print(f"  {v / 1e9 / steps:8.3f} s/step  x{count[k] // steps:<5d} {k[:40]:40s} {names.get(k, '')[:150]}")
     return 0
 
