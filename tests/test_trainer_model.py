@@ -116,6 +116,19 @@ def test_dropout_runs_only_with_a_key():
     np.testing.assert_array_equal(d1, model(tok, k))
 
 
+def test_dropout_masks_keep_the_right_fraction_whatever_the_sharding():
+    from jax.sharding import NamedSharding
+    key, shape = jax.random.key(3), (3, 8, 64, 256)
+    masks = np.asarray(gpt2.keep_masks(key, 0.1, shape))
+    assert gpt2.keep_prob(0.1) == pytest.approx(0.9, abs=1e-5)
+    assert abs(masks.mean() - gpt2.keep_prob(0.1)) < 0.002  # 393k draws: the std of the mean is 0.0005
+    assert abs(masks[..., :128].mean() - masks[..., 128:].mean()) < 0.004  # both 16-bit halves are random
+    mesh = loop.setup_mesh(tiny_cfg("--mesh", "data=4,model=2"))
+    sharded = jax.jit(lambda k: gpt2.keep_masks(k, 0.1, shape),
+                      out_shardings=NamedSharding(mesh, P(None, "data", None, "model")))(key)
+    np.testing.assert_array_equal(np.asarray(sharded), masks)
+
+
 def test_schedule_and_weight_decay_mask():
     t = tiny_cfg("--lr", "1.0", "--warmup-steps", "4", "--decay-steps", "20").train
     lr = optim.schedule(t)

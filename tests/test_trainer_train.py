@@ -112,11 +112,13 @@ def test_preemption_notice_saves_that_step_and_the_next_run_continues(corpus, tm
 def test_loss_falls_on_shakespeare_with_gpt2_tiny_then_samples(corpus, tmp_path, procs):
     ckpt = tmp_path / "tiny"
     p = procs.start(["pretrain", "--preset", "gpt2-tiny", "--emulate-devices", "8", "--data", corpus,
-                     "--steps", "20", "--ckpt-dir", str(ckpt)], env(os.environ["TPUCTL_CACHE"], devices=None),
+                     "--steps", "40", "--ckpt-dir", str(ckpt)], env(os.environ["TPUCTL_CACHE"], devices=None),
                     tmp_path / "log")
     assert p.wait(timeout=480) == 0, tail(p.log)
     recs = metrics(ckpt)
-    assert [r["step"] for r in recs] == [1, 10, 20]  # step 1, every --log-every (10), the last
+    # Step 1, every --log-every (10), the last. 40 steps, not 20: at the preset's lr a single batch's loss
+    # can spike for a step around step 20 (seen: 6.4 -> 8.4 -> 6.0 with one dropout draw, not another).
+    assert [r["step"] for r in recs] == [1, 10, 20, 30, 40]
     assert recs[-1]["loss"] <= recs[0]["loss"] - 3.0, recs
     assert recs[-1]["val_loss"] < recs[0]["loss"] - 2.0
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in recs)  # CPU: no peak known

@@ -24,10 +24,25 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None,
     return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
 
 
+def keep_prob(rate: float) -> float:
+    """The exact keep probability of keep_masks: 1 - rate rounded to 1/65536."""
+    return 1.0 - round(rate * 65536) / 65536
+
+
+def keep_masks(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
+    """Dropout keep-masks (True with probability keep_prob(rate)) from 16-bit uniforms, two per 32-bit
+    random word: half the RNG work of jax.random.bernoulli, which is most of dropout's cost on CPU.
+    Values depend on (key, shape) only, not on how the result is sharded (threefry is partitionable)."""
+    half = -(-shape[-1] // 2)
+    bits = jax.random.bits(key, (*shape[:-1], half), jnp.uint32)
+    u16 = jnp.concatenate([bits & 0xFFFF, bits >> 16], axis=-1)[..., : shape[-1]]
+    return u16 >= round(rate * 65536)
+
+
 def dropout(x: jax.Array, rate: float, keep: jax.Array | None) -> jax.Array:
     if keep is None:
         return x
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+    return jnp.where(keep, x / keep_prob(rate), 0).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -113,7 +128,7 @@ class GPT2(nnx.Module):
         keep = [None] * (2 * cfg.n_layer + 1)
         if dropout_key is not None and cfg.dropout > 0:
             # Every dropout mask of the step in one draw: one RNG kernel to compile instead of 2L+1.
-            masks = jax.random.bernoulli(dropout_key, 1.0 - cfg.dropout, (len(keep), b, t, cfg.d_model))
+            masks = keep_masks(dropout_key, cfg.dropout, (len(keep), b, t, cfg.d_model))
             keep = list(constrain(masks, (None, "batch", "seq", "embed")))
         wte = self.wte[...]
         x = vocab_parallel_lib.lookup(wte, tokens) if vocab_parallel else jnp.take(wte, tokens, axis=0)

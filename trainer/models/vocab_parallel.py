@@ -80,7 +80,16 @@ def _local_xent(x, table, targets, vocab_size: int, with_grads: bool):
     rel = jnp.clip(rel, 0, rows_here - 1)
     target_rows = jnp.take(w, rel, axis=0)  # [N, D]: the target's embedding, where this slice holds it
     picked = jnp.where(mine, jnp.sum(target_rows.astype(jnp.float32) * xs.astype(jnp.float32), -1), 0.0)
-    stats = jax.lax.all_gather(jnp.stack([m, e.sum(0), picked]), ALL)  # [n_dev, 3, N]: one collective
+    if with_grads:
+        # table^T @ e is needed for dx anyway: a ones column appended to the table makes the same matmul
+        # give the softmax denominator too (one read of e fewer than a separate sum).
+        e = e.astype(dt)
+        ones = jnp.concatenate([jnp.ones((rows_here, 1), dt), jnp.zeros((rows_here, 7), dt)], axis=1)
+        acc = jnp.einsum("vd,vn->dn", jnp.concatenate([w, ones], axis=1), e, preferred_element_type=jnp.float32)
+        dx_t, e_sum = acc[:d], acc[d]
+    else:
+        e_sum = e.sum(0)
+    stats = jax.lax.all_gather(jnp.stack([m, e_sum, picked]), ALL)  # [n_dev, 3, N]: one collective
     top = stats[:, 0].max(0)
     total = (stats[:, 1] * jnp.exp(stats[:, 0] - top)).sum(0)
     loss = jnp.sum(top + jnp.log(total) - stats[:, 2].sum(0)) / n
@@ -88,9 +97,8 @@ def _local_xent(x, table, targets, vocab_size: int, with_grads: bool):
         return loss
     # d loss / d logits[v, i] = (softmax[v, i] - onehot[v, i]) / n = e[v, i] * scale[i] - onehot / n.
     scale = jnp.exp(m - top) / (total * n)
-    e = e.astype(dt)
     onehot_x = jnp.where(mine[:, None], xs.astype(jnp.float32), 0.0) / n
-    dx_t = jnp.einsum("vd,vn->dn", w, e, preferred_element_type=jnp.float32) * scale
+    dx_t = dx_t * scale
     dx_t = dx_t - jnp.where(mine, target_rows.T.astype(jnp.float32), 0.0) / n
     dx_t = jax.lax.psum(jax.lax.psum_scatter(dx_t, DATA, scatter_dimension=1, tiled=True), MODEL)
     dx = dx_t.T.reshape(b, t, d)
