@@ -110,9 +110,13 @@ def section_seed_vs_ours(plan: Plan, rng, tmp: str) -> dict:
     seed = seed_gpt2.SeedTrainer(seed_gpt2.SeedConfig(
         n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, batch_size=p.batch,
         vocab_size=p.vocab))
-    ours = OursTrainer(config("gpt2-tiny", os.path.join(tmp, "ours"), model=dict(
-        n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, dropout=0.1,
-        vocab_size=p.vocab), train=dict(batch_size=p.batch, mesh="data=8,model=1", dtype="float32", keep=2)))
+    def ours_with(**train):
+        return OursTrainer(config("gpt2-tiny", os.path.join(tmp, "ours" + "".join(train.values())), model=dict(
+            n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, dropout=0.1,
+            vocab_size=p.vocab), train=dict(batch_size=p.batch, mesh="data=8,model=1", dtype="float32", keep=2,
+                                            **train)))
+    ours = ours_with()  # the defaults: --vocab-parallel auto is on here (4096 tokens/step < 50k vocab)
+    dp = ours_with(vocab_parallel="off")  # the same trainer with the table replicated: what the design buys
     peak = MatmulPeak(n=512 if p.quick else 2048)
     batches = [tokens(rng, p.batch, p.seq_len, p.vocab) for _ in range(4)]
     i = {"n": 0}
@@ -129,6 +133,7 @@ def section_seed_vs_ours(plan: Plan, rng, tmp: str) -> dict:
     for _ in range(2):
         seed_step()
     ours.step(nxt())
+    dp.step(nxt())
     say(f"   setup + compile + warm-up: {time.perf_counter() - t0:.0f} s (ours compiled ahead of time in "
         f"{ours.compile_s:.1f} s)")
 
@@ -139,20 +144,27 @@ def section_seed_vs_ours(plan: Plan, rng, tmp: str) -> dict:
             peaks.setdefault(k, []).append(v)
 
     sample_peak()
-    tm = alternate({"seed": seed_step, "ours": lambda: ours.step(nxt())}, p.rounds, p.per_round, sample_peak)
+    tm = alternate({"seed": seed_step, "ours": lambda: ours.step(nxt()), "dp": lambda: dp.step(nxt())},
+                   p.rounds, p.per_round, sample_peak)
     times = tm.wall
     tok = p.batch * p.seq_len
     st, ot = median(times["seed"]), median(times["ours"])
     sc, oc = median(tm.cpu["seed"]), median(tm.cpu["ours"])
     say(f"[1] seed (article's code: nnx MHA + mask, dropout never runs): {tok / st:,.0f} tokens/s, "
         f"step {st:.3f} s, {sc:.2f} CPU-s/step  (wall, median of {len(times['seed'])}: {fmt_times(times['seed'])})")
-    say(f"[2] ours (trainer.loop.Steps, dropout on):                     {tok / ot:,.0f} tokens/s, "
+    say(f"[2] ours (trainer.loop.Steps, defaults, dropout on):           {tok / ot:,.0f} tokens/s, "
         f"step {ot:.3f} s, {oc:.2f} CPU-s/step  (wall, median of {len(times['ours'])}: {fmt_times(times['ours'])})")
     # Back-to-back pairs: each round's ratio saw about the same load on both sides.
     rr, rc = tm.round_ratio("seed", "ours"), tm.round_ratio("seed", "ours", "cpu")
     say(f"    ratio ours/seed tokens/s: {st / ot:.2f}x wall (median of per-round ratios {median(rr):.2f}x: "
         + " ".join(f"{x:.2f}" for x in rr) + f"); {sc / oc:.2f}x by CPU time (per round median "
         f"{median(rc):.2f}x)  [target >= 1.3x]")
+    dt_, dc = median(times["dp"]), median(tm.cpu["dp"])
+    say(f"    ours with --vocab-parallel off (table replicated, its gradient all-reduced): step {dt_:.3f} s, "
+        f"{dc:.2f} CPU-s -> speed of the default over this: {median(tm.round_ratio('dp', 'ours')):.2f}x wall, "
+        f"{median(tm.round_ratio('dp', 'ours', 'cpu')):.2f}x CPU (per-round medians); "
+        f"seed/this: {median(tm.round_ratio('seed', 'dp')):.2f}x wall")
+    dp.close()
 
     pk = {k: median(v) for k, v in peaks.items()}
     best = max(pk, key=pk.get)
