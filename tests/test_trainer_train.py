@@ -60,9 +60,13 @@ def resume_runs(corpus, tmp_path_factory):
     assert main([*base, "--ckpt-dir", str(d / "straight"), "--steps", "6"]) == 0
     assert main([*base, "--ckpt-dir", str(d / "resumed"), "--steps", "3"]) == 0
     shutil.copytree(d / "resumed", d / "cross")
+    shutil.copytree(d / "resumed", d / "table")
     assert main([*base, "--ckpt-dir", str(d / "resumed"), "--steps", "6"]) == 0
     cross = ["pretrain", "--data", corpus, *RUN, "--mesh", "data=4,model=2"]
     assert main([*cross, "--ckpt-dir", str(d / "cross"), "--steps", "4"]) == 0
+    # The same step-3 checkpoint (table split over all 8 devices: --vocab-parallel auto is on at this size)
+    # resumed with the table replicated.
+    assert main([*base, "--vocab-parallel", "off", "--ckpt-dir", str(d / "table"), "--steps", "4"]) == 0
     return d
 
 
@@ -87,6 +91,12 @@ def test_checkpoint_from_8x1_restores_onto_4x2(resume_runs):
     # Step 4 ran on a 4x2 mesh from the 8x1 checkpoint of step 3: same loss as the straight 8x1 run.
     assert cross[4] == pytest.approx(straight[4], abs=1e-5)
     assert cross[4] != straight[3]
+
+
+def test_checkpoint_restores_whether_the_table_is_split_or_replicated(resume_runs):
+    table, straight = losses(resume_runs / "table"), losses(resume_runs / "straight")
+    assert sorted(table) == [1, 2, 3, 4]
+    assert table[4] == pytest.approx(straight[4], abs=1e-5)  # replicated table + all-reduce: same step
 
 
 def test_preemption_notice_saves_that_step_and_the_next_run_continues(corpus, tmp_path, procs):
