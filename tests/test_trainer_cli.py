@@ -38,6 +38,8 @@ def fails(capsys, argv: list[str], *needles: str) -> str:
     (["--warmup-steps", "60", "--decay-steps", "50"], ["--warmup-steps 60"]),
     (["--no-such-flag", "1"], ["--no-such-flag"]),
     (["--vocab-size", "1000"], ["--vocab-size 1000", "50257"]),
+    (["--vocab-parallel", "yes"], ["--vocab-parallel yes", "auto, on or off"]),
+    (["--vocab-parallel", "on", "--vocab-multiple", "4"], ["--vocab-parallel on", "8 devices", "--vocab-multiple"]),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(capsys, corpus, tmp_path, flags, needles):
     ckpt = tmp_path / "ckpt"
