@@ -2,6 +2,8 @@
 
 Each variant is trainer.loop.Steps on the seed's config (L4 D256 H4 T256 B16, mesh 8x1, f32) with one
 change, so its ratio to `ours` is that change's effect; measured side by side like `python -m bench`.
+`dp` is ours with --vocab-parallel off; foldmask, shardmap*, zero1*, wte_t* and best change that
+replicated-table step, so read them against `dp`.
 Used to find what to suggest for the trainer; not part of `make bench`.
 """
 from __future__ import annotations
@@ -34,7 +36,9 @@ def build(name: str, tmp: str):
         return lambda tok: s.step(tok[:, :-1].astype(np.int64), tok[:, 1:].astype(np.int64))
     if name == "nopad":
         model["vocab_multiple"] = 1
-    if name == "dp":  # the tied embedding replicated, its gradient all-reduced (as before --vocab-parallel)
+    # dp: the tied embedding replicated, its gradient all-reduced (as before --vocab-parallel). The other
+    # head/optimizer variants below were written for that replicated table: compare them with dp.
+    if name == "dp" or name.startswith(("foldmask", "shardmap", "zero1", "wte_t", "best")):
         train["vocab_parallel"] = "off"
     if name == "nodropout":
         model["dropout"] = 0.0
