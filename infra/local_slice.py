@@ -342,7 +342,10 @@ def _host_script(hdir: Path, host: LocalHost, keeps: list[str]) -> str:
             if keep == mnt or keep.startswith(mnt + "/"):
                 target = src / os.path.relpath(keep, mnt)
                 cmds.append(f"mkdir -p {q(str(target))} && mount --bind {q(keep)} {q(str(target))}")
-    for mnt, src in private.items():
+    # The mount point that holds the host's own dir goes last: mounted first, it would hide the other's
+    # source (with the default $TPUCTL_HOME=~/.tpuctl, /root over /root/.tpuctl/.../tmp).
+    here = os.path.realpath(hdir)
+    for mnt, src in sorted(private.items(), key=lambda kv: here == kv[0] or here.startswith(kv[0] + "/")):
         cmds.append(f"mount --rbind {q(str(src))} {mnt}")
     etc = hdir / "etc"
     cmds.append(f"mount --bind {q(str(etc / 'hosts'))} /etc/hosts")

@@ -1,9 +1,11 @@
 """The local slice: N real sshd hosts, each with its own hostname, home, /tmp, /etc/hosts and process tree."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -36,6 +38,21 @@ def test_each_host_is_its_own_machine(sl):
         # the machine's Python is still reachable inside (bind-mounted back)
         assert ssh(sl, i, f"{sl.python} -c 'print(1)'").stdout.strip() == "1"
     assert len(seen) == 3
+
+
+def test_a_slice_kept_under_root_works(tmp_path):
+    """The default $TPUCTL_HOME is ~/.tpuctl: the hosts' private /root and /tmp both come from under /root."""
+    base = tempfile.mkdtemp(prefix=".tpuctl-test-", dir=os.path.expanduser("~"))
+    try:
+        s = start("lsroot", 1, base)
+        try:
+            out = ssh(s, 0, "hostname; touch /tmp/x-here; ls /tmp; echo $HOME").stdout.split()
+            assert out[0] == "lsroot-w0" and "x-here" in out and out[-1] == "/root"
+            assert os.path.exists(os.path.join(base, "lsroot", "w0", "tmp", "x-here"))  # its own /tmp
+        finally:
+            s.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_start_is_idempotent_and_visible_to_other_processes(sl):
