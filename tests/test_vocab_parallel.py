@@ -62,9 +62,9 @@ def test_lookup_and_its_gradient_equal_take(shape):
     f_ref = lambda tb: jnp.sum(jnp.take(tb, ids, axis=0) * weight)
     with jax.set_mesh(mesh):
         tb = jax.device_put(table, NamedSharding(mesh, vp.TABLE))
-        got = jax.jit(lambda tb, i: vp.lookup(tb, i))(tb, jax.device_put(ids, NamedSharding(mesh, vp.IDS)))
-        g = jax.jit(jax.grad(lambda tb: jnp.sum(vp.lookup(tb, jax.device_put(ids, NamedSharding(mesh, vp.IDS)))
-                                                * weight)))(tb)
+        ids_sh = jax.device_put(ids, NamedSharding(mesh, vp.IDS))
+        got = jax.jit(vp.lookup)(tb, ids_sh)
+        g = jax.jit(jax.grad(lambda tb, i: jnp.sum(vp.lookup(tb, i) * weight)))(tb, ids_sh)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(table, ids, axis=0)))
     np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(f_ref)(table)), atol=1e-5)
 

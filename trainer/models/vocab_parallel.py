@@ -35,13 +35,18 @@ def _shard_start(rows: int) -> jax.Array:
     return (jax.lax.axis_index(DATA) * jax.lax.axis_size(MODEL) + jax.lax.axis_index(MODEL)) * rows
 
 
+def _local_rows(ids: jax.Array, start: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """(row of each id in this device's slice, clipped into range; whether the slice holds that id)."""
+    rel = ids - start
+    return jnp.clip(rel, 0, rows - 1), (rel >= 0) & (rel < rows)
+
+
 def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     """table[ids]: [V, D] sharded as TABLE, int [B, T] sharded over data -> [B, T, D] sharded over data."""
     def local(table, ids):
         ids = jax.lax.all_gather(ids, DATA, tiled=True)  # the global batch's ids: B*T int32, small
-        rel = ids - _shard_start(table.shape[0])
-        mine = (rel >= 0) & (rel < table.shape[0])
-        rows = jnp.where(mine[..., None], jnp.take(table, jnp.clip(rel, 0, table.shape[0] - 1), axis=0), 0)
+        rel, mine = _local_rows(ids, _shard_start(table.shape[0]), table.shape[0])
+        rows = jnp.where(mine[..., None], jnp.take(table, rel, axis=0), 0)
         rows = jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=True)
         return jax.lax.psum(rows, MODEL)
     return jax.shard_map(local, in_specs=(TABLE, IDS), out_specs=ACTS)(table, ids)
@@ -75,9 +80,7 @@ def _local_xent(x, table, targets, vocab_size: int, with_grads: bool):
     logits = jnp.einsum("vd,dn->vn", w_aug, x_aug, preferred_element_type=jnp.float32)  # [V/n_dev, N]
     m = jnp.max(logits, axis=0)  # a slice of padding only: ~NEG, and exp(m - top) = 0 drops it below
     e = jnp.exp(logits - m)
-    rel = ts - start
-    mine = (rel >= 0) & (rel < rows_here)
-    rel = jnp.clip(rel, 0, rows_here - 1)
+    rel, mine = _local_rows(ts, start, rows_here)
     target_rows = jnp.take(w, rel, axis=0)  # [N, D]: the target's embedding, where this slice holds it
     picked = jnp.where(mine, jnp.sum(target_rows.astype(jnp.float32) * xs.astype(jnp.float32), -1), 0.0)
     if with_grads:
