@@ -24,9 +24,14 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None,
     return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
 
 
+def _drop_below(rate: float) -> int:
+    """keep_masks drops a 16-bit uniform below this: rate rounded to 1/65536."""
+    return round(rate * 65536)
+
+
 def keep_prob(rate: float) -> float:
-    """The exact keep probability of keep_masks: 1 - rate rounded to 1/65536."""
-    return 1.0 - round(rate * 65536) / 65536
+    """The exact keep probability of keep_masks."""
+    return 1.0 - _drop_below(rate) / 65536
 
 
 def keep_masks(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
@@ -36,7 +41,7 @@ def keep_masks(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array
     half = -(-shape[-1] // 2)
     bits = jax.random.bits(key, (*shape[:-1], half), jnp.uint32)
     u16 = jnp.concatenate([bits & 0xFFFF, bits >> 16], axis=-1)[..., : shape[-1]]
-    return u16 >= round(rate * 65536)
+    return u16 >= _drop_below(rate)
 
 
 def dropout(x: jax.Array, rate: float, keep: jax.Array | None) -> jax.Array:
