@@ -180,10 +180,15 @@ def local_install(machine_dir: str | Path, bundle: Bundle, python: str | None = 
     return opts, L.HostLayout(deps_root=str(machine_dir / "deps"))
 
 
+def all_preempted(exit_codes: dict[int, int | None]) -> bool:
+    """Every host exited PREEMPTED: each saved the same step on a preemption notice."""
+    return set(exit_codes.values()) == {PREEMPTED}
+
+
 def result_message(r: RunResult, workers: list[L.Worker]) -> str:
     if r.interrupted:
         return "interrupted: stopped the run on every host"
-    if set(r.exit_codes.values()) == {PREEMPTED}:
+    if all_preempted(r.exit_codes):
         return "stopped on a preemption notice after every host saved a checkpoint; run again to resume"
     if r.failed_worker is not None:
         w = workers[r.failed_worker]
@@ -289,7 +294,7 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
                 out.write(f"---- w{i} ({hosts.workers[i].address}): {_describe(codes[i])}, "
                           f"last {len(s.tail)} lines ----\n")
                 out.writelines(f"[w{i}] {line}\n" for line in s.tail)
-        if set(codes.values()) == {PREEMPTED}:
+        if all_preempted(codes):
             say(f"preempted: every host saved a checkpoint (exit {PREEMPTED}); run again to resume; logs in {run_dir}")
         elif failed is not None and not interrupted:
             w = hosts.workers[failed]
