@@ -1,7 +1,8 @@
 """`python -m trainer prepare|pretrain|sample ...` (the command line is a contract: docs/CONTRACTS.md).
 
 --emulate-devices N is handled before jax is imported: it adds N CPU devices to XLA_FLAGS (an
-inherited device-count flag wins). Exit codes: 0 done, 2 bad input (`error: ...` on stderr),
+inherited device-count flag wins). On the CPU backend, freed host memory is kept for reuse
+(trainer/hostmem.py; TPUCTL_KEEP_FREED_MEMORY=0 leaves glibc's defaults). Exit codes: 0 done, 2 bad input (`error: ...` on stderr),
 42 stopped by a preemption notice after saving.
 """
 from __future__ import annotations
@@ -38,6 +39,16 @@ def emulate_devices(argv: list[str]) -> None:
     if COUNT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --{COUNT_FLAG}={int(value)}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def keep_freed_memory() -> None:
+    """On the CPU backend (chosen before jax starts), reuse freed host memory instead of page-faulting
+    each step's buffers in again: trainer/hostmem.py. Before jax is imported, while there is one thread."""
+    if "jax" in sys.modules or os.environ.get("TPUCTL_KEEP_FREED_MEMORY", "1") == "0":
+        return
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        from trainer import hostmem
+        hostmem.keep_freed_memory()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -92,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         emulate_devices(argv)
+        keep_freed_memory()
         args = parser().parse_args(argv)
         return run(args)
     except UsageError as e:
