@@ -1,7 +1,8 @@
 """`python -m bench` (what `make bench` runs): our trainer's step side by side with the seed article's.
 
-Prints, from one process on this machine: the seed's and our tokens/s and step time on the seed's config
-(L4 D256 H4 T256 B16, 8 emulated CPU devices, mesh 8x1, f32) and their ratio; a same-run f32 matmul
+Prints, from one run on this machine: the seed's and our tokens/s and step time on the seed's config
+(L4 D256 H4 T256 B16, 8 emulated CPU devices, mesh 8x1, f32) and their ratios (the seed as it ships, and the
+seed given our trainer's host-allocator setting; each contender in its own process, steps alternated); a same-run f32 matmul
 "peak" and each model's achieved FLOP/s against it; gpt2-tiny and a gpt2-124m step; the step-time cost of
 async Orbax saves; and `tpuctl run` on a local slice of 1, 4 and 16 hosts (push+install, run -> first step). Numbers on a shared machine are noisy: read the ratios, not the absolute values.
 """
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
             print(f"error: --{name.replace('_', '-')} {v}: must be at least 1", file=sys.stderr)
             return 2
     emulate(8)
+    from trainer import hostmem
+    kept = hostmem.keep_freed_memory()  # as `python -m trainer` does on the CPU backend: this process runs ours
     import dataclasses
 
     from bench import run  # imports jax: after XLA_FLAGS
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
     plan = run.QUICK if args.quick else run.Plan()
     plan = dataclasses.replace(plan, **{k: v for k, v in (("rounds", args.rounds), ("per_round", args.per_round),
                                                            ("ckpt_every", args.ckpt_every)) if v is not None})
-    run.main(plan, set(SECTIONS) - set(args.skip))
+    run.main(plan, set(SECTIONS) - set(args.skip), kept)
     return 0
 
 

@@ -1,26 +1,32 @@
-"""The benchmark's sections, all in one process on one machine (imported after XLA_FLAGS is set).
+"""The benchmark's sections, in one run on one machine (imported after XLA_FLAGS is set). The seed-vs-ours
+contenders each run in a bench.worker process (the host-allocator setting is process-wide); the rest here.
 
 Measured configs are alternated step by step (A B, then B A, ...) so that load from other processes hits
 each alike; every figure is a median over timed steps after warm-up, and the comparisons are ratios. Two
-clocks: wall time (what a user waits) and this process's CPU time (user+system over all its threads),
+clocks: wall time (what a user waits) and the measured process's CPU time (user+system over all its threads),
 which load from other processes moves much less, so its ratios are the steadier ones on a shared machine.
 """
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import resource
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
 
-from bench import seed_gpt2
 from bench.ours import OursTrainer, config
 from bench.peak import MatmulPeak, median, model_flops_per_token
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -79,19 +85,56 @@ class Timings:
 
 
 def alternate(runners: dict, rounds: int, per_round: int, on_round=None) -> Timings:
-    """Run each runner `per_round` timed times per round, the order reversed every other round."""
+    """Run each runner `per_round` timed times per round, the order reversed every other round. A runner
+    that measures itself (a bench.worker process) returns (wall, cpu); otherwise this process's clocks count."""
     names = list(runners)
     out = Timings({n: [] for n in names}, {n: [] for n in names}, rounds, per_round)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             for _ in range(per_round):
                 c0, t0 = cpu_s(), time.perf_counter()
-                runners[name]()
-                out.wall[name].append(time.perf_counter() - t0)
-                out.cpu[name].append(cpu_s() - c0)
+                own = runners[name]()
+                wall, cpu = own if own is not None else (time.perf_counter() - t0, cpu_s() - c0)
+                out.wall[name].append(wall)
+                out.cpu[name].append(cpu)
         if on_round:
             on_round()
     return out
+
+
+class Contender:
+    """A `python -m bench.worker KIND` process (its own allocator setting); `step()` -> (wall, cpu)."""
+
+    def __init__(self, kind: str, plan: Plan):
+        self.kind = kind
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.worker", kind, json.dumps(asdict(plan))],
+                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     text=True)
+        self.facts: dict = {}
+
+    def ready(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
+            self.err.seek(0)
+            raise RuntimeError(f"bench worker {self.kind} failed:\n{self.err.read()[-3000:]}")
+        self.facts = json.loads(line)
+        return self.facts
+
+    def step(self) -> tuple[float, float]:
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        wall, cpu = self.proc.stdout.readline().split()
+        return float(wall), float(cpu)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.err.close()
 
 
 def gflops(x: float) -> str:
@@ -102,100 +145,91 @@ def fmt_times(ts: list[float]) -> str:
     return "[" + " ".join(f"{t:.2f}" for t in ts) + "]"
 
 
-def section_seed_vs_ours(plan: Plan, rng, tmp: str) -> dict:
+def section_seed_vs_ours(plan: Plan) -> dict:
     p = plan
     cfg_txt = f"L{p.n_layer} D{p.d_model} H{p.n_head} T{p.seq_len} B{p.batch} vocab {p.vocab}, mesh 8x1, f32"
     say(f"== [1-3] seed article vs ours, same config: {cfg_txt}")
+    say("   each in its own process (bench/worker.py), steps alternated: the seed's code as it ships; the seed's "
+        "code with the host-allocator setting our trainer applies at start (trainer/hostmem.py); ours; ours "
+        "with --vocab-parallel off")
     t0 = time.perf_counter()
-    seed = seed_gpt2.SeedTrainer(seed_gpt2.SeedConfig(
-        n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, batch_size=p.batch,
-        vocab_size=p.vocab))
-    def ours_with(**train):
-        return OursTrainer(config("gpt2-tiny", os.path.join(tmp, "ours" + "".join(train.values())), model=dict(
-            n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, dropout=0.1,
-            vocab_size=p.vocab), train=dict(batch_size=p.batch, mesh="data=8,model=1", dtype="float32", keep=2,
-                                            **train)))
-    ours = ours_with()  # the defaults: --vocab-parallel auto is on here (4096 tokens/step < 50k vocab)
-    dp = ours_with(vocab_parallel="off")  # the same trainer with the table replicated: what the design buys
-    peak = MatmulPeak(n=512 if p.quick else 2048)
-    batches = [tokens(rng, p.batch, p.seq_len, p.vocab) for _ in range(4)]
-    i = {"n": 0}
+    names = {"seed": "seed", "seed+keep": "seed_keep", "ours": "ours", "dp": "dp"}
+    cs = {k: Contender(k, p) for k in names}
+    try:
+        facts = {k: c.ready() for k, c in cs.items()}
+        say(f"   setup + compile + warm-up, in parallel: {time.perf_counter() - t0:.0f} s (ours compiled ahead of "
+            f"time in {facts['ours']['compile_s']:.1f} s; vocab-parallel: {facts['ours']['vocab_parallel']})")
+        peak = MatmulPeak(n=512 if p.quick else 2048)
+        peaks: dict[str, list[float]] = {}
 
-    def nxt():
-        i["n"] += 1
-        return batches[i["n"] % len(batches)]
+        def sample_peak():
+            for k, v in peak.sample().items():
+                peaks.setdefault(k, []).append(v)
 
-    def seed_step():
-        b = nxt()
-        seed.step(b[:, :-1].astype(np.int64), b[:, 1:].astype(np.int64))  # the notebook's get_batch dtype
-
-    # Warm-up: the seed compiles twice (its params start on one device, come back replicated after step 1).
-    for _ in range(2):
-        seed_step()
-    ours.step(nxt())
-    dp.step(nxt())
-    say(f"   setup + compile + warm-up: {time.perf_counter() - t0:.0f} s (ours compiled ahead of time in "
-        f"{ours.compile_s:.1f} s)")
-
-    peaks: dict[str, list[float]] = {}
-
-    def sample_peak():
-        for k, v in peak.sample().items():
-            peaks.setdefault(k, []).append(v)
-
-    sample_peak()
-    tm = alternate({"seed": seed_step, "ours": lambda: ours.step(nxt()), "dp": lambda: dp.step(nxt())},
-                   p.rounds, p.per_round, sample_peak)
-    times = tm.wall
+        sample_peak()
+        tm = alternate({names[k]: c.step for k, c in cs.items()}, p.rounds, p.per_round, sample_peak)
+    finally:
+        for c in cs.values():
+            c.close()
+    times, cpu = tm.wall, tm.cpu
     tok = p.batch * p.seq_len
-    st, ot = median(times["seed"]), median(times["ours"])
-    sc, oc = median(tm.cpu["seed"]), median(tm.cpu["ours"])
-    say(f"[1] seed (article's code: nnx MHA + mask, dropout never runs): {tok / st:,.0f} tokens/s, "
-        f"step {st:.3f} s, {sc:.2f} CPU-s/step  (wall, median of {len(times['seed'])}: {fmt_times(times['seed'])})")
-    say(f"[2] ours (trainer.loop.Steps, defaults, dropout on):           {tok / ot:,.0f} tokens/s, "
-        f"step {ot:.3f} s, {oc:.2f} CPU-s/step  (wall, median of {len(times['ours'])}: {fmt_times(times['ours'])})")
-    # Back-to-back pairs: each round's ratio saw about the same load on both sides.
-    rr, rc = tm.round_ratio("seed", "ours"), tm.round_ratio("seed", "ours", "cpu")
-    say(f"    ratio ours/seed tokens/s: {st / ot:.2f}x wall (median of per-round ratios {median(rr):.2f}x: "
-        + " ".join(f"{x:.2f}" for x in rr) + f"); {sc / oc:.2f}x by CPU time (per round median "
-        f"{median(rc):.2f}x)  [target >= 1.3x]")
-    dt_, dc = median(times["dp"]), median(tm.cpu["dp"])
-    say(f"    ours with --vocab-parallel off (table replicated, its gradient all-reduced): step {dt_:.3f} s, "
-        f"{dc:.2f} CPU-s -> speed of the default over this: {median(tm.round_ratio('dp', 'ours')):.2f}x wall, "
-        f"{median(tm.round_ratio('dp', 'ours', 'cpu')):.2f}x CPU (per-round medians); "
-        f"seed/this: {median(tm.round_ratio('seed', 'dp')):.2f}x wall")
-    dp.close()
+    med = {k: median(v) for k, v in times.items()}
+    medc = {k: median(v) for k, v in cpu.items()}
+
+    def line(tag: str, k: str, what: str) -> None:
+        say(f"{tag} {what}{tok / med[k]:,.0f} tokens/s, step {med[k]:.3f} s, {medc[k]:.2f} CPU-s/step  "
+            f"(wall, median of {len(times[k])}: {fmt_times(times[k])})")
+
+    def ratio(a: str, b: str) -> str:  # speed of b over a
+        rr, rc = tm.round_ratio(a, b), tm.round_ratio(a, b, "cpu")
+        return (f"{med[a] / med[b]:.2f}x wall (median of per-round ratios {median(rr):.2f}x: "
+                + " ".join(f"{x:.2f}" for x in rr) + f"); {medc[a] / medc[b]:.2f}x by CPU time (per round median "
+                f"{median(rc):.2f}x)")
+
+    line("[1] seed", "seed", "(article's code as it ships: nnx MHA + mask, dropout never runs):   ")
+    line("[1b] seed", "seed_keep", "with the trainer's allocator setting (freed host memory reused):     ")
+    line("[2] ours", "ours", "(trainer.loop.Steps, defaults, dropout on, as `python -m trainer` runs): ")
+    say(f"    ratio ours/seed tokens/s: {ratio('seed', 'ours')}  [target >= 1.3x]")
+    say(f"    ratio ours/seed with the same allocator setting (like for like): {ratio('seed_keep', 'ours')}")
+    say(f"    the allocator setting alone, on the seed's code: {ratio('seed', 'seed_keep')}")
+    say(f"    ours with --vocab-parallel off (table replicated, its gradient all-reduced): step {med['dp']:.3f} s, "
+        f"{medc['dp']:.2f} CPU-s -> speed of the default over this: {median(tm.round_ratio('dp', 'ours')):.2f}x "
+        f"wall, {median(tm.round_ratio('dp', 'ours', 'cpu')):.2f}x CPU (per-round medians)")
 
     pk = {k: median(v) for k, v in peaks.items()}
     best = max(pk, key=pk.get)
-    n_seed = seed.n_params() - p.seq_len * p.d_model  # minus the position table (no matmul)
-    n_ours = ours.n_params() - p.seq_len * p.d_model
+    n_seed = facts["seed"]["n_params"] - p.seq_len * p.d_model  # minus the position table (no matmul)
+    n_ours = facts["ours"]["n_params"] - p.seq_len * p.d_model
     f_seed = model_flops_per_token(n_seed, p.n_layer, p.seq_len, p.d_model)
     f_ours = model_flops_per_token(n_ours, p.n_layer, p.seq_len, p.d_model)
     # Useful work is the same model on both sides: count ours with the unpadded vocab as well.
-    f_useful = model_flops_per_token(n_seed, p.n_layer, p.seq_len, p.d_model)
+    ot = med["ours"]
     say(f"[3] CPU peak, f32 {peak.n}x{peak.n} jnp.dot, median over rounds: "
         + ", ".join(f"{k} {gflops(v)}" for k, v in pk.items())
         + f"; peak = the higher ({best})")
-    say(f"    model FLOPs/token = 6*N + 12*L*T*D (PaLM; N = params in matmuls = all but the position table, "
-        f"tied embedding included; attention not halved for causality)")
-    say(f"    seed: N={n_seed:,}, {f_seed / 1e6:.1f} MFLOP/token -> {gflops(f_seed * tok / st)} = "
-        f"{100 * f_seed * tok / st / pk[best]:.0f}% of peak")
-    say(f"    ours: N={n_ours:,} (vocab padded to {ours.cfg.model.padded_vocab}), counted at the seed's "
-        f"{f_useful / 1e6:.1f} MFLOP/token of useful work -> {gflops(f_useful * tok / ot)} = "
-        f"{100 * f_useful * tok / ot / pk[best]:.0f}% of peak "
+    say("    model FLOPs/token = 6*N + 12*L*T*D (PaLM; N = params in matmuls = all but the position table, "
+        "tied embedding included; attention not halved for causality)")
+    for k, what in (("seed", "seed"), ("seed_keep", "seed with the setting")):
+        say(f"    {what}: N={n_seed:,}, {f_seed / 1e6:.1f} MFLOP/token -> {gflops(f_seed * tok / med[k])} = "
+            f"{100 * f_seed * tok / med[k] / pk[best]:.0f}% of peak")
+    say(f"    ours: N={n_ours:,} (vocab padded to {facts['ours']['padded_vocab']}), counted at the seed's "
+        f"{f_seed / 1e6:.1f} MFLOP/token of useful work -> {gflops(f_seed * tok / ot)} = "
+        f"{100 * f_seed * tok / ot / pk[best]:.0f}% of peak "
         f"(with the padded rows: {100 * f_ours * tok / ot / pk[best]:.0f}%)")
-    return {"peak": pk[best], "ours": ours}
+    return {"peak": pk[best]}
 
 
-def section_tiny_and_ckpt(plan: Plan, rng, tmp: str, peak: float, reuse: OursTrainer | None = None) -> None:
+def section_tiny_and_ckpt(plan: Plan, rng, tmp: str, peak: float) -> None:
     p = plan
-    if reuse is None:
+    if not p.quick:
         cfg = config("gpt2-tiny", os.path.join(tmp, "tiny"), train=dict(mesh="data=8,model=1", keep=2))
-        tr = OursTrainer(cfg)
         title = "gpt2-tiny preset"
-    else:  # --quick: the section 1-3 trainer, to spare a compile
-        tr, cfg, title = reuse, reuse.cfg, "--quick: the config above"
+    else:  # --quick: the section 1-3 config (a small compile)
+        cfg = config("gpt2-tiny", os.path.join(tmp, "quick"), model=dict(
+            n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, vocab_size=p.vocab),
+            train=dict(batch_size=p.batch, mesh="data=8,model=1", dtype="float32", keep=2))
+        title = "--quick: the config above"
+    tr = OursTrainer(cfg)
     ckdir = cfg.train.ckpt_dir
     m, t = cfg.model, cfg.train
     say(f"== [4,5] {title}: L{m.n_layer} D{m.d_model} H{m.n_head} T{m.seq_len} B{t.batch_size}, "
@@ -224,7 +258,7 @@ def section_tiny_and_ckpt(plan: Plan, rng, tmp: str, peak: float, reuse: OursTra
     saved = median(times["save"]) / k
     n = tr.n_params() - m.seq_len * m.d_model
     f = model_flops_per_token(n - (m.padded_vocab - m.vocab_size) * m.d_model, m.n_layer, m.seq_len, m.d_model)
-    say(f"[4] {'gpt2-tiny' if reuse is None else 'quick config'}: {tok / plain:,.0f} tokens/s, step {plain:.3f} s "
+    say(f"[4] {'quick config' if p.quick else 'gpt2-tiny'}: {tok / plain:,.0f} tokens/s, step {plain:.3f} s "
         f"(median window of {k} steps over {len(times['plain'])} windows), "
         f"{gflops(f * tok / plain)} = {100 * f * tok / plain / peak:.0f}% of peak")
     say(f"[5] async Orbax save every {k} steps to a local tmp dir ({_size(ckdir)}/step): "
@@ -273,23 +307,20 @@ def section_124m(plan: Plan, rng, tmp: str, peak: float) -> None:
     gc.collect()
 
 
-def main(plan: Plan, sections: set[str]) -> None:
+def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> None:
     t0 = time.perf_counter()
     dev = jax.devices()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: {len(dev)} {dev[0].device_kind} devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}), "
         f"{os.cpu_count()} cores {platform.processor() or platform.machine()}, jax {jax.__version__}, "
-        f"load average {load:.1f} at start")
+        f"load average {load:.1f} at start; freed host memory kept for reuse (trainer/hostmem.py): "
+        f"{kept_freed_memory}")
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="tpuctl-bench-") as tmp:
-        first = section_seed_vs_ours(plan, rng, tmp)
-        peak = first["peak"]
+        peak = section_seed_vs_ours(plan)["peak"]
         if "ckpt" in sections:
-            section_tiny_and_ckpt(plan, rng, tmp, peak, reuse=first["ours"] if plan.quick else None)
-        if not plan.quick or "ckpt" not in sections:
-            first["ours"].close()
-        del first
-        gc.collect()
+            section_tiny_and_ckpt(plan, rng, tmp, peak)
+            gc.collect()
         if "124m" in sections and plan.do_124m:
             section_124m(plan, rng, tmp, peak)
         else:
