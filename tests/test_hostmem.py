@@ -52,5 +52,5 @@ def test_cpu_backend_reuses_freed_memory():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_glibc_defaults_kept_off_cpu_or_when_opted_out():
     # Without the CPU backend chosen (e.g. a TPU host), or with the opt-out, glibc maps the buffer afresh.
-    assert _second_allocation_faults("none") >= 128
-    assert _second_allocation_faults("emulate", TPUCTL_KEEP_FREED_MEMORY="0") >= 128
+    assert _second_allocation_faults("none") >= 64
+    assert _second_allocation_faults("emulate", TPUCTL_KEEP_FREED_MEMORY="0") >= 64
