@@ -15,7 +15,8 @@ import sys
 
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
+# A trim threshold of -1 disables trimming (mallopt(3)); 2**31 - 1 still let a free top over 2 GB go back.
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))
 
 
 def keep_freed_memory() -> bool:
