@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from bench.ours import OursTrainer, config
+from trainer.config import Config
 from bench.peak import MatmulPeak, median, model_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,13 @@ def say(msg: str = "") -> None:
 
 def tokens(rng: np.random.Generator, batch: int, seq_len: int, vocab: int) -> np.ndarray:
     return rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32)
+
+
+def ours_config(p: Plan, ckpt_dir: str, **train) -> Config:
+    """Our trainer on the plan's model (the seed's config by default): mesh 8x1, f32, dropout 0.1."""
+    return config("gpt2-tiny", ckpt_dir, model=dict(
+        n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, dropout=0.1, vocab_size=p.vocab),
+        train=dict(batch_size=p.batch, mesh="data=8,model=1", dtype="float32", keep=2, **train))
 
 
 def cpu_s() -> float:
@@ -111,15 +119,13 @@ class Contender:
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.worker", kind, json.dumps(asdict(plan))],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      text=True)
-        self.facts: dict = {}
 
     def ready(self) -> dict:
         line = self.proc.stdout.readline()
         if not line.startswith("{"):
             self.err.seek(0)
             raise RuntimeError(f"bench worker {self.kind} failed:\n{self.err.read()[-3000:]}")
-        self.facts = json.loads(line)
-        return self.facts
+        return json.loads(line)
 
     def step(self) -> tuple[float, float]:
         try:
@@ -160,14 +166,14 @@ def section_seed_vs_ours(plan: Plan) -> dict:
         "code with the host-allocator setting our trainer applies at start (trainer/hostmem.py); ours; then ours "
         "against ours with --vocab-parallel off")
     t0 = time.perf_counter()
-    names = {"seed": "seed", "seed+keep": "seed_keep", "ours": "ours", "dp": "dp"}
     # Two alternations, so that at most three workers hold their memory at once (each keeps its peak, up to
     # ~8 GB for the seed's step): seed, seed with the setting and ours; then ours and dp.
     cs = {k: Contender(k, p) for k in ("seed", "seed+keep", "ours")}
     try:
         facts = {k: c.ready() for k, c in cs.items()}
         say(f"   setup + compile + warm-up, in parallel: {time.perf_counter() - t0:.0f} s (ours compiled ahead of "
-            f"time in {facts['ours']['compile_s']:.1f} s; vocab-parallel: {facts['ours']['vocab_parallel']})")
+            f"time in {facts['ours']['compile_s']:.1f} s; vocab-parallel: {facts['ours']['vocab_parallel']}; "
+            "allocator setting applied: " + ", ".join(f"{k} {f['kept_freed_memory']}" for k, f in facts.items()) + ")")
         peak = MatmulPeak(n=512 if p.quick else 2048)
         peaks: dict[str, list[float]] = {}
 
@@ -176,12 +182,12 @@ def section_seed_vs_ours(plan: Plan) -> dict:
                 peaks.setdefault(k, []).append(v)
 
         sample_peak()
-        tm = alternate({names[k]: c.step for k, c in cs.items()}, p.rounds, p.per_round, sample_peak)
+        tm = alternate({k: c.step for k, c in cs.items()}, p.rounds, p.per_round, sample_peak)
         for k in ("seed", "seed+keep"):
             cs.pop(k).close()
         cs["dp"] = Contender("dp", p)
         facts["dp"] = cs["dp"].ready()
-        tm_dp = alternate({names[k]: c.step for k, c in cs.items()}, p.rounds, p.per_round)
+        tm_dp = alternate({k: c.step for k, c in cs.items()}, p.rounds, p.per_round)
     finally:
         for c in cs.values():
             c.close()
@@ -201,11 +207,11 @@ def section_seed_vs_ours(plan: Plan) -> dict:
                 f"{median(rc):.2f}x)")
 
     line("[1] seed", "seed", "(article's code as it ships: nnx MHA + mask, dropout never runs):   ")
-    line("[1b] seed", "seed_keep", "with the trainer's allocator setting (freed host memory reused):     ")
+    line("[1b] seed", "seed+keep", "with the trainer's allocator setting (freed host memory reused):     ")
     line("[2] ours", "ours", "(trainer.loop.Steps, defaults, dropout on, as `python -m trainer` runs): ")
     say(f"    ratio ours/seed tokens/s: {ratio('seed', 'ours')}  [target >= 1.3x]")
-    say(f"    ratio ours/seed with the same allocator setting (like for like): {ratio('seed_keep', 'ours')}")
-    say(f"    the allocator setting alone, on the seed's code: {ratio('seed', 'seed_keep')}")
+    say(f"    ratio ours/seed with the same allocator setting (like for like): {ratio('seed+keep', 'ours')}")
+    say(f"    the allocator setting alone, on the seed's code: {ratio('seed', 'seed+keep')}")
     dpw, dpc = median(tm_dp.wall["dp"]), median(tm_dp.cpu["dp"])
     say(f"    ours with --vocab-parallel off (table replicated, its gradient all-reduced), alternated with ours "
         f"after the above: step {dpw:.3f} s, {dpc:.2f} CPU-s -> speed of the default over this: "
@@ -225,7 +231,7 @@ def section_seed_vs_ours(plan: Plan) -> dict:
         + f"; peak = the higher ({best})")
     say("    model FLOPs/token = 6*N + 12*L*T*D (PaLM; N = params in matmuls = all but the position table, "
         "tied embedding included; attention not halved for causality)")
-    for k, what in (("seed", "seed"), ("seed_keep", "seed with the setting")):
+    for k, what in (("seed", "seed"), ("seed+keep", "seed with the setting")):
         say(f"    {what}: N={n_seed:,}, {f_seed / 1e6:.1f} MFLOP/token -> {gflops(f_seed * tok / med[k])} = "
             f"{100 * f_seed * tok / med[k] / pk[best]:.0f}% of peak")
     say(f"    ours: N={n_ours:,} (vocab padded to {facts['ours']['padded_vocab']}), counted at the seed's "
@@ -241,9 +247,7 @@ def section_tiny_and_ckpt(plan: Plan, rng, tmp: str, peak: float) -> None:
         cfg = config("gpt2-tiny", os.path.join(tmp, "tiny"), train=dict(mesh="data=8,model=1", keep=2))
         title = "gpt2-tiny preset"
     else:  # --quick: the section 1-3 config (a small compile)
-        cfg = config("gpt2-tiny", os.path.join(tmp, "quick"), model=dict(
-            n_layer=p.n_layer, d_model=p.d_model, n_head=p.n_head, seq_len=p.seq_len, vocab_size=p.vocab),
-            train=dict(batch_size=p.batch, mesh="data=8,model=1", dtype="float32", keep=2))
+        cfg = ours_config(p, os.path.join(tmp, "quick"))
         title = "--quick: the config above"
     tr = OursTrainer(cfg)
     ckdir = cfg.train.ckpt_dir

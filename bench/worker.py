@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -21,30 +20,21 @@ import time
 KINDS = ("seed", "seed+keep", "ours", "dp")
 
 
-def cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def build(kind: str, plan: dict, tmp: str):
-    """(step function taking a [B, T+1] token batch, facts for the parent)."""
+def build(kind: str, plan, tmp: str):
+    """(step function taking a [B, T+1] token batch, facts for the parent). plan: a bench.run.Plan."""
     import numpy as np
 
+    from bench import run
     if kind.startswith("seed"):
         from bench import seed_gpt2
         seed = seed_gpt2.SeedTrainer(seed_gpt2.SeedConfig(
-            n_layer=plan["n_layer"], d_model=plan["d_model"], n_head=plan["n_head"], seq_len=plan["seq_len"],
-            batch_size=plan["batch"], vocab_size=plan["vocab"]))
+            n_layer=plan.n_layer, d_model=plan.d_model, n_head=plan.n_head, seq_len=plan.seq_len,
+            batch_size=plan.batch, vocab_size=plan.vocab))
         # the notebook's get_batch gives int64
         return (lambda b: seed.step(b[:, :-1].astype(np.int64), b[:, 1:].astype(np.int64)),
                 {"n_params": seed.n_params()})
-    from bench.ours import OursTrainer, config
-    train = dict(batch_size=plan["batch"], mesh="data=8,model=1", dtype="float32", keep=2)
-    if kind == "dp":
-        train["vocab_parallel"] = "off"
-    tr = OursTrainer(config("gpt2-tiny", os.path.join(tmp, kind), model=dict(
-        n_layer=plan["n_layer"], d_model=plan["d_model"], n_head=plan["n_head"], seq_len=plan["seq_len"],
-        dropout=0.1, vocab_size=plan["vocab"]), train=train))
+    tr = run.OursTrainer(run.ours_config(plan, os.path.join(tmp, kind),
+                                         **({"vocab_parallel": "off"} if kind == "dp" else {})))
     return tr.step, {"n_params": tr.n_params(), "padded_vocab": tr.cfg.model.padded_vocab,
                      "compile_s": tr.compile_s, "vocab_parallel": tr.steps.vocab_parallel}
 
@@ -62,24 +52,24 @@ def main(argv: list[str]) -> int:
         kept = hostmem.keep_freed_memory()
     import numpy as np
 
+    from bench import run  # imports jax: after the allocator setting
+
+    plan = run.Plan(**plan)
     rng = np.random.default_rng(0)
-    batches = [rng.integers(0, plan["vocab"], (plan["batch"], plan["seq_len"] + 1), dtype=np.int32)
-               for _ in range(4)]
+    batches = [run.tokens(rng, plan.batch, plan.seq_len, plan.vocab) for _ in range(4)]
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind.replace('+', '-')}-") as tmp:
-        t0 = time.perf_counter()
         step, facts = build(kind, plan, tmp)
         for i in range(2):  # the seed compiles twice (its params come back replicated after step 1)
             step(batches[i])
-        print(json.dumps({"ready": True, "kept_freed_memory": kept, "setup_s": time.perf_counter() - t0,
-                          **facts}), flush=True)
+        print(json.dumps({"ready": True, "kept_freed_memory": kept, **facts}), flush=True)
         i = 0
         for line in sys.stdin:
             if line.strip() != "step":
                 break
             i += 1
-            c0, t1 = cpu_s(), time.perf_counter()
+            c0, t1 = run.cpu_s(), time.perf_counter()
             step(batches[i % len(batches)])
-            print(f"{time.perf_counter() - t1:.6f} {cpu_s() - c0:.6f}", flush=True)
+            print(f"{time.perf_counter() - t1:.6f} {run.cpu_s() - c0:.6f}", flush=True)
     return 0
 
 
