@@ -4,7 +4,8 @@ XLA:CPU allocates each device's temporary buffer afresh at every execution: for 
 209 MB per device (the [vocab slice, tokens] logits). glibc serves any allocation over 32 MB with a fresh
 mmap and unmaps it on free, and allocations of threads other than the main one come from 64 MB arenas that
 cannot hold such a buffer either. So every step the kernel page-faults and zero-fills all of it again:
-measured ~430k page faults (1.7 GB) per step, about a third of the step's CPU time (`make bench` prints it).
+measured ~430k page faults (1.7 GB) per step of ours, ~820k of the seed's (`make bench` prints the
+setting's effect on the seed's step).
 One arena, no mmap and no trimming make a freed buffer the next step's allocation instead. The cost is
 that the process keeps its peak memory, which a training run reaches at every step anyway.
 """
