@@ -99,7 +99,11 @@ def test_checkpoint_restores_whether_the_table_is_split_or_replicated(resume_run
     assert table[4] == pytest.approx(straight[4], abs=1e-5)  # replicated table + all-reduce: same step
 
 
-def test_preemption_notice_saves_that_step_and_the_next_run_continues(corpus, tmp_path, procs):
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 42, "preemption notice: saved step"),
+                                             (signal.SIGINT, 130, "interrupted: saved step")],
+                         ids=["preemption-notice", "ctrl-c"])
+def test_stop_request_saves_that_step_and_the_next_run_continues(corpus, tmp_path, procs, sig, code, said):
+    """SIGTERM (a preemption notice) and Ctrl-C both save the step they land on, with no periodic saves."""
     ckpt = tmp_path / "run"
     p = procs.start(["pretrain", "--emulate-devices", "8", "--data", corpus, *RUN, "--steps", "1000",
                      "--ckpt-dir", str(ckpt)], env(os.environ["TPUCTL_CACHE"], devices=None), tmp_path / "log")
@@ -108,14 +112,33 @@ def test_preemption_notice_saves_that_step_and_the_next_run_continues(corpus, tm
         assert p.poll() is None, tail(p.log)
         assert time.time() < deadline, tail(p.log)
         time.sleep(0.5)
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=120) == 42, tail(p.log)
-    saved = int(re.search(r"saved step (\d+)", p.log.read_text()).group(1))
+    p.send_signal(sig)
+    assert p.wait(timeout=120) == code, tail(p.log)
+    log = p.log.read_text()
+    assert "Traceback" not in log, tail(p.log)
+    saved = int(re.search(said + r" (\d+)", log).group(1))
     assert saved >= 2 and (ckpt / str(saved)).is_dir()
     assert Checkpointer(str(ckpt), keep=1, read_only=True).latest_step() == saved
     assert main(["pretrain", "--data", corpus, *RUN, "--steps", str(saved + 1), "--ckpt-dir", str(ckpt)]) == 0
     steps = [r["step"] for r in metrics(ckpt)]
     assert steps[-1] == saved + 1 and steps.count(saved + 1) == 1 and max(steps[:-1]) == saved
+
+
+def test_ctrl_c_before_the_first_step_stops_in_one_line(corpus, tmp_path, procs):
+    ckpt = tmp_path / "run"
+    p = procs.start(["pretrain", "--emulate-devices", "8", "--data", corpus, *RUN, "--steps", "1000",
+                     "--ckpt-dir", str(ckpt)], env(os.environ["TPUCTL_CACHE"], devices=None), tmp_path / "log")
+    deadline = time.time() + 240
+    while "params | mesh" not in p.log.read_text():  # printed just before the step is compiled
+        assert p.poll() is None, tail(p.log)
+        assert time.time() < deadline, tail(p.log)
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=120) == 130, tail(p.log)
+    log = p.log.read_text()
+    assert "Traceback" not in log, tail(p.log)
+    # Either the Ctrl-C landed while compiling (nothing to save) or, compiled from the cache, on step 1.
+    assert log.rstrip().endswith("interrupted") or re.search(r"interrupted: saved step \d+", log), tail(p.log)
 
 
 @pytest.mark.slow

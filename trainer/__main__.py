@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the first step, or a second Ctrl-C: nothing a save could keep
+        print("interrupted", file=sys.stderr)
+        return 130
     except ValueError as e:  # trainer.data.DataError (imported lazily: it is jax-free but not needed here)
         if type(e).__name__ != "DataError":
             raise

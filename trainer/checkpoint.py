@@ -1,6 +1,6 @@
 """Orbax checkpoints: async saves to a local dir or gs:// (same code), resume, save on a preemption notice.
 
-A step holds three items: `params` and `opt` (sharded arrays, restored straight into the shardings of
+Ctrl-C in a single-process run saves the current step before stopping. A step holds three items: `params` and `opt` (sharded arrays, restored straight into the shardings of
 whatever mesh the new run uses) and `meta` (the step and the run's config, JSON). Only finished steps
 count: Orbax ignores a step whose save did not complete.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import uuid
 
@@ -42,8 +43,10 @@ class Checkpointer:
             item_names=("params", "opt", "meta"),
         )
         self._signalled = False
+        self._interrupted = False
         self._distributed = False
         self._previous = None
+        self._previous_int = None
 
     # --- what is there --------------------------------------------------------------------------
 
@@ -102,10 +105,30 @@ class Checkpointer:
             return self.mngr.reached_preemption(step)
         return self._signalled
 
+    def watch_interrupt(self) -> None:
+        """Single process, from the first step on: Ctrl-C stops after the current step and saves it; a second
+        Ctrl-C interrupts at once. Multi-process runs leave SIGINT alone: a save only one process asked for
+        would wait for the others forever (`tpuctl run` stops its hosts with SIGTERM, a coordinated notice)."""
+        if not self._distributed and threading.current_thread() is threading.main_thread():
+            self._previous_int = signal.signal(signal.SIGINT, self._on_sigint) or signal.default_int_handler
+
+    def _on_sigint(self, signum, frame) -> None:
+        self._interrupted = True
+        signal.signal(signal.SIGINT, self._previous_int)
+        print("\nCtrl-C: saving after this step (Ctrl-C again to stop without saving)", file=sys.stderr, flush=True)
+
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C was pressed (single process only): save this step and stop."""
+        return self._interrupted
+
     def unwatch(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+        if self._previous_int is not None:
+            signal.signal(signal.SIGINT, self._previous_int)
+            self._previous_int = None
 
 
 def write_config(directory: str, cfg: Config) -> None:

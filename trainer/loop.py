@@ -23,6 +23,7 @@ from trainer.config import Config, UsageError
 from trainer.models import gpt2
 
 PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
+INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT, as shells report it)
 
 
 def enable_compile_cache() -> None:
@@ -231,6 +232,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
     fpt = metrics.flops_per_token(m)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops)
     tokens_per_step = t.batch_size * m.seq_len
+    ckpt.watch_interrupt()  # from here on Ctrl-C would lose steps: save them first
     try:
         last_t, last_step = time.perf_counter(), start
         for step, local in loader.iterate(start + 1):
@@ -249,13 +251,17 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
                     metrics.say(metrics.progress(rec, t.steps))
                 last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
             preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
-            if preempted or last or (t.ckpt_every and step % t.ckpt_every == 0):
+            interrupted = ckpt.interrupted and not last
+            if preempted or interrupted or last or (t.ckpt_every and step % t.ckpt_every == 0):
                 ckpt.save(step, params, opt_state, cfg)
-            if preempted:
+            if preempted or interrupted:
                 ckpt.wait()
-                if primary:
-                    metrics.say(f"preemption notice: saved step {step} to {t.ckpt_dir}; exiting {PREEMPTED}")
-                return PREEMPTED
+                if preempted:
+                    if primary:
+                        metrics.say(f"preemption notice: saved step {step} to {t.ckpt_dir}; exiting {PREEMPTED}")
+                    return PREEMPTED
+                metrics.say(f"interrupted: saved step {step} to {t.ckpt_dir}; the same command resumes from it")
+                return INTERRUPTED
             if last:
                 break
     finally:
