@@ -10,12 +10,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from _trainer_util import REPO, TINY, Procs, env, losses, metrics, session_cache, shakespeare, tail
 from trainer.__main__ import main
 from trainer.checkpoint import Checkpointer
+from trainer.config import PRESETS, Config
 
 # Every in-process run: log every step, save only at the last step (or on a preemption notice).
 RUN = [*TINY, "--log-every", "1", "--ckpt-every", "0", "--eval-every", "0", "--eval-batches", "1"]
@@ -139,6 +141,41 @@ def test_ctrl_c_before_the_first_step_stops_in_one_line(corpus, tmp_path, procs)
     assert "Traceback" not in log, tail(p.log)
     # Either the Ctrl-C landed while compiling (nothing to save) or, compiled from the cache, on step 1.
     assert log.rstrip().endswith("interrupted") or re.search(r"interrupted: saved step \d+", log), tail(p.log)
+
+
+# A process that dies while its async save of step 2 is being written (after a finished save of step 1).
+_DIES_MID_SAVE = """
+import glob, os, sys
+import jax.numpy as jnp
+from trainer.checkpoint import Checkpointer
+from trainer.config import PRESETS, Config
+d = sys.argv[1]
+cfg = Config("gpt2-tiny", *PRESETS["gpt2-tiny"])
+big = {"w": jnp.ones((32, 1024, 1024))}  # 128 MB: its write takes far longer than noticing the tmp dir
+ckpt = Checkpointer(d, keep=3)
+ckpt.save(1, {"w": jnp.ones(4)}, {"m": jnp.ones(4)}, cfg)
+ckpt.wait()
+ckpt.save(2, big, {"m": jnp.ones(4)}, cfg)
+while not glob.glob(os.path.join(d, "2.*tmp*")):
+    pass
+os._exit(0)
+"""
+
+
+def test_a_save_cut_short_is_never_a_step_and_the_next_writer_deletes_it(tmp_path):
+    d = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", _DIES_MID_SAVE, str(d)], cwd=REPO, check=True, timeout=240,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    leftover = [p.name for p in d.iterdir() if "tmp" in p.name]
+    assert leftover, sorted(p.name for p in d.iterdir())  # the premise: step 2 was cut short
+    reader = Checkpointer(str(d), keep=3, read_only=True)
+    assert reader.latest_step() == 1
+    reader.close()
+    assert all((d / name).exists() for name in leftover)  # a reader leaves the directory alone
+    writer = Checkpointer(str(d), keep=3)  # as a resumed run: it deletes the leftover before its first save
+    writer.save(3, {"w": jnp.ones(4)}, {"m": jnp.ones(4)}, Config("gpt2-tiny", *PRESETS["gpt2-tiny"]))
+    writer.close()
+    assert sorted(p.name for p in d.iterdir() if p.name[0].isdigit()) == ["1", "3"]
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 Ctrl-C in a single-process run saves the current step before stopping. A step holds three items: `params` and `opt` (sharded arrays, restored straight into the shardings of
 whatever mesh the new run uses) and `meta` (the step and the run's config, JSON). Only finished steps
-count: Orbax ignores a step whose save did not complete.
+count: Orbax ignores a step whose save did not complete, and the next writer deletes what it left.
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ class Checkpointer:
             self.path,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
-                save_interval_steps=0 if read_only else 1, enable_async_checkpointing=async_save),
+                save_interval_steps=0 if read_only else 1, enable_async_checkpointing=async_save,
+                # A save cut short (a kill, a second Ctrl-C) leaves a tmp dir no run counts as a step: delete it.
+                cleanup_tmp_directories=not read_only),
             item_names=("params", "opt", "meta"),
         )
         self._signalled = False
