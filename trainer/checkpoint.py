@@ -1,6 +1,7 @@
-"""Orbax checkpoints: async saves to a local dir or gs:// (same code), resume, save on a preemption notice.
+"""Orbax checkpoints: async saves to a local dir or gs:// (same code), resume, save on a preemption notice
+or (single process) on Ctrl-C.
 
-Ctrl-C in a single-process run saves the current step before stopping. A step holds three items: `params` and `opt` (sharded arrays, restored straight into the shardings of
+A step holds three items: `params` and `opt` (sharded arrays, restored straight into the shardings of
 whatever mesh the new run uses) and `meta` (the step and the run's config, JSON). Only finished steps
 count: Orbax ignores a step whose save did not complete, and the next writer deletes what it left.
 """
