@@ -101,19 +101,29 @@ def test_checkpoint_restores_whether_the_table_is_split_or_replicated(resume_run
     assert table[4] == pytest.approx(straight[4], abs=1e-5)  # replicated table + all-reduce: same step
 
 
+def _start_long_run(procs, corpus, tmp_path):
+    """(process, ckpt dir) of a single-process run far longer than any test waits: a signal stops it."""
+    ckpt = tmp_path / "run"
+    p = procs.start(["pretrain", "--emulate-devices", "8", "--data", corpus, *RUN, "--steps", "1000",
+                     "--ckpt-dir", str(ckpt)], env(os.environ["TPUCTL_CACHE"], devices=None), tmp_path / "log")
+    return p, ckpt
+
+
+def _wait_until(p, ready, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        assert p.poll() is None, tail(p.log)
+        assert time.time() < deadline, tail(p.log)
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 42, "preemption notice: saved step"),
                                              (signal.SIGINT, 130, "interrupted: saved step")],
                          ids=["preemption-notice", "ctrl-c"])
 def test_stop_request_saves_that_step_and_the_next_run_continues(corpus, tmp_path, procs, sig, code, said):
     """SIGTERM (a preemption notice) and Ctrl-C both save the step they land on, with no periodic saves."""
-    ckpt = tmp_path / "run"
-    p = procs.start(["pretrain", "--emulate-devices", "8", "--data", corpus, *RUN, "--steps", "1000",
-                     "--ckpt-dir", str(ckpt)], env(os.environ["TPUCTL_CACHE"], devices=None), tmp_path / "log")
-    deadline = time.time() + 240
-    while not any(r["step"] >= 2 for r in metrics(ckpt)):
-        assert p.poll() is None, tail(p.log)
-        assert time.time() < deadline, tail(p.log)
-        time.sleep(0.5)
+    p, ckpt = _start_long_run(procs, corpus, tmp_path)
+    _wait_until(p, lambda: any(r["step"] >= 2 for r in metrics(ckpt)))
     p.send_signal(sig)
     assert p.wait(timeout=120) == code, tail(p.log)
     log = p.log.read_text()
@@ -127,14 +137,8 @@ def test_stop_request_saves_that_step_and_the_next_run_continues(corpus, tmp_pat
 
 
 def test_ctrl_c_before_the_first_step_stops_in_one_line(corpus, tmp_path, procs):
-    ckpt = tmp_path / "run"
-    p = procs.start(["pretrain", "--emulate-devices", "8", "--data", corpus, *RUN, "--steps", "1000",
-                     "--ckpt-dir", str(ckpt)], env(os.environ["TPUCTL_CACHE"], devices=None), tmp_path / "log")
-    deadline = time.time() + 240
-    while "params | mesh" not in p.log.read_text():  # printed just before the step is compiled
-        assert p.poll() is None, tail(p.log)
-        assert time.time() < deadline, tail(p.log)
-        time.sleep(0.1)
+    p, _ = _start_long_run(procs, corpus, tmp_path)
+    _wait_until(p, lambda: "params | mesh" in p.log.read_text())  # printed just before the step is compiled
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=120) == 130, tail(p.log)
     log = p.log.read_text()
