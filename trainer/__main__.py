@@ -2,8 +2,8 @@
 
 --emulate-devices N is handled before jax is imported: it adds N CPU devices to XLA_FLAGS (an
 inherited device-count flag wins). On the CPU backend, freed host memory is kept for reuse
-(trainer/hostmem.py; TPUCTL_KEEP_FREED_MEMORY=0 leaves glibc's defaults). Exit codes: 0 done, 2 bad input (`error: ...` on stderr),
-42 stopped by a preemption notice after saving.
+(trainer/hostmem.py; TPUCTL_KEEP_FREED_MEMORY=0 leaves glibc's defaults). Exit codes: 0 done, 2 bad input
+(`error: ...` on stderr), 42 stopped by a preemption notice after saving, 130 interrupted by Ctrl-C.
 """
 from __future__ import annotations
 
