@@ -16,7 +16,8 @@
 #                     [--deps-root DIR] [--wheelhouse DIR] [--uv-cache DIR] [--python PATH]
 # --deps-root: where the dependency layer lives (default ROOT/deps); hosts of one machine can share it.
 set -euo pipefail
-trap 'echo "error: bootstrap.sh on $(hostname): line $LINENO: $BASH_COMMAND failed" >&2' ERR
+STEP="reading arguments"
+trap 'echo "error: bootstrap.sh on $(hostname): step \"$STEP\" failed (line $LINENO: $BASH_COMMAND)" >&2' ERR
 T0=$(date +%s.%N)
 ROOT= KEY= REQS= APPHASH= WHEEL= WH= UVCACHE= PY= DEPSROOT=
 while [ $# -gt 0 ]; do
@@ -37,14 +38,51 @@ for v in ROOT KEY REQS APPHASH WHEEL; do
   [ -n "${!v}" ] || { echo "error: bootstrap.sh: --$(echo $v | tr A-Z a-z) is required" >&2; exit 2; }
 done
 DEPSROOT=${DEPSROOT:-$ROOT/deps}
+mkdir -p "$DEPSROOT" "$ROOT/app"
+# Every path absolute from here on: a relative one means something else inside `ln -s`, uv and venvs.
+ROOT=$(cd "$ROOT" && pwd -P)
+DEPSROOT=$(cd "$DEPSROOT" && pwd -P)
+for v in REQS WHEEL WH UVCACHE; do
+  [ -n "${!v}" ] && [ "${!v#/}" = "${!v}" ] && printf -v "$v" '%s/%s' "$PWD" "${!v}"
+done
 TOOLS=$(dirname "$DEPSROOT")/tools  # uv and pythons, beside the dependency layer (shared with it)
-mkdir -p "$DEPSROOT" "$ROOT/app" "$TOOLS"
+mkdir -p "$TOOLS"
 export UV_CACHE_DIR=${UVCACHE:-$ROOT/uv-cache} UV_NO_PROGRESS=1 UV_PYTHON_INSTALL_DIR=$TOOLS/python
 [ -n "$WH" ] && export UV_PYTHON_DOWNLOADS=never  # local mode: nothing from the internet but the index
 
 log() { echo "bootstrap: $*"; }
+step() { STEP=$*; }
+
+# ---- the package index as the image's pip is configured (a mirror, extra indexes, a CA bundle): uv
+# reads no pip.conf, so hand it the same settings. uv also trusts the system's CA store, as pip does.
+export UV_NATIVE_TLS=1
+pip_setting() {  # the last value pip's configuration gives KEY (global/user/site files and PIP_* env)
+  local py=$1 key=$2
+  "$py" -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*\.$key='\(.*\)'$/\1/p" | tail -1
+}
+existing_urls() {  # drop file:// locations that do not exist here (pip only warns about them; uv fails)
+  local u out=()
+  for u in $1; do
+    case "$u" in file://*) [ -e "${u#file://}" ] || continue;; /*) [ -e "$u" ] || continue;; esac
+    out+=("$u")
+  done
+  echo "${out[*]:-}"
+}
+use_pip_config() {
+  local py=$1 v
+  [ -n "$py" ] && "$py" -m pip --version >/dev/null 2>&1 || return 0
+  v=$(pip_setting "$py" index-url); [ -n "$v" ] && [ -z "${UV_DEFAULT_INDEX:-}" ] && export UV_DEFAULT_INDEX=$v
+  v=$(existing_urls "$(pip_setting "$py" extra-index-url)")
+  [ -n "$v" ] && [ -z "${UV_INDEX:-}" ] && export UV_INDEX=$v
+  v=$(existing_urls "$(pip_setting "$py" find-links)")
+  [ -n "$v" ] && [ -z "${UV_FIND_LINKS:-}" ] && export UV_FIND_LINKS=${v// /,}
+  v=$(pip_setting "$py" constraint); [ -n "$v" ] && [ -f "$v" ] && export UV_CONSTRAINT=$v
+  v=$(pip_setting "$py" cert); [ -n "$v" ] && [ -f "$v" ] && [ -z "${SSL_CERT_FILE:-}" ] && export SSL_CERT_FILE=$v
+  return 0
+}
 
 # ---- accelerator flavour
+step "detecting the accelerator"
 FLAVOUR=cpu
 if ls /dev/accel* >/dev/null 2>&1 || ls /dev/vfio/[0-9]* >/dev/null 2>&1; then FLAVOUR=tpu; fi
 
@@ -88,18 +126,28 @@ EOF
   fi
 }
 
+step "reading the host's pip configuration"
+[ -z "$WH" ] && use_pip_config "$(command -v python3 || echo "$PY")"
+step "installing uv"
 UV=$(find_uv || true)
+[ -n "$UV" ] && [ ! -x "$UV" ] && { echo "error: bootstrap.sh on $(hostname): uv at $UV is not executable" >&2; exit 3; }
+step "finding a Python >= 3.11"
 PYTHON=$(find_python || true)
 if [ -z "$PYTHON" ]; then
-  [ -n "$UV" ] || { echo "error: no Python >= 3.11 on $(hostname) and no uv to install one" >&2; exit 3; }
-  log "no Python >= 3.11 here: installing one with uv"
-  "$UV" python install -q 3.11 >&2
-  PYTHON=$("$UV" python find 3.11)
+  HAVE=$(command -v python3 >/dev/null 2>&1 && python3 -c 'import platform; print(platform.python_version())' 2>/dev/null || echo none)
+  FIX="install python3.11 or newer in the host image (or pass its path as --python), or give the host internet access to the Python downloads"
+  [ -n "$UV" ] || { echo "error: bootstrap.sh on $(hostname): no Python >= 3.11 (python3 here: $HAVE) and no uv to fetch one: $FIX" >&2; exit 3; }
+  log "no Python >= 3.11 here (python3: $HAVE): installing 3.11 with uv"
+  if ! OUT=$("$UV" python install -q 3.11 2>&1) || ! PYTHON=$("$UV" python find 3.11 2>/dev/null); then
+    echo "error: bootstrap.sh on $(hostname): no Python >= 3.11 (python3 here: $HAVE) and uv could not fetch one ($(echo "$OUT" | tail -1)): $FIX" >&2
+    exit 3
+  fi
 fi
 
 # ---- layer 1: dependencies, once per KEY
 DEPS="$DEPSROOT/$KEY"
 DEPS_STATE=cached
+step "installing the dependencies into $DEPS"
 if [ ! -f "$DEPS/.complete" ]; then
   exec 9>"$DEPS.lock"
   flock 9
@@ -136,6 +184,7 @@ fi
 # ---- layer 2: the project wheel, --no-deps, once per bundle hash
 APP="$ROOT/app/$APPHASH"
 APP_STATE=cached
+step "installing the project wheel into $APP"
 if [ ! -f "$APP/.complete" ]; then
   APP_STATE=installed
   TMP="$APP.tmp.$$"

@@ -289,8 +289,10 @@ class Hosts:
                         out(i, line)
             summary = next((l for l in lines if l.startswith("TPUCTL_BOOTSTRAP ")), None)
             if r.exited != 0 or summary is None:
-                tail = " | ".join(lines[-3:]) or "no output"
-                raise HostError(f"bootstrap failed (exit {r.exited}): {tail}")
+                # bootstrap.sh's own error line names the host and the step; the lines before it say why.
+                err = next((l for l in reversed(lines) if l.startswith("error: ")), None)
+                tail = " | ".join(l for l in lines[-6:] if l != err and l.strip()) or "no output"
+                raise HostError(f"bootstrap failed (exit {r.exited}): {err + '; ' if err else ''}last lines: {tail}")
             return summary[len("TPUCTL_BOOTSTRAP "):]
 
         for i, r in zip(need, self.each(bootstrap, need)):
@@ -299,8 +301,8 @@ class Hosts:
             else:
                 result[i] = r
         if errors:
-            raise HostError("push: " + "; ".join(f"{self.workers[i].name}: {_one_line(e)}"
-                                                 for i, e in errors.items()))
+            raise HostError("push: " + "; ".join(f"{self.workers[i].name} ({self.workers[i].address}): "
+                                                 f"{_one_line(e)}" for i, e in errors.items()))
         return result
 
     # ---------------------------------------------------------------- secrets and stop
