@@ -71,6 +71,7 @@ class LocalSlice:
     python: str = ""       # an interpreter every host can run (the one this machine uses)
     wheelhouse: str = ""   # the machine's wheelhouse (+ uv cache), visible on every host at the same path
     created: float = 0.0
+    fresh: bool = False    # shaped like fresh TPU VMs: no wheelhouse, no uv, only the system's python3
 
     # ---------------------------------------------------------------- paths and record
     @property
@@ -120,11 +121,15 @@ class LocalSlice:
     @classmethod
     def start(cls, name: str, n_hosts: int, base_dir: str | os.PathLike | None = None, *,
               port: int = 2222, first_ip: str | None = None, keep: tuple[str, ...] = (),
-              wheelhouse: str | os.PathLike | None = None, timeout: float = 15.0) -> "LocalSlice":
+              wheelhouse: str | os.PathLike | None = None, timeout: float = 15.0,
+              fresh: bool = False) -> "LocalSlice":
         """Start (or return the already running) local slice NAME with n_hosts hosts.
 
         keep: extra paths under /root or /tmp that the hosts must still see at the same path.
         wheelhouse: the machine's shared wheelhouse (default $TPUCTL_HOME/wheelhouse), kept visible.
+        fresh: hosts as a new TPU VM has them: the private home hides this machine's interpreter, uv and
+        wheelhouse, so a run bootstraps each host from the package index (the system's python3 and its pip
+        configuration are what the hosts see, as an image's own would be).
         """
         if not NAME_RE.match(name):
             raise LocalSliceError(f"invalid local slice name {name!r}: use lowercase letters, digits and '-', "
@@ -139,16 +144,18 @@ class LocalSlice:
         base_dir = Path(base_dir or default_base_dir()).resolve()
         existing = cls.load(name, base_dir)
         if existing is not None:
-            if all(existing.alive()) and len(existing.hosts) == n_hosts:
+            if all(existing.alive()) and len(existing.hosts) == n_hosts and existing.fresh == fresh:
                 return existing  # idempotent
             if all(existing.alive()):
-                raise LocalSliceError(f"local slice {name!r} is running with {len(existing.hosts)} hosts, "
-                                      f"not {n_hosts}: stop it first (python -m infra.local_slice stop {name})")
+                shape = f"{len(existing.hosts)} {'fresh ' if existing.fresh else ''}hosts"
+                raise LocalSliceError(f"local slice {name!r} is running with {shape}, not {n_hosts}"
+                                      f"{' fresh' if fresh else ''}: stop it first "
+                                      f"(python -m infra.local_slice stop {name})")
             existing.stop()  # stale record: clean whatever is left, then start afresh
 
         for attempt in range(3):
             try:
-                return cls._start_once(name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout)
+                return cls._start_once(name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout, fresh)
             except LocalSliceError as e:
                 # Another process took an address between our check and sshd's bind: next block.
                 if first_ip or attempt == 2 or "Address already in use" not in str(e):
@@ -156,7 +163,8 @@ class LocalSlice:
         raise AssertionError("unreachable")
 
     @classmethod
-    def _start_once(cls, name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout) -> "LocalSlice":
+    def _start_once(cls, name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout,
+                    fresh) -> "LocalSlice":
         sdir = base_dir / name
         sdir.mkdir(parents=True, exist_ok=True)
         shared = sdir / "shared"
@@ -169,16 +177,20 @@ class LocalSlice:
         # The interpreter's installation (e.g. /root/.pyenv/...) must survive the private home.
         py_prefix = os.path.realpath(sys.base_prefix)
         wh = Path(wheelhouse or tpuctl_home() / "wheelhouse").resolve()
-        wh.mkdir(parents=True, exist_ok=True)
-        s = cls(name=name, base_dir=str(base_dir), hosts=[], ssh_key=str(key), shared_dir=str(shared),
-                python=_base_python(), wheelhouse=str(wh), created=time.time())
+        if fresh:  # nothing of this machine's Python set-up: what the hosts see is the system image
+            s = cls(name=name, base_dir=str(base_dir), hosts=[], ssh_key=str(key), shared_dir=str(shared),
+                    created=time.time(), fresh=True)
+        else:
+            wh.mkdir(parents=True, exist_ok=True)
+            s = cls(name=name, base_dir=str(base_dir), hosts=[], ssh_key=str(key), shared_dir=str(shared),
+                    python=_base_python(), wheelhouse=str(wh), created=time.time())
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation dir
         try:
             for i, ip in enumerate(ips):
                 hdir = sdir / f"w{i}"
                 host = LocalHost(index=i, ip=ip, port=port, hostname=hostnames[i], home=str(hdir / "home"))
                 _prepare_host(hdir, host, key, ips, hostnames)
-                keeps = [py_prefix, str(shared), str(wh), str(hdir / "etc"), *keep]
+                keeps = [str(shared), str(hdir / "etc"), *keep] + ([] if fresh else [py_prefix, str(wh)])
                 proc = subprocess.Popen(
                     ["unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child",
                      "sh", "-c", _host_script(hdir, host, keeps)],
@@ -482,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("name")
     st.add_argument("--hosts", type=int, default=2)
     st.add_argument("--port", type=int, default=2222)
+    st.add_argument("--fresh", action="store_true", help="hosts shaped like fresh TPU VMs (no uv, no wheelhouse)")
     st.add_argument("--first-ip", default=None)
     sp = sub.add_parser("stop")
     sp.add_argument("name")
@@ -489,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "start":
-            s = LocalSlice.start(a.name, a.hosts, a.base_dir, port=a.port, first_ip=a.first_ip)
+            s = LocalSlice.start(a.name, a.hosts, a.base_dir, port=a.port, first_ip=a.first_ip, fresh=a.fresh)
             for h in s.hosts:
                 print(f"w{h.index}  {h.hostname}  {h.ip}:{h.port}  home={h.home}")
             print(f"ssh -i {s.ssh_key} -p {s.hosts[0].port} {s.ssh_user}@{s.hosts[0].ip}")

@@ -164,12 +164,16 @@ def cli():
                    "reserved, runtime_version, labels, ttl, queued, wait_capacity, capacity_wait, timeout); "
                    "flags given on the command line win.")
 @click.option("--dry-run", is_flag=True, help="Validate (also against the API) and print the plan; create nothing.")
+@click.option("--fresh-vm", is_flag=True, default=None,
+              help="With --local: shape the hosts like fresh TPU VMs: their own homes, the system's python3, no uv "
+                   "and no shared wheelhouse, so `run` bootstraps each from the package index as on real VMs "
+                   "(slower: every host downloads the dependencies).")
 @_json_option
 @_api_options
 @_errors
 def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labels, ttl, no_queue,
-           wait_capacity, capacity_wait, timeout, keep_on_failure, spec_file, dry_run, as_json, api_endpoint,
-           local, project):
+           wait_capacity, capacity_wait, timeout, keep_on_failure, spec_file, dry_run, fresh_vm, as_json,
+           api_endpoint, local, project):
     """Create a TPU slice (queued resource) and wait until it is READY.
 
     Validates everything first, prints the plan (chips, hosts, topology, HBM, list $/hour), creates, waits
@@ -213,6 +217,8 @@ def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labe
         spec.api_endpoint = api_endpoint
     if local:
         spec.local = True
+    if fresh_vm:
+        spec.fresh_hosts = True
 
     line = StatusLine()
 

@@ -218,7 +218,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     bundle = install = layout = None
     if not raw:
         bundle = B.build(workdir=workdir)
-        if target.local_slice is not None:
+        if target.local_slice is not None and target.local_slice.wheelhouse:  # not on fresh-VM hosts
             ls = target.local_slice
             install, layout = local_install(ls.wheelhouse, bundle, python=ls.python,
                                             log=lambda m: print(f"[tpuctl] {m}", file=out))

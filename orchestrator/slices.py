@@ -213,8 +213,8 @@ def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progr
         name=spec.name, project=api.project, zone=zone, accelerator=acc.name,
         node=f"{api.parent(zone)}/nodes/{spec.name}",
         queued_resource=f"{api.parent(zone)}/queuedResources/{spec.name}" if spec.queued else None,
-        api_endpoint=None if spec.local else api.endpoint, local=spec.local, labels=labels,
-        price_per_hour=acc.price_per_hour(zone, spec.spot), spot=spec.spot, reserved=spec.reserved,
+        api_endpoint=None if spec.local else api.endpoint, local=spec.local, fresh_hosts=spec.fresh_hosts,
+        labels=labels, price_per_hour=acc.price_per_hour(zone, spec.spot), spot=spec.spot, reserved=spec.reserved,
         runtime_version=spec.runtime, status="creating")
     state.save(rec)  # before the create call: from here on, a crash leaves something findable by name
     body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved, in_queue=spec.queued)
@@ -274,7 +274,7 @@ def _attach_local_hosts(api: Api, rec: SliceRecord, progress: Progress) -> list[
         progress(f"note: {n} workers is more than the {MAX_LOCAL_HOSTS} local hosts tpuctl starts; no SSH hosts")
         return rec.workers
     try:
-        hosts = LocalSlice.start(rec.name, n)
+        hosts = LocalSlice.start(rec.name, n, fresh=rec.fresh_hosts)
     except (LocalSliceError, OSError) as e:
         progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
         return rec.workers
@@ -594,7 +594,7 @@ def spec_of(rec: SliceRecord) -> SliceSpec:
     return SliceSpec(name=rec.name, accelerator=rec.accelerator, zones=[rec.zone], project=rec.project,
                      spot=rec.spot, reserved=rec.reserved, runtime_version=rec.runtime_version or None,
                      labels=user_labels, ttl_s=ttl, queued=rec.queued_resource is not None,
-                     api_endpoint=rec.api_endpoint, local=rec.local)
+                     api_endpoint=rec.api_endpoint, local=rec.local, fresh_hosts=rec.fresh_hosts)
 
 
 def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | None = None) -> UpResult:

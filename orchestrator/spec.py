@@ -122,6 +122,7 @@ class SliceSpec:
     keep_on_failure: bool = False                      # on timeout/interrupt: keep (recorded) instead of delete
     api_endpoint: str | None = None
     local: bool = False
+    fresh_hosts: bool = False                          # local mode: hosts as a fresh TPU VM is (no uv, no wheelhouse)
 
     def validate(self) -> "SliceSpec":
         check_name(self.name)
@@ -138,6 +139,8 @@ class SliceSpec:
             if not re.fullmatch(r"[a-z]+-[a-z]+\d+-[a-z0-9]+", z):
                 raise UserError(f"invalid zone {z!r}: write a zone such as us-central2-b "
                                 f"(zones offering {acc.generation.name} per the catalog: {', '.join(acc.zone_hints)})")
+        if self.fresh_hosts and not self.local:
+            raise UserError("--fresh-vm shapes the hosts of a local slice: add --local (real TPU VMs are fresh anyway)")
         if self.local and self.api_endpoint:
             raise UserError("--local and --api-endpoint exclude each other: --local starts its own stand-in; drop one")
         if self.wait_capacity and not self.queued:

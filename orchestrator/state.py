@@ -37,6 +37,7 @@ class SliceRecord:
     queued_resource: str | None = None  # full queued resource name, None for --no-queue
     api_endpoint: str | None = None    # None: the default Cloud TPU endpoint (or local mode)
     local: bool = False                # local mode: the endpoint is the local stand-in, wherever it runs now
+    fresh_hosts: bool = False          # local mode: the hosts are shaped like fresh TPU VMs (no uv, no wheelhouse)
     labels: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     price_per_hour: float = 0.0
