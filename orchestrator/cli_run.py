@@ -64,11 +64,23 @@ def _parse_hosts(spec: str) -> list[L.Worker]:
     return out
 
 
+def known_hosts_file(name: str, created_at: float | None) -> Path:
+    """Where the host keys of slice NAME are pinned. A recreated slice (a new record) gets a file of its own,
+    and the files of the slice's earlier incarnations are removed: new VMs, new host keys."""
+    d = _home() / "known_hosts"
+    stem = f"{name}@{int(created_at * 1000) if created_at else 'hosts'}"
+    for old in d.glob(f"{name}@*"):
+        if old.name.split(".")[0] != stem:
+            old.unlink(missing_ok=True)
+    return d / stem
+
+
 def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = None, local: bool | None = None,
-            ssh_user: str | None = None, ssh_key: str | None = None, ssh_port: int | None = None) -> Target:
+            ssh_user: str | None = None, ssh_key: str | None = None, ssh_port: int | None = None,
+            ssh_wait: float | None = None) -> Target:
     """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > local slice > TPU VM defaults)."""
     from infra.local_slice import LocalSlice
-    ls, devices = None, None
+    ls, devices, created = None, None, None
     if hosts:
         workers = _parse_hosts(hosts)
         ls = LocalSlice.load(name) if local else None
@@ -81,6 +93,7 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
         ws = slices.workers(name, api_endpoint=api_endpoint, local=True if is_local else None)
         if rec is not None:
             from orchestrator import catalog
+            created = rec.created_at
             try:
                 devices = catalog.lookup(rec.accelerator).devices_per_host
             except (ValueError, KeyError):
@@ -95,10 +108,16 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
     key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or (ls.ssh_key if ls else None)
     port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or (ls.hosts[0].port if ls else DEFAULT_SSH_PORT)
     ssh = SshConfig(user=user, port=port) if key is None else SshConfig(user=user, key=key, port=port)
+    ssh.known_hosts = str(known_hosts_file(name, created))
+    if ssh_wait is not None:
+        ssh.wait_s = ssh_wait
     return Target(name=name, workers=workers, ssh=ssh, local_slice=ls, devices_per_host=devices)
 
 
 def _ssh_options(f):
+    f = click.option("--ssh-wait", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+                     help="How long to keep trying to reach a worker that refuses or drops the connection (a new "
+                          "VM starts sshd some time after READY). Default 180. A refused key fails at once.")(f)
     f = click.option("--ssh-port", type=int, help="SSH port (default 22; the local slice's for --local).")(f)
     f = click.option("--ssh-key", type=click.Path(dir_okay=False),
                      help="Private key (default ~/.ssh/google_compute_engine, as gcloud makes; env TPUCTL_SSH_KEY).")(f)
@@ -183,7 +202,8 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
 @_ssh_options
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
-        init_timeout, as_json, on_preemption, max_restarts, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+        init_timeout, as_json, on_preemption, max_restarts, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local,
+        api_endpoint):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -210,7 +230,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     else:
         argv = [L.PYTHON, "-m", "trainer", *command]
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
-                     ssh_key=ssh_key, ssh_port=ssh_port)
+                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait)
     argv = emulate_devices(argv, target)
     check_ckpt_dir(argv, target)
     env = {**_gcs_env(argv, target), **env}
@@ -227,7 +247,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         nonlocal target
         if n:  # a recreated slice: new workers (and, locally, new hosts and keys)
             target = resolve(name, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user, ssh_key=ssh_key,
-                             ssh_port=ssh_port)
+                             ssh_port=ssh_port, ssh_wait=ssh_wait)
         run_dir = _home() / "runs" / name / L.new_run_id()
         return run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
                        kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
@@ -273,7 +293,7 @@ def _select(workers: list[L.Worker], worker: str) -> list[int]:
 @click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")
 @_ssh_options
 @_errors
-def ssh(name, command, worker, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+def ssh(name, command, worker, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
     """Run COMMAND on one or all workers of NAME (output prefixed [wI]), or open a shell on one.
 
     \b
@@ -281,7 +301,7 @@ def ssh(name, command, worker, ssh_port, ssh_key, ssh_user, hosts, local, api_en
       tpuctl ssh NAME --worker 1
     """
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
-                     ssh_key=ssh_key, ssh_port=ssh_port)
+                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait)
     idx = _select(target.workers, worker)
     if not command:
         if len(idx) != 1:
@@ -290,11 +310,14 @@ def ssh(name, command, worker, ssh_port, ssh_key, ssh_user, hosts, local, api_en
         args = ["ssh", "-p", str(w.port or target.ssh.port), f"{target.ssh.user}@{w.address}"]
         if target.ssh.key:
             args[1:1] = ["-i", target.ssh.key, "-o", "IdentitiesOnly=yes"]
-        if target.local_slice is not None:  # fresh host keys on every `up --local`
-            args[1:1] = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+        # The slice's own pins (the same file `run` checks): first contact pins, a changed key is refused.
+        args[1:1] = ["-o", "StrictHostKeyChecking=accept-new", "-o", f"UserKnownHostsFile={target.ssh.known_hosts}",
+                     "-o", "LogLevel=ERROR"]
+        Path(target.ssh.known_hosts).parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
         os.execvp("ssh", args)
     with Hosts(target.workers, target.ssh) as h:
+        h.wait_reachable(lambda m: click.echo(f"[tpuctl] {m}", err=True))
         codes = h.stream(" ".join(command) if len(command) == 1 else _join(command), idx,
                          prefix=len(target.workers) > 1 or len(idx) > 1)
     bad = {i: rc for i, rc in codes.items() if rc}

@@ -6,12 +6,14 @@ whose stdin is an in-memory buffer.
 """
 from __future__ import annotations
 
+import fcntl
 import getpass
 import hashlib
 import io
 import json
 import os
 import shlex
+import socket
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import paramiko
 from fabric import Config, Connection, ThreadingGroup
 
 from orchestrator.bundle import Bundle
@@ -47,6 +50,36 @@ class SshConfig:
     key: str | None = field(default_factory=_default_key)
     port: int = 22
     connect_timeout: float = 10.0
+    # Host keys pinned on first contact (an OpenSSH known_hosts file of this slice's own); None: not checked.
+    known_hosts: str | None = None
+    # A VM reports READY before its sshd is up and its keys are in: keep trying to connect this long.
+    wait_s: float = 180.0
+
+
+class PinHostKeys(paramiko.MissingHostKeyPolicy):
+    """Trust on first use, per slice: an unknown host's key is written to the slice's known_hosts file; a
+    known host that shows another key is refused by paramiko itself (BadHostKeyException), before any
+    command or secret is sent. Hosts of one slice connect from several threads: writes are merged under a lock."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def missing_host_key(self, client, hostname, key):
+        with self._lock, open(self.path + ".lock", "w") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            keys = paramiko.HostKeys()
+            if os.path.exists(self.path):
+                keys.load(self.path)
+            known = keys.lookup(hostname)
+            if known and key.get_name() in known and known[key.get_name()] != key:
+                raise paramiko.BadHostKeyException(hostname, key, known[key.get_name()])
+            keys.add(hostname, key.get_name(), key)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            keys.save(tmp)
+            os.replace(tmp, self.path)
+        client.get_host_keys().add(hostname, key.get_name(), key)
 
 
 @dataclass
@@ -128,8 +161,58 @@ class Hosts:
         kw = {"banner_timeout": 30, "auth_timeout": 30}
         if self.ssh.key:  # exactly this key: no agent, no ~/.ssh/id_* guessing
             kw.update(key_filename=str(Path(self.ssh.key).expanduser()), look_for_keys=False, allow_agent=False)
-        return Connection(w.address, user=self.ssh.user, port=w.port or self.ssh.port, config=config,
-                          connect_timeout=self.ssh.connect_timeout, connect_kwargs=kw)
+        c = Connection(w.address, user=self.ssh.user, port=w.port or self.ssh.port, config=config,
+                       connect_timeout=self.ssh.connect_timeout, connect_kwargs=kw)
+        if self.ssh.known_hosts:
+            Path(self.ssh.known_hosts).parent.mkdir(parents=True, exist_ok=True)
+            if os.path.exists(self.ssh.known_hosts):
+                c.client.load_host_keys(self.ssh.known_hosts)
+            c.client.set_missing_host_key_policy(PinHostKeys(self.ssh.known_hosts))
+        return c
+
+    def wait_reachable(self, say: Callable[[str], None] | None = None) -> None:
+        """Open every connection, retrying refusals and timeouts for up to ssh.wait_s (sshd on a new VM
+        starts after READY). A refused key or a changed host key fails at once: waiting cannot fix either."""
+        deadline = time.monotonic() + self.ssh.wait_s
+        said: set[int] = set()
+
+        def one(i: int, c: Connection) -> None:
+            w = self.workers[i]
+            where = f"{w.name} ({w.address})"
+            while True:
+                try:
+                    c.open()
+                    return
+                except paramiko.BadHostKeyException as e:
+                    raise HostError(
+                        f"{where}: its SSH host key changed since tpuctl first connected ({e.key.get_name()} "
+                        f"{e.key.get_fingerprint().hex()[:16]}..., pinned {e.expected_key.get_fingerprint().hex()[:16]}"
+                        f"...): nothing was sent to it. If the VM was recreated, remove its line from "
+                        f"{self.ssh.known_hosts}; otherwise treat it as an impostor") from None
+                except paramiko.AuthenticationException as e:
+                    key = self.ssh.key or "your SSH agent / default keys"
+                    raise HostError(
+                        f"{where}: SSH refused user {self.ssh.user} with key {key} ({_one_line(e)}): the VM lets in "
+                        f"only keys in its metadata (`tpuctl up` adds yours) or the project's; pass --ssh-user / "
+                        f"--ssh-key for another identity") from None
+                except (OSError, EOFError, socket.timeout, paramiko.SSHException) as e:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise HostError(f"{where}: unreachable over SSH as {self.ssh.user}@{c.host}:{c.port} after "
+                                        f"{self.ssh.wait_s:.0f} s: {_one_line(e)}") from None
+                    if say and i not in said:
+                        said.add(i)
+                        say(f"waiting for SSH on {where} ({_one_line(e)}); up to {self.ssh.wait_s:.0f} s")
+                    try:
+                        c.close()
+                    except Exception:  # noqa: BLE001 - a half-open client: start afresh
+                        pass
+                    time.sleep(min(2.0, max(0.1, left)))
+
+        errors = [e for e in self.each(one) if isinstance(e, Exception)]
+        if errors:
+            lines = [str(e) for e in errors]
+            raise HostError("preflight: " + ("\n  ".join(lines) if len(lines) > 1 else lines[0]))
 
     def group(self, indices: list[int] | None = None) -> ThreadingGroup:
         conns = [self.conns[i] for i in (range(len(self.conns)) if indices is None else indices)]
@@ -188,8 +271,10 @@ class Hosts:
         return dict(zip(idx, self.each(one, idx)))
 
     # ---------------------------------------------------------------- preflight
-    def preflight(self, *, kill_stale: bool = False, bundle: Bundle | None = None) -> list[Probe]:
+    def preflight(self, *, kill_stale: bool = False, bundle: Bundle | None = None,
+                  say: Callable[[str], None] | None = None) -> list[Probe]:
         """Probe every host in parallel. Raises HostError naming each host's problem (and the PID)."""
+        self.wait_reachable(say)
         src = (INFRA / "hostprobe.py").read_text()
         args = ["--root", self.layout.root]
         if bundle is not None:

@@ -131,7 +131,7 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
               "started": time.time()}
     _write_json(run_dir / "run.json", record)
     try:
-        probes = hosts.preflight(kill_stale=kill_stale, bundle=bundle)
+        probes = hosts.preflight(kill_stale=kill_stale, bundle=bundle, say=say)
         timings["preflight_s"] = time.monotonic() - t0
         for p in probes:
             for c in p.cleared:

@@ -1,12 +1,14 @@
 """Preflight over real SSH: stale processes holding the "device" are named with host and PID; --kill-stale clears them."""
+import dataclasses
 import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from _local_hosts import host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
-from orchestrator.hosts import HostError, Hosts
+from orchestrator.hosts import HostError, Hosts, SshConfig
 from orchestrator.launch import Worker
 
 pytestmark = needs_hosts
@@ -90,7 +92,84 @@ def test_a_lockfile_nobody_holds_and_a_leftover_tpuctl_trainer(hosts, sl):
 
 def test_an_unreachable_worker_is_named(sl, tmp_path):
     ws = workers(sl) + [Worker(2, sl.hosts[0].ip, port=1)]  # nothing listens on port 1
-    with Hosts(ws, ssh_config(sl)) as h, pytest.raises(HostError, match=r"w2 \(127\.0\.\d+\.1\): unreachable over SSH"):
-        h.preflight()
+    said = []
+    cfg = dataclasses.replace(ssh_config(sl), wait_s=1.0)
+    with Hosts(ws, cfg) as h, pytest.raises(HostError, match=r"w2 \(127\.0\.\d+\.1\): unreachable over SSH "
+                                                            r"as root@127\.0\.\d+\.1:1 after 1 s"):
+        h.preflight(say=said.append)
+    assert said == [f"waiting for SSH on w2 ({sl.hosts[0].ip}) (NoValidConnectionsError: [Errno None] Unable to "
+                    f"connect to port 1 on {sl.hosts[0].ip}); up to 1 s"], said
     with pytest.raises(HostError, match="does not exist"):
         Hosts(workers(sl), ssh_config(sl).__class__(user="root", key=str(tmp_path / "nokey")))
+
+
+def test_a_host_whose_sshd_comes_up_after_ready_is_waited_for(tmp_path):
+    """A new VM starts sshd some seconds after READY: preflight keeps trying (with one progress line)."""
+    from infra.local_slice import LocalSlice, _keygen
+    base = tmp_path / "late"
+    (base / "late").mkdir(parents=True)
+    key = base / "late" / "client_key"
+    _keygen(key)  # the slice will use this key: known before its hosts exist
+    ip = "127.0.201.1"
+    started: list = []
+    t = threading.Timer(3.0, lambda: started.append(start_late(base, ip)))
+    t.start()
+    said = []
+    try:
+        with Hosts([Worker(0, ip)], SshConfig(user="root", key=str(key), port=2222, wait_s=60)) as h:
+            probes = h.preflight(say=said.append)
+        assert probes[0].hostname == "late-w0"
+        assert len(said) == 1 and said[0].startswith(f"waiting for SSH on w0 ({ip})") and "up to 60 s" in said[0]
+    finally:
+        t.join()
+        for s in started:
+            s.stop()
+        if not started:
+            LocalSlice.stop_by_name("late", base)
+
+
+def start_late(base, ip):
+    from infra.local_slice import LocalSlice
+    return LocalSlice.start("late", 1, base, first_ip=ip)
+
+
+def test_a_refused_key_fails_at_once_naming_user_and_key(sl, tmp_path):
+    from infra.local_slice import _keygen
+    other = tmp_path / "other_key"
+    _keygen(other)
+    said = []
+    cfg = SshConfig(user="root", key=str(other), port=sl.hosts[0].port, wait_s=120)
+    t0 = time.monotonic()
+    with Hosts(workers(sl), cfg) as h, pytest.raises(HostError) as e:
+        h.preflight(say=said.append)
+    assert f"SSH refused user root with key {other}" in str(e.value) and "w0 (" in str(e.value)
+    assert said == []  # no waiting on a key the host will never accept
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_changed_host_key_is_refused_and_nothing_is_sent(sl, tmp_path):
+    """Keys are pinned on first contact; a worker that later shows another key gets no command at all."""
+    import paramiko
+    pins = tmp_path / "known_hosts" / "hosts@1"
+    cfg = dataclasses.replace(ssh_config(sl), known_hosts=str(pins))
+    with Hosts(workers(sl), cfg) as h:
+        h.preflight()
+    pinned = paramiko.HostKeys(str(pins))
+    entry = f"[{sl.hosts[1].ip}]:{sl.hosts[1].port}"
+    assert set(pinned.keys()) == {f"[{w.ip}]:{w.port}" for w in sl.hosts}
+    # w1 now shows another key (a different machine answering at its address): rewrite the pin to simulate it.
+    impostor = paramiko.Ed25519Key.from_private_key_file(sl.ssh_key)
+    pinned[entry] = {"ssh-ed25519": impostor}
+    pinned.save(str(pins))
+    marker = f"/tmp/pin-test-{time.time_ns()}"
+    with Hosts(workers(sl), cfg) as h, pytest.raises(HostError) as e:
+        h.preflight()
+        h.stream(f"touch {marker}")
+    assert f"w1 ({sl.hosts[1].ip}): its SSH host key changed since tpuctl first connected" in str(e.value)
+    assert str(pins) in str(e.value)
+    assert ssh(sl, 1, f"test -e {marker}", check=False).returncode == 1
+    # With the pin file removed (a recreated VM), first contact pins afresh.
+    pins.unlink()
+    with Hosts(workers(sl), cfg) as h:
+        h.preflight()
+    assert set(paramiko.HostKeys(str(pins)).keys()) == {f"[{w.ip}]:{w.port}" for w in sl.hosts}
