@@ -5,9 +5,14 @@ layers of the bundle are installed, and whatever holds the accelerator: processe
 /dev/vfio/* or the libtpu lockfile open, a lockfile nobody holds, and a tpuctl trainer still running
 from an earlier run (recorded by hostwrap's pidfile). With --kill-stale it clears them first.
 
+With --coordinator IP:PORT (worker 0 only) it also reports whoever already listens where the jax.distributed
+coordinator will bind.
+
 usage: python3 hostprobe.py --root DIR [--app-hash H] [--deps-key K] [--wrap NAME ...] [--kill-stale]
+                            [--coordinator IP:PORT]
 """
 import argparse
+import errno
 import glob
 import json
 import os
@@ -144,6 +149,44 @@ def kill_stale(stale, grace=3.0):
             os.unlink(s["path"])
 
 
+def port_holder(ip, port):
+    """None when ip:port can be bound now (the coordinator can start there); else who listens on it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((ip, port))
+        return None
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:  # not this host's address, say: nothing to report here
+            return None
+    finally:
+        s.close()
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                        inodes.add("socket:[%s]" % cols[9])
+        except (OSError, IndexError, ValueError):
+            pass
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir("/proc/%s/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink("/proc/%s/fd/%s" % (pid, fd)) in inodes:
+                    return {"pid": int(pid), "cmd": cmdline(int(pid))}
+            except OSError:
+                continue
+    return {"pid": None, "cmd": ""}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
@@ -152,6 +195,7 @@ def main():
     ap.add_argument("--deps-root", default="")
     ap.add_argument("--wrap", action="append", default=[])
     ap.add_argument("--kill-stale", action="store_true")
+    ap.add_argument("--coordinator", default="", help="IP:PORT the jax.distributed coordinator will bind here")
     a = ap.parse_args()
     root = os.path.expanduser(a.root)
     os.makedirs(os.path.join(root, "run"), exist_ok=True)
@@ -179,6 +223,8 @@ def main():
             os.path.expanduser(a.deps_root) if a.deps_root else os.path.join(root, "deps"), key, ".complete")),
         "have_app": bool(a.app_hash) and os.path.exists(os.path.join(root, "app", a.app_hash, ".complete")),
         "have_files": [w for w in a.wrap if os.path.exists(os.path.join(root, "bin", w))],
+        "coordinator_taken": port_holder(a.coordinator.rsplit(":", 1)[0], int(a.coordinator.rsplit(":", 1)[1]))
+        if a.coordinator else None,
     }))
 
 

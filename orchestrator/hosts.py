@@ -108,6 +108,8 @@ class Probe:
     have_app: bool = False
     have_files: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    coordinator: str = ""                  # IP:PORT checked for the coordinator (worker 0)
+    coordinator_taken: dict | None = None  # who already listens there
 
     def problems(self) -> list[str]:
         w = f"{self.worker.name} ({self.worker.address})"
@@ -119,6 +121,11 @@ class Probe:
                     "trainer": f"is a tpuctl trainer still running (run {s.get('run_id')})"}[s["kind"]]
             who = f"PID {s['pid']} ({s['cmd'][:80]})" if s.get("pid") else "a dead process"
             out.append(f"{w}: {who} {what}: rerun with --kill-stale to clear it")
+        if self.coordinator_taken is not None:
+            t = self.coordinator_taken
+            who = f"PID {t['pid']} ({t['cmd'][:80]})" if t.get("pid") else "another process"
+            out.append(f"{w}: the jax.distributed coordinator port {self.coordinator} is taken by {who}: "
+                       "pass --coordinator-port with a free port, or stop that process")
         if self.free_gb < MIN_FREE_GB:
             out.append(f"{w}: only {self.free_gb:.1f} GB free in the home directory (need {MIN_FREE_GB} GB)")
         if abs(self.skew_s) > MAX_SKEW_S:
@@ -272,8 +279,10 @@ class Hosts:
 
     # ---------------------------------------------------------------- preflight
     def preflight(self, *, kill_stale: bool = False, bundle: Bundle | None = None,
-                  say: Callable[[str], None] | None = None) -> list[Probe]:
-        """Probe every host in parallel. Raises HostError naming each host's problem (and the PID)."""
+                  say: Callable[[str], None] | None = None, coordinator: str | None = None) -> list[Probe]:
+        """Probe every host in parallel. Raises HostError naming each host's problem (and the PID).
+
+        coordinator: IP:PORT where worker 0 will serve jax.distributed; preflight checks it is free."""
         self.wait_reachable(say)
         src = (INFRA / "hostprobe.py").read_text()
         args = ["--root", self.layout.root]
@@ -290,8 +299,9 @@ class Hosts:
         def probe(i: int, c: Connection) -> Probe:
             p = Probe(worker=self.workers[i])
             t0 = time.time()
+            check = coordinator and self.workers[i].index == min(w.index for w in self.workers)
             try:
-                r = c.run(cmd, timeout=60)
+                r = c.run(cmd + (f" --coordinator {shlex.quote(coordinator)}" if check else ""), timeout=60)
             except Exception as e:  # noqa: BLE001
                 p.error = f"unreachable over SSH as {self.ssh.user}@{c.host}:{c.port}: {_one_line(e)}"
                 return p
@@ -307,6 +317,7 @@ class Hosts:
             p.flavour, p.devices, p.stale, p.cleared = d["flavour"], d["devices"], d["stale"], d["cleared"]
             p.deps_key, p.have_deps, p.have_app = d["deps_key"], d["have_deps"], d["have_app"]
             p.have_files, p.seconds = d["have_files"], t1 - t0
+            p.coordinator, p.coordinator_taken = (coordinator or "") if check else "", d.get("coordinator_taken")
             return p
 
         probes = self.each(probe)

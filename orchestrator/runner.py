@@ -131,7 +131,9 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
               "started": time.time()}
     _write_json(run_dir / "run.json", record)
     try:
-        probes = hosts.preflight(kill_stale=kill_stale, bundle=bundle, say=say)
+        probes = hosts.preflight(kill_stale=kill_stale, bundle=bundle, say=say,
+                                 coordinator=L.coordinator(workers, coordinator_port)
+                                 if distributed and len(workers) > 1 else None)
         timings["preflight_s"] = time.monotonic() - t0
         for p in probes:
             for c in p.cleared:

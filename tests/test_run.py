@@ -327,3 +327,25 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
             os.waitpid(info["pid"], 0)
         except ChildProcessError:
             pass
+
+
+def test_a_taken_coordinator_port_is_a_preflight_error_not_a_crash(sl, tmp_path, clean):
+    """Something already listens where worker 0's coordinator would bind: preflight names it, nothing starts."""
+    port = 18476
+    ip = sl.hosts[0].ip
+    ssh(sl, 0, "setsid nohup python3 -c \"import socket, time; s = socket.socket(); "
+               f"s.bind(('{ip}', {port})); s.listen(); time.sleep(120)\" port-squatter >/dev/null 2>&1 < /dev/null &")
+    try:
+        deadline = time.time() + 10
+        while ssh(sl, 0, f"grep -q ':{port:04X} .* 0A ' /proc/net/tcp", check=False).returncode != 0:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        with pytest.raises(cli_run.HostError) as e:
+            _run(sl, py("print('ran')"), tmp_path, coordinator_port=port)
+    finally:
+        ssh(sl, 0, "pkill -f '[p]ort-squatter'", check=False)
+    msg = str(e.value)
+    assert f"w0 ({ip}): the jax.distributed coordinator port {ip}:{port} is taken by PID " in msg, msg
+    assert "(python3 -c import socket" in msg and "--coordinator-port" in msg
+    assert "w1" not in msg and "w2" not in msg
+    assert not list((tmp_path / "run").glob("w*.log"))  # nothing was launched

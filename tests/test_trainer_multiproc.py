@@ -52,6 +52,11 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
         assert all(p.poll() is None for p in pair), logs()
         assert time.time() < deadline, logs()
         time.sleep(0.5)
+    # The coordinator listens on the address it was given (worker 0's), not on every interface.
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
     # A preemption notice to process 1 only: JAX's coordination service tells process 0, and both
     # agree on the step to save.
     pair[1].send_signal(signal.SIGTERM)

@@ -36,8 +36,11 @@ def init_distributed() -> bool:
     except (KeyError, ValueError):
         raise UsageError("TPUCTL_COORDINATOR is set but TPUCTL_NUM_PROCESSES / TPUCTL_PROCESS_ID are "
                          "missing or not integers") from None
+    # Process 0 serves the coordinator on worker 0's own address only (JAX's default is every interface,
+    # which on a VM with an external IP is the internet); JAX_COORDINATOR_BIND_ADDRESS still overrides.
     jax.distributed.initialize(
         coordinator_address=coord, num_processes=n, process_id=pid,
+        coordinator_bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or coord,
         heartbeat_timeout_seconds=int(os.environ.get("TPUCTL_HEARTBEAT_TIMEOUT_S", 100)),
         initialization_timeout=int(os.environ.get("TPUCTL_INIT_TIMEOUT_S", 300)))
     return True
