@@ -77,7 +77,7 @@ def known_hosts_file(name: str, created_at: float | None) -> Path:
 
 def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = None, local: bool | None = None,
             ssh_user: str | None = None, ssh_key: str | None = None, ssh_port: int | None = None,
-            ssh_wait: float | None = None) -> Target:
+            ssh_wait: float | None = None, internal_ip: bool = False) -> Target:
     """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > local slice > TPU VM defaults)."""
     from infra.local_slice import LocalSlice
     ls, devices, created = None, None, None
@@ -98,7 +98,10 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
                 devices = catalog.lookup(rec.accelerator).devices_per_host
             except (ValueError, KeyError):
                 devices = None
-        workers = [L.Worker(index=w.index, internal_ip=w.internal_ip, external_ip=w.external_ip) for w in ws]
+        # A worker without an external IP (--no-external-ips) is reached on its internal one; --internal-ip
+        # forces that for all, for a machine inside the VPC.
+        workers = [L.Worker(index=w.index, internal_ip=w.internal_ip,
+                            external_ip=None if internal_ip else w.external_ip) for w in ws]
         if is_local:
             ls = LocalSlice.load(name)
             if ls is None or not all(ls.alive()):
@@ -115,6 +118,9 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
 
 
 def _ssh_options(f):
+    f = click.option("--internal-ip", is_flag=True,
+                     help="Connect to the workers' internal IPs even where they have external ones (this machine "
+                          "is inside the VPC). Workers without an external IP are always reached internally.")(f)
     f = click.option("--ssh-wait", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
                      help="How long to keep trying to reach a worker that refuses or drops the connection (a new "
                           "VM starts sshd some time after READY). Default 180. A refused key fails at once.")(f)
@@ -202,8 +208,8 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
 @_ssh_options
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
-        init_timeout, as_json, on_preemption, max_restarts, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local,
-        api_endpoint):
+        init_timeout, as_json, on_preemption, max_restarts, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts,
+        local, api_endpoint):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -230,7 +236,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     else:
         argv = [L.PYTHON, "-m", "trainer", *command]
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
-                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait)
+                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
     argv = emulate_devices(argv, target)
     check_ckpt_dir(argv, target)
     env = {**_gcs_env(argv, target), **env}
@@ -247,7 +253,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         nonlocal target
         if n:  # a recreated slice: new workers (and, locally, new hosts and keys)
             target = resolve(name, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user, ssh_key=ssh_key,
-                             ssh_port=ssh_port, ssh_wait=ssh_wait)
+                             ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
         run_dir = _home() / "runs" / name / L.new_run_id()
         return run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
                        kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
@@ -293,7 +299,7 @@ def _select(workers: list[L.Worker], worker: str) -> list[int]:
 @click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")
 @_ssh_options
 @_errors
-def ssh(name, command, worker, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+def ssh(name, command, worker, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
     """Run COMMAND on one or all workers of NAME (output prefixed [wI]), or open a shell on one.
 
     \b
@@ -301,7 +307,7 @@ def ssh(name, command, worker, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, loc
       tpuctl ssh NAME --worker 1
     """
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
-                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait)
+                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
     idx = _select(target.workers, worker)
     if not command:
         if len(idx) != 1:
