@@ -404,6 +404,40 @@ def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
         click.echo(f"note: skipped {z}: {why}", err=True)
 
 
+# ---- check -----------------------------------------------------------------------------------------------
+
+@cli.command("check")
+@click.option("-z", "--zone", metavar="ZONE", help="The zone you will create in (the TPU API is asked there).")
+@click.option("-a", "--accelerator", metavar="TYPE", help="Also check that the zone offers this accelerator.")
+@click.option("--bucket", metavar="gs://B[/PREFIX]", help="The checkpoint bucket: checked writable by you "
+                                                         "(one small object written and deleted).")
+@click.option("--ssh-key", metavar="PATH", help="The key pair new VMs get (default ~/.ssh/google_compute_engine, "
+                                                "env TPUCTL_SSH_KEY); made if missing.")
+@_json_option
+@_api_options
+@_errors
+def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, project):
+    """Check what a first run needs, one line each (✔ / ✘ and the fix); exit 1 if anything is ✘.
+
+    \b
+      tpuctl check --zone us-central2-b -a v4-16 --bucket gs://my-bucket
+
+    Credentials (Application Default Credentials), the project, the Cloud TPU API enabled, the zone usable and
+    offering the accelerator, an SSH key for new VMs, the bucket writable. Creates nothing in the cloud.
+    """
+    from orchestrator.check import run_checks
+    items = run_checks(project=project, zone=zone, accelerator=accelerator, bucket_url=bucket,
+                       api_endpoint=api_endpoint, local=local, ssh_key_path=ssh_key)
+    failed = [i for i in items if i.ok is False]
+    if as_json:
+        click.echo(json.dumps({"ok": not failed, "items": [i.to_json() for i in items]}, indent=1))
+    else:
+        for i in items:
+            click.echo(i.line())
+        click.echo(f"{len(failed)} problem(s): fix the ✘ lines above" if failed else "all set", err=bool(failed))
+    sys.exit(1 if failed else 0)
+
+
 # ---- the verbs that cross SSH live in cli_run.py ----------------------------------------------------------
 
 from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run does not import this module)

@@ -1,0 +1,135 @@
+"""`tpuctl check`: a first-time user's checklist, each item checked against the real services.
+
+Credentials, project, the TPU API, the zone and accelerator, an SSH key for new VMs, the checkpoint bucket.
+Each item is one line with ✔ or ✘ and, when ✘, the fix. Nothing is created in the cloud; the bucket check
+writes one small object and deletes it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import asdict, dataclass
+
+from orchestrator import catalog, cloud, sshkeys
+from orchestrator.spec import UserError
+
+
+@dataclass
+class Item:
+    name: str
+    ok: bool | None       # None: not checked (an earlier item failed, or nothing to check it against)
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = {True: "✔", False: "✘", None: "-"}[self.ok]
+        return f"{mark} {self.name}: {self.detail}" + (f"\n    fix: {self.fix}" if self.fix else "")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def credentials(endpoint: str | None) -> Item:
+    if endpoint and endpoint.startswith("http://"):
+        return Item("credentials", True, f"anonymous (the endpoint {endpoint} is plain http: a stand-in)")
+    import google.auth
+    from google.auth import exceptions as auth_exc
+    try:
+        creds, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+    except auth_exc.DefaultCredentialsError as e:
+        return Item("credentials", False, f"no Application Default Credentials ({str(e).splitlines()[0][:120]})",
+                    "gcloud auth application-default login")
+    who = getattr(creds, "service_account_email", None) or getattr(creds, "account", None) or type(creds).__name__
+    return Item("credentials", True, f"Application Default Credentials ({who})")
+
+
+def project_item(project: str | None, local: bool) -> tuple[Item, str | None]:
+    try:
+        p = cloud.resolve_project(project, local=local)
+    except UserError as e:
+        return Item("project", False, str(e).split(":")[0], "pass --project P, or `gcloud config set project P`"), None
+    return Item("project", True, p), p
+
+
+def api_and_zone(api, project: str, zone: str | None, accelerator: str | None) -> list[Item]:
+    """The TPU API answers for the project, and the zone offers the accelerator (one cheap list call)."""
+    if not zone:
+        return [Item("TPU API", None, "not checked: pass --zone Z (the first call is made in a zone)"),
+                Item("zone", None, "not checked: pass --zone Z")]
+    try:
+        offered = api.accelerator_types(zone)
+    except cloud.CloudError as e:
+        text = " ".join(str(e).split())
+        if e.kind in ("zone", "location-policy", "not-found", "bad-argument"):  # the API answered: the zone is wrong
+            return [Item("TPU API", True, f"answers for {project}"), Item("zone", False, text)]
+        fix = f"gcloud services enable tpu.googleapis.com --project {project}" if e.kind == "service-disabled" else ""
+        return [Item("TPU API", False, text, fix), Item("zone", None, "not checked: the API refused")]
+    items = [Item("TPU API", True, f"answers for {project}")]
+    if accelerator:
+        try:
+            acc = catalog.lookup(accelerator)
+        except catalog.UnknownAccelerator as e:
+            return items + [Item("zone", False, str(e))]
+        if acc.name not in offered:
+            hints = ", ".join(acc.zone_hints) or "see the catalog"
+            return items + [Item("zone", False, f"{zone} does not offer {acc.name}",
+                                 f"pick a zone that does (per the catalog: {hints})")]
+        return items + [Item("zone", True, f"{zone} offers {acc.name}")]
+    return items + [Item("zone", True, f"{zone} answers ({len(offered)} accelerator types)")]
+
+
+def ssh_key(path: str | None) -> Item:
+    try:
+        p, pub, created = sshkeys.ensure_key(path)
+    except (sshkeys.SshKeyError, OSError) as e:
+        return Item("SSH key", False, str(e), "pass --ssh-key PATH to a key pair that has a .pub beside it")
+    what = "made" if created else "found"
+    return Item("SSH key", True, f"{what} {p} ({pub.split()[0]}); `tpuctl up` puts it in each new VM's metadata")
+
+
+def bucket(url: str | None, project: str | None, zone: str | None) -> Item:
+    if not url:
+        return Item("bucket", None, "not checked: pass --bucket gs://B (where checkpoints go)")
+    if not url.startswith("gs://") or not url[5:].split("/")[0]:
+        return Item("bucket", False, f"{url} is not a gs:// bucket URL", "write --bucket gs://BUCKET[/PREFIX]")
+    name, _, prefix = url[5:].partition("/")
+    from google.api_core import exceptions as gexc
+    from google.cloud import storage
+    where = f" --location {zone.rsplit('-', 1)[0]}" if zone else ""
+    try:
+        client = storage.Client(project=project)
+        blob = client.bucket(name).blob(f"{prefix.strip('/') + '/' if prefix.strip('/') else ''}"
+                                        f".tpuctl-check-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+        blob.upload_from_string(b"tpuctl check\n")
+        blob.delete()
+    except gexc.NotFound:
+        return Item("bucket", False, f"gs://{name} does not exist",
+                    f"gcloud storage buckets create gs://{name} --project {project}{where}  (same region as the slice)")
+    except gexc.Forbidden as e:
+        return Item("bucket", False, f"you cannot write gs://{name} ({getattr(e, 'message', e)})",
+                    f"ask for roles/storage.objectAdmin on gs://{name}, or use a bucket of your own")
+    except Exception as e:  # noqa: BLE001 - network, credentials: one line, the check goes on
+        return Item("bucket", False, f"gs://{name}: {' '.join(str(e).split())[:200]}")
+    return Item("bucket", True, f"gs://{name} is writable (wrote and deleted one object)")
+
+
+def run_checks(*, project: str | None = None, zone: str | None = None, accelerator: str | None = None,
+               bucket_url: str | None = None, api_endpoint: str | None = None, local: bool = False,
+               ssh_key_path: str | None = None) -> list[Item]:
+    endpoint = cloud.resolve_endpoint(api_endpoint, local)
+    items = [credentials(endpoint)]
+    pitem, p = project_item(project, local)
+    items.append(pitem)
+    if items[0].ok and p:
+        try:
+            api = cloud.connect(api_endpoint=api_endpoint, local=local, project=p)
+        except UserError as e:
+            items += [Item("TPU API", False, " ".join(str(e).split())), Item("zone", None, "not checked")]
+        else:
+            items += api_and_zone(api, p, zone, accelerator)
+    else:
+        items += [Item("TPU API", None, "not checked: no credentials or project"), Item("zone", None, "not checked")]
+    items.append(ssh_key(ssh_key_path))
+    items.append(bucket(bucket_url, p, zone))
+    return items

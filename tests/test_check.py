@@ -1,0 +1,91 @@
+"""`tpuctl check` against the TPU API stand-in (real google-cloud-tpu client) and the GCS emulator (real
+google-cloud-storage client): each injected refusal gives its ✘ line and its fix, and the exit code says so."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server  # noqa: F401
+from infra import gcs
+from orchestrator.cli import cli
+
+
+@pytest.fixture
+def emu(tmp_path, monkeypatch):
+    e = gcs.start(home=tmp_path / "gcs-home", buckets=("ckpts",), record=False, reuse=False)
+    for k, v in e.env.items():
+        monkeypatch.setenv(k, v)
+    yield e
+    e.stop()
+
+
+def check(fake, tmp_path, *args):
+    res = CliRunner().invoke(cli, ["check", "--api-endpoint", fake.url, "--project", PROJECT,
+                                   "--ssh-key", str(tmp_path / "ssh" / "key"), *args])
+    assert "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    return res
+
+
+def lines(res) -> dict[str, str]:
+    out = {}
+    for line in res.stdout.splitlines():
+        if line[:2] in ("✔ ", "✘ ", "- "):
+            name = line[2:].split(":")[0]
+            out[name] = line
+        elif line.strip().startswith("fix:"):
+            out[name] += "\n" + line.strip()
+    return out
+
+
+def test_everything_ready_is_all_ticks(fake, emu, tmp_path):
+    res = check(fake, tmp_path, "-z", ZONE, "-a", "v4-16", "--bucket", "gs://ckpts/runs")
+    assert res.exit_code == 0, res.output
+    got = lines(res)
+    assert list(got) == ["credentials", "project", "TPU API", "zone", "SSH key", "bucket"]
+    assert all(v.startswith("✔") for v in got.values()), got
+    assert f"{ZONE} offers v4-16" in got["zone"] and "writable" in got["bucket"]
+    assert (tmp_path / "ssh" / "key.pub").read_text().startswith("ssh-ed25519 ")
+    again = json.loads(check(fake, tmp_path, "-z", ZONE, "--bucket", "gs://ckpts", "--json").stdout)
+    assert again["ok"] and [i["name"] for i in again["items"]][-1] == "bucket"
+    assert not list(emu_blobs(emu, "ckpts"))  # the probe object was deleted
+
+
+def emu_blobs(emu, bucket):
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+    c = storage.Client(project="x", credentials=AnonymousCredentials(), client_options={"api_endpoint": emu.endpoint})
+    return c.list_blobs(bucket)
+
+
+def test_service_disabled_gives_the_enable_command(fake, emu, tmp_path):
+    fake.control.service_disabled()
+    res = check(fake, tmp_path, "-z", ZONE, "--bucket", "gs://ckpts")
+    assert res.exit_code == 1, res.output
+    got = lines(res)
+    assert got["TPU API"].startswith("✘ TPU API: the Cloud TPU API is not enabled in project proj-test")
+    assert f"fix: gcloud services enable tpu.googleapis.com --project {PROJECT}" in got["TPU API"]
+    assert got["zone"].startswith("- zone: not checked")
+    assert got["bucket"].startswith("✔") and got["SSH key"].startswith("✔")
+
+
+def test_a_403_location_is_a_zone_line(fake, emu, tmp_path):
+    fake.control.location_forbidden("europe-west4-a")
+    res = check(fake, tmp_path, "-z", "europe-west4-a", "-a", "v5litepod-8")
+    assert res.exit_code == 1, res.output
+    got = lines(res)
+    assert got["TPU API"].startswith("✔")
+    assert got["zone"].startswith("✘ zone: zone europe-west4-a is not a Cloud TPU location for project proj-test")
+    assert "permission" in got["zone"]  # the alternative reading of a 403 location
+
+
+def test_a_missing_bucket_says_how_to_create_it(fake, emu, tmp_path):
+    res = check(fake, tmp_path, "-z", ZONE, "--bucket", "gs://no-such-bucket/x")
+    assert res.exit_code == 1, res.output
+    got = lines(res)
+    assert got["bucket"].startswith("✘ bucket: gs://no-such-bucket does not exist")
+    assert (f"fix: gcloud storage buckets create gs://no-such-bucket --project {PROJECT} --location us-central2"
+            in got["bucket"])
+    assert "1 problem(s)" in res.stderr
