@@ -77,7 +77,7 @@ def test_bad_input_one_line_with_fix(fake, case):
         "spot-and-reserved": ("--spot and --reserved exclude each other", ["--spot", "--reserved"]),
         "missing-project": ("no Google Cloud project: pass --project P", None),
         "api-403": ("permission denied while trying to create a queued resource", None),
-        "api-429": ("quota exceeded for v4-8 in us-central2-b (TPUV4PodPerProjectPerZoneForTPUAPI): request more", None),
+        "api-429": ("quota exceeded for v4-8 in us-central2-b (TPUV4PerProjectPerRegionForTPUAPI): request more", None),
         "api-400": ("the Cloud TPU API rejected the request to create a queued resource", None),
     }
     fragment, extra = expect[case]
