@@ -103,10 +103,10 @@ def _usable_zones(api: Api, spec: SliceSpec, progress: Progress) -> list[str]:
         try:
             offered = api.accelerator_types(zone)
         except CloudError as e:
-            if e.kind == "not-found":
-                raise UserError(f"zone {zone} is not a Cloud TPU location for project {api.project}: check the "
-                                f"spelling; zones offering {spec.accelerator} per the catalog: "
-                                f"{', '.join(spec.accelerator_type.zone_hints)}") from None
+            if e.kind in ("zone", "not-found"):
+                raise CloudError("zone", f"{e}; zones offering {spec.accelerator} per the catalog: "
+                                         f"{', '.join(spec.accelerator_type.zone_hints)}", raw=e.raw,
+                                 status=e.status) from None
             raise
         if spec.accelerator in offered:
             usable.append(zone)
@@ -139,6 +139,14 @@ class Attempt:
     zone: str
     outcome: str      # ready | capacity | ...
     detail: str = ""
+    status: str = ""  # the API's error.status (RESOURCE_EXHAUSTED, FAILED_PRECONDITION, INVALID_ARGUMENT)
+
+
+def _why(attempts: list[Attempt]) -> str:
+    """The capacity answers met, in words: stockout, reserved capacity short, spot preempted while creating."""
+    words = {"FAILED_PRECONDITION": "reserved capacity short", "INVALID_ARGUMENT": "spot preempted while creating"}
+    seen = dict.fromkeys(words.get(a.status, "stockout") for a in attempts if a.outcome == "capacity")
+    return ", ".join(seen) or "stockout"
 
 
 @dataclass
@@ -161,6 +169,7 @@ def up(spec: SliceSpec, *, progress: Progress | None = None, on_plan: Callable[[
     spec.validate()
     spec.zones = _default_zones(spec)
     api = cloud.connect(api_endpoint=spec.api_endpoint, local=spec.local, project=spec.project)
+    api.on_retry = progress
     _check_name_free(spec.name)
     zones = _usable_zones(api, spec, progress)
     plan = make_plan(spec, api.project, zones)
@@ -179,15 +188,18 @@ def up(spec: SliceSpec, *, progress: Progress | None = None, on_plan: Callable[[
         except CloudError as e:
             if e.kind != "capacity":
                 raise
-            attempts.append(Attempt(zone, "capacity", e.raw or str(e)))
+            attempts.append(Attempt(zone, "capacity", e.raw or str(e), e.status))
             rest = zones[zones.index(zone) + 1:]
             if rest:
-                progress(f"no capacity for {spec.accelerator} in {zone}; trying {rest[0]}")
+                progress(f"no capacity for {spec.accelerator} in {zone} ({_why(attempts[-1:])}); trying {rest[0]}")
                 continue
             tried = ", ".join(a.zone for a in attempts)
-            raise CloudError("capacity", f"no capacity for {spec.accelerator} in {tried} right now (stockout), "
-                                         "nothing was left behind: try other zones with --zones a,b,c, or "
-                                         "--wait-capacity to queue until capacity frees up", raw=e.raw) from None
+            hint = "try other zones with --zones a,b,c" + (
+                "" if spec.wait_capacity else
+                f", or {'' if spec.queued else 'drop --no-queue and add '}--wait-capacity to queue until capacity "
+                "frees up")
+            raise CloudError("capacity", f"no capacity for {spec.accelerator} in {tried} right now ({_why(attempts)}), "
+                                         f"nothing was left behind: {hint}", raw=e.raw, status=e.status) from None
         attempts.append(Attempt(zone, "ready"))
         plan.price_per_hour = rec.price_per_hour
         return UpResult(rec, plan, attempts, time.monotonic() - t0)

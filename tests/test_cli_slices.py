@@ -77,7 +77,7 @@ def test_bad_input_one_line_with_fix(fake, case):
         "spot-and-reserved": ("--spot and --reserved exclude each other", ["--spot", "--reserved"]),
         "missing-project": ("no Google Cloud project: pass --project P", None),
         "api-403": ("permission denied while trying to create a queued resource", None),
-        "api-429": ("quota exceeded for v4-8 in us-central2-b (TPUV4PerProjectPerRegionForTPUAPI): request more", None),
+        "api-429": ("quota exceeded for v4-8 in us-central2-b (TPUV4PerProjectPerRegionForTPUAPI, per region us-central2): request more", None),
         "api-400": ("the Cloud TPU API rejected the request to create a queued resource", None),
     }
     fragment, extra = expect[case]
@@ -125,7 +125,7 @@ def test_stockout_zones_via_cli(fake):
     """Must-show 2 (CLI)."""
     fake.control.inject("stockout", zone="us-central1-a")
     res = run("up", "c-z", "-a", "v5litepod-4", "--zones", "us-central1-a,us-west4-a", "--no-queue", *api(fake))
-    assert "no capacity for v5litepod-4 in us-central1-a; trying us-west4-a" in res.stderr
+    assert "no capacity for v5litepod-4 in us-central1-a (stockout); trying us-west4-a" in res.stderr
     assert "READY in us-west4-a" in res.stdout
     bad = run("up", "c-z2", "-a", "v5litepod-4", "--zone", "us-central1-a", "--capacity-wait", "0.3s", *api(fake),
               ok=False)
