@@ -276,3 +276,22 @@ def test_ctrl_c_while_waiting_leaves_no_orphan(sub_env):
     assert s["nodes"] == [] and s["queued_resources"] == []
     assert [d["kind"] for d in s["delete_calls"]] == ["queuedResource"]
     assert state.records() == {}
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["up", "c-ttl", "-a", "v4-8", "--zone", ZONE, "--ttl", "9" * 400], "invalid --ttl '99999999999999999999...': at most 366d"),
+    (["status", "c-x", "-z", "../../etc"], "invalid zone '../../etc'"),
+    (["down", "c-x", "-z", "../../etc"], "invalid zone '../../etc'"),
+    (["gc", "--zones", "../x"], "invalid zone '../x'"),
+], ids=["ttl-400-digits", "status-zone-path", "down-zone-path", "gc-zone-path"])
+def test_no_traceback_for_hostile_input(fake, argv, fragment):
+    res = run(*argv, *api(fake), ok=False)
+    assert res.exit_code == 1 and fragment in error_line(res)
+    assert fake.control.state()["create_calls"] == []
+
+
+def test_a_state_file_that_lacks_fields_is_one_line(fake):
+    state.state_path().parent.mkdir(parents=True, exist_ok=True)
+    state.state_path().write_text(json.dumps({"version": 1, "slices": {"a": {"name": "a", "zone": ZONE}}}))
+    res = run("ls", ok=False)
+    assert res.exit_code == 1 and "is damaged (slice 'a' lacks project, accelerator, node)" in error_line(res)

@@ -442,3 +442,50 @@ def test_a_transient_error_that_persists_gives_up_with_one_line(fake):
         slices.up(make_spec(fake, "t-down", "v5litepod-4", zones=TWO))
     assert e.value.kind == "transient" and "(after 5 tries)" in str(e.value) and "\n" not in str(e.value)
     assert fake.control.state()["create_calls"] == []
+
+
+def test_a_delayed_second_up_of_the_same_name_leaves_the_winners_record(fake, monkeypatch):
+    """The second `up` checked the name while it was free, then the first one recorded and created it: the second
+    must neither create nor touch the first one's record."""
+    import threading
+    checked, winner_created = threading.Event(), threading.Event()
+    real_check = slices._check_name_free
+
+    def check_then_wait(name):
+        real_check(name)
+        if threading.current_thread().name == "second":
+            checked.set()
+            assert winner_created.wait(10)
+
+    monkeypatch.setattr(slices, "_check_name_free", check_then_wait)
+    errors = []
+    second = threading.Thread(name="second", target=lambda: errors.append(_raises(
+        lambda: slices.up(make_spec(fake, "t-race", "v4-8")))))
+    second.start()
+    assert checked.wait(10)
+    slices.up(make_spec(fake, "t-race", "v4-8"))                # the winner: READY and recorded
+    winner_created.set()
+    second.join(20)
+    assert isinstance(errors[0], UserError) and "was just recorded by another tpuctl" in str(errors[0])
+    assert len(fake.control.state()["create_calls"]) == 1          # the loser never called create
+    rec = state.lookup("t-race")
+    assert rec is not None and rec.status == "ready" and slices.status("t-race").state == "READY"
+
+
+def test_an_already_existing_resource_never_drops_someone_elses_record(fake):
+    slices.up(make_spec(fake, "t-mine", "v4-8"))
+    other = state.lookup("t-mine")
+    state.remove("t-mine")                                   # e.g. recorded on another machine
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-mine", "v4-8"))
+    assert e.value.kind == "exists" and state.lookup("t-mine") is None
+    state.save(other)
+    assert not state.release("t-mine", "another-claim") and state.lookup("t-mine") is not None
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
+    return None
