@@ -11,13 +11,26 @@ with the clock (no background thread: every request first advances everything to
                    passes -> FAILED (code 8); a preempted node makes it SUSPENDED; DELETE ?force -> DELETING -> gone
 
 A control API under /_fake/ (JSON; FakeControl is its client):
-  GET  health | state            state: live nodes/queued resources (with `history`), `gone`, create_calls,
+  GET  health | state            state: live nodes/queued resources (with `history`), `gone`, create_calls
+                                 (each with the request `body` as it arrived),
                                  delete_calls, injections, worker_ips, zones, config
-  POST inject {kind, zone?, accelerator?, project?, times?, ...}   kinds: stockout {fail_after_s?},
-       quota {quota?, limit?, async?}, permission {op: create|any, message?}, bad_argument {message?},
-       never_ready, slow {creating_s}
+  POST inject {kind, zone?, accelerator?, project?, resource?, op?, times?, message?, ...}
+       op: which request it answers (create, get, list, delete, operation, accelerator_types,
+       runtime_versions, locations, any). The real API's answers, each with its HTTP status, `error.status`
+       and `details` (see _error_for; FakeControl has a method per kind):
+         stockout {fail_after_s?}   code 8 in the create LRO; a queued resource waits, then FAILED
+         reserved_capacity {sync?}  FAILED_PRECONDITION "Insufficient reserved capacity" (LRO code 9 / HTTP 400)
+         spot_preempted {sync?}     INVALID_ARGUMENT "... while in state PREEMPTED" (LRO code 3 / HTTP 400)
+         reservation_not_found      404 NOT_FOUND "Reservation not found" (also for any unknown reservationName)
+         location                   403 "Location Z is not found or access is unauthorized." (unknown zones too)
+         service_disabled | billing_disabled | location_policy | permission   403 + ErrorInfo.reason
+         quota {quota?, limit?, async?}   429 + QuotaFailure, per region (async: code 8 in the LRO)
+         rate_limit                 429 + ErrorInfo RATE_LIMIT_EXCEEDED
+         unavailable | internal     503 | 500;   bad_argument {message?}   400 INVALID_ARGUMENT
+         never_ready, slow {creating_s}
   POST clear {kind?} · config {creating_s, deleting_s, accept_s, waiting_s, stockout_fail_s} · reset
   POST zones {zones: {zone: [types]}} or {zone, accelerator_types} · runtime_versions {versions}
+  POST reservations {name}           a reservation that a queued resource's reservationName may name
   POST workers {ips: [...] | null}   nodes created afterwards get these IPs (ipAddress and externalIp), port 8470
   POST node_workers {node, ips}      set them on an existing node
   POST preempt {node, state?: PREEMPTED|TERMINATED}   a READY node; its queued resource goes SUSPENDED
@@ -57,8 +70,27 @@ _NODE_SPEC_FIELDS = ("description", "acceleratorType", "acceleratorConfig", "run
                      "cidrBlock", "serviceAccount", "schedulingConfig", "labels", "metadata", "tags",
                      "dataDisks", "shieldedInstanceConfig")
 _STATUS = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
-           429: "RESOURCE_EXHAUSTED", 412: "FAILED_PRECONDITION", 500: "INTERNAL"}
-INJECTION_KINDS = ("stockout", "quota", "permission", "bad_argument", "never_ready", "slow")
+           429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+# google.rpc.Code numbers, as an LRO's or a FAILED queued resource's error carries them.
+RPC_CODES = {"INVALID_ARGUMENT": 3, "NOT_FOUND": 5, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8,
+             "FAILED_PRECONDITION": 9, "INTERNAL": 13, "UNAVAILABLE": 14}
+T_ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
+T_QUOTA_FAILURE = "type.googleapis.com/google.rpc.QuotaFailure"
+# Answers the real API gives, injectable by name (see _error_for). Capacity kinds fail the create; the others
+# fail whichever request they match (`op`).
+ERROR_KINDS = ("reserved_capacity", "spot_preempted", "reservation_not_found", "location", "service_disabled",
+               "billing_disabled", "location_policy", "permission", "quota", "rate_limit", "unavailable",
+               "internal", "bad_argument")
+INJECTION_KINDS = ("stockout", "never_ready", "slow") + ERROR_KINDS
+# The request an injection matches: `op` names, by route.
+OPS = ("create", "get", "list", "delete", "operation", "accelerator_types", "runtime_versions", "locations", "any")
+# Checked before anything else in a request (any op by default, except where noted) ...
+_EARLY_KINDS = ("location", "service_disabled", "billing_disabled", "location_policy", "permission", "rate_limit",
+                "unavailable", "internal", "bad_argument")
+# ... and, on create, after the request was validated: capacity, reservations, chip quota.
+_LATE_KINDS = ("reserved_capacity", "spot_preempted", "reservation_not_found", "quota")
+_DEFAULT_OP = {"permission": "create", "bad_argument": "create", "stockout": "create", "never_ready": "create",
+               "slow": "create", **{k: "create" for k in _LATE_KINDS}}
 
 
 @dataclass
@@ -118,6 +150,10 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message, "status": self.status, "details": self.details}}
+
+    def rpc_status(self) -> dict:
+        """The google.rpc.Status an LRO or a FAILED queued resource reports for the same failure."""
+        return {"code": RPC_CODES.get(self.status, 2), "message": self.message}
 
 
 class _Tracked:
@@ -195,6 +231,7 @@ class FakeTpu:
         self.delete_calls: list[dict] = []
         self.gone: list[dict] = []  # resources that no longer exist, with the states they went through
         self.injections: list[dict] = []
+        self.reservations: dict[str, dict] = {}  # full reservation name -> {}
         self.worker_ips: list[str] | None = None
         self._ids = itertools.count(1)
         self.last_request = time.monotonic()
@@ -332,7 +369,8 @@ class FakeTpu:
         d["state"] = state
         return d
 
-    def _match(self, kinds: tuple[str, ...], project: str, zone: str, acc: str | None, op: str) -> dict | None:
+    def _match(self, kinds: tuple[str, ...], project: str, zone: str, acc: str | None, op: str,
+               resource: str | None = None) -> dict | None:
         for inj in self.injections:
             if inj["kind"] not in kinds:
                 continue
@@ -342,7 +380,10 @@ class FakeTpu:
                 continue
             if acc is not None and inj.get("accelerator") and inj["accelerator"] != acc:
                 continue
-            if inj.get("op", "create") != "any" and op != "create":
+            if resource and inj.get("resource") and inj["resource"] != resource:
+                continue
+            want = inj.get("op") or _DEFAULT_OP.get(inj["kind"], "create")
+            if want != "any" and want != op:
                 continue
             return inj
         return None
@@ -353,13 +394,15 @@ class FakeTpu:
             if inj["times"] <= 0 and inj["kind"] != "stockout":  # a stockout lasts until cleared
                 self.injections.remove(inj)
 
-    def _check_zone(self, project: str, zone: str, op: str = "read") -> None:
-        inj = self._match(("permission",), project, zone, None, op)
+    def check_request(self, op: str, project: str, zone: str | None, resource: str | None = None,
+                      permission: str = "tpu.nodes.list") -> None:
+        """What the API checks before it looks at a request: an injected refusal, then the location."""
+        inj = self._match(_EARLY_KINDS, project, zone or "", None, op, resource)
         if inj is not None:
             self._consume(inj)
-            raise _permission_error(project, zone, inj, "tpu.nodes.list")
-        if zone not in self.zones:
-            raise ApiError(404, f"Location projects/{project}/locations/{zone} is not found or access is unauthorized.")
+            raise _error_for(inj["kind"], project, zone or "-", inj, permission=permission)
+        if zone is not None and zone not in self.zones:
+            raise _error_for("location", project, zone, {})
 
     def _new_op(self, verb: str, kind: str, project: str, zone: str, target: str, now: float) -> _Op:
         name = f"projects/{project}/locations/{zone}/operations/operation-{int(time.time() * 1000)}-{next(self._ids)}"
@@ -389,7 +432,8 @@ class FakeTpu:
         acc = spec.get("acceleratorType") or ""
         call = {"kind": kind, "project": project, "zone": zone, "id": rid, "accelerator": acc,
                 "spot": bool(body.get("spot") is not None or (spec.get("schedulingConfig") or {}).get("spot")),
-                "labels": dict(spec.get("labels") or {}), "time": time.time(), "status": 200}
+                "labels": dict(spec.get("labels") or {}), "time": time.time(), "status": 200,
+                "body": json.loads(json.dumps(body))}  # the request body as it arrived
         self.create_calls.append(call)
         try:
             return self._create(kind, project, zone, rid, body, spec, acc, now)
@@ -398,15 +442,9 @@ class FakeTpu:
             raise
 
     def _create(self, kind, project, zone, rid, body, spec, acc, now) -> dict:
-        self._check_zone(project, zone, "create")
-        inj = self._match(("permission",), project, zone, acc, "create")
-        if inj:
-            self._consume(inj)
-            raise _permission_error(project, zone, inj, "tpu.nodes.create" if kind == "node" else "tpu.queuedResources.create")
-        inj = self._match(("bad_argument",), project, zone, acc, "create")
-        if inj:
-            self._consume(inj)
-            raise ApiError(400, inj.get("message") or "Invalid value in the request.")
+        self.check_request("create", project, zone, kind,
+                           permission="tpu.nodes.create" if kind == "node" else "tpu.queuedResources.create")
+        _check_v2_fields(body if kind == "queuedResource" else {}, spec)
         what = "nodeId" if kind == "node" else "queuedResourceId"
         if not rid or not _ID_RE.fullmatch(rid):
             raise ApiError(400, f"Invalid {what} {rid!r}: must match [a-z]([-a-z0-9]*[a-z0-9])? and be at most 63 characters.")
@@ -424,11 +462,20 @@ class FakeTpu:
         rv = spec.get("runtimeVersion")
         if not rv or rv not in self.runtime_versions:
             raise ApiError(400, f"Runtime version \"{rv}\" is not supported in zone \"{zone}\".")
-        inj = self._match(("quota",), project, zone, acc, "create")
-        if inj and not inj.get("async"):
-            self._consume(inj)
-            raise _quota_error(project, zone, inj)
-        quota_async = inj
+        spot = bool(body.get("spot") is not None or (spec.get("schedulingConfig") or {}).get("spot"))
+        reservation = body.get("reservationName") or ""
+        if reservation and reservation not in self.reservations:
+            raise _error_for("reservation_not_found", project, zone, {}, reservation=reservation)
+        # Capacity and quota: refused at once (sync), or reported by the create LRO / the queued resource.
+        late = self._match(_LATE_KINDS, project, zone, acc, "create", kind)
+        if late is not None:
+            self._consume(late)
+            err = _error_for(late["kind"], project, zone, late, acc=acc, spot=spot, reservation=reservation)
+            sync = late.get("sync")
+            if sync is None:  # chip quota and a missing reservation come back from the create call itself
+                sync = late["kind"] in ("quota", "reservation_not_found") and not late.get("async")
+            if sync:
+                raise err
         name = f"projects/{project}/locations/{zone}/{'nodes' if kind == 'node' else 'queuedResources'}/{rid}"
         node_name = name if kind == "node" else f"projects/{project}/locations/{zone}/nodes/{body['tpu']['nodeSpec'][0]['nodeId']}"
         if name in (self.nodes if kind == "node" else self.qrs) or node_name in self.nodes:
@@ -436,18 +483,18 @@ class FakeTpu:
         stockout = self._match(("stockout",), project, zone, acc, "create")
         slow = self._match(("slow",), project, zone, acc, "create")
         never = self._match(("never_ready",), project, zone, acc, "create")
-        for i in (stockout, slow, never, quota_async):
+        for i in (stockout, slow, never):
             if i:
                 self._consume(i)
+        lro_error = late and err.rpc_status()
         creating = slow.get("creating_s", 5.0) if slow else self.config.creating_s
 
         if kind == "node":
             node = self._new_node(name, project, zone, spec, now, None if never else now + creating)
-            if stockout or quota_async:
+            if stockout or lro_error:
                 node.t_fail = now + self.config.stockout_fail_s
                 node.t_ready = None
-                self._failed[name] = ({"code": 8, "message": _stockout_message(zone)} if stockout
-                                             else {"code": 8, "message": _quota_message(zone, quota_async)})
+                self._failed[name] = lro_error or {"code": 8, "message": _stockout_message(zone)}
             op = self._new_op("create", "node", project, zone, name, now)
             return self.op_json(op)
 
@@ -459,8 +506,8 @@ class FakeTpu:
             fail_after = stockout.get("fail_after_s")
             candidates = [t for t in (valid, fail_after) if t is not None]
             q.t_fail = now + min(candidates) if candidates else None
-        elif quota_async:
-            q.fail_error = {"code": 8, "message": _quota_message(zone, quota_async)}
+        elif lro_error:
+            q.fail_error = lro_error
             q.t_fail = q.t_waiting
         self.qrs[name] = q
         op = self._new_op("create", "queuedResource", project, zone, name, now)
@@ -470,7 +517,7 @@ class FakeTpu:
         self.tick()
         table = self.nodes if kind == "node" else self.qrs
         project, zone = _parts(name)
-        self._check_zone(project, zone)
+        self.check_request("get", project, zone, kind)
         obj = table.get(name)
         if obj is None:
             raise ApiError(404, f"Resource '{name}' was not found")
@@ -478,7 +525,7 @@ class FakeTpu:
 
     def list(self, kind: str, project: str, zone: str) -> list[dict]:
         self.tick()
-        self._check_zone(project, zone)
+        self.check_request("list", project, zone, kind)
         prefix = f"projects/{project}/locations/{zone}/"
         if kind == "node":
             return [self.node_json(n) for n in self.nodes.values() if n.name.startswith(prefix)]
@@ -489,11 +536,8 @@ class FakeTpu:
         self.tick(now)
         project, zone = _parts(name)
         self.delete_calls.append({"kind": kind, "name": name, "force": force, "time": time.time()})
-        inj = self._match(("permission",), project, zone, None, "delete")
-        if inj:
-            self._consume(inj)
-            raise _permission_error(project, zone, inj, f"tpu.{'nodes' if kind == 'node' else 'queuedResources'}.delete")
-        self._check_zone(project, zone)
+        self.check_request("delete", project, zone, kind,
+                           permission=f"tpu.{'nodes' if kind == 'node' else 'queuedResources'}.delete")
         if kind == "node":
             n = self.nodes.get(name)
             if n is None:
@@ -519,13 +563,14 @@ class FakeTpu:
 
     def get_op(self, name: str) -> dict:
         self.tick()
+        self.check_request("operation", *_parts(name))
         op = self.ops.get(name)
         if op is None:
             raise ApiError(404, f"Operation '{name}' was not found")
         return self.op_json(op)
 
     def accelerator_types(self, project: str, zone: str) -> list[dict]:
-        self._check_zone(project, zone)
+        self.check_request("accelerator_types", project, zone)
         out = []
         for t in self.zones[zone]:
             api_type, topology, _ = _shape(t)
@@ -534,7 +579,7 @@ class FakeTpu:
         return out
 
     def runtime_version_list(self, project: str, zone: str) -> list[dict]:
-        self._check_zone(project, zone)
+        self.check_request("runtime_versions", project, zone)
         return [{"name": f"projects/{project}/locations/{zone}/runtimeVersions/{v}", "version": v}
                 for v in self.runtime_versions]
 
@@ -589,6 +634,7 @@ class FakeTpu:
             "delete_calls": self.delete_calls,
             "operations": len(self.ops),
             "injections": self.injections,
+            "reservations": sorted(self.reservations),
             "worker_ips": self.worker_ips,
             "zones": self.zones,
             "config": {k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("zones", "runtime_versions")},
@@ -599,6 +645,7 @@ class FakeTpu:
         self.nodes.clear(), self.qrs.clear(), self.ops.clear(), self._failed.clear()
         self.create_calls.clear(), self.delete_calls.clear(), self.gone.clear()
         self.injections.clear()
+        self.reservations.clear()
         self.worker_ips = None
         self.config = dataclasses.replace(self._initial)
         self.zones = {z: list(t) for z, t in (self.config.zones or default_zones()).items()}
@@ -610,33 +657,122 @@ def _parts(name: str) -> tuple[str, str]:
     return p[1], p[3]
 
 
+# v2 request fields the stand-in knows beyond the node's: an unknown one is refused the way the API's JSON
+# parser refuses it (gcloud's alpha track sends v2alpha1 fields such as guaranteed.reserved).
+_V2_QR_FIELDS = {"tpu", "spot", "guaranteed", "queueingPolicy", "reservationName", "name", "createTime", "state"}
+_V2_GUARANTEED_FIELDS = {"minDuration"}
+_V2_SCHEDULING_FIELDS = {"preemptible", "reserved", "spot"}
+
+
+def _unknown_field(name: str, where: str) -> ApiError:
+    return ApiError(400, f'Invalid JSON payload received. Unknown name "{name}" at \'{where}\': Cannot find field.')
+
+
+def _check_v2_fields(qr: dict, node: dict) -> None:
+    for k in qr:
+        if k not in _V2_QR_FIELDS:
+            raise _unknown_field(k, "queued_resource")
+    for k in qr.get("guaranteed") or {}:
+        if k not in _V2_GUARANTEED_FIELDS:
+            raise _unknown_field(k, "queued_resource.guaranteed")
+    for k in node.get("schedulingConfig") or {}:
+        if k not in _V2_SCHEDULING_FIELDS:
+            raise _unknown_field(k, "node.scheduling_config")
+
+
 def _stockout_message(zone: str) -> str:
     # The wording Cloud TPU uses (catalog.md, errors [18]).
     return (f"There is no more capacity in the zone \"{zone}\"; you can try in another zone where Cloud TPU Nodes "
             "are offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0xfa4e]")
 
 
-def _quota_message(zone: str, inj: dict) -> str:
-    quota = inj.get("quota") or "TPUV4PodPerProjectPerZoneForTPUAPI"
-    return (f"Quota limit '{quota}' has been exceeded. Limit: {inj.get('limit', 0)} in zone {zone}. "
-            "Learn more at https://cloud.google.com/tpu/docs/quota")
+def _region(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
 
 
-def _quota_error(project: str, zone: str, inj: dict) -> ApiError:
-    quota = inj.get("quota") or "TPUV4PodPerProjectPerZoneForTPUAPI"
-    return ApiError(429, _quota_message(zone, inj), details=[
-        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RATE_LIMIT_EXCEEDED",
-         "domain": "googleapis.com",
-         "metadata": {"quota_limit": quota, "quota_location": zone, "consumer": f"projects/{project}",
-                      "service": "tpu.googleapis.com", "quota_limit_value": str(inj.get("limit", 0))}}])
+def _eid() -> str:
+    return f"[EID: 0x{int(time.time() * 1e6) & 0xffffffffffff:012x}]"
 
 
-def _permission_error(project: str, zone: str, inj: dict, permission: str) -> ApiError:
-    msg = inj.get("message") or (f"Permission '{permission}' denied on 'projects/{project}/locations/{zone}' "
-                                 "(or it may not exist).")
-    return ApiError(403, msg, details=[
-        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "IAM_PERMISSION_DENIED",
-         "domain": "tpu.googleapis.com", "metadata": {"permission": permission}}])
+def _chip_quota_name(acc: str, spot: bool) -> str:
+    """A per-region chip quota name in the API's pattern, e.g. TPUV6EPreemptiblePerProjectPerRegionForTPUAPI."""
+    gen = _shape(acc)[0] if acc else "V4"
+    gen = {"V5LITE_POD": "V5sLitepod", "V5P": "V5P", "TYPE_UNSPECIFIED": "V4"}.get(gen, gen)
+    return f"TPU{gen}{'Preemptible' if spot else ''}PerProjectPerRegionForTPUAPI"
+
+
+def _quota_message(zone: str, inj: dict, acc: str = "", spot: bool = False) -> str:
+    quota = inj.get("quota") or _chip_quota_name(acc, spot)
+    return f"Quota limit '{quota}' has been exceeded. Limit: {inj.get('limit', 0)} in region {_region(zone)}."
+
+
+def _error_info(reason: str, domain: str, metadata: dict) -> dict:
+    return {"@type": T_ERROR_INFO, "reason": reason, "domain": domain, "metadata": metadata}
+
+
+def _error_for(kind: str, project: str, zone: str, inj: dict, *, acc: str = "", spot: bool = False,
+               permission: str = "tpu.nodes.list", reservation: str = "") -> ApiError:
+    """The answer the real API gives for `kind`: HTTP status, `error.status`, message and `details`."""
+    msg = inj.get("message")
+    consumer = f"projects/{project}"
+    if kind == "reserved_capacity":  # over REST a FAILED_PRECONDITION is an HTTP 400
+        return ApiError(400, msg or f"Insufficient reserved capacity. Contact customer support to increase your "
+                                    f"reservation. {_eid()}", status="FAILED_PRECONDITION")
+    if kind == "spot_preempted":     # a spot node preempted while it was being created
+        return ApiError(400, msg or f"Cloud TPU received a bad request. update is not supported while in state "
+                                    f"PREEMPTED {_eid()}", status="INVALID_ARGUMENT")
+    if kind == "reservation_not_found":
+        name = reservation or inj.get("reservation") or f"projects/{project}/locations/{zone}/reservations/unknown"
+        return ApiError(404, msg or f"Reservation not found: {name}", status="NOT_FOUND")
+    if kind == "location":
+        return ApiError(403, msg or f"Location {zone} is not found or access is unauthorized.")
+    if kind == "service_disabled":
+        url = f"https://console.developers.google.com/apis/api/tpu.googleapis.com/overview?project={project}"
+        return ApiError(403, msg or (f"Cloud TPU API has not been used in project {project} before or it is "
+                                     f"disabled. Enable it by visiting {url} then retry. If you enabled this API "
+                                     "recently, wait a few minutes for the action to propagate to our systems and "
+                                     "retry."), details=[
+            _error_info("SERVICE_DISABLED", "googleapis.com",
+                        {"service": "tpu.googleapis.com", "consumer": consumer, "activationUrl": url,
+                         "serviceTitle": "Cloud TPU API", "containerInfo": project}),
+            {"@type": "type.googleapis.com/google.rpc.Help",
+             "links": [{"description": "Google developers console API activation", "url": url}]}])
+    if kind == "billing_disabled":
+        url = f"https://console.developers.google.com/billing/enable?project={project}"
+        return ApiError(403, msg or (f"This API method requires billing to be enabled. Please enable billing on "
+                                     f"project #{project} by visiting {url} then retry. If you enabled billing for "
+                                     "this project recently, wait a few minutes for the action to propagate to our "
+                                     "systems and retry."), details=[
+            _error_info("BILLING_DISABLED", "googleapis.com", {"service": "tpu.googleapis.com", "consumer": consumer})])
+    if kind == "location_policy":
+        return ApiError(403, msg or (f"Location {zone} violates constraint constraints/gcp.resourceLocations on "
+                                     f"the resource projects/{project}/locations/{zone}."), details=[
+            _error_info("LOCATION_POLICY_VIOLATED", "googleapis.com",
+                        {"constraint": "constraints/gcp.resourceLocations", "location": zone})])
+    if kind == "permission":
+        perm = inj.get("permission") or permission
+        return ApiError(403, msg or (f"Permission '{perm}' denied on resource '//tpu.googleapis.com/projects/"
+                                     f"{project}/locations/{zone}' (or it may not exist)."), details=[
+            _error_info("IAM_PERMISSION_DENIED", "iam.googleapis.com",
+                        {"permission": perm, "resource": f"projects/{project}/locations/{zone}"})])
+    if kind == "quota":              # chip quota: per region, a QuotaFailure detail
+        text = msg or _quota_message(zone, inj, acc, spot)
+        return ApiError(429, text, details=[
+            {"@type": T_QUOTA_FAILURE, "violations": [{"subject": f"project:{project}", "description": text}]}])
+    if kind == "rate_limit":         # the API's request-rate limit: retry later, it is not chip quota
+        return ApiError(429, msg or (f"Quota exceeded for quota metric 'Read requests' and limit 'Read requests "
+                                     f"per minute' of service 'tpu.googleapis.com' for consumer '{consumer}'."),
+                        details=[_error_info("RATE_LIMIT_EXCEEDED", "googleapis.com", {
+                            "quota_metric": "tpu.googleapis.com/read_requests",
+                            "quota_limit": "ReadRequestsPerMinutePerProject", "quota_limit_value": "600",
+                            "quota_location": "global", "consumer": consumer, "service": "tpu.googleapis.com"})])
+    if kind == "unavailable":
+        return ApiError(503, msg or "The service is currently unavailable.")
+    if kind == "internal":
+        return ApiError(500, msg or "Internal error encountered.")
+    if kind == "bad_argument":
+        return ApiError(400, msg or "Invalid value in the request.")
+    raise ValueError(kind)
 
 
 # ---- HTTP ------------------------------------------------------------------------------------------------
@@ -767,6 +903,7 @@ class _Handler(BaseHTTPRequestHandler):
             if action == "op_get":
                 return f.get_op(f"{base}/operations/{rid}")
             if action == "loc_list":
+                f.check_request("locations", p, None)
                 return {"locations": [{"name": f"projects/{p}/locations/{zz}", "locationId": zz} for zz in f.zones]}
         raise ApiError(404, f"no such method: {method} {path}")
 
@@ -796,6 +933,9 @@ class _Handler(BaseHTTPRequestHandler):
         if what == "runtime_versions" and method == "POST":
             f.runtime_versions = list(body.get("versions") or [])
             return {"versions": f.runtime_versions}
+        if what == "reservations" and method == "POST":
+            f.reservations[body["name"]] = {}
+            return {"reservations": sorted(f.reservations)}
         if what == "workers" and method == "POST":
             ips = body.get("ips")
             f.worker_ips = list(ips) if ips else None
@@ -843,7 +983,67 @@ class FakeControl:
         return self.call("GET", "state")
 
     def inject(self, kind: str, **kw) -> dict:
-        return self.call("POST", "inject", {"kind": kind, **kw})
+        """The generic form: kind is one of INJECTION_KINDS; zone/project/accelerator/resource narrow what it
+        matches, op (one of OPS) says which request, times how often (None: until cleared)."""
+        return self.call("POST", "inject", {"kind": kind, **{k: v for k, v in kw.items() if v is not None}})
+
+    # The real API's refusals by name. Each returns the injection; `times=None` lasts until clear().
+    def service_disabled(self, *, op: str = "any", times: int | None = None, **kw) -> dict:
+        """403 PERMISSION_DENIED, ErrorInfo SERVICE_DISABLED (the Cloud TPU API is not enabled)."""
+        return self.inject("service_disabled", op=op, times=times, **kw)
+
+    def billing_disabled(self, *, op: str = "any", times: int | None = None, **kw) -> dict:
+        """403 PERMISSION_DENIED, ErrorInfo BILLING_DISABLED."""
+        return self.inject("billing_disabled", op=op, times=times, **kw)
+
+    def location_forbidden(self, zone: str, *, op: str = "any", times: int | None = None, **kw) -> dict:
+        """403 "Location ZONE is not found or access is unauthorized." (what an unknown zone also gets)."""
+        return self.inject("location", zone=zone, op=op, times=times, **kw)
+
+    def location_policy(self, zone: str, *, op: str = "any", times: int | None = None, **kw) -> dict:
+        """403, ErrorInfo LOCATION_POLICY_VIOLATED (an org policy forbids the zone)."""
+        return self.inject("location_policy", zone=zone, op=op, times=times, **kw)
+
+    def permission_denied(self, *, op: str = "create", permission: str | None = None, times: int | None = None,
+                          **kw) -> dict:
+        """403, ErrorInfo IAM_PERMISSION_DENIED with metadata.permission."""
+        return self.inject("permission", op=op, permission=permission, times=times, **kw)
+
+    def chip_quota(self, *, quota: str | None = None, limit: int = 0, times: int | None = None, **kw) -> dict:
+        """429 RESOURCE_EXHAUSTED with a QuotaFailure: "Quota limit 'Q' has been exceeded. Limit: N in region R."
+        On create; async=True reports it in the create LRO / the queued resource instead."""
+        return self.inject("quota", quota=quota, limit=limit, times=times, **kw)
+
+    def rate_limit(self, *, op: str = "any", times: int | None = 1, **kw) -> dict:
+        """429 RESOURCE_EXHAUSTED, ErrorInfo RATE_LIMIT_EXCEEDED (requests per minute, not chips)."""
+        return self.inject("rate_limit", op=op, times=times, **kw)
+
+    def transient(self, status: int = 503, *, op: str = "any", times: int | None = 1, **kw) -> dict:
+        """503 UNAVAILABLE or 500 INTERNAL, `times` times on requests of `op`."""
+        return self.inject({503: "unavailable", 500: "internal"}[status], op=op, times=times, **kw)
+
+    def stockout(self, zone: str | None = None, **kw) -> dict:
+        """RESOURCE_EXHAUSTED (code 8) "no more capacity" in the create LRO; a queued resource waits instead."""
+        return self.inject("stockout", zone=zone, **kw)
+
+    def reserved_capacity(self, zone: str | None = None, *, sync: bool = False, times: int | None = None,
+                          **kw) -> dict:
+        """FAILED_PRECONDITION "Insufficient reserved capacity": in the create LRO / the queued resource (code 9),
+        or with sync=True from the create call itself (HTTP 400, status FAILED_PRECONDITION)."""
+        return self.inject("reserved_capacity", zone=zone, sync=sync, times=times, **kw)
+
+    def spot_preempted_during_create(self, zone: str | None = None, *, sync: bool = False,
+                                     times: int | None = None, **kw) -> dict:
+        """INVALID_ARGUMENT (code 3) "... not supported while in state PREEMPTED" in the create LRO."""
+        return self.inject("spot_preempted", zone=zone, sync=sync, times=times, **kw)
+
+    def add_reservation(self, name: str) -> dict:
+        """A reservation (full name projects/P/locations/Z/reservations/R); any other name is NOT_FOUND."""
+        return self.call("POST", "reservations", {"name": name})
+
+    def create_bodies(self, kind: str | None = None) -> list[dict]:
+        """The request bodies of every create call so far (kind: node | queuedResource), oldest first."""
+        return [c["body"] for c in self.state()["create_calls"] if kind is None or c["kind"] == kind]
 
     def clear(self, kind: str | None = None) -> dict:
         return self.call("POST", "clear", {"kind": kind} if kind else {})

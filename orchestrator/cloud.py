@@ -20,6 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
@@ -29,19 +30,10 @@ from orchestrator.spec import LOCAL_PROJECT, UserError
 from orchestrator.state import Worker
 
 ENV_ENDPOINT = "TPUCTL_TPU_API_ENDPOINT"
-_REST_PREFIX = re.compile(r"^\d{3} (GET|POST|DELETE|PATCH|PUT) \S+: ")
+_REST_PREFIX = re.compile(r"^(\d{3} )?(GET|POST|DELETE|PATCH|PUT) \S+: ")
 _QUOTA_NAME = re.compile(r"[Qq]uota (?:limit |metric )?'([^']+)'")
 _CAPACITY_WORDS = re.compile(r"no more capacity|stockout|insufficient capacity|not enough resources|"
                              r"capacity (?:is )?(?:not )?available|resources? (?:are )?(?:not )?available", re.I)
-
-
-class CloudError(UserError):
-    """An explained API failure. kind: capacity | quota | permission | auth | bad-argument | precondition |
-    not-found | exists | unreachable | server | timeout | failed."""
-
-    def __init__(self, kind: str, message: str, *, raw: str = "", quota: str | None = None):
-        super().__init__(message)
-        self.kind, self.raw, self.quota = kind, raw, quota
 
 
 # ---- endpoint, credentials, project ---------------------------------------------------------------------
@@ -251,80 +243,188 @@ def queued_info(q: tpu_v2.QueuedResource) -> QueuedInfo:
 
 
 # ---- errors -------------------------------------------------------------------------------------------
+# Classified by the answer's `error.status` (google.rpc.Code name) and ErrorInfo.reason, never by the exception
+# class: over REST a FAILED_PRECONDITION arrives as an HTTP 400 (BadRequest), and a stockout, a chip-quota error
+# and a request-rate limit all arrive as RESOURCE_EXHAUSTED.
 
-def _message(exc: Exception) -> str:
+_RPC_NAMES = {1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
+              6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION",
+              10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE",
+              16: "UNAUTHENTICATED"}
+_HTTP_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                409: "ALREADY_EXISTS", 412: "FAILED_PRECONDITION", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL",
+                501: "UNIMPLEMENTED", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+_RESERVED_SHORT = re.compile(r"insufficient reserved capacity", re.I)
+_PREEMPTED_IN_CREATE = re.compile(r"in state PREEMPTED", re.I)
+_RESERVATION_MISSING = re.compile(r"reservation\b.*\bnot found", re.I)
+_LOCATION_REFUSED = re.compile(r"Location (\S+?)\.? is not found or access is unauthorized", re.I)
+_REGION = re.compile(r"in region ([a-z]+-[a-z]+\d+)")
+# What the caller does next, by kind: another zone, the same call again after a pause, or nothing.
+NEXT_ZONE, RETRY, STOP = "next-zone", "retry", "stop"
+_ACTIONS = {"capacity": NEXT_ZONE, "rate-limit": RETRY, "transient": RETRY}
+RETRIED = frozenset(k for k, a in _ACTIONS.items() if a == RETRY)
+
+
+class CloudError(UserError):
+    """An explained API failure: one line that says what happened and what to do.
+
+    kind: capacity (stockout, reserved capacity short, spot preempted during create) | quota | rate-limit |
+    transient | reservation | zone | service-disabled | billing | location-policy | permission | auth |
+    bad-argument | precondition | not-found | exists | unreachable | timeout | waiting | failed.
+    `action` is what tpuctl does about it: next-zone, retry (with backoff) or stop."""
+
+    def __init__(self, kind: str, message: str, *, raw: str = "", quota: str | None = None,
+                 status: str = "", reason: str = ""):
+        super().__init__(message)
+        self.kind, self.raw, self.quota, self.status, self.reason = kind, raw, quota, status, reason
+
+    @property
+    def action(self) -> str:
+        return _ACTIONS.get(self.kind, STOP)
+
+
+def _message(exc) -> str:
     msg = getattr(exc, "message", None) or str(exc)
     return _REST_PREFIX.sub("", str(msg)).strip()
 
 
-def _quota_name(exc_or_msg) -> str | None:
-    meta = getattr(exc_or_msg, "metadata", None) or {}
+def _answer(exc) -> tuple[str, str, list, dict]:
+    """(error.status, ErrorInfo.reason, details, ErrorInfo.metadata) of a client exception."""
+    status = ""
+    resp = getattr(exc, "response", None)
+    if resp is not None and hasattr(resp, "json"):
+        with contextlib.suppress(Exception):
+            status = (resp.json().get("error") or {}).get("status") or ""
+    if not status and getattr(exc, "grpc_status_code", None) is not None:
+        status = exc.grpc_status_code.name
+    if not status:
+        status = _HTTP_STATUS.get(getattr(exc, "code", None) or 0, "")
+    details = [d for d in (getattr(exc, "details", None) or []) if isinstance(d, dict)]
+    return status, getattr(exc, "reason", None) or "", details, getattr(exc, "metadata", None) or {}
+
+
+def _quota_name(msg: str, metadata: dict | None = None) -> str | None:
     for key in ("quota_limit", "quota_metric"):
-        if meta.get(key):
-            return meta[key]
-    m = _QUOTA_NAME.search(exc_or_msg if isinstance(exc_or_msg, str) else _message(exc_or_msg))
+        if (metadata or {}).get(key):
+            return metadata[key]
+    m = _QUOTA_NAME.search(msg)
     return m.group(1) if m else None
 
 
-def exhausted(msg: str, *, sync: bool, zone: str, accelerator: str, project: str, exc=None) -> CloudError:
-    """Stockout and quota both arrive as RESOURCE_EXHAUSTED (429 / code 8): tell them apart."""
-    quota = _quota_name(exc if exc is not None else msg)
-    if quota or re.search(r"quota", msg, re.I):
-        name = quota or "the TPU quota named in the error"
-        return CloudError("quota", f"quota exceeded for {accelerator} in {zone} ({name}): request more at "
-                                   f"https://console.cloud.google.com/iam-admin/quotas?project={project} "
-                                   f"(filter by {name}), or pick a smaller --accelerator. API said: {msg}",
-                          raw=msg, quota=quota)
-    if sync and not _CAPACITY_WORDS.search(msg):
-        return CloudError("quota", f"the Cloud TPU API is rate-limiting requests ({msg}): wait a minute and retry, "
-                                   f"or request a higher request quota for project {project}", raw=msg)
-    return CloudError("capacity", f"no capacity for {accelerator} in {zone} right now (stockout): try other zones "
-                                  "with --zones a,b,c, or --wait-capacity to queue until capacity frees up", raw=msg)
+@dataclass(frozen=True)
+class Where:
+    """What a call was about, for the message: the action, the project, the zone and the accelerator."""
+    action: str
+    project: str
+    zone: str = ""
+    accelerator: str = ""
+    endpoint: str | None = None
+
+    @property
+    def text(self) -> str:
+        return f"project {self.project}" + (f", zone {self.zone}" if self.zone else "")
+
+
+def classify(status: str, msg: str, w: Where, *, reason: str = "", details: list | None = None,
+             metadata: dict | None = None, sync: bool = True) -> CloudError:
+    """One line, with the fix, for an answer of the API (a synchronous error or an LRO/queued-resource error)."""
+    details = details or []
+    acc, zone, project = w.accelerator or "the slice", w.zone, w.project
+
+    def err(kind: str, text: str, **kw) -> CloudError:
+        return CloudError(kind, text, raw=msg, status=status, reason=reason, **kw)
+
+    quota_failure = any(d.get("@type", "").endswith("google.rpc.QuotaFailure") for d in details)
+    if reason == "RATE_LIMIT_EXCEEDED":
+        return err("rate-limit", f"the Cloud TPU API is rate-limiting requests from {project} (RATE_LIMIT_EXCEEDED, "
+                                 f"while trying to {w.action}); this is the request rate, not chip quota: wait a "
+                                 f"minute and retry. API said: {msg}")
+    if status == "RESOURCE_EXHAUSTED":
+        quota = _quota_name(msg, metadata)
+        if quota_failure or quota or re.search(r"quota", msg, re.I):
+            name = quota or "the TPU quota named in the error"
+            m = _REGION.search(msg)
+            scope = f"region {m.group(1)}" if m else (f"zone {zone}" if zone else "this region")
+            return err("quota", f"quota exceeded for {acc} in {zone or scope} ({name}, per {scope}): request more at "
+                                f"https://console.cloud.google.com/iam-admin/quotas?project={project} (filter by "
+                                f"{name}), try a zone in another region, or pick a smaller --accelerator. "
+                                f"API said: {msg}", quota=quota)
+        if sync and not _CAPACITY_WORDS.search(msg):
+            return err("rate-limit", f"the Cloud TPU API is rate-limiting requests from {project} while trying to "
+                                     f"{w.action} ({msg}): wait a minute and retry")
+        return err("capacity", f"no capacity for {acc} in {zone} right now (stockout). API said: {msg}")
+    if status == "FAILED_PRECONDITION" and _RESERVED_SHORT.search(msg):
+        return err("capacity", f"not enough reserved capacity for {acc} in {zone} (Insufficient reserved capacity): "
+                               f"ask for a larger reservation, or use another zone. API said: {msg}")
+    if status == "INVALID_ARGUMENT" and _PREEMPTED_IN_CREATE.search(msg):
+        return err("capacity", f"the spot {acc} in {zone} was preempted while it was being created (no spot "
+                               f"capacity there now). API said: {msg}")
+    if status == "NOT_FOUND" and _RESERVATION_MISSING.search(msg):
+        m = re.search(r"(projects/\S+/reservations/[^\s.,;]+)", msg)
+        name = m.group(1) if m else "the reservation"
+        return err("reservation", f"reservation not found: {name} does not exist in {zone} for project {project}: "
+                                  f"check the name (--reservation NAME) and that the reservation is in this zone. "
+                                  f"API said: {msg}")
+    if reason == "SERVICE_DISABLED":
+        return err("service-disabled", f"the Cloud TPU API is not enabled in project {project}: run `gcloud services "
+                                       f"enable tpu.googleapis.com --project {project}`, wait a minute, and retry")
+    if reason == "BILLING_DISABLED":
+        return err("billing", f"billing is not enabled for project {project}: link a billing account at "
+                              f"https://console.cloud.google.com/billing/linkedaccount?project={project}, then retry")
+    if reason == "LOCATION_POLICY_VIOLATED":
+        return err("location-policy", f"an organization policy of project {project} forbids zone {zone} "
+                                      f"(constraints/gcp.resourceLocations): pick a zone it allows, or ask your "
+                                      f"organization admin. API said: {msg}")
+    loc = _LOCATION_REFUSED.search(msg)
+    if loc and status in ("PERMISSION_DENIED", "NOT_FOUND"):
+        bad = loc.group(1).rstrip(".")
+        return err("zone", f"zone {bad} is not a Cloud TPU location for project {project}, or the project may not "
+                           f"use it: check the spelling (e.g. us-central2-b, see https://cloud.google.com/tpu/docs/"
+                           f"regions-zones); if it is right, your account may lack tpu.locations permissions there "
+                           f"(roles/tpu.viewer or roles/tpu.admin on {project})")
+    if status == "PERMISSION_DENIED":
+        perm = (metadata or {}).get("permission", "")
+        return err("permission", f"permission denied while trying to {w.action} in {w.text}"
+                                 + (f" (missing {perm})" if perm else "")
+                                 + f": grant your account roles/tpu.admin on {project} and check that the project id "
+                                   f"is right. API said: {msg}")
+    if status == "UNAUTHENTICATED":
+        return err("auth", f"the Cloud TPU API rejected the credentials ({msg}): run "
+                           "`gcloud auth application-default login`")
+    if status == "NOT_FOUND":
+        return err("not-found", f"not found while trying to {w.action} in {w.text}: {msg}")
+    if status == "ALREADY_EXISTS":
+        return err("exists", f"cannot {w.action}: it already exists in {w.text} ({msg}); pick another name "
+                             "or delete it with `tpuctl down NAME --zone Z --project P`")
+    if status == "FAILED_PRECONDITION":
+        return err("precondition", f"cannot {w.action} in {w.text} now: {msg}")
+    if status in ("INVALID_ARGUMENT", "OUT_OF_RANGE"):
+        return err("bad-argument", f"the Cloud TPU API rejected the request to {w.action} in {w.text}: {msg} "
+                                   "(check --accelerator, --zone and --runtime-version; see `tpuctl up --help`)")
+    if status in ("UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "ABORTED", "UNKNOWN") and sync:
+        return err("transient", f"the Cloud TPU API failed while trying to {w.action} in {w.text} "
+                                f"({status}: {msg}); it usually passes: retry in a minute")
+    return err("failed", f"could not {w.action} in {zone or w.text}: {msg or 'no reason given'}"
+                         + (f" ({status})" if status else ""))
 
 
 def explain(exc: BaseException, *, action: str, project: str, zone: str = "", accelerator: str = "",
             endpoint: str | None = None) -> CloudError:
     """Turn a client exception into a one-line CloudError with the fix."""
-    where = f"project {project}" + (f", zone {zone}" if zone else "")
-    msg = _message(exc) if isinstance(exc, Exception) else str(exc)
     if isinstance(exc, CloudError):
         return exc
-    if isinstance(exc, gexc.TooManyRequests):  # ResourceExhausted subclasses it
-        return exhausted(msg, sync=True, zone=zone, accelerator=accelerator, project=project, exc=exc)
-    if isinstance(exc, gexc.Forbidden):
-        perm = (getattr(exc, "metadata", None) or {}).get("permission", "")
-        return CloudError("permission", f"permission denied while trying to {action} in {where}"
-                          + (f" (missing {perm})" if perm else "")
-                          + f": grant your account roles/tpu.admin on {project}, check that the project id is "
-                            f"right, and enable the API (gcloud services enable tpu.googleapis.com --project {project})."
-                            f" API said: {msg}", raw=msg)
-    if isinstance(exc, gexc.Unauthorized):
-        return CloudError("auth", f"the Cloud TPU API rejected the credentials ({msg}): run "
-                                  "`gcloud auth application-default login`", raw=msg)
-    if isinstance(exc, gexc.NotFound):
-        return CloudError("not-found", f"not found while trying to {action} in {where}: {msg}", raw=msg)
-    if isinstance(exc, gexc.Conflict):
-        return CloudError("exists", f"cannot {action}: it already exists in {where} ({msg}); pick another name "
-                                    "or delete it with `tpuctl down NAME --zone Z --project P`", raw=msg)
-    if isinstance(exc, gexc.FailedPrecondition):
-        return CloudError("precondition", f"cannot {action} in {where} now: {msg}", raw=msg)
-    if isinstance(exc, gexc.BadRequest):
-        return CloudError("bad-argument", f"the Cloud TPU API rejected the request to {action} in {where}: {msg} "
-                                          "(check --accelerator, --zone and --runtime-version; see `tpuctl up --help`)",
-                          raw=msg)
-    if isinstance(exc, (gexc.DeadlineExceeded, gexc.RetryError)):
-        return CloudError("timeout", f"the Cloud TPU API did not answer in time while trying to {action} "
-                                     f"({msg}); retry, or check --api-endpoint", raw=msg)
-    if isinstance(exc, gexc.ServerError):
-        return CloudError("server", f"the Cloud TPU API failed while trying to {action} in {where} ({msg}); "
-                                    "retry in a minute", raw=msg)
+    w = Where(action, project, zone, accelerator, endpoint)
+    if isinstance(exc, gexc.RetryError):
+        return CloudError("transient", f"the Cloud TPU API did not answer in time while trying to {action} "
+                                       f"({_message(exc)}); retry, or check --api-endpoint", raw=_message(exc))
+    if isinstance(exc, gexc.GoogleAPICallError):
+        status, reason, details, metadata = _answer(exc)
+        return classify(status, _message(exc), w, reason=reason, details=details, metadata=metadata)
     import requests
     if isinstance(exc, requests.exceptions.RequestException):
         target = endpoint or "https://tpu.googleapis.com"
         return CloudError("unreachable", f"cannot reach the Cloud TPU API at {target} ({type(exc).__name__}): "
                                          "check your network or --api-endpoint", raw=str(exc))
-    if isinstance(exc, gexc.GoogleAPICallError):
-        return CloudError("failed", f"the Cloud TPU API failed to {action} in {where}: {msg}", raw=msg)
     from google.auth import exceptions as auth_exc
     if isinstance(exc, auth_exc.GoogleAuthError):
         return CloudError("auth", f"could not get Google credentials ({str(exc).splitlines()[0][:200]}): run "
@@ -332,17 +432,15 @@ def explain(exc: BaseException, *, action: str, project: str, zone: str = "", ac
     raise exc  # not an API error: a bug, let it surface
 
 
+def exhausted(msg: str, *, sync: bool, zone: str, accelerator: str, project: str) -> CloudError:
+    """A RESOURCE_EXHAUSTED answer: stockout, chip quota or request rate, told apart by details and message."""
+    return classify("RESOURCE_EXHAUSTED", msg, Where(f"create {accelerator}", project, zone, accelerator), sync=sync)
+
+
 def operation_error(code: int, msg: str, *, zone: str, accelerator: str, project: str, action: str) -> CloudError:
-    """An error reported by an LRO or a FAILED queued resource (a google.rpc.Status)."""
-    if code == 8:  # RESOURCE_EXHAUSTED
-        return exhausted(msg, sync=False, zone=zone, accelerator=accelerator, project=project)
-    if code == 7:
-        return CloudError("permission", f"permission denied while trying to {action} in project {project}: {msg}", raw=msg)
-    if code in (3, 9):
-        return CloudError("bad-argument", f"the Cloud TPU API rejected the request to {action}: {msg}", raw=msg)
-    if not msg and code == 0:
-        msg = "no reason given"
-    return CloudError("failed", f"could not {action} in {zone}: {msg} (code {code})", raw=msg)
+    """An error reported by an LRO or a FAILED queued resource (a google.rpc.Status: a code, no HTTP)."""
+    return classify(_RPC_NAMES.get(code, "UNKNOWN" if code else ""), msg, Where(action, project, zone, accelerator),
+                    sync=False)
 
 
 # ---- the API ---------------------------------------------------------------------------------------------
@@ -354,6 +452,8 @@ class Api:
     endpoint: str | None = None   # None: the default Cloud TPU endpoint
     local: bool = False
     call_timeout: float = 30.0
+    tries: int = 5                                   # per call, for rate limits and transient errors
+    on_retry: Callable[[str], None] | None = None    # told once per call that it is being retried
 
     @property
     def poll_s(self) -> float:
@@ -366,12 +466,30 @@ class Api:
     def parent(self, zone: str) -> str:
         return f"projects/{self.project}/locations/{zone}"
 
-    def _do(self, fn, *, action: str, zone: str = "", accelerator: str = ""):
-        try:
-            return fn()
-        except Exception as e:  # every client error becomes one explained line
-            raise explain(e, action=action, project=self.project, zone=zone, accelerator=accelerator,
-                          endpoint=self.endpoint) from None
+    @property
+    def backoff_s(self) -> float:
+        """The first pause before a retry; it doubles each time (1 s against the real API)."""
+        return min(self.poll_s, 1.0)
+
+    def _do(self, fn, *, action: str, zone: str = "", accelerator: str = "", retry: frozenset[str] = RETRIED):
+        """Call fn; every client error becomes one explained line. Errors of the kinds in `retry` (rate limits and
+        transient errors) are retried with exponential backoff, announced once through on_retry."""
+        delay = self.backoff_s
+        for attempt in range(1, self.tries + 1):
+            try:
+                return fn()
+            except Exception as e:
+                err = explain(e, action=action, project=self.project, zone=zone, accelerator=accelerator,
+                              endpoint=self.endpoint)
+                if err.kind not in retry or attempt == self.tries:
+                    if attempt > 1:
+                        err.args = (f"{err} (after {attempt} tries)",)
+                    raise err from None
+                if attempt == 1 and self.on_retry is not None:
+                    self.on_retry(f"the Cloud TPU API answered {err.status or err.kind} while trying to {action}; "
+                                  f"retrying with backoff (up to {self.tries} tries)")
+                time.sleep(delay)
+                delay *= 2
 
     def accelerator_types(self, zone: str) -> list[str]:
         return self._do(lambda: [a.type_ for a in self.client.list_accelerator_types(
@@ -392,7 +510,8 @@ class Api:
         """Start creating a plain node; returns the google.api_core Operation."""
         return self._do(lambda: self.client.create_node(parent=self.parent(zone), node_id=node_id, node=node,
                                                         timeout=self.call_timeout),
-                        action="create a TPU node", zone=zone, accelerator=node.accelerator_type)
+                        action="create a TPU node", zone=zone, accelerator=node.accelerator_type,
+                        retry=frozenset({"rate-limit"}))  # a 503 may have created it: not blindly sent again
 
     def create_queued_resource(self, zone: str, qr_id: str, node_id: str, node: tpu_v2.Node, *, spot: bool = False,
                                valid_until_s: float | None = None):
@@ -406,7 +525,7 @@ class Api:
                 valid_until_duration={"seconds": max(1, int(valid_until_s))})
         return self._do(lambda: self.client.create_queued_resource(
             parent=self.parent(zone), queued_resource_id=qr_id, queued_resource=qr, timeout=self.call_timeout),
-            action="create a queued resource", zone=zone, accelerator=node.accelerator_type)
+            action="create a queued resource", zone=zone, accelerator=node.accelerator_type, retry=frozenset({"rate-limit"}))
 
     def get_node(self, name: str) -> NodeInfo | None:
         try:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import difflib
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 from orchestrator import catalog, cloud, state
 from orchestrator.cloud import Api, CloudError, NodeInfo
-from orchestrator.spec import LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, owner_label
+from orchestrator.spec import (LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, check_name, check_zone,
+                               owner_label)
 from orchestrator.state import SliceRecord, Worker
 
 Progress = Callable[[str], None]
@@ -103,10 +105,10 @@ def _usable_zones(api: Api, spec: SliceSpec, progress: Progress) -> list[str]:
         try:
             offered = api.accelerator_types(zone)
         except CloudError as e:
-            if e.kind == "not-found":
-                raise UserError(f"zone {zone} is not a Cloud TPU location for project {api.project}: check the "
-                                f"spelling; zones offering {spec.accelerator} per the catalog: "
-                                f"{', '.join(spec.accelerator_type.zone_hints)}") from None
+            if e.kind in ("zone", "not-found"):
+                raise CloudError("zone", f"{e}; zones offering {spec.accelerator} per the catalog: "
+                                         f"{', '.join(spec.accelerator_type.zone_hints)}", raw=e.raw,
+                                 status=e.status) from None
             raise
         if spec.accelerator in offered:
             usable.append(zone)
@@ -139,6 +141,14 @@ class Attempt:
     zone: str
     outcome: str      # ready | capacity | ...
     detail: str = ""
+    status: str = ""  # the API's error.status (RESOURCE_EXHAUSTED, FAILED_PRECONDITION, INVALID_ARGUMENT)
+
+
+def _why(attempts: list[Attempt]) -> str:
+    """The capacity answers met, in words: stockout, reserved capacity short, spot preempted while creating."""
+    words = {"FAILED_PRECONDITION": "reserved capacity short", "INVALID_ARGUMENT": "spot preempted while creating"}
+    seen = dict.fromkeys(words.get(a.status, "stockout") for a in attempts if a.outcome == "capacity")
+    return ", ".join(seen) or "stockout"
 
 
 @dataclass
@@ -161,6 +171,7 @@ def up(spec: SliceSpec, *, progress: Progress | None = None, on_plan: Callable[[
     spec.validate()
     spec.zones = _default_zones(spec)
     api = cloud.connect(api_endpoint=spec.api_endpoint, local=spec.local, project=spec.project)
+    api.on_retry = progress
     _check_name_free(spec.name)
     zones = _usable_zones(api, spec, progress)
     plan = make_plan(spec, api.project, zones)
@@ -172,26 +183,51 @@ def up(spec: SliceSpec, *, progress: Progress | None = None, on_plan: Callable[[
                           price_per_hour=plan.price_per_hour, status="planned")
         return UpResult(rec, plan, [], time.monotonic() - t0)
     deadline = t0 + spec.timeout_s
+    claim_id = uuid.uuid4().hex
+    if not state.claim(_record(api, spec, zones[0], claim_id)):  # two `up NAME` at once: one wins the name
+        other = state.lookup(spec.name)
+        raise UserError(f"a slice named {spec.name} was just recorded by another tpuctl "
+                        f"({other.status if other else 'gone again'}{f' in {other.zone}' if other else ''}); "
+                        f"use another name, or `tpuctl down {spec.name}` first")
     attempts: list[Attempt] = []
+    leftovers: list[str] = []
     for zone in zones:
         try:
-            rec = _create_in_zone(api, spec, zone, deadline, progress)
+            rec = _create_in_zone(api, spec, zone, deadline, progress, claim_id, leftovers)
         except CloudError as e:
             if e.kind != "capacity":
                 raise
-            attempts.append(Attempt(zone, "capacity", e.raw or str(e)))
+            attempts.append(Attempt(zone, "capacity", e.raw or str(e), e.status))
             rest = zones[zones.index(zone) + 1:]
             if rest:
-                progress(f"no capacity for {spec.accelerator} in {zone}; trying {rest[0]}")
+                progress(f"no capacity for {spec.accelerator} in {zone} ({_why(attempts[-1:])}); trying {rest[0]}")
                 continue
             tried = ", ".join(a.zone for a in attempts)
-            raise CloudError("capacity", f"no capacity for {spec.accelerator} in {tried} right now (stockout), "
-                                         "nothing was left behind: try other zones with --zones a,b,c, or "
-                                         "--wait-capacity to queue until capacity frees up", raw=e.raw) from None
+            hint = "try other zones with --zones a,b,c" + (
+                "" if spec.wait_capacity else
+                f", or {'' if spec.queued else 'drop --no-queue and add '}--wait-capacity to queue until capacity "
+                "frees up")
+            left = _finish_failed(api, spec, zones[-1], claim_id, leftovers, "no capacity")
+            raise CloudError("capacity", f"no capacity for {spec.accelerator} in {tried} right now ({_why(attempts)}), "
+                                         f"{left}: {hint}", raw=e.raw, status=e.status) from None
         attempts.append(Attempt(zone, "ready"))
         plan.price_per_hour = rec.price_per_hour
         return UpResult(rec, plan, attempts, time.monotonic() - t0)
     raise AssertionError("unreachable")
+
+
+def _finish_failed(api: Api, spec: SliceSpec, zone: str, claim_id: str, leftovers: list[str], why: str) -> str:
+    """After the last zone failed: drop our record, or keep it (failed) while earlier zones are still deleting.
+    Returns the words for the message."""
+    if not leftovers:
+        state.release(spec.name, claim_id)
+        return "nothing was left behind"
+    rec = _record(api, spec, zone, claim_id)
+    rec.status, rec.leftovers = "failed", list(leftovers)
+    rec.note = f"{why}; still deleting {', '.join(leftovers)}"
+    state.save_claimed(rec) or state.claim(rec)
+    return (f"{', '.join(leftovers)} {'is' if len(leftovers) == 1 else 'are'} still being deleted and stay recorded "
+            f"(`tpuctl down {spec.name}` finishes it)")
 
 
 def _check_name_free(name: str) -> None:
@@ -199,35 +235,51 @@ def _check_name_free(name: str) -> None:
     if rec is None:
         return
     st = status(name)
-    if st.state in ("GONE",):
-        state.remove(name)  # deleted outside tpuctl: the stale record must not block the name
+    if st.state in ("GONE",) and not rec.leftovers and rec.status != "creating":
+        state.release(name, rec.claim)  # deleted outside tpuctl: the stale record must not block the name
         return
     raise UserError(f"a slice named {name} already exists ({st.state} in {rec.zone}); use another name, "
                     f"or `tpuctl down {name}` first")
 
 
-def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progress: Progress) -> SliceRecord:
+def _record(api: Api, spec: SliceSpec, zone: str, claim_id: str) -> SliceRecord:
     acc = spec.accelerator_type
-    labels = _labels(spec)
-    rec = SliceRecord(
+    return SliceRecord(
         name=spec.name, project=api.project, zone=zone, accelerator=acc.name,
         node=f"{api.parent(zone)}/nodes/{spec.name}",
         queued_resource=f"{api.parent(zone)}/queuedResources/{spec.name}" if spec.queued else None,
         api_endpoint=None if spec.local else api.endpoint, local=spec.local, fresh_hosts=spec.fresh_hosts,
-        labels=labels, price_per_hour=acc.price_per_hour(zone, spec.spot), spot=spec.spot, reserved=spec.reserved,
-        runtime_version=spec.runtime, status="creating")
-    state.save(rec)  # before the create call: from here on, a crash leaves something findable by name
+        labels=_labels(spec),
+        price_per_hour=acc.price_per_hour(zone, spec.spot), spot=spec.spot, reserved=spec.reserved,
+        runtime_version=spec.runtime, status="creating", claim=claim_id)
+
+
+def _save(rec: SliceRecord) -> None:
+    """Write our record; if it was dropped meanwhile (down, gc), write it again: what exists must stay findable."""
+    if not state.save_claimed(rec):
+        state.claim(rec)
+
+
+def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progress: Progress, claim_id: str,
+                    leftovers: list[str]) -> SliceRecord:
+    acc = spec.accelerator_type
+    rec = _record(api, spec, zone, claim_id)
+    rec.leftovers = list(leftovers)
+    labels = rec.labels
+    _save(rec)  # before the create call: from here on, a crash leaves something findable by name
     body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved, in_queue=spec.queued)
     what = "queued resource" if spec.queued else "node"
     try:
         progress(f"creating {what} {spec.name} in {zone}")
         if spec.queued:
             op = api.create_queued_resource(zone, spec.name, spec.name, body, spot=spec.spot,
-                                            valid_until_s=None if spec.wait_capacity else spec.capacity_wait_s)
+                                            valid_until_s=None if spec.wait_capacity else
+                                            valid_until_s(spec.capacity_wait_s))
         else:
             op = api.create_node(zone, spec.name, body)
-    except CloudError:
-        state.remove(spec.name)  # the API refused: nothing was created
+    except CloudError as e:
+        if e.kind != "capacity":  # the API refused: nothing was created (ours: our record goes, or stays failed)
+            _finish_failed(api, spec, zone, claim_id, leftovers, str(e))
         raise
     except BaseException:  # interrupted during the call: it may or may not exist
         raise _abandon(api, rec, spec, "interrupted during the create call", progress) from None
@@ -238,11 +290,11 @@ def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progr
     except CloudError as e:
         if e.kind == "capacity":
             progress(f"no capacity in {zone}: deleting the {what}")
-            _delete_quietly(api, rec)
+            leftovers.extend(_delete_quietly(api, rec))
             raise
         if e.kind == "timeout" and spec.wait_capacity and last["state"] in _WAITING:
             rec.status, rec.note = "waiting", "queued for capacity (--wait-capacity)"
-            state.save(rec)
+            _save(rec)
             raise CloudError("waiting", f"{spec.name} is still waiting for capacity in {zone} after "
                                         f"{fmt_duration(spec.timeout_s)}; the queued resource stays queued "
                                         f"(--wait-capacity): `tpuctl status {spec.name}` shows when it is READY, "
@@ -253,8 +305,18 @@ def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progr
     rec.workers, rec.status = node.workers, "ready"
     if spec.local:
         rec.workers = _attach_local_hosts(api, rec, progress)
-    state.save(rec)
+    _save(rec)
     return rec
+
+
+# A queued resource's server-side validUntilDuration is this much longer than tpuctl's own --capacity-wait, so
+# that tpuctl gives up first, with its own message, and deletes it; the server's limit only catches a tpuctl that
+# died while waiting.
+VALID_UNTIL_MARGIN_S = 300.0
+
+
+def valid_until_s(capacity_wait_s: float) -> float:
+    return capacity_wait_s + max(VALID_UNTIL_MARGIN_S, capacity_wait_s / 2)
 
 
 MAX_LOCAL_HOSTS = 16  # a local slice is sshd processes on this machine: v4-4096 stays addresses only
@@ -292,11 +354,20 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                 last: dict) -> NodeInfo:
     op_done, waiting_since = False, time.monotonic()
     where = dict(zone=rec.zone, accelerator=rec.accelerator, project=rec.project)
+    def out_of_patience(what: str) -> CloudError:
+        return CloudError("capacity", f"no capacity for {rec.accelerator} in {rec.zone}: {what} after "
+                                      f"{fmt_duration(spec.capacity_wait_s)} (--capacity-wait)",
+                          raw=f"{what} after --capacity-wait {fmt_duration(spec.capacity_wait_s)}",
+                          status="RESOURCE_EXHAUSTED")
+
     while True:
         if not op_done:
             op_done, code, msg = api.poll_operation(op)
             if code:
                 raise cloud.operation_error(code, msg, action=f"create {rec.accelerator}", **where)
+            if (not op_done and rec.queued_resource and not spec.wait_capacity
+                    and time.monotonic() - waiting_since > spec.capacity_wait_s):
+                raise out_of_patience("the create operation was still pending")
         q = api.get_queued_resource(rec.queued_resource) if rec.queued_resource and op_done else None
         node = None
         if q is not None:
@@ -310,8 +381,7 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                                            "(preempted or deleted elsewhere)")
             if q.state in _WAITING:
                 if not spec.wait_capacity and time.monotonic() - waiting_since > spec.capacity_wait_s:
-                    raise cloud.exhausted(f"still {q.state} after {fmt_duration(spec.capacity_wait_s)}",
-                                          sync=False, **where)
+                    raise out_of_patience(f"the queued resource was still {q.state}")
             else:
                 node = api.get_node(rec.node)
         elif not rec.queued_resource:
@@ -346,45 +416,71 @@ def _abandon(api: Api, rec: SliceRecord, spec: SliceSpec, reason: str, progress:
 
     if spec.keep_on_failure:
         rec.status, rec.note = "failed", reason
-        state.save(rec)
+        _save(rec)
         return err(f"{reason}; kept the {what} {rec.name} (--keep-on-failure): `tpuctl down {rec.name}` deletes it")
     try:
         progress(f"{reason}: deleting the {what} {rec.name}")
-        _delete_and_wait(api, rec, timeout_s=120, progress=_noop)
-        state.remove(rec.name)
+        _delete_and_wait(api, rec, timeout_s=delete_wait_s(rec), progress=_noop)
+        state.release(rec.name, rec.claim)
         return err(f"{reason}; deleted the {what} {rec.name}: nothing was left behind")
     except BaseException as e:  # an API error, or a second Ctrl-C: keep the record so down/gc find it
         rec.status, rec.note = "failed", reason
-        state.save(rec)
+        _save(rec)
         why = str(e) or type(e).__name__
         return err(f"{reason}; could not delete the {what} {rec.name} ({why}); it stays in the local record: "
                    f"run `tpuctl down {rec.name}`")
 
 
-def _delete_quietly(api: Api, rec: SliceRecord) -> None:
-    """Delete after a stockout; drop the record only once nothing is left."""
+# Deleting a slice takes longer the more VMs it has: minutes for a multi-host slice. tpuctl waits this long
+# (base + per worker VM) before it calls a deletion unfinished; the stand-in models the same durations with
+# FakeConfig.deleting_s + deleting_per_host_s.
+DELETE_WAIT_BASE_S = 180.0
+DELETE_WAIT_PER_HOST_S = 30.0
+
+
+def delete_wait_s(rec: SliceRecord) -> float:
     try:
-        _delete_and_wait(api, rec, timeout_s=120, progress=_noop)
-        state.remove(rec.name)
-    except CloudError as e:
-        rec.status, rec.note = "failed", f"stockout; delete failed: {e}"
-        state.save(rec)
+        hosts = catalog.lookup(rec.accelerator).hosts
+    except ValueError:
+        hosts = max(1, len(rec.workers))
+    return DELETE_WAIT_BASE_S + DELETE_WAIT_PER_HOST_S * hosts
+
+
+def _delete_quietly(api: Api, rec: SliceRecord) -> list[str]:
+    """Delete what one zone's attempt created; returns the resources still being deleted when the wait ran out
+    (they stay in the record as leftovers, so the next zone's attempt does not lose them)."""
+    try:
+        _delete_and_wait(api, rec, timeout_s=delete_wait_s(rec), progress=_noop)
+        return []
+    except CloudError:
+        return [r for r in _resources(rec) if _get(api, r) is not None]
+
+
+def _resources(rec: SliceRecord) -> list[str]:
+    """Every cloud resource the record stands for: the queued resource first (force takes its node along), the
+    node, then what earlier zones left being deleted."""
+    out = [r for r in (rec.queued_resource, rec.node) if r]
+    return out + [r for r in rec.leftovers if r not in out]
+
+
+def _get(api: Api, resource: str):
+    return api.get_queued_resource(resource) if "/queuedResources/" in resource else api.get_node(resource)
 
 
 def _start_delete(api: Api, rec: SliceRecord) -> list[str]:
     started = []
-    if rec.queued_resource:
-        q = api.get_queued_resource(rec.queued_resource)
-        if q is not None and q.state != "DELETING" and api.delete_queued_resource(rec.queued_resource, force=True):
-            started.append(rec.queued_resource)
-    node = api.get_node(rec.node)
-    if node is not None and node.state != "DELETING":
+    for r in _resources(rec):
+        cur = _get(api, r)
+        if cur is None or cur.state == "DELETING":
+            continue
         try:
-            if api.delete_node(rec.node):
-                started.append(rec.node)
+            ok = (api.delete_queued_resource(r, force=True) if "/queuedResources/" in r else api.delete_node(r))
         except CloudError as e:
-            if e.kind not in ("precondition", "bad-argument"):  # owned by a queued resource being deleted
+            if e.kind not in ("precondition", "bad-argument"):  # a node whose queued resource is being deleted
                 raise
+            ok = False
+        if ok:
+            started.append(r)
     return started
 
 
@@ -392,16 +488,15 @@ def _delete_and_wait(api: Api, rec: SliceRecord, *, timeout_s: float, progress: 
     started = _start_delete(api, rec)
     deadline = time.monotonic() + timeout_s
     while True:
-        q = api.get_queued_resource(rec.queued_resource) if rec.queued_resource else None
-        n = api.get_node(rec.node)
-        if q is None and n is None:
+        live = [(r, cur.state) for r in _resources(rec) if (cur := _get(api, r)) is not None]
+        if not live:
             return started
+        left = ", ".join(f"{'queued resource' if '/queuedResources/' in r else 'node'} "
+                         f"{r.rsplit('/', 1)[1]} ({r.split('/')[3]}) {st}" for r, st in live)
         if time.monotonic() > deadline:
-            left = " and ".join(f"{k} {v}" for k, v in (("queued resource", q and q.state), ("node", n and n.state)) if v)
             raise CloudError("timeout", f"deletion of {rec.name} started but it still exists after "
                                         f"{fmt_duration(timeout_s)} ({left}); run `tpuctl down {rec.name}` again later")
-        progress(f"deleting {rec.name}: " + ", ".join(
-            f"{k} {v}" for k, v in (("queued resource", q and q.state), ("node", n and n.state)) if v))
+        progress(f"deleting {rec.name}: {left}")
         time.sleep(api.poll_s)
 
 
@@ -426,6 +521,8 @@ def _probe(name: str, *, project: str | None, zone: str | None, api_endpoint: st
     """An unrecorded slice looked up in the API by name (needs a zone)."""
     if not zone:
         return None
+    check_zone(zone)
+    check_name(name)
     api = cloud.connect(api_endpoint=api_endpoint, local=local, project=project)
     qr_name, node_name = f"{api.parent(zone)}/queuedResources/{name}", f"{api.parent(zone)}/nodes/{name}"
     q, n = api.get_queued_resource(qr_name), api.get_node(node_name)
@@ -635,6 +732,8 @@ def gc(*, yes: bool = False, project: str | None = None, zones: list[str] | None
     """Find tpuctl-labelled resources that expired or that the local record no longer lists (only the current
     owner's), and records whose resources are gone; delete/drop them with yes=True."""
     now = time.time() if now is None else now
+    for z in zones or []:
+        check_zone(z)
     api = cloud.connect(api_endpoint=api_endpoint, local=local, project=project)
     recs = {n: r for n, r in state.records().items()
             if r.project == api.project and r.local == local and (local or r.api_endpoint == api.endpoint)}

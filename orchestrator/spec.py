@@ -30,6 +30,10 @@ _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)?")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 LABEL_NAME, LABEL_OWNER, LABEL_EXPIRY = "tpuctl-name", "tpuctl-owner", "tpuctl-expiry"
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+_SA_RE = re.compile(r"[a-z0-9][-a-z0-9_.+]*@[a-z0-9][-a-z0-9.]*\.[a-z]+")
+_RESERVATION_RE = re.compile(r"(projects/[^/\s]+/locations/[a-z0-9-]+/reservations/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+_NETWORK_RE = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_./]{0,250}")
 LOCAL_PROJECT = "local-project"
 
 
@@ -41,10 +45,15 @@ def check_name(name: str) -> str:
     return name
 
 
+MAX_DURATION_S = 366 * 86400.0  # a year: longer is a typo (and overflows the expiry label's timestamp)
+
+
 def parse_duration(text: str | float | int | None, what: str = "duration") -> float | None:
     """'90s', '30m', '8h', '2d', '500ms', or a number of seconds -> seconds. None/'' -> None."""
     if text is None or text == "":
         return None
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise UserError(f"invalid {what} {text!r}: use a number with a unit, e.g. 90s, 30m, 8h or 2d")
     if isinstance(text, (int, float)):
         seconds = float(text)
     else:
@@ -52,9 +61,22 @@ def parse_duration(text: str | float | int | None, what: str = "duration") -> fl
         if not m:
             raise UserError(f"invalid {what} {text!r}: use a number with a unit, e.g. 90s, 30m, 8h or 2d")
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    if seconds <= 0:
-        raise UserError(f"invalid {what} {text!r}: it must be greater than zero")
+    shown = text if len(str(text)) <= 24 else f"{str(text)[:20]}..."
+    if not seconds > 0:
+        raise UserError(f"invalid {what} {shown!r}: it must be greater than zero")
+    if seconds > MAX_DURATION_S:
+        raise UserError(f"invalid {what} {shown!r}: at most {int(MAX_DURATION_S // 86400)}d")
     return seconds
+
+
+_ZONE_RE = re.compile(r"[a-z]+-[a-z]+\d+-[a-z0-9]+")
+
+
+def check_zone(zone, hint: str = "") -> str:
+    """A zone name such as us-central2-b, or one UserError line (never a path or anything else)."""
+    if not isinstance(zone, str) or not _ZONE_RE.fullmatch(zone):
+        raise UserError(f"invalid zone {zone!r}: write a zone such as us-central2-b" + (f" ({hint})" if hint else ""))
+    return zone
 
 
 def parse_labels(items) -> dict[str, str]:
@@ -123,6 +145,14 @@ class SliceSpec:
     api_endpoint: str | None = None
     local: bool = False
     fresh_hosts: bool = False                          # local mode: hosts as a fresh TPU VM is (no uv, no wheelhouse)
+    reservation: str | None = None                     # consume this reservation (name or full name); implies reserved
+    # The VMs' network and identity (None: the API's / the project's defaults).
+    external_ips: bool = True                          # False: workers get internal IPs only (--no-external-ips)
+    network: str | None = None
+    subnetwork: str | None = None
+    service_account: str | None = None                 # None: the project's default compute service account
+    scopes: list[str] = field(default_factory=lambda: [CLOUD_PLATFORM_SCOPE])
+    metadata: dict[str, str] = field(default_factory=dict)  # the VMs' metadata (e.g. ssh-keys), sent as node.metadata
 
     def validate(self) -> "SliceSpec":
         check_name(self.name)
@@ -136,9 +166,7 @@ class SliceSpec:
         self.accelerator = acc.name
         self.zones = split_zones(self.zones)
         for z in self.zones:
-            if not re.fullmatch(r"[a-z]+-[a-z]+\d+-[a-z0-9]+", z):
-                raise UserError(f"invalid zone {z!r}: write a zone such as us-central2-b "
-                                f"(zones offering {acc.generation.name} per the catalog: {', '.join(acc.zone_hints)})")
+            check_zone(z, f"zones offering {acc.generation.name} per the catalog: {', '.join(acc.zone_hints)}")
         if self.fresh_hosts and not self.local:
             raise UserError("--fresh-vm shapes the hosts of a local slice: add --local (real TPU VMs are fresh anyway)")
         if self.local and self.api_endpoint:
@@ -153,6 +181,31 @@ class SliceSpec:
                 raise UserError(f"{what} must be greater than zero")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise UserError("--ttl must be greater than zero")
+        if self.reservation is not None:
+            if not _RESERVATION_RE.fullmatch(self.reservation):
+                raise UserError(f"invalid --reservation {self.reservation!r}: give the reservation's name (e.g. "
+                                "my-reservation) or projects/P/locations/Z/reservations/NAME")
+            if self.spot:
+                raise UserError("--spot and --reservation exclude each other: a reservation is not spot capacity")
+            if not self.queued:
+                raise UserError("--reservation needs a queued resource (the v2 API names a reservation only there); "
+                                "drop --no-queue")
+            self.reserved = True
+        for what, v in (("--network", self.network), ("--subnetwork", self.subnetwork)):
+            if v is not None and not _NETWORK_RE.fullmatch(v):
+                raise UserError(f"invalid {what} {v!r}: give a name (default) or a path such as "
+                                "projects/P/global/networks/NAME")
+        if self.service_account is not None and not _SA_RE.fullmatch(self.service_account):
+            raise UserError(f"invalid --service-account {self.service_account!r}: give an email such as "
+                            "trainer@my-project.iam.gserviceaccount.com")
+        for sc in self.scopes:
+            if not isinstance(sc, str) or not re.fullmatch(r"https://www\.googleapis\.com/auth/[a-z0-9._-]+", sc):
+                raise UserError(f"invalid scope {sc!r}: give full scope URLs such as {CLOUD_PLATFORM_SCOPE} (or the "
+                                "short name cloud-platform)")
+        for k, v in self.metadata.items():
+            if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", k) or not isinstance(v, str):
+                raise UserError(f"invalid metadata entry {k!r}: keys are letters, digits, '-' or '_' (at most 128), "
+                                "values are strings")
         return self
 
     @property
@@ -165,30 +218,83 @@ class SliceSpec:
 
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(SliceSpec)} | {"zone", "ttl", "timeout", "capacity_wait"}
+# What each key of a spec file must hold (durations are parsed separately; zones may be a list or "a,b").
+_STR_KEYS = ("name", "accelerator", "zone", "project", "runtime_version", "api_endpoint", "reservation", "network",
+             "subnetwork", "service_account")
+_BOOL_KEYS = ("spot", "reserved", "queued", "wait_capacity", "keep_on_failure", "local", "external_ips")
+_DURATION_KEYS = (("ttl", "ttl_s"), ("timeout", "timeout_s"), ("capacity_wait", "capacity_wait_s"))
+
+
+def _typed(data: dict) -> dict:
+    """The spec file's values, type-checked: one UserError line naming the key and what it must hold."""
+    def bad(key: str, want: str):
+        return UserError(f"invalid `{key}` in slice spec: {data[key]!r} is a {type(data[key]).__name__}; "
+                         f"write {want}")
+    for key in _STR_KEYS:
+        if key in data and data[key] is not None and not isinstance(data[key], str):
+            raise bad(key, "a string" + (" (e.g. accelerator: v4-16)" if key == "accelerator" else ""))
+    for key in _BOOL_KEYS:
+        if key in data and not isinstance(data[key], bool):
+            raise bad(key, "true or false (unquoted)")
+    if "zones" in data and not (isinstance(data["zones"], str) or (
+            isinstance(data["zones"], list) and all(isinstance(z, str) for z in data["zones"]))):
+        raise bad("zones", "a list of zones (zones: [us-central2-b]) or one string")
+    for key in ("labels", "metadata"):
+        if key in data and not isinstance(data[key], dict):
+            raise bad(key, "a mapping (key: value)")
+    if "metadata" in data and not all(isinstance(v, str) for v in data["metadata"].values()):
+        raise UserError("invalid `metadata` in slice spec: every value must be a string")
+    if "scopes" in data and not (isinstance(data["scopes"], list) and all(isinstance(x, str) for x in data["scopes"])):
+        raise bad("scopes", "a list of scope URLs")
+    for key, target in _DURATION_KEYS:
+        for k in (key, target):
+            if k in data and (isinstance(data[k], bool) or not isinstance(data[k], (str, int, float))):
+                raise bad(k, "a duration such as 30m or a number of seconds")
+    return data
 
 
 def slice_spec_from_mapping(data: dict) -> SliceSpec:
     """A SliceSpec from a dict as written in a spec file (durations as '8h', zone or zones)."""
-    unknown = sorted(set(data) - _FILE_KEYS)
+    unknown = sorted(set(map(str, data)) - _FILE_KEYS)
     if unknown:
         raise UserError(f"unknown key(s) in slice spec: {', '.join(unknown)}; known: {', '.join(sorted(_FILE_KEYS))}")
-    d = dict(data)
-    zones = split_zones(([d.pop("zone")] if d.get("zone") else []) + list(d.pop("zones", None) or []))
-    for key, target in (("ttl", "ttl_s"), ("timeout", "timeout_s"), ("capacity_wait", "capacity_wait_s")):
+    d = dict(_typed(data))
+    zones_in = d.pop("zones", None) or []
+    zones = split_zones(([d.pop("zone")] if d.get("zone") else []) + ([zones_in] if isinstance(zones_in, str)
+                                                                     else list(zones_in)))
+    d.pop("zone", None)
+    for key, target in _DURATION_KEYS:
         if key in d:
-            d[target] = parse_duration(d.pop(key), key)
+            d[target] = parse_duration(d.pop(key), f"`{key}` in slice spec")
+        elif target in d:
+            d[target] = parse_duration(d[target], f"`{target}` in slice spec")
     if "name" not in d or "accelerator" not in d:
         raise UserError("a slice spec needs at least `name` and `accelerator`")
+    if "scopes" in d:
+        d["scopes"] = expand_scopes(d["scopes"])
     return SliceSpec(zones=zones, **d)
+
+
+def expand_scopes(scopes) -> list[str]:
+    """Scope names as the API wants them: 'cloud-platform' -> https://www.googleapis.com/auth/cloud-platform."""
+    out = []
+    for item in scopes:
+        for sc in str(item).split(","):
+            sc = sc.strip()
+            if sc:
+                out.append(sc if sc.startswith("https://") else f"https://www.googleapis.com/auth/{sc}")
+    return out
 
 
 def load_slice_spec(path: str | os.PathLike) -> SliceSpec:
     """Read a YAML (.yaml/.yml) or TOML (.toml) slice spec; a `[slice]` table or top-level keys."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"cannot read spec file {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"cannot read spec file {p}: it is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     try:
         if p.suffix == ".toml":
             import tomllib
@@ -200,4 +306,7 @@ def load_slice_spec(path: str | os.PathLike) -> SliceSpec:
         raise UserError(f"cannot parse spec file {p}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"spec file {p} must hold a mapping of keys to values")
-    return slice_spec_from_mapping(data.get("slice", data))
+    data = data.get("slice", data)
+    if not isinstance(data, dict):
+        raise UserError(f"spec file {p}: `slice` must hold a mapping of keys to values")
+    return slice_spec_from_mapping(data)

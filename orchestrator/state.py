@@ -47,15 +47,26 @@ class SliceRecord:
     status: str = "creating"           # creating | ready | failed (kept after a failure, for down/gc)
     note: str = ""                     # why a failed record was kept
     workers: list[Worker] = field(default_factory=list)
+    claim: str = ""                    # which `up` wrote it: only that process may drop or replace it
+    leftovers: list[str] = field(default_factory=list)  # resources of earlier zones still being deleted
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "SliceRecord":
-        known = {f.name for f in dataclasses.fields(cls)}
+        """A record as stored; raises ValueError naming what is missing or malformed."""
+        if not isinstance(d, dict):
+            raise ValueError("a slice entry is not a mapping")
+        known = {f.name: f for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
-        d["workers"] = [Worker(**w) for w in d.get("workers") or []]
+        missing = [k for k in ("name", "project", "zone", "accelerator", "node") if not isinstance(d.get(k), str)]
+        if missing:
+            raise ValueError(f"slice {d.get('name', '?')!r} lacks {', '.join(missing)}")
+        try:
+            d["workers"] = [Worker(**w) for w in d.get("workers") or []]
+        except TypeError as e:
+            raise ValueError(f"slice {d['name']!r} has malformed workers ({e})") from None
         return cls(**d)
 
 
@@ -89,7 +100,12 @@ def _read() -> dict[str, SliceRecord]:
         from orchestrator.spec import UserError
         raise UserError(f"the local record {path} is unreadable ({e}); move it aside and run `tpuctl gc` "
                         "to find what it listed") from None
-    return {name: SliceRecord.from_json(d) for name, d in (raw.get("slices") or {}).items()}
+    try:
+        return {name: SliceRecord.from_json(d) for name, d in ((raw or {}).get("slices") or {}).items()}
+    except (ValueError, AttributeError) as e:
+        from orchestrator.spec import UserError
+        raise UserError(f"the local record {path} is damaged ({e}); move it aside and run `tpuctl gc` "
+                        "to find what it listed") from None
 
 
 def _write(records: dict[str, SliceRecord]) -> None:
@@ -135,6 +151,42 @@ def lookup(name: str) -> SliceRecord | None:
 
 def save(rec: SliceRecord) -> None:
     update(lambda rs: rs.__setitem__(rec.name, rec))
+
+
+def claim(rec: SliceRecord) -> bool:
+    """Write rec only if no record of that name exists (atomically, under the lock). True if it was written."""
+    done = []
+
+    def put(rs):
+        if rec.name not in rs:
+            rs[rec.name] = rec
+            done.append(True)
+    update(put)
+    return bool(done)
+
+
+def save_claimed(rec: SliceRecord) -> bool:
+    """Replace the record of rec.name only while it is still ours (same claim). True if it was written."""
+    done = []
+
+    def put(rs):
+        if rec.name in rs and rs[rec.name].claim == rec.claim:
+            rs[rec.name] = rec
+            done.append(True)
+    update(put)
+    return bool(done)
+
+
+def release(name: str, claim_id: str) -> bool:
+    """Drop the record of `name` only if this claim wrote it; another process's record stays."""
+    done = []
+
+    def drop(rs):
+        if name in rs and rs[name].claim == claim_id:
+            del rs[name]
+            done.append(True)
+    update(drop)
+    return bool(done)
 
 
 def remove(name: str) -> bool:

@@ -98,3 +98,39 @@ def test_spec_files(tmp_path):
         load_slice_spec(bad)
     with pytest.raises(UserError, match="cannot read spec file"):
         load_slice_spec(tmp_path / "missing.yaml")
+
+
+_BASE = {"name": "name: typed", "accelerator": "accelerator: v4-8"}
+
+
+@pytest.mark.parametrize("line,key", [
+    ('spot: "false"', "spot"),                 # a quoted "false" must not turn spot on
+    ("zones: 7", "zones"),
+    ("accelerator: 16", "accelerator"),
+    ("timeout_s: abc", "timeout_s"),
+    ("timeout: [1]", "timeout"),
+    ("labels: [a, b]", "labels"),
+    ("metadata: {ssh-keys: 5}", "metadata"),
+    ("queued: yes please", "queued"),
+])
+def test_spec_file_values_are_type_checked_and_name_their_key(tmp_path, line, key):
+    lines = dict(_BASE)
+    lines[key if key in lines else "extra"] = line
+    f = tmp_path / "s.yaml"
+    f.write_text("\n".join(lines.values()) + "\n")
+    with pytest.raises(UserError, match=f"`{key}`") as e:
+        load_slice_spec(f).validate()
+    assert "\n" not in str(e.value)
+
+
+def test_spec_file_zone_string_non_utf8_and_huge_durations(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("name: typed\naccelerator: v4-8\nzones: us-central2-b\n")   # one zone as a string, not 'u', 's', ...
+    assert load_slice_spec(f).validate().zones == ["us-central2-b"]
+    f.write_bytes(b"name: caf\xe9\naccelerator: v4-8\n")
+    with pytest.raises(UserError, match="not UTF-8"):
+        load_slice_spec(f)
+    with pytest.raises(UserError, match=r"at most 366d"):
+        parse_duration("9" * 400, "--ttl")
+    with pytest.raises(UserError, match="invalid --ttl"):
+        parse_duration("1e999", "--ttl")

@@ -77,7 +77,7 @@ def test_bad_input_one_line_with_fix(fake, case):
         "spot-and-reserved": ("--spot and --reserved exclude each other", ["--spot", "--reserved"]),
         "missing-project": ("no Google Cloud project: pass --project P", None),
         "api-403": ("permission denied while trying to create a queued resource", None),
-        "api-429": ("quota exceeded for v4-8 in us-central2-b (TPUV4PodPerProjectPerZoneForTPUAPI): request more", None),
+        "api-429": ("quota exceeded for v4-8 in us-central2-b (TPUV4PerProjectPerRegionForTPUAPI, per region us-central2): request more", None),
         "api-400": ("the Cloud TPU API rejected the request to create a queued resource", None),
     }
     fragment, extra = expect[case]
@@ -125,7 +125,7 @@ def test_stockout_zones_via_cli(fake):
     """Must-show 2 (CLI)."""
     fake.control.inject("stockout", zone="us-central1-a")
     res = run("up", "c-z", "-a", "v5litepod-4", "--zones", "us-central1-a,us-west4-a", "--no-queue", *api(fake))
-    assert "no capacity for v5litepod-4 in us-central1-a; trying us-west4-a" in res.stderr
+    assert "no capacity for v5litepod-4 in us-central1-a (stockout); trying us-west4-a" in res.stderr
     assert "READY in us-west4-a" in res.stdout
     bad = run("up", "c-z2", "-a", "v5litepod-4", "--zone", "us-central1-a", "--capacity-wait", "0.3s", *api(fake),
               ok=False)
@@ -276,3 +276,22 @@ def test_ctrl_c_while_waiting_leaves_no_orphan(sub_env):
     assert s["nodes"] == [] and s["queued_resources"] == []
     assert [d["kind"] for d in s["delete_calls"]] == ["queuedResource"]
     assert state.records() == {}
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["up", "c-ttl", "-a", "v4-8", "--zone", ZONE, "--ttl", "9" * 400], "invalid --ttl '99999999999999999999...': at most 366d"),
+    (["status", "c-x", "-z", "../../etc"], "invalid zone '../../etc'"),
+    (["down", "c-x", "-z", "../../etc"], "invalid zone '../../etc'"),
+    (["gc", "--zones", "../x"], "invalid zone '../x'"),
+], ids=["ttl-400-digits", "status-zone-path", "down-zone-path", "gc-zone-path"])
+def test_no_traceback_for_hostile_input(fake, argv, fragment):
+    res = run(*argv, *api(fake), ok=False)
+    assert res.exit_code == 1 and fragment in error_line(res)
+    assert fake.control.state()["create_calls"] == []
+
+
+def test_a_state_file_that_lacks_fields_is_one_line(fake):
+    state.state_path().parent.mkdir(parents=True, exist_ok=True)
+    state.state_path().write_text(json.dumps({"version": 1, "slices": {"a": {"name": "a", "zone": ZONE}}}))
+    res = run("ls", ok=False)
+    assert res.exit_code == 1 and "is damaged (slice 'a' lacks project, accelerator, node)" in error_line(res)

@@ -345,3 +345,147 @@ def test_state_record_is_atomic_and_locked(env, monkeypatch):
     [t.join() for t in threads]
     assert len(state.records()) == 17                        # no update lost
     assert "secret" not in state.state_path().read_text().lower()
+
+
+# ---- the real API's answers: each gets its line and its action (next zone, retry, stop) --------------------
+
+TWO = ["us-central1-a", "us-west4-a"]  # two v5e zones: the first one misbehaves
+
+
+def _arm_stockout(c): c.stockout("us-central1-a")
+def _arm_reserved_lro(c): c.reserved_capacity("us-central1-a")
+def _arm_reserved_rest(c): c.reserved_capacity("us-central1-a", sync=True)
+def _arm_spot_preempted(c): c.spot_preempted_during_create("us-central1-a")
+
+
+@pytest.mark.parametrize("arm,queued,status,words", [
+    (_arm_stockout, False, "RESOURCE_EXHAUSTED", "stockout"),
+    (_arm_reserved_lro, False, "FAILED_PRECONDITION", "Insufficient reserved capacity"),
+    (_arm_reserved_rest, True, "FAILED_PRECONDITION", "Insufficient reserved capacity"),
+    (_arm_reserved_lro, True, "FAILED_PRECONDITION", "Insufficient reserved capacity"),
+    (_arm_spot_preempted, False, "INVALID_ARGUMENT", "preempted while it was being created"),
+], ids=["stockout-lro", "reserved-lro", "reserved-rest-400", "reserved-queued-failed", "spot-preempted-lro"])
+def test_capacity_answers_move_to_the_next_zone(fake, arm, queued, status, words):
+    arm(fake.control)
+    lines = []
+    res = slices.up(make_spec(fake, "t-cap", "v5litepod-4", zones=TWO, queued=queued, spot=True), progress=lines.append)
+    assert res.record.zone == "us-west4-a" and [a.zone for a in res.attempts] == TWO
+    assert res.attempts[0].outcome == "capacity" and res.attempts[0].status == status
+    assert any(l.startswith("no capacity for v5litepod-4 in us-central1-a") and "trying us-west4-a" in l for l in lines)
+    # nothing left in the first zone
+    nodes, qrs = live(fake)
+    assert [n["name"].split("/")[3] for n in nodes + qrs] == ["us-west4-a"] * len(nodes + qrs)
+
+
+def test_capacity_everywhere_names_what_was_met_and_leaves_nothing(fake):
+    fake.control.reserved_capacity("us-central1-a")
+    fake.control.stockout("us-west4-a")
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-none", "v5litepod-4", zones=TWO, queued=False))
+    assert e.value.action == cloud.NEXT_ZONE
+    assert "in us-central1-a, us-west4-a right now (reserved capacity short, stockout)" in str(e.value)
+    assert live(fake) == ([], []) and state.records() == {}
+    fake.control.clear()
+    fake.control.stockout("us-central1-a", fail_after_s=0.1)
+    with pytest.raises(CloudError) as w:   # already waiting for capacity: not told to add --wait-capacity
+        slices.up(make_spec(fake, "t-none", "v5litepod-4", zones=["us-central1-a"], wait_capacity=True,
+                            timeout_s=5))
+    assert "--wait-capacity" not in str(w.value)
+
+
+def _arm_quota(c): c.chip_quota(quota="TPUV5sLitepodPerProjectPerRegionForTPUAPI", zone="us-central1-a")
+def _arm_service(c): c.service_disabled()
+def _arm_billing(c): c.billing_disabled()
+def _arm_policy(c): c.location_policy("us-central1-a")
+def _arm_location(c): c.location_forbidden("us-central1-a")
+def _arm_iam(c): c.permission_denied()
+
+
+@pytest.mark.parametrize("arm,kind,words", [
+    (_arm_quota, "quota", "(TPUV5sLitepodPerProjectPerRegionForTPUAPI, per region us-central1)"),
+    (_arm_service, "service-disabled", f"run `gcloud services enable tpu.googleapis.com --project {PROJECT}`"),
+    (_arm_billing, "billing", f"billing is not enabled for project {PROJECT}"),
+    (_arm_policy, "location-policy", "organization policy of project proj-test forbids zone us-central1-a"),
+    (_arm_location, "zone", "zone us-central1-a is not a Cloud TPU location for project proj-test, or the project "
+                            "may not use it"),
+    (_arm_iam, "permission", "(missing tpu.queuedResources.create): grant your account roles/tpu.admin"),
+], ids=["chip-quota-429", "service-disabled", "billing-disabled", "location-policy", "location-403", "iam"])
+def test_refusals_stop_with_their_own_line_and_leave_nothing(fake, arm, kind, words):
+    arm(fake.control)
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-stop", "v5litepod-4", zones=TWO))
+    assert e.value.kind == kind and e.value.action == cloud.STOP and words in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+    st = fake.control.state()
+    assert live(fake) == ([], []) and state.records() == {}
+    assert all(c["zone"] == "us-central1-a" for c in st["create_calls"])  # never went on to the next zone
+
+
+@pytest.mark.parametrize("arm,queued,what", [
+    (lambda c: c.rate_limit(op="create", times=2), True, "RESOURCE_EXHAUSTED"),
+    (lambda c: c.transient(503, op="get", times=3), True, "UNAVAILABLE"),
+    (lambda c: c.transient(500, op="operation", times=2), False, "INTERNAL"),
+], ids=["rate-limit-on-create", "503-while-waiting", "500-polling-the-lro"])
+def test_rate_limits_and_transient_errors_are_retried_with_one_line(fake, arm, queued, what):
+    arm(fake.control)
+    lines = []
+    res = slices.up(make_spec(fake, "t-retry", "v5litepod-4", zones=TWO, queued=queued), progress=lines.append)
+    assert res.record.zone == "us-central1-a" and res.record.status == "ready"
+    retries = [l for l in lines if "retrying with backoff" in l]
+    assert len(retries) == 1 and what in retries[0], lines
+    assert fake.control.state()["injections"] == []   # every injected answer was met
+
+
+def test_a_transient_error_that_persists_gives_up_with_one_line(fake):
+    fake.control.transient(503, op="accelerator_types", times=None)
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-down", "v5litepod-4", zones=TWO))
+    assert e.value.kind == "transient" and "(after 5 tries)" in str(e.value) and "\n" not in str(e.value)
+    assert fake.control.state()["create_calls"] == []
+
+
+def test_a_delayed_second_up_of_the_same_name_leaves_the_winners_record(fake, monkeypatch):
+    """The second `up` checked the name while it was free, then the first one recorded and created it: the second
+    must neither create nor touch the first one's record."""
+    import threading
+    checked, winner_created = threading.Event(), threading.Event()
+    real_check = slices._check_name_free
+
+    def check_then_wait(name):
+        real_check(name)
+        if threading.current_thread().name == "second":
+            checked.set()
+            assert winner_created.wait(10)
+
+    monkeypatch.setattr(slices, "_check_name_free", check_then_wait)
+    errors = []
+    second = threading.Thread(name="second", target=lambda: errors.append(_raises(
+        lambda: slices.up(make_spec(fake, "t-race", "v4-8")))))
+    second.start()
+    assert checked.wait(10)
+    slices.up(make_spec(fake, "t-race", "v4-8"))                # the winner: READY and recorded
+    winner_created.set()
+    second.join(20)
+    assert isinstance(errors[0], UserError) and "was just recorded by another tpuctl" in str(errors[0])
+    assert len(fake.control.state()["create_calls"]) == 1          # the loser never called create
+    rec = state.lookup("t-race")
+    assert rec is not None and rec.status == "ready" and slices.status("t-race").state == "READY"
+
+
+def test_an_already_existing_resource_never_drops_someone_elses_record(fake):
+    slices.up(make_spec(fake, "t-mine", "v4-8"))
+    other = state.lookup("t-mine")
+    state.remove("t-mine")                                   # e.g. recorded on another machine
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-mine", "v4-8"))
+    assert e.value.kind == "exists" and state.lookup("t-mine") is None
+    state.save(other)
+    assert not state.release("t-mine", "another-claim") and state.lookup("t-mine") is not None
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
+    return None

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import requests
 from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import tpu_v2
@@ -116,10 +117,11 @@ def test_errors_arrive_as_the_client_exception_classes(fk, client):
     with pytest.raises(gexc.ResourceExhausted, match="no more capacity"):
         client.create_node(parent=P, node_id="s1", node=_node()).result(timeout=10)
     fk.control.clear()
-    fk.control.inject("quota", quota="TPUV4PodPerProjectPerZoneForTPUAPI", times=1)
+    fk.control.chip_quota(quota="TPUV4PodPerProjectPerRegionForTPUAPI", times=1)
     with pytest.raises(gexc.TooManyRequests) as q:
         client.create_node(parent=P, node_id="s2", node=_node())
-    assert q.value.metadata["quota_limit"] == "TPUV4PodPerProjectPerZoneForTPUAPI"
+    assert q.value.details[0]["@type"] == "type.googleapis.com/google.rpc.QuotaFailure"
+    assert "'TPUV4PodPerProjectPerRegionForTPUAPI'" in q.value.message and "in region us-central2" in q.value.message
     fk.control.inject("permission", times=1)
     with pytest.raises(gexc.Forbidden):
         client.create_node(parent=P, node_id="s3", node=_node())
@@ -129,13 +131,103 @@ def test_errors_arrive_as_the_client_exception_classes(fk, client):
         client.create_node(parent=P, node_id="s5", node=tpu_v2.Node(accelerator_type="v4-8", runtime_version="nope"))
     with pytest.raises(gexc.BadRequest, match="nodeId"):
         client.create_node(parent=P, node_id="Bad_Id", node=_node())
-    with pytest.raises(gexc.NotFound, match="Location"):
+    with pytest.raises(gexc.Forbidden, match="Location mars-north1-a is not found or access is unauthorized"):
         client.list_nodes(parent="projects/p1/locations/mars-north1-a").nodes
     client.create_node(parent=P, node_id="s6", node=_node())
     with pytest.raises(gexc.Conflict):
         client.create_node(parent=P, node_id="s6", node=_node())
     calls = fk.control.state()["create_calls"]
     assert [c["status"] for c in calls] == [200, 429, 403, 400, 400, 400, 200, 409]
+
+
+def _status(exc) -> str:
+    """`error.status` of a REST answer: api-core does not keep it, so read it off the response."""
+    return exc.response.json()["error"]["status"]
+
+
+# kind, FakeControl call, HTTP status, error.status, ErrorInfo.reason (or the detail's @type), message part
+_SHAPES = [
+    ("service_disabled", lambda c: c.service_disabled(times=1), 403, "PERMISSION_DENIED", "SERVICE_DISABLED",
+     "Cloud TPU API has not been used in project p1"),
+    ("billing_disabled", lambda c: c.billing_disabled(times=1), 403, "PERMISSION_DENIED", "BILLING_DISABLED",
+     "requires billing to be enabled"),
+    ("location_policy", lambda c: c.location_policy("us-central2-b", times=1), 403, "PERMISSION_DENIED",
+     "LOCATION_POLICY_VIOLATED", "violates constraint constraints/gcp.resourceLocations"),
+    ("location", lambda c: c.location_forbidden("us-central2-b", times=1), 403, "PERMISSION_DENIED", None,
+     "Location us-central2-b is not found or access is unauthorized."),
+    ("permission", lambda c: c.permission_denied(op="any", times=1), 403, "PERMISSION_DENIED",
+     "IAM_PERMISSION_DENIED", "Permission 'tpu.nodes.list' denied"),
+    ("rate_limit", lambda c: c.rate_limit(), 429, "RESOURCE_EXHAUSTED", "RATE_LIMIT_EXCEEDED",
+     "Quota exceeded for quota metric 'Read requests'"),
+    ("unavailable", lambda c: c.transient(503), 503, "UNAVAILABLE", None, "currently unavailable"),
+    ("internal", lambda c: c.transient(500), 500, "INTERNAL", None, "Internal error"),
+]
+
+
+@pytest.mark.parametrize("kind,arm,http,status,reason,text", _SHAPES, ids=[s[0] for s in _SHAPES])
+def test_refusals_have_the_real_shape_on_any_request(fk, client, kind, arm, http, status, reason, text):
+    arm(fk.control)
+    with pytest.raises(gexc.GoogleAPICallError) as e:
+        list(client.list_accelerator_types(parent=P))   # what a `check` asks first
+    assert e.value.code == http and _status(e.value) == status and text in e.value.message
+    assert e.value.reason == reason
+    if reason:
+        assert e.value.domain and e.value.metadata is not None
+    assert [a.type_ for a in client.list_accelerator_types(parent=P)][:1] == ["v4-8"]  # times=1: gone again
+
+
+def test_capacity_answers_in_the_lro_and_over_rest(fk, client):
+    fk.control.reserved_capacity("us-central2-b", times=1)                     # in the create LRO: code 9
+    op = client.create_node(parent=P, node_id="r1", node=_node())
+    with pytest.raises(gexc.GoogleAPICallError, match="Insufficient reserved capacity"):
+        op.result(timeout=10)
+    assert op.operation.error.code == 9
+    fk.control.reserved_capacity("us-central2-b", sync=True, times=1)          # over REST: 400 FAILED_PRECONDITION
+    with pytest.raises(gexc.BadRequest) as rc:
+        client.create_node(parent=P, node_id="r2", node=_node())
+    assert _status(rc.value) == "FAILED_PRECONDITION"
+    fk.control.spot_preempted_during_create(times=1)                           # code 3 in the LRO
+    op = client.create_node(parent=P, node_id="r3", node=_node(scheduling_config=tpu_v2.SchedulingConfig(spot=True)))
+    with pytest.raises(gexc.GoogleAPICallError, match="while in state PREEMPTED"):
+        op.result(timeout=10)
+    assert op.operation.error.code == 3
+    fk.control.reserved_capacity(times=1)                                      # a queued resource goes FAILED
+    client.create_queued_resource(parent=P, queued_resource_id="r4", queued_resource=_qr("r4", _node())
+                                  ).result(timeout=10)
+    _states_until(lambda: client.get_queued_resource(name=f"{P}/queuedResources/r4").state.state.name, {"FAILED"})
+    err = client.get_queued_resource(name=f"{P}/queuedResources/r4").state.failed_data.error
+    assert err.code == 9 and "Insufficient reserved capacity" in err.message
+    fk.control.chip_quota(quota="TPUV6EPreemptiblePerProjectPerRegionForTPUAPI", times=1, zone="us-central2-b")
+    with pytest.raises(gexc.TooManyRequests) as q:
+        client.create_node(parent=P, node_id="r5", node=_node())
+    assert q.value.message.endswith(": Quota limit 'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI' has been "
+                                    "exceeded. Limit: 0 in region us-central2.")
+    assert _status(q.value) == "RESOURCE_EXHAUSTED" and q.value.reason is None
+    assert q.value.details[0]["violations"][0]["subject"] == "project:p1"
+
+
+def test_reservations_and_recorded_request_bodies(fk, client):
+    res = f"{P}/reservations/my-res"
+    qr = _qr("v1", _node(scheduling_config=tpu_v2.SchedulingConfig(reserved=True)), reservation_name=res)
+    with pytest.raises(gexc.NotFound, match=f"Reservation not found: {res}"):
+        client.create_queued_resource(parent=P, queued_resource_id="v1", queued_resource=qr)
+    fk.control.add_reservation(res)
+    client.create_queued_resource(parent=P, queued_resource_id="v1", queued_resource=qr).result(timeout=10)
+    body = fk.control.create_bodies("queuedResource")[-1]
+    assert body["reservationName"] == res and body["tpu"]["nodeSpec"][0]["node"]["schedulingConfig"] == {
+        "reserved": True}
+    # gcloud alpha's v2alpha1 field (guaranteed.reserved) is not part of v2: refused the way the API's JSON
+    # parser refuses an unknown field
+    from google.cloud import tpu_v2alpha1
+    alpha = tpu_v2alpha1.QueuedResource(
+        tpu=tpu_v2alpha1.QueuedResource.Tpu(node_spec=[tpu_v2alpha1.QueuedResource.Tpu.NodeSpec(
+            parent=P, node_id="v2", node=tpu_v2alpha1.Node(accelerator_type="v4-8",
+                                                           runtime_version="tpu-ubuntu2204-base"))]),
+        guaranteed=tpu_v2alpha1.QueuedResource.Guaranteed(reserved=True))
+    r = requests.post(f"{fk.url}/v2/{P}/queuedResources?queuedResourceId=v2",
+                      json=tpu_v2alpha1.QueuedResource.to_dict(alpha, preserving_proto_field_name=False))
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        'Invalid JSON payload received. Unknown name "reserved" at \'queued_resource.guaranteed\': Cannot find field.')
 
 
 def test_preemption_slow_and_never_ready(fk, client):
