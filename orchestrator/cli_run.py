@@ -145,21 +145,6 @@ def _arg_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
-def check_ckpt_dir(argv: list[str], target: Target) -> None:
-    """A local --ckpt-dir with several hosts must be on a filesystem they all share."""
-    ckpt = _arg_value(argv, "--ckpt-dir")
-    if not ckpt or "://" in ckpt or len(target.workers) < 2:
-        return
-    ls = target.local_slice
-    private = ("/root", "/tmp")  # what each local host has its own copy of (infra/local_slice.py)
-    if ls is not None and ckpt.startswith("/") and not any(ckpt == p or ckpt.startswith(p + "/") for p in private):
-        return
-    where = "each host's private home or /tmp" if ls is not None else "each host's own disk"
-    raise UserError(f"--ckpt-dir {ckpt} is a local path on {len(target.workers)} hosts ({where}): every host must "
-                    "write the same checkpoint, so use gs://BUCKET/PATH (or, on a local slice, an absolute path "
-                    "outside /root and /tmp)")
-
-
 def emulate_devices(argv: list[str], target: Target) -> list[str]:
     """On a local slice each host emulates its accelerator's devices (v4-16: 2 hosts x 4) unless told otherwise."""
     trainer = argv[:3] == [L.PYTHON, "-m", "trainer"] and len(argv) > 3
@@ -238,7 +223,6 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
                      ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
     argv = emulate_devices(argv, target)
-    check_ckpt_dir(argv, target)
     env = {**_gcs_env(argv, target), **env}
     out = sys.stderr if as_json else sys.stdout
     bundle = install = layout = None

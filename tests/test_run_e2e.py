@@ -4,13 +4,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from _local_hosts import start, ssh_config, wait_idle, workers, needs_hosts
 from infra import gcs
 from orchestrator import bundle as B
-from orchestrator.runner import local_install, run_job
+from orchestrator.runner import RunFailed, local_install, run_job
 
 pytestmark = needs_hosts
 
@@ -82,3 +83,37 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
     assert sorted(one) == sorted(multi)
     for s in one:
         assert abs(one[s] - multi[s]) <= 1e-5, (s, one[s], multi[s])
+
+
+@pytest.mark.e2e
+def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory, tmp_path):
+    """Process 0 writes a probe in --ckpt-dir and every process must see it: a path each host has its own copy
+    of (/tmp) stops the run before step 1 naming the hosts that did not; a path they share passes."""
+    sl = start("shared", 2, tmp_path_factory.mktemp("slices"))
+    try:
+        data = f"{sl.shared_dir}/data"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
+        subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", data], env=env, check=True,
+                       capture_output=True, timeout=300)
+        bundle = B.build(cache_dir=tmp_path / "bundles")
+        install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+        kw = dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout, env={"JAX_PLATFORMS": "cpu"})
+        args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
+                "--steps", "2", "--ckpt-every", "0"]
+        import io
+        out = io.StringIO()
+        with pytest.raises(RunFailed) as e:
+            run_job(workers(sl), [*args, "--ckpt-dir", "/tmp/ckpt"], run_dir=tmp_path / "private", out=out, **kw)
+        assert e.value.result.exit_codes == {0: 2, 1: 2}, out.getvalue()[-3000:]
+        w0 = (tmp_path / "private" / "w0.log").read_text()
+        errors = [l for l in w0.splitlines() if l.startswith("error: ")]
+        assert errors == ["error: --ckpt-dir /tmp/ckpt is not shared by all 2 processes: process 1 (shared-w1) did "
+                          "not see the file process 0 wrote there; use gs://BUCKET/PATH or a filesystem every host "
+                          "mounts at the same path (NFS, Filestore, gcsfuse)"], w0[-3000:]
+        assert "step 1/" not in w0 and "Traceback" not in w0
+
+        ok = run_job(workers(sl), [*args, "--ckpt-dir", f"{sl.shared_dir}/ckpt"], run_dir=tmp_path / "shared", **kw)
+        assert ok.ok and "done: step 2" in (tmp_path / "shared" / "w0.log").read_text()
+        assert not list(Path(sl.shared_dir, "ckpt").glob(".shared-probe-*"))  # the probe is cleaned up
+    finally:
+        sl.stop()

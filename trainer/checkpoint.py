@@ -8,7 +8,9 @@ count: Orbax ignores a step whose save did not complete, and the next writer del
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -29,7 +31,55 @@ def check_writable(directory: str) -> None:
         probe.unlink()
     except Exception as e:  # OSError locally; google/gcsfs errors on gs://
         reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
-        raise UsageError(f"--ckpt-dir {directory} is not writable ({reason}); pass a directory you can write") from None
+        fix = "pass a directory you can write"
+        if directory.startswith("gs://") and ("403" in str(e) or "Forbidden" in type(e).__name__ + str(e)):
+            bucket = directory[5:].split("/")[0]
+            who = vm_identity()
+            fix = (f"the identity this process runs as ({who or 'its credentials'}) needs roles/storage.objectAdmin "
+                   f"on gs://{bucket}: `gcloud storage buckets add-iam-policy-binding gs://{bucket} "
+                   f"--member serviceAccount:{who or 'SA_EMAIL'} --role roles/storage.objectAdmin`")
+        raise UsageError(f"--ckpt-dir {directory} is not writable ({reason}); {fix}") from None
+
+
+def vm_identity(timeout: float = 1.0) -> str | None:
+    """The service account a Cloud VM runs as, from its metadata server (None elsewhere)."""
+    import urllib.request
+    host = os.environ.get("GCE_METADATA_HOST", "metadata.google.internal")
+    req = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/service-accounts/default/email",
+                                 headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode().strip() or None
+    except Exception:  # noqa: BLE001 - not on a VM
+        return None
+
+
+def check_shared(directory: str) -> None:
+    """Every process must see the same --ckpt-dir (they write one checkpoint together): process 0 writes a
+    probe, each process looks for it. Raises a one-line UsageError on every process naming those that could
+    not see it (a per-host local disk, a mount missing on some hosts)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils as mh
+    if jax.process_count() == 1:
+        return
+    nonce = int(mh.broadcast_one_to_all(np.array(uuid.uuid4().int % 2**31, dtype=np.int32)))
+    probe = epath.Path(directory) / f".shared-probe-{nonce}"
+    if jax.process_index() == 0:
+        probe.write_text("tpuctl")
+    mh.sync_global_devices("ckpt-dir probe written")
+    seen = probe.exists()
+    host = np.frombuffer(socket.gethostname().encode()[:64].ljust(64, b"\0"), dtype=np.uint8)
+    everyone = mh.process_allgather(np.concatenate([[np.uint8(seen)], host]))
+    mh.sync_global_devices("ckpt-dir probe read")
+    if jax.process_index() == 0:
+        probe.unlink(missing_ok=True)
+    names = [bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for row in everyone]
+    missing = [f"process {i} ({names[i]})" for i, row in enumerate(everyone) if not row[0]]
+    if missing:
+        raise UsageError(f"--ckpt-dir {directory} is not shared by all {jax.process_count()} processes: "
+                         f"{', '.join(missing)} did not see the file process 0 wrote there; use gs://BUCKET/PATH "
+                         "or a filesystem every host mounts at the same path (NFS, Filestore, gcsfuse)")
 
 
 class Checkpointer:

@@ -191,6 +191,7 @@ def pretrain(cfg: Config) -> int:
     val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc)
 
     checkpoint.check_writable(t.ckpt_dir)
+    checkpoint.check_shared(t.ckpt_dir)
     ckpt = checkpoint.Checkpointer(t.ckpt_dir, t.keep)
     ckpt.watch_preemption(distributed)  # a notice during setup stops the run after its first step
     try:
