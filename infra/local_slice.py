@@ -122,7 +122,7 @@ class LocalSlice:
     def start(cls, name: str, n_hosts: int, base_dir: str | os.PathLike | None = None, *,
               port: int = 2222, first_ip: str | None = None, keep: tuple[str, ...] = (),
               wheelhouse: str | os.PathLike | None = None, timeout: float = 15.0,
-              fresh: bool = False) -> "LocalSlice":
+              fresh: bool = False, authorized_keys: tuple[str, ...] = ()) -> "LocalSlice":
         """Start (or return the already running) local slice NAME with n_hosts hosts.
 
         keep: extra paths under /root or /tmp that the hosts must still see at the same path.
@@ -130,6 +130,7 @@ class LocalSlice:
         fresh: hosts as a new TPU VM has them: the private home hides this machine's interpreter, uv and
         wheelhouse, so a run bootstraps each host from the package index (the system's python3 and its pip
         configuration are what the hosts see, as an image's own would be).
+        authorized_keys: more public keys root accepts ("TYPE BASE64"), as a VM's metadata ssh-keys give them.
         """
         if not NAME_RE.match(name):
             raise LocalSliceError(f"invalid local slice name {name!r}: use lowercase letters, digits and '-', "
@@ -155,7 +156,8 @@ class LocalSlice:
 
         for attempt in range(3):
             try:
-                return cls._start_once(name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout, fresh)
+                return cls._start_once(name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout, fresh,
+                                       authorized_keys)
             except LocalSliceError as e:
                 # Another process took an address between our check and sshd's bind: next block.
                 if first_ip or attempt == 2 or "Address already in use" not in str(e):
@@ -164,7 +166,7 @@ class LocalSlice:
 
     @classmethod
     def _start_once(cls, name, n_hosts, base_dir, port, first_ip, keep, wheelhouse, timeout,
-                    fresh) -> "LocalSlice":
+                    fresh, authorized_keys=()) -> "LocalSlice":
         sdir = base_dir / name
         sdir.mkdir(parents=True, exist_ok=True)
         shared = sdir / "shared"
@@ -189,7 +191,7 @@ class LocalSlice:
             for i, ip in enumerate(ips):
                 hdir = sdir / f"w{i}"
                 host = LocalHost(index=i, ip=ip, port=port, hostname=hostnames[i], home=str(hdir / "home"))
-                _prepare_host(hdir, host, key, ips, hostnames)
+                _prepare_host(hdir, host, key, ips, hostnames, authorized_keys)
                 keeps = [str(shared), str(hdir / "etc"), *keep] + ([] if fresh else [py_prefix, str(wh)])
                 proc = subprocess.Popen(
                     ["unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child",
@@ -305,7 +307,8 @@ def _pick_ips(n: int, port: int, first_ip: str | None, base_dir: Path, name: str
     raise LocalSliceError(f"no free block of {n} loopback addresses with port {port} free")
 
 
-def _prepare_host(hdir: Path, host: LocalHost, key: Path, ips: list[str], hostnames: list[str]) -> None:
+def _prepare_host(hdir: Path, host: LocalHost, key: Path, ips: list[str], hostnames: list[str],
+                  authorized_keys: tuple[str, ...] = ()) -> None:
     etc = hdir / "etc"
     for d in (etc, hdir / "home" / ".ssh", hdir / "tmp"):
         d.mkdir(parents=True, exist_ok=True)
@@ -315,7 +318,8 @@ def _prepare_host(hdir: Path, host: LocalHost, key: Path, ips: list[str], hostna
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hk)], check=True,
                        stdin=subprocess.DEVNULL)
     auth = hdir / "home" / ".ssh" / "authorized_keys"
-    auth.write_text(key.with_name(key.name + ".pub").read_text())
+    auth.write_text(key.with_name(key.name + ".pub").read_text().strip() + "\n" +
+                    "".join(f"{k}\n" for k in authorized_keys))
     os.chmod(auth, 0o600)
     lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost"]
     lines += [f"{ip} {hn}" for ip, hn in zip(ips, hostnames)]

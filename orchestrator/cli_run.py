@@ -107,8 +107,10 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
             if ls is None or not all(ls.alive()):
                 raise UserError(f"the local hosts of {name} are not running: "
                                 f"`tpuctl down {name}` then `tpuctl up {name} --local` again")
-    user = ssh_user or os.environ.get("TPUCTL_SSH_USER") or (ls.ssh_user if ls else getpass.getuser())
-    key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or (ls.ssh_key if ls else None)
+    # A fresh-VM local slice is reached like a real VM: your user and key, which `up` put in its metadata.
+    machine = ls if ls is not None and not ls.fresh else None
+    user = ssh_user or os.environ.get("TPUCTL_SSH_USER") or (machine.ssh_user if machine else getpass.getuser())
+    key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or (machine.ssh_key if machine else None)
     port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or (ls.hosts[0].port if ls else DEFAULT_SSH_PORT)
     ssh = SshConfig(user=user, port=port) if key is None else SshConfig(user=user, key=key, port=port)
     ssh.known_hosts = str(known_hosts_file(name, created))

@@ -199,6 +199,7 @@ class NodeInfo:
     workers: list[Worker] = field(default_factory=list)
     queued_resource: str = ""
     spot: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)  # the VMs' metadata (ssh-keys: what the guest agent installs)
 
     @property
     def zone(self) -> str:
@@ -230,7 +231,7 @@ def node_info(n: tpu_v2.Node) -> NodeInfo:
     return NodeInfo(name=n.name, state=_enum_name(n.state), health=_enum_name(n.health) if n.health else "",
                     accelerator=n.accelerator_type, runtime_version=n.runtime_version, labels=dict(n.labels),
                     workers=workers, queued_resource=n.queued_resource,
-                    spot=bool(n.scheduling_config.spot or n.scheduling_config.preemptible))
+                    spot=bool(n.scheduling_config.spot or n.scheduling_config.preemptible), metadata=dict(n.metadata))
 
 
 def queued_info(q: tpu_v2.QueuedResource) -> QueuedInfo:
@@ -500,11 +501,11 @@ class Api:
             parent=self.parent(zone), timeout=self.call_timeout)], action="list runtime versions", zone=zone)
 
     def node_body(self, accelerator: str, runtime_version: str, labels: dict[str, str], *, spot: bool = False,
-                  reserved: bool = False, in_queue: bool = False) -> tpu_v2.Node:
+                  reserved: bool = False, in_queue: bool = False, metadata: dict[str, str] | None = None) -> tpu_v2.Node:
         sched = tpu_v2.SchedulingConfig(spot=spot and not in_queue, reserved=reserved)
         return tpu_v2.Node(accelerator_type=accelerator, runtime_version=runtime_version, labels=labels,
                            network_config=tpu_v2.NetworkConfig(enable_external_ips=True),
-                           scheduling_config=sched)
+                           scheduling_config=sched, metadata=dict(metadata or {}))
 
     def create_node(self, zone: str, node_id: str, node: tpu_v2.Node):
         """Start creating a plain node; returns the google.api_core Operation."""

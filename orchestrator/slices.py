@@ -182,6 +182,7 @@ def up(spec: SliceSpec, *, progress: Progress | None = None, on_plan: Callable[[
                           node=f"{api.parent(zones[0])}/nodes/{spec.name}", labels=plan.labels,
                           price_per_hour=plan.price_per_hour, status="planned")
         return UpResult(rec, plan, [], time.monotonic() - t0)
+    _add_ssh_key(spec, progress)
     deadline = t0 + spec.timeout_s
     claim_id = uuid.uuid4().hex
     if not state.claim(_record(api, spec, zones[0], claim_id)):  # two `up NAME` at once: one wins the name
@@ -230,6 +231,21 @@ def _finish_failed(api: Api, spec: SliceSpec, zone: str, claim_id: str, leftover
             f"(`tpuctl down {spec.name}` finishes it)")
 
 
+def _add_ssh_key(spec: SliceSpec, progress: Progress) -> None:
+    """A new VM lets in only the keys it is given: put the user's (made if missing) in the node's ssh-keys."""
+    from orchestrator import sshkeys
+    if "ssh-keys" in spec.metadata:
+        return
+    try:
+        path, pub, created = sshkeys.ensure_key()
+        entry = sshkeys.metadata_entry(sshkeys.default_user(), pub)
+    except (sshkeys.SshKeyError, OSError) as e:
+        raise UserError(str(e)) from None
+    if created:
+        progress(f"made the SSH key {path} (ed25519) that new VMs will let in")
+    spec.metadata = {**spec.metadata, "ssh-keys": entry}
+
+
 def _check_name_free(name: str) -> None:
     rec = state.lookup(name)
     if rec is None:
@@ -267,7 +283,8 @@ def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progr
     rec.leftovers = list(leftovers)
     labels = rec.labels
     _save(rec)  # before the create call: from here on, a crash leaves something findable by name
-    body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved, in_queue=spec.queued)
+    body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved, in_queue=spec.queued,
+                         metadata=spec.metadata)
     what = "queued resource" if spec.queued else "node"
     try:
         progress(f"creating {what} {spec.name} in {zone}")
@@ -335,8 +352,17 @@ def _attach_local_hosts(api: Api, rec: SliceRecord, progress: Progress) -> list[
     if n > MAX_LOCAL_HOSTS:
         progress(f"note: {n} workers is more than the {MAX_LOCAL_HOSTS} local hosts tpuctl starts; no SSH hosts")
         return rec.workers
+    # Like a VM's guest agent, the hosts let in the keys of the node's ssh-keys metadata. A local host has only
+    # root: keys for other users are not installed.
+    from orchestrator.sshkeys import parse_metadata
+    meta = api.get_node(rec.node)
+    keys = parse_metadata((meta.metadata if meta else {}).get("ssh-keys", ""))
+    others = sorted({u for u, _ in keys if u != "root"})
+    if others:
+        progress(f"note: the local hosts have only root; ssh-keys for {', '.join(others)} are not installed")
     try:
-        hosts = LocalSlice.start(rec.name, n, fresh=rec.fresh_hosts)
+        hosts = LocalSlice.start(rec.name, n, fresh=rec.fresh_hosts,
+                                 authorized_keys=tuple(k for u, k in keys if u == "root"))
     except (LocalSliceError, OSError) as e:
         progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
         return rec.workers

@@ -5,3 +5,9 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# `tpuctl up` makes the user's SSH key for new VMs when there is none: tests get a key of their own, never the
+# user's ~/.ssh/google_compute_engine.
+if "TPUCTL_SSH_KEY" not in os.environ:
+    import tempfile
+    os.environ["TPUCTL_SSH_KEY"] = os.path.join(tempfile.mkdtemp(prefix="tpuctl-test-ssh-"), "google_compute_engine")

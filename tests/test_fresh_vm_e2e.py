@@ -11,6 +11,7 @@ import pytest
 
 from _local_hosts import needs_hosts, wait_idle
 from infra import gcs
+from infra.fake_tpu_api import FakeControl
 
 pytestmark = [needs_hosts, pytest.mark.e2e, pytest.mark.slow]
 
@@ -29,7 +30,10 @@ def test_a_two_host_run_on_fresh_vms_bootstraps_from_the_index_and_trains(tmp_pa
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TPUCTL_", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_")) and k != "XLA_FLAGS"}
-    env.update(TPUCTL_HOME=str(home), TPUCTL_POLL_S="0.05", CLOUDSDK_CONFIG=str(tmp_path / "gcloud"))
+    # A user who never made an SSH key: `up` makes one, the VMs get it through their metadata, `run` uses it.
+    key = tmp_path / "ssh" / "google_compute_engine"
+    env.update(TPUCTL_HOME=str(home), TPUCTL_POLL_S="0.05", CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
+               TPUCTL_SSH_KEY=str(key), TPUCTL_SSH_USER="root")
     emu = gcs.start(home=home, buckets=("fresh-vm",), record=True)
     api_pid = None
     sl = None
@@ -39,7 +43,12 @@ def test_a_two_host_run_on_fresh_vms_bootstraps_from_the_index_and_trains(tmp_pa
         assert prep.returncode == 0, prep.stderr[-2000:]
         up = tpuctl("up", "fv", "--local", "--fresh-vm", "-a", "v4-16", env=env, timeout=300)
         assert up.returncode == 0, up.stderr
-        api_pid = json.loads((home / "local" / "fake_tpu_api.json").read_text())["pid"]
+        api_info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
+        api_pid = api_info["pid"]
+        assert f"made the SSH key {key}" in up.stderr
+        pub = key.with_name(key.name + ".pub").read_text().split()
+        (qr,) = FakeControl(api_info["url"]).create_bodies("queuedResource")
+        assert qr["tpu"]["nodeSpec"][0]["node"]["metadata"]["ssh-keys"] == f"root:{pub[0]} {pub[1]} root", qr
         sl = LocalSlice.load("fv", home / "local" / "slices")
         assert sl is not None and sl.fresh and not sl.wheelhouse and len(sl.hosts) == 2
 
