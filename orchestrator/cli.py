@@ -333,7 +333,7 @@ def status_cmd(name, zone, as_json, api_endpoint, local, project):
 
 
 def _ls_row(st) -> list:
-    return [st.name, st.state, st.health or "-", st.accelerator, st.zone + (" (local)" if st.local else ""),
+    return [st.name, st.state + (f" (QR {st.queued_state}: holds quota)" if st.holds_quota else ""), st.health or "-", st.accelerator, st.zone + (" (local)" if st.local else ""),
             f"{len(st.workers)}/{st.hosts}", _age(st.age_s), f"{st.price_per_hour:.2f}", f"{st.cost_so_far:.2f}"]
 
 
@@ -362,6 +362,9 @@ def ls_cmd(as_json, local, cloud, api_endpoint):
     for s in rows:
         if s.error:
             click.echo(f"note: {s.name}: {s.error}")
+        if s.holds_quota:
+            click.echo(f"note: {s.name}: its queued resource is {s.queued_state} and holds quota until it is deleted: "
+                       f"`tpuctl down {s.name}` (or `tpuctl gc --yes`)")
 
 
 # ---- gc --------------------------------------------------------------------------------------------------
@@ -375,7 +378,8 @@ def ls_cmd(as_json, local, cloud, api_endpoint):
 @_errors
 def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
     """Find tpuctl's leftovers: resources whose tpuctl-expiry label has passed, resources of yours (tpuctl-owner)
-    that the local record no longer lists, and records whose resources are gone. Lists them; --yes deletes."""
+    that the local record no longer lists, FAILED or SUSPENDED queued resources (recorded or not: they hold quota
+    until deleted), and records whose resources are gone. Lists them; --yes deletes."""
     from orchestrator import slices
     from orchestrator.spec import split_zones
     line = StatusLine(quiet=True)

@@ -602,6 +602,7 @@ class SliceStatus:
     recorded: bool = True
     note: str = ""
     error: str = ""            # why the live state could not be read
+    holds_quota: bool = False  # a FAILED or SUSPENDED queued resource: counts against quota until deleted
 
     def to_json(self) -> dict:
         from dataclasses import asdict
@@ -636,7 +637,8 @@ def _status_of(rec: SliceRecord, api: Api | None, error: str = "") -> SliceStatu
         created_at=rec.created_at, age_s=round(age, 1), price_per_hour=rec.price_per_hour,
         cost_so_far=round(rec.price_per_hour * age / 3600, 4) if n is not None else 0.0, spot=rec.spot,
         local=rec.local, node=rec.node, queued_resource=rec.queued_resource, labels=rec.labels,
-        recorded=rec.status != "unrecorded", note=rec.note, error=error)
+        recorded=rec.status != "unrecorded", note=rec.note, error=error,
+        holds_quota=bool(q and q.state in HOLDS_QUOTA))
 
 
 def status(name: str, *, project: str | None = None, zone: str | None = None, api_endpoint: str | None = None,
@@ -705,6 +707,10 @@ def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | 
     return up(spec, progress=progress)
 
 
+# FAILED and SUSPENDED queued resources keep counting against the project's TPU quota until someone deletes them.
+HOLDS_QUOTA = ("FAILED", "SUSPENDED")
+
+
 # ---- gc ------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -713,7 +719,8 @@ class GcItem:
     name: str          # full resource name (or the slice name for a record)
     slice: str
     zone: str
-    reason: str        # expired | unrecorded | gone (a record whose resources no longer exist)
+    reason: str        # expired | unrecorded | holds-quota (FAILED/SUSPENDED queued resource) | gone (a record
+                       # whose resources no longer exist)
     deleted: bool = False
     error: str = ""
 
@@ -760,7 +767,10 @@ def gc(*, yes: bool = False, project: str | None = None, zones: list[str] | None
             if getattr(res, "state", "") == "DELETING":
                 continue
             expiry = labels.get(LABEL_EXPIRY, "never")
-            if expiry.isdigit() and int(expiry) < now:
+            mine = res.name in recorded or labels.get(LABEL_OWNER) == me
+            if kind == "queued_resource" and res.state in HOLDS_QUOTA and mine:
+                items.append(GcItem(kind, res.name, labels[LABEL_NAME], zone, f"holds-quota ({res.state})"))
+            elif expiry.isdigit() and int(expiry) < now:
                 items.append(GcItem(kind, res.name, labels[LABEL_NAME], zone, "expired"))
             elif res.name not in recorded and labels.get(LABEL_OWNER) == me:
                 items.append(GcItem(kind, res.name, labels[LABEL_NAME], zone, "unrecorded"))

@@ -228,9 +228,10 @@ def test_down_twice_unknown_and_failed_queued_resource(fake):
 def test_down_unrecorded_by_zone_and_preempted(fake):
     """down finds a slice by name in a zone even without a record, and works on PREEMPTED/SUSPENDED."""
     res = slices.up(make_spec(fake, "t-pre", spot=True))
+    fake.control.config(suspend_s=60)     # the service has not begun deleting the preempted node yet
     fake.control.preempt(res.record.node)
     st = slices.status("t-pre")
-    assert st.state == "PREEMPTED" and st.queued_state == "SUSPENDED"
+    assert st.state == "PREEMPTED" and st.queued_state == "SUSPENDING"
     assert cloud.get_node(res.record.node, api_endpoint=fake.url).state == "PREEMPTED"
     assert slices.node("t-pre").state == "PREEMPTED"
     with pytest.raises(UserError, match="PREEMPTED, not READY"):
@@ -489,3 +490,25 @@ def _raises(fn):
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return e
     return None
+
+
+def test_failed_queued_resources_hold_quota_ls_flags_them_gc_deletes_them(fake):
+    """A FAILED queued resource that is recorded still counts against quota: ls flags it, gc lists it and deletes
+    it only when confirmed (yes=True)."""
+    fake.control.stockout(ZONE, fail_after_s=0.3)
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-held", "v4-8", wait_capacity=True, timeout_s=0.1))
+    assert e.value.kind == "waiting"
+    deadline = time.monotonic() + 10
+    while live(fake)[1][0]["state"]["state"] != "FAILED":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    [row] = slices.ls()
+    assert row.holds_quota and row.queued_state == "FAILED"
+    found = slices.gc(project=PROJECT, zones=[ZONE], api_endpoint=fake.url)
+    assert [(i.kind, i.slice, i.reason) for i in found.items] == [("queued_resource", "t-held", "holds-quota (FAILED)")]
+    assert len(live(fake)[1]) == 1 and state.lookup("t-held")        # not confirmed: nothing deleted
+    done = slices.gc(yes=True, project=PROJECT, zones=[ZONE], api_endpoint=fake.url)
+    assert all(i.deleted for i in done.items) and state.lookup("t-held") is None
+    time.sleep(0.2)
+    assert live(fake) == ([], [])
