@@ -347,6 +347,10 @@ class FakeTpu:
         node = _Node(name=name, project=project, zone=zone, spec=spec, hosts=hosts, created=now, t_ready=t_ready,
                      id=next(self._ids))
         node.spec.setdefault("acceleratorConfig", {"type": api_type, "topology": topology})
+        sa = dict(node.spec.get("serviceAccount") or {})
+        if not sa.get("email"):  # the API's default: the project's default compute service account
+            sa["email"] = f"{_project_number(project)}-compute@developer.gserviceaccount.com"
+        node.spec["serviceAccount"] = sa
         if self.worker_ips:
             node.endpoints = self._endpoints(node)  # decided at creation: later /_fake/workers calls don't move it
         self.nodes[name] = node
@@ -510,6 +514,10 @@ class FakeTpu:
             if i:
                 self._consume(i)
         lro_error = late and err.rpc_status()
+        reserved = bool(reservation or (spec.get("schedulingConfig") or {}).get("reserved"))
+        if reserved and not lro_error and not any(
+                r.startswith(f"projects/{project}/locations/{zone}/reservations/") for r in self.reservations):
+            lro_error = _error_for("reserved_capacity", project, zone, {}).rpc_status()  # nothing reserved here
         creating = slow.get("creating_s", 5.0) if slow else self.config.creating_s
 
         if kind == "node":
@@ -709,6 +717,11 @@ def _stockout_message(zone: str) -> str:
     # The wording Cloud TPU uses (catalog.md, errors [18]).
     return (f"There is no more capacity in the zone \"{zone}\"; you can try in another zone where Cloud TPU Nodes "
             "are offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0xfa4e]")
+
+
+def _project_number(project: str) -> int:
+    """A stable made-up project number for a project id (the real API knows the real one)."""
+    return 100000000000 + sum((i + 1) * ord(c) for i, c in enumerate(project)) * 7919 % 900000000000
 
 
 def _region(zone: str) -> str:

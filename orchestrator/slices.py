@@ -15,7 +15,7 @@ from typing import Callable
 
 from orchestrator import catalog, cloud, state
 from orchestrator.cloud import Api, CloudError, NodeInfo
-from orchestrator.spec import (LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, check_name, check_zone,
+from orchestrator.spec import (CLOUD_PLATFORM_SCOPE, LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, check_name, check_zone,
                                owner_label)
 from orchestrator.state import SliceRecord, Worker
 
@@ -250,7 +250,10 @@ def _record(api: Api, spec: SliceSpec, zone: str, claim_id: str) -> SliceRecord:
         queued_resource=f"{api.parent(zone)}/queuedResources/{spec.name}" if spec.queued else None,
         api_endpoint=None if spec.local else api.endpoint, local=spec.local, labels=_labels(spec),
         price_per_hour=acc.price_per_hour(zone, spec.spot), spot=spec.spot, reserved=spec.reserved,
-        runtime_version=spec.runtime, status="creating", claim=claim_id)
+        runtime_version=spec.runtime, status="creating", claim=claim_id,
+        reservation=api.reservation_path(zone, spec.reservation) if spec.reservation else None,
+        external_ips=spec.external_ips, network=spec.network, subnetwork=spec.subnetwork,
+        service_account=spec.service_account, scopes=list(spec.scopes), metadata=dict(spec.metadata))
 
 
 def _save(rec: SliceRecord) -> None:
@@ -266,14 +269,18 @@ def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progr
     rec.leftovers = list(leftovers)
     labels = rec.labels
     _save(rec)  # before the create call: from here on, a crash leaves something findable by name
-    body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved, in_queue=spec.queued)
+    vm = cloud.VmConfig(external_ips=spec.external_ips, network=spec.network, subnetwork=spec.subnetwork,
+                        service_account=spec.service_account, scopes=tuple(spec.scopes),
+                        metadata=tuple(sorted(spec.metadata.items())))
+    body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved,
+                         in_queue=spec.queued, vm=vm)
     what = "queued resource" if spec.queued else "node"
     try:
         progress(f"creating {what} {spec.name} in {zone}")
         if spec.queued:
             op = api.create_queued_resource(zone, spec.name, spec.name, body, spot=spec.spot,
                                             valid_until_s=None if spec.wait_capacity else
-                                            valid_until_s(spec.capacity_wait_s))
+                                            valid_until_s(spec.capacity_wait_s), reservation=rec.reservation)
         else:
             op = api.create_node(zone, spec.name, body)
     except CloudError as e:
@@ -692,7 +699,10 @@ def spec_of(rec: SliceRecord) -> SliceSpec:
     return SliceSpec(name=rec.name, accelerator=rec.accelerator, zones=[rec.zone], project=rec.project,
                      spot=rec.spot, reserved=rec.reserved, runtime_version=rec.runtime_version or None,
                      labels=user_labels, ttl_s=ttl, queued=rec.queued_resource is not None,
-                     api_endpoint=rec.api_endpoint, local=rec.local)
+                     api_endpoint=rec.api_endpoint, local=rec.local, reservation=rec.reservation,
+                     external_ips=rec.external_ips, network=rec.network, subnetwork=rec.subnetwork,
+                     service_account=rec.service_account, scopes=list(rec.scopes) or [CLOUD_PLATFORM_SCOPE],
+                     metadata=dict(rec.metadata))
 
 
 def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | None = None) -> UpResult:

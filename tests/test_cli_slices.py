@@ -317,3 +317,17 @@ def test_logs_tail_refuses_negative_and_follow_ends_when_its_tpuctl_is_gone(env)
     res = run("logs", "lg", "--follow")                          # returns although run.json has no end
     assert time.monotonic() - t0 < 10 and res.output.splitlines()[:3] == ["[w0] one", "[w0] two", "[w0] three"]
     assert f"(pid {dead.pid}) is gone" in res.stderr
+
+
+def test_up_flags_for_network_identity_and_reservation_reach_the_request(fake):
+    fake.control.add_reservation(f"projects/{PROJECT}/locations/{ZONE}/reservations/r1")
+    run("up", "c-net", "-a", "v4-8", "--zone", ZONE, "--no-external-ips", "--network", "n1", "--subnetwork", "s1",
+        "--service-account", "sa@proj-test.iam.gserviceaccount.com", "--scopes", "cloud-platform,userinfo.email",
+        "--reservation", "r1", *api(fake))
+    body = FakeControl(fake.url).create_bodies("queuedResource")[-1]
+    node = body["tpu"]["nodeSpec"][0]["node"]
+    assert body["reservationName"] == f"projects/{PROJECT}/locations/{ZONE}/reservations/r1"
+    assert node["networkConfig"] == {"network": "n1", "subnetwork": "s1"}
+    assert node["serviceAccount"] == {"email": "sa@proj-test.iam.gserviceaccount.com", "scope": [
+        "https://www.googleapis.com/auth/cloud-platform", "https://www.googleapis.com/auth/userinfo.email"]}
+    assert json.loads(run("status", "c-net", "--json").output)["workers"][0]["external_ip"] is None
