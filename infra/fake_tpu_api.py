@@ -8,7 +8,10 @@ with the clock (no background thread: every request first advances everything to
                    DELETE -> DELETING --deleting_s--> gone
   queued resource: ACCEPTED --accept_s--> WAITING_FOR_RESOURCES --waiting_s--> PROVISIONING --(node READY)--> ACTIVE
                    stockout: stays WAITING_FOR_RESOURCES until its validUntil (or the injection's fail_after_s)
-                   passes -> FAILED (code 8); a preempted node makes it SUSPENDED; DELETE ?force -> DELETING -> gone
+                   passes -> FAILED (code 8); a preempted node (or one deleted directly) makes it SUSPENDING
+                   while the service deletes the node (DELETING), then SUSPENDED; DELETE ?force -> DELETING -> gone.
+                   FAILED and SUSPENDED ones stay (and hold quota) until deleted.
+  deleting takes deleting_s + deleting_per_host_s x worker VMs.
 
 A control API under /_fake/ (JSON; FakeControl is its client):
   GET  health | state            state: live nodes/queued resources (with `history`), `gone`, create_calls
@@ -28,12 +31,14 @@ A control API under /_fake/ (JSON; FakeControl is its client):
          rate_limit                 429 + ErrorInfo RATE_LIMIT_EXCEEDED
          unavailable | internal     503 | 500;   bad_argument {message?}   400 INVALID_ARGUMENT
          never_ready, slow {creating_s}
-  POST clear {kind?} · config {creating_s, deleting_s, accept_s, waiting_s, stockout_fail_s} · reset
+  POST clear {kind?} · config {creating_s, deleting_s, deleting_per_host_s, suspend_s, accept_s, waiting_s,
+       stockout_fail_s} · reset
   POST zones {zones: {zone: [types]}} or {zone, accelerator_types} · runtime_versions {versions}
   POST reservations {name}           a reservation that a queued resource's reservationName may name
   POST workers {ips: [...] | null}   nodes created afterwards get these IPs (ipAddress and externalIp), port 8470
   POST node_workers {node, ips}      set them on an existing node
-  POST preempt {node, state?: PREEMPTED|TERMINATED}   a READY node; its queued resource goes SUSPENDED
+  POST preempt {node, state?: PREEMPTED|TERMINATED}   a READY node; in a queued resource it goes DELETING, then
+                                     is gone, and its queued resource goes SUSPENDING, then SUSPENDED
 
 Run: python -m infra.fake_tpu_api --port 8470 [--host 127.0.0.1]    or, in tests: start_in_thread().
 """
@@ -96,7 +101,10 @@ _DEFAULT_OP = {"permission": "create", "bad_argument": "create", "stockout": "cr
 @dataclass
 class FakeConfig:
     creating_s: float = 0.3     # node CREATING -> READY
-    deleting_s: float = 0.1     # DELETING -> gone
+    deleting_s: float = 0.1     # DELETING -> gone (plus deleting_per_host_s per worker VM)
+    deleting_per_host_s: float = 0.0  # a multi-host slice takes longer to delete (minutes for the real one)
+    suspend_s: float = 0.0      # a preempted node in a queued resource stays PREEMPTED/TERMINATED this long
+                                # before the service deletes it
     accept_s: float = 0.05      # queued resource ACCEPTED -> WAITING_FOR_RESOURCES
     waiting_s: float = 0.05     # WAITING_FOR_RESOURCES -> PROVISIONING when there is capacity
     stockout_fail_s: float = 0.2  # plain-node stockout: the create LRO fails after this
@@ -179,6 +187,7 @@ class _Node(_Tracked):
     t_fail: float | None = None      # plain-node failure (stockout / async quota): removed, its LRO errors
     fail_error: dict | None = None
     t_gone: float | None = None
+    t_suspend: float | None = None   # preempted in a queued resource: the service deletes it from then on
     endpoints: list[dict] = field(default_factory=list)
     id: int = 0
 
@@ -278,7 +287,15 @@ class FakeTpu:
         if q.state == "ACTIVE":
             node = self.nodes.get(q.node or "")
             if node is not None and node.state in ("PREEMPTED", "TERMINATED"):
-                q.state, q.initiator = "SUSPENDED", "SERVICE"
+                # The service deletes a preempted queued resource's nodes: SUSPENDING while they go.
+                q.state, q.initiator = "SUSPENDING", "SERVICE"
+                node.t_suspend = now + self.config.suspend_s   # when the service starts deleting it
+        if q.state == "SUSPENDING":
+            node = self.nodes.get(q.node or "")
+            if node is not None and node.state in ("PREEMPTED", "TERMINATED") and now >= (node.t_suspend or 0):
+                node.state, node.t_gone = "DELETING", self._deleting(node, now)
+        if q.state == "SUSPENDING" and (q.node or "") not in self.nodes:
+            q.state = "SUSPENDED"
         if q.state == "DELETING" and now >= (q.t_gone or 0):
             self._gone("queuedResource", q)
 
@@ -316,6 +333,11 @@ class FakeTpu:
             op.done, op.result = True, {"response": {"@type": T_EMPTY}}
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def _deleting(self, n: _Node | None, now: float) -> float:
+        """When a node (or a queued resource with node n) that starts deleting now is gone."""
+        hosts = n.hosts if n is not None else 0
+        return now + self.config.deleting_s + self.config.deleting_per_host_s * hosts
+
     def _new_node(self, name: str, project: str, zone: str, spec: dict, now: float, t_ready: float | None) -> _Node:
         spec = {k: spec[k] for k in _NODE_SPEC_FIELDS if k in spec}
         acc = spec.get("acceleratorType") or ""
@@ -325,6 +347,10 @@ class FakeTpu:
         node = _Node(name=name, project=project, zone=zone, spec=spec, hosts=hosts, created=now, t_ready=t_ready,
                      id=next(self._ids))
         node.spec.setdefault("acceleratorConfig", {"type": api_type, "topology": topology})
+        sa = dict(node.spec.get("serviceAccount") or {})
+        if not sa.get("email"):  # the API's default: the project's default compute service account
+            sa["email"] = f"{_project_number(project)}-compute@developer.gserviceaccount.com"
+        node.spec["serviceAccount"] = sa
         if self.worker_ips:
             node.endpoints = self._endpoints(node)  # decided at creation: later /_fake/workers calls don't move it
         self.nodes[name] = node
@@ -362,7 +388,8 @@ class FakeTpu:
         d["name"] = q.name
         d["createTime"] = _rfc3339(time.time() - (time.monotonic() - q.created))
         key = {"ACCEPTED": "acceptedData", "PROVISIONING": "provisioningData", "ACTIVE": "activeData",
-               "FAILED": "failedData", "DELETING": "deletingData", "SUSPENDED": "suspendedData"}.get(q.state)
+               "FAILED": "failedData", "DELETING": "deletingData", "SUSPENDING": "suspendingData",
+               "SUSPENDED": "suspendedData"}.get(q.state)
         state = {"state": q.state, "stateInitiator": q.initiator}
         if key:
             state[key] = {"error": q.error} if q.state == "FAILED" else {}
@@ -487,6 +514,10 @@ class FakeTpu:
             if i:
                 self._consume(i)
         lro_error = late and err.rpc_status()
+        reserved = bool(reservation or (spec.get("schedulingConfig") or {}).get("reserved"))
+        if reserved and not lro_error and not any(
+                r.startswith(f"projects/{project}/locations/{zone}/reservations/") for r in self.reservations):
+            lro_error = _error_for("reserved_capacity", project, zone, {}).rpc_status()  # nothing reserved here
         creating = slow.get("creating_s", 5.0) if slow else self.config.creating_s
 
         if kind == "node":
@@ -542,11 +573,13 @@ class FakeTpu:
             n = self.nodes.get(name)
             if n is None:
                 raise ApiError(404, f"Resource '{name}' was not found")
-            if n.qr and n.qr in self.qrs and self.qrs[n.qr].state != "DELETING":
-                raise ApiError(400, f"Node {name} belongs to queued resource {n.qr}; delete the queued resource "
-                                    "(with force) instead.", status="FAILED_PRECONDITION")
+            # A node inside a queued resource may be deleted directly (Google's samples delete the node, then the
+            # queued resource); the queued resource then goes SUSPENDING -> SUSPENDED.
             if n.state != "DELETING":
-                n.state, n.t_gone = "DELETING", now + self.config.deleting_s
+                n.state, n.t_gone = "DELETING", self._deleting(n, now)
+            q = self.qrs.get(n.qr or "")
+            if q is not None and q.state in ("ACTIVE", "PROVISIONING"):
+                q.state = "SUSPENDING"
         else:
             q = self.qrs.get(name)
             if q is None:
@@ -556,9 +589,9 @@ class FakeTpu:
                 raise ApiError(400, f"Queued resource {name} has an existing node {node.name}; delete with "
                                     "force=true or delete the node first.", status="FAILED_PRECONDITION")
             if q.state != "DELETING":
-                q.state, q.t_gone, q.initiator = "DELETING", now + self.config.deleting_s, "USER"
+                q.state, q.t_gone, q.initiator = "DELETING", self._deleting(node, now), "USER"
             if node is not None and node.state != "DELETING":
-                node.state, node.t_gone = "DELETING", now + self.config.deleting_s
+                node.state, node.t_gone = "DELETING", self._deleting(node, now)
         return self.op_json(self._new_op("delete", kind, project, zone, name, now))
 
     def get_op(self, name: str) -> dict:
@@ -604,7 +637,7 @@ class FakeTpu:
         if n.state != "READY":
             raise ApiError(400, f"node {n.name} is {n.state}, only a READY node can be preempted", status="FAILED_PRECONDITION")
         n.state = to
-        self.tick()
+        self.tick()  # in a queued resource: the node goes DELETING at once, the queued resource SUSPENDING
         return self.node_json(n)
 
     def _find_node(self, node: str) -> _Node:
@@ -684,6 +717,11 @@ def _stockout_message(zone: str) -> str:
     # The wording Cloud TPU uses (catalog.md, errors [18]).
     return (f"There is no more capacity in the zone \"{zone}\"; you can try in another zone where Cloud TPU Nodes "
             "are offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0xfa4e]")
+
+
+def _project_number(project: str) -> int:
+    """A stable made-up project number for a project id (the real API knows the real one)."""
+    return 100000000000 + sum((i + 1) * ord(c) for i, c in enumerate(project)) * 7919 % 900000000000
 
 
 def _region(zone: str) -> str:
@@ -920,7 +958,8 @@ class _Handler(BaseHTTPRequestHandler):
             return {"injections": f.injections}
         if what == "config" and method == "POST":
             for k, v in body.items():
-                if k not in ("creating_s", "deleting_s", "accept_s", "waiting_s", "stockout_fail_s", "idle_timeout_s"):
+                if k not in ("creating_s", "deleting_s", "deleting_per_host_s", "suspend_s", "accept_s", "waiting_s",
+                             "stockout_fail_s", "idle_timeout_s"):
                     raise ApiError(400, f"unknown config key {k!r}")
                 setattr(f.config, k, float(v))
             return dataclasses.asdict(f.config)

@@ -140,7 +140,23 @@ def cli():
                                                      "the catalog's first zone for the accelerator.")
 @click.option("--zones", metavar="A,B,C", help="Zones to try in order: on a stockout the next one is tried.")
 @click.option("--spot", is_flag=True, default=None, help="Spot capacity: cheaper, can be preempted at any time.")
-@click.option("--reserved", is_flag=True, default=None, help="Use the project's reservation.")
+@click.option("--reserved", is_flag=True, default=None,
+              help="Consume reserved capacity (the node's schedulingConfig.reserved): the project's reservation "
+                   "that matches the accelerator and zone.")
+@click.option("--reservation", metavar="NAME", help="Consume this reservation (a name in the zone, or "
+                                                    "projects/P/locations/Z/reservations/NAME); implies --reserved. "
+                                                    "Needs a queued resource.")
+@click.option("--no-external-ips", is_flag=True, default=None,
+              help="Workers get internal IPs only (for org policies that forbid external IPs); the subnetwork "
+                   "needs Private Google Access, and `run` must reach the VPC.")
+@click.option("--network", metavar="NET", help="VPC network for the workers (default: the project's `default`).")
+@click.option("--subnetwork", metavar="SUBNET", help="Subnetwork for the workers (default: the network's own in "
+                                                      "the zone's region).")
+@click.option("--service-account", metavar="EMAIL",
+              help="The VMs' identity. Default: the project's default compute service account.")
+@click.option("--scopes", metavar="S[,S]", help="OAuth scopes for the VMs' service account, full URLs or short names "
+                                                "(default: cloud-platform, sent explicitly so the hosts can write "
+                                                "checkpoints to GCS).")
 @click.option("--runtime-version", metavar="V", help="TPU VM software version. Default per generation "
                                                       "(v4: tpu-ubuntu2204-base, v5e: v2-alpha-tpuv5-lite, ...).")
 @click.option("--labels", multiple=True, metavar="K=V[,K=V]", help="Extra labels (repeatable). tpuctl always adds "
@@ -161,7 +177,8 @@ def cli():
                    "of deleting it.")
 @click.option("--spec", "spec_file", metavar="FILE", type=click.Path(dir_okay=False),
               help="Read the slice spec from a YAML/TOML file (keys: name, accelerator, zone/zones, project, spot, "
-                   "reserved, runtime_version, labels, ttl, queued, wait_capacity, capacity_wait, timeout); "
+                   "reserved, reservation, runtime_version, labels, ttl, queued, wait_capacity, capacity_wait, "
+                   "timeout, external_ips, network, subnetwork, service_account, scopes, metadata); "
                    "flags given on the command line win.")
 @click.option("--dry-run", is_flag=True, help="Validate (also against the API) and print the plan; create nothing.")
 @click.option("--fresh-vm", is_flag=True, default=None,
@@ -171,9 +188,9 @@ def cli():
 @_json_option
 @_api_options
 @_errors
-def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labels, ttl, no_queue,
-           wait_capacity, capacity_wait, timeout, keep_on_failure, spec_file, dry_run, fresh_vm, as_json,
-           api_endpoint, local, project):
+def up_cmd(name, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, network, subnetwork,
+           service_account, scopes, runtime_version, labels, ttl, no_queue, wait_capacity, capacity_wait, timeout,
+           keep_on_failure, spec_file, dry_run, fresh_vm, as_json, api_endpoint, local, project):
     """Create a TPU slice (queued resource) and wait until it is READY.
 
     Validates everything first, prints the plan (chips, hosts, topology, HBM, list $/hour), creates, waits
@@ -181,7 +198,8 @@ def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labe
     create call never leaves an orphan: it is deleted, or kept in the local record for `tpuctl down`.
     """
     from orchestrator import slices
-    from orchestrator.spec import SliceSpec, load_slice_spec, parse_duration, parse_labels, split_zones
+    from orchestrator.spec import (SliceSpec, expand_scopes, load_slice_spec, parse_duration, parse_labels,
+                                   split_zones)
 
     spec = load_slice_spec(spec_file) if spec_file else SliceSpec(name="", accelerator="")
     if name:
@@ -201,6 +219,14 @@ def up_cmd(name, accelerator, zone, zones, spot, reserved, runtime_version, labe
             setattr(spec, attr, True)
     if no_queue:
         spec.queued = False
+    if no_external_ips:
+        spec.external_ips = False
+    for attr, value in (("reservation", reservation), ("network", network), ("subnetwork", subnetwork),
+                        ("service_account", service_account)):
+        if value:
+            setattr(spec, attr, value)
+    if scopes:
+        spec.scopes = expand_scopes([scopes])
     if runtime_version:
         spec.runtime_version = runtime_version
     if labels:
@@ -339,7 +365,7 @@ def status_cmd(name, zone, as_json, api_endpoint, local, project):
 
 
 def _ls_row(st) -> list:
-    return [st.name, st.state, st.health or "-", st.accelerator, st.zone + (" (local)" if st.local else ""),
+    return [st.name, st.state + (f" (QR {st.queued_state}: holds quota)" if st.holds_quota else ""), st.health or "-", st.accelerator, st.zone + (" (local)" if st.local else ""),
             f"{len(st.workers)}/{st.hosts}", _age(st.age_s), f"{st.price_per_hour:.2f}", f"{st.cost_so_far:.2f}"]
 
 
@@ -368,6 +394,9 @@ def ls_cmd(as_json, local, cloud, api_endpoint):
     for s in rows:
         if s.error:
             click.echo(f"note: {s.name}: {s.error}")
+        if s.holds_quota:
+            click.echo(f"note: {s.name}: its queued resource is {s.queued_state} and holds quota until it is deleted: "
+                       f"`tpuctl down {s.name}` (or `tpuctl gc --yes`)")
 
 
 # ---- gc --------------------------------------------------------------------------------------------------
@@ -381,7 +410,8 @@ def ls_cmd(as_json, local, cloud, api_endpoint):
 @_errors
 def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
     """Find tpuctl's leftovers: resources whose tpuctl-expiry label has passed, resources of yours (tpuctl-owner)
-    that the local record no longer lists, and records whose resources are gone. Lists them; --yes deletes."""
+    that the local record no longer lists, FAILED or SUSPENDED queued resources (recorded or not: they hold quota
+    until deleted), and records whose resources are gone. Lists them; --yes deletes."""
     from orchestrator import slices
     from orchestrator.spec import split_zones
     line = StatusLine(quiet=True)

@@ -88,8 +88,9 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
         from orchestrator import slices, state
         rec = state.lookup(name)
         is_local = bool(local) or (rec is not None and rec.local)
-        if rec is None and not local and not api_endpoint:
-            raise UserError(f"no slice named {name} in the local record: `tpuctl ls`, or pass --hosts IP,...")
+        if rec is None:  # run takes no --zone/--project to look further: the record is where slices are found
+            raise UserError(f"no slice named {name} in the local record: `tpuctl ls` lists them, "
+                            f"`tpuctl up {name} ...{' --local' if local else ''}` creates it, or pass --hosts IP,...")
         ws = slices.workers(name, api_endpoint=api_endpoint, local=True if is_local else None)
         if rec is not None:
             from orchestrator import catalog
@@ -222,11 +223,17 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         argv = [L.PYTHON, *command[1:]]
     else:
         argv = [L.PYTHON, "-m", "trainer", *command]
+    out = sys.stderr if as_json else sys.stdout
+    restarts_used = 0
+    if not hosts:  # preempted since the last run: the same --on-preemption policy as during a run
+        from orchestrator.supervise import Policy, recover_before_run
+        restarts_used = recover_before_run(name, policy=Policy(on_preemption=on_preemption, max_restarts=max_restarts),
+                                           api_endpoint=api_endpoint, local=local,
+                                           progress=lambda m: print(f"[tpuctl] {m}", file=out, flush=True))
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
                      ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
     argv = emulate_devices(argv, target)
     env = {**_gcs_env(argv, target), **env}
-    out = sys.stderr if as_json else sys.stdout
     bundle = install = layout = None
     if not raw:
         bundle = B.build(workdir=workdir)
@@ -241,6 +248,8 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
             target = resolve(name, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user, ssh_key=ssh_key,
                              ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
         run_dir = _home() / "runs" / name / L.new_run_id()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUNNER_PID).write_text(str(os.getpid()))  # `logs --follow` stops once this process is gone
         return run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
                        kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
                        coordinator_port=coordinator_port, heartbeat_timeout_s=heartbeat_timeout,
@@ -253,7 +262,8 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
             from orchestrator.supervise import Policy, supervise
             res = supervise(name, attempt, policy=Policy(on_preemption=on_preemption, max_restarts=max_restarts),
                             api_endpoint=api_endpoint, local=True if target.local_slice is not None else local,
-                            progress=lambda m: (print(f"[tpuctl] {m}", file=out, flush=True)))
+                            progress=lambda m: (print(f"[tpuctl] {m}", file=out, flush=True)),
+                            restarts_used=restarts_used)
     except RunFailed as e:
         res = e.result
         click.echo(f"Error: {e}", err=True)
@@ -342,7 +352,7 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 @click.option("--worker", "-w", default="all", show_default=True, help="Worker index, or all.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends (Ctrl-C to stop).")
 @click.option("--run", "run_id", help="Run id (default: the latest run of NAME).")
-@click.option("--tail", type=int, default=0, help="Only the last N lines of each host.")
+@click.option("--tail", type=click.IntRange(min=0), default=0, help="Only the last N lines of each host (0: all).")
 @_errors
 def logs(name, worker, follow, run_id, tail):
     """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]."""
@@ -381,12 +391,26 @@ def logs(name, worker, follow, run_id, tail):
         return
 
 
+RUNNER_PID = "tpuctl.pid"  # in a run's directory: the tpuctl process that runs it
+
+
 def _finished(d: Path) -> bool:
+    """The run ended: its record says so, or the tpuctl that ran it is gone (killed before it could record)."""
     try:
-        rec = json.loads((d / "run.json").read_text())
+        if "returncode" in json.loads((d / "run.json").read_text()):
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        pid = int((d / RUNNER_PID).read_text())
     except (OSError, ValueError):
         return False
-    return "returncode" in rec
+    from orchestrator.cloud import _pid_alive
+    if _pid_alive(pid):
+        return False
+    click.echo(f"[tpuctl] the tpuctl that ran {d.name} (pid {pid}) is gone without recording the end of the run",
+               err=True)
+    return True
 
 
 @click.group()

@@ -188,6 +188,18 @@ def stop_local_api() -> bool:
 
 # ---- what the API returns, as plain dataclasses ---------------------------------------------------------
 
+@dataclass(frozen=True)
+class VmConfig:
+    """The VMs' network and identity as the create request carries them. An empty service account is the API's
+    own default (the project's default compute service account); the scopes are always sent."""
+    external_ips: bool = True
+    network: str | None = None
+    subnetwork: str | None = None
+    service_account: str | None = None
+    scopes: tuple[str, ...] = ("https://www.googleapis.com/auth/cloud-platform",)
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
 @dataclass
 class NodeInfo:
     name: str                 # projects/P/locations/Z/nodes/N
@@ -200,6 +212,7 @@ class NodeInfo:
     queued_resource: str = ""
     spot: bool = False
     metadata: dict[str, str] = field(default_factory=dict)  # the VMs' metadata (ssh-keys: what the guest agent installs)
+    service_account: str = ""
 
     @property
     def zone(self) -> str:
@@ -231,7 +244,8 @@ def node_info(n: tpu_v2.Node) -> NodeInfo:
     return NodeInfo(name=n.name, state=_enum_name(n.state), health=_enum_name(n.health) if n.health else "",
                     accelerator=n.accelerator_type, runtime_version=n.runtime_version, labels=dict(n.labels),
                     workers=workers, queued_resource=n.queued_resource,
-                    spot=bool(n.scheduling_config.spot or n.scheduling_config.preemptible), metadata=dict(n.metadata))
+                    spot=bool(n.scheduling_config.spot or n.scheduling_config.preemptible),
+                    service_account=n.service_account.email, metadata=dict(n.metadata))
 
 
 def queued_info(q: tpu_v2.QueuedResource) -> QueuedInfo:
@@ -501,11 +515,23 @@ class Api:
             parent=self.parent(zone), timeout=self.call_timeout)], action="list runtime versions", zone=zone)
 
     def node_body(self, accelerator: str, runtime_version: str, labels: dict[str, str], *, spot: bool = False,
-                  reserved: bool = False, in_queue: bool = False, metadata: dict[str, str] | None = None) -> tpu_v2.Node:
+                  reserved: bool = False, in_queue: bool = False, vm: "VmConfig | None" = None) -> tpu_v2.Node:
+        """The Node a create request carries. Spot inside a queued resource is the queued resource's `spot`, not
+        the node's; `reserved` is the node's schedulingConfig.reserved in v2 (v2alpha1's guaranteed.reserved
+        does not exist there)."""
+        vm = vm or VmConfig()
         sched = tpu_v2.SchedulingConfig(spot=spot and not in_queue, reserved=reserved)
         return tpu_v2.Node(accelerator_type=accelerator, runtime_version=runtime_version, labels=labels,
-                           network_config=tpu_v2.NetworkConfig(enable_external_ips=True),
-                           scheduling_config=sched, metadata=dict(metadata or {}))
+                           network_config=tpu_v2.NetworkConfig(enable_external_ips=vm.external_ips,
+                                                               network=vm.network or "",
+                                                               subnetwork=vm.subnetwork or ""),
+                           service_account=tpu_v2.ServiceAccount(email=vm.service_account or "",
+                                                                 scope=list(vm.scopes)),
+                           metadata=dict(vm.metadata), scheduling_config=sched)
+
+    def reservation_path(self, zone: str, reservation: str) -> str:
+        """A reservation's full name: projects/P/locations/Z/reservations/R (a short name is taken as in zone)."""
+        return reservation if reservation.startswith("projects/") else f"{self.parent(zone)}/reservations/{reservation}"
 
     def create_node(self, zone: str, node_id: str, node: tpu_v2.Node):
         """Start creating a plain node; returns the google.api_core Operation."""
@@ -515,12 +541,15 @@ class Api:
                         retry=frozenset({"rate-limit"}))  # a 503 may have created it: not blindly sent again
 
     def create_queued_resource(self, zone: str, qr_id: str, node_id: str, node: tpu_v2.Node, *, spot: bool = False,
-                               valid_until_s: float | None = None):
-        """Start creating a queued resource holding one node; returns the Operation."""
+                               valid_until_s: float | None = None, reservation: str | None = None):
+        """Start creating a queued resource holding one node; returns the Operation. `reservation` (v2's
+        reservationName) consumes that reservation; the node then also carries schedulingConfig.reserved."""
         qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[
             tpu_v2.QueuedResource.Tpu.NodeSpec(parent=self.parent(zone), node_id=node_id, node=node)]))
         if spot:
             qr.spot = tpu_v2.QueuedResource.Spot()
+        if reservation:
+            qr.reservation_name = self.reservation_path(zone, reservation)
         if valid_until_s:
             qr.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(
                 valid_until_duration={"seconds": max(1, int(valid_until_s))})

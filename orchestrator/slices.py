@@ -15,7 +15,7 @@ from typing import Callable
 
 from orchestrator import catalog, cloud, state
 from orchestrator.cloud import Api, CloudError, NodeInfo
-from orchestrator.spec import (LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, check_name, check_zone,
+from orchestrator.spec import (CLOUD_PLATFORM_SCOPE, LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, check_name, check_zone,
                                owner_label)
 from orchestrator.state import SliceRecord, Worker
 
@@ -267,7 +267,10 @@ def _record(api: Api, spec: SliceSpec, zone: str, claim_id: str) -> SliceRecord:
         api_endpoint=None if spec.local else api.endpoint, local=spec.local, fresh_hosts=spec.fresh_hosts,
         labels=_labels(spec),
         price_per_hour=acc.price_per_hour(zone, spec.spot), spot=spec.spot, reserved=spec.reserved,
-        runtime_version=spec.runtime, status="creating", claim=claim_id)
+        runtime_version=spec.runtime, status="creating", claim=claim_id,
+        reservation=api.reservation_path(zone, spec.reservation) if spec.reservation else None,
+        external_ips=spec.external_ips, network=spec.network, subnetwork=spec.subnetwork,
+        service_account=spec.service_account, scopes=list(spec.scopes), metadata=dict(spec.metadata))
 
 
 def _save(rec: SliceRecord) -> None:
@@ -283,15 +286,18 @@ def _create_in_zone(api: Api, spec: SliceSpec, zone: str, deadline: float, progr
     rec.leftovers = list(leftovers)
     labels = rec.labels
     _save(rec)  # before the create call: from here on, a crash leaves something findable by name
-    body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved, in_queue=spec.queued,
-                         metadata=spec.metadata)
+    vm = cloud.VmConfig(external_ips=spec.external_ips, network=spec.network, subnetwork=spec.subnetwork,
+                        service_account=spec.service_account, scopes=tuple(spec.scopes),
+                        metadata=tuple(sorted(spec.metadata.items())))
+    body = api.node_body(acc.name, spec.runtime, labels, spot=spec.spot, reserved=spec.reserved,
+                         in_queue=spec.queued, vm=vm)
     what = "queued resource" if spec.queued else "node"
     try:
         progress(f"creating {what} {spec.name} in {zone}")
         if spec.queued:
             op = api.create_queued_resource(zone, spec.name, spec.name, body, spot=spec.spot,
                                             valid_until_s=None if spec.wait_capacity else
-                                            valid_until_s(spec.capacity_wait_s))
+                                            valid_until_s(spec.capacity_wait_s), reservation=rec.reservation)
         else:
             op = api.create_node(zone, spec.name, body)
     except CloudError as e:
@@ -629,6 +635,7 @@ class SliceStatus:
     recorded: bool = True
     note: str = ""
     error: str = ""            # why the live state could not be read
+    holds_quota: bool = False  # a FAILED or SUSPENDED queued resource: counts against quota until deleted
 
     def to_json(self) -> dict:
         from dataclasses import asdict
@@ -663,7 +670,8 @@ def _status_of(rec: SliceRecord, api: Api | None, error: str = "") -> SliceStatu
         created_at=rec.created_at, age_s=round(age, 1), price_per_hour=rec.price_per_hour,
         cost_so_far=round(rec.price_per_hour * age / 3600, 4) if n is not None else 0.0, spot=rec.spot,
         local=rec.local, node=rec.node, queued_resource=rec.queued_resource, labels=rec.labels,
-        recorded=rec.status != "unrecorded", note=rec.note, error=error)
+        recorded=rec.status != "unrecorded", note=rec.note, error=error,
+        holds_quota=bool(q and q.state in HOLDS_QUOTA))
 
 
 def status(name: str, *, project: str | None = None, zone: str | None = None, api_endpoint: str | None = None,
@@ -717,7 +725,11 @@ def spec_of(rec: SliceRecord) -> SliceSpec:
     return SliceSpec(name=rec.name, accelerator=rec.accelerator, zones=[rec.zone], project=rec.project,
                      spot=rec.spot, reserved=rec.reserved, runtime_version=rec.runtime_version or None,
                      labels=user_labels, ttl_s=ttl, queued=rec.queued_resource is not None,
-                     api_endpoint=rec.api_endpoint, local=rec.local, fresh_hosts=rec.fresh_hosts)
+                     api_endpoint=rec.api_endpoint, local=rec.local, fresh_hosts=rec.fresh_hosts,
+                     reservation=rec.reservation,
+                     external_ips=rec.external_ips, network=rec.network, subnetwork=rec.subnetwork,
+                     service_account=rec.service_account, scopes=list(rec.scopes) or [CLOUD_PLATFORM_SCOPE],
+                     metadata=dict(rec.metadata))
 
 
 def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | None = None) -> UpResult:
@@ -732,6 +744,10 @@ def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | 
     return up(spec, progress=progress)
 
 
+# FAILED and SUSPENDED queued resources keep counting against the project's TPU quota until someone deletes them.
+HOLDS_QUOTA = ("FAILED", "SUSPENDED")
+
+
 # ---- gc ------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -740,7 +756,8 @@ class GcItem:
     name: str          # full resource name (or the slice name for a record)
     slice: str
     zone: str
-    reason: str        # expired | unrecorded | gone (a record whose resources no longer exist)
+    reason: str        # expired | unrecorded | holds-quota (FAILED/SUSPENDED queued resource) | gone (a record
+                       # whose resources no longer exist)
     deleted: bool = False
     error: str = ""
 
@@ -787,7 +804,10 @@ def gc(*, yes: bool = False, project: str | None = None, zones: list[str] | None
             if getattr(res, "state", "") == "DELETING":
                 continue
             expiry = labels.get(LABEL_EXPIRY, "never")
-            if expiry.isdigit() and int(expiry) < now:
+            mine = res.name in recorded or labels.get(LABEL_OWNER) == me
+            if kind == "queued_resource" and res.state in HOLDS_QUOTA and mine:
+                items.append(GcItem(kind, res.name, labels[LABEL_NAME], zone, f"holds-quota ({res.state})"))
+            elif expiry.isdigit() and int(expiry) < now:
                 items.append(GcItem(kind, res.name, labels[LABEL_NAME], zone, "expired"))
             elif res.name not in recorded and labels.get(LABEL_OWNER) == me:
                 items.append(GcItem(kind, res.name, labels[LABEL_NAME], zone, "unrecorded"))

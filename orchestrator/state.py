@@ -47,6 +47,13 @@ class SliceRecord:
     status: str = "creating"           # creating | ready | failed (kept after a failure, for down/gc)
     note: str = ""                     # why a failed record was kept
     workers: list[Worker] = field(default_factory=list)
+    reservation: str | None = None     # the reservation it consumes (full name)
+    external_ips: bool = True
+    network: str | None = None
+    subnetwork: str | None = None
+    service_account: str | None = None  # None: the project's default compute service account
+    scopes: list[str] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)  # the VMs' metadata (public keys, never secrets)
     claim: str = ""                    # which `up` wrote it: only that process may drop or replace it
     leftovers: list[str] = field(default_factory=list)  # resources of earlier zones still being deleted
 

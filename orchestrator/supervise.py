@@ -21,7 +21,9 @@ from orchestrator.hosts import HostError
 from orchestrator.runner import PREEMPTED, RunFailed, RunResult
 from orchestrator.spec import UserError
 
-LOST = ("PREEMPTED", "TERMINATED", "GONE")  # the VMs are gone: recreate
+# The VMs are gone: recreate. Under a queued resource the service deletes a preempted node, so a node DELETING,
+# or gone with its queued resource SUSPENDING/SUSPENDED, is what a preemption looks like there.
+LOST = ("PREEMPTED", "TERMINATED", "DELETING", "SUSPENDING", "SUSPENDED", "GONE")
 HOST_LOST = {255, -1}                        # a host whose SSH connection dropped (runner, invoke)
 _STEP = re.compile(r"\bstep\s+(\d+)")
 
@@ -45,9 +47,12 @@ class Preempted(UserError):
 
 
 def node_state(name: str, *, api_endpoint: str | None = None, local: bool | None = None) -> str:
-    """READY / PREEMPTED / TERMINATED / ... or GONE when the node no longer exists."""
-    n = slices.node(name, api_endpoint=api_endpoint, local=local)
-    return "GONE" if n is None else n.state
+    """READY / PREEMPTED / TERMINATED / DELETING / ...; when the node no longer exists, its queued resource's
+    state (SUSPENDED after a preemption), or GONE."""
+    st = slices.status(name, api_endpoint=api_endpoint, local=local)
+    if st.error:
+        raise UserError(st.error)
+    return st.state
 
 
 def latest_step(run_dir: Path | None) -> int | None:
@@ -63,15 +68,46 @@ def latest_step(run_dir: Path | None) -> int | None:
     return best
 
 
+def recover_before_run(name: str, *, policy: Policy, api_endpoint: str | None = None, local: bool | None = None,
+                       progress: Callable[[str], None] = print) -> int:
+    """A slice preempted *between* runs gets the same policy as one preempted during a run: recreated (returns
+    the restarts used, 1) or, with --on-preemption fail, a Preempted error. 0 when it is not lost."""
+    try:
+        st = node_state(name, api_endpoint=api_endpoint, local=local)
+    except UserError:
+        return 0  # no record or no answer: resolving the workers says what is wrong
+    if st not in LOST:
+        return 0
+    what = f"{name}'s VMs were {_verb(st)} before this run"
+    if policy.on_preemption == "fail" or policy.max_restarts < 1:
+        why = "--on-preemption fail" if policy.on_preemption == "fail" else "--max-restarts 0"
+        raise Preempted(f"{what} ({why}): `tpuctl down {name}` and `tpuctl up {name} ...` again, then rerun, or "
+                        "pass --on-preemption recreate")
+    progress(f"{what}; recreating {name} (1/{policy.max_restarts})")
+    _recreate(name, st, local, progress)
+    progress(f"{name} is READY again; running")
+    return 1
+
+
+def _recreate(name: str, st: str, local: bool | None, progress: Callable[[str], None]) -> None:
+    if _is_local(name, local):  # a real preemption's VMs are dead: so must the local hosts be
+        from infra.local_slice import LocalSlice
+        LocalSlice.stop_by_name(name)
+    try:
+        slices.recreate(name, progress=progress)
+    except UserError as e:
+        raise UserError(f"{name} was {_verb(st)} and recreating it failed: {e}") from None
+
+
 def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy | None = None,
               api_endpoint: str | None = None, local: bool | None = None,
-              progress: Callable[[str], None] = print) -> RunResult:
+              progress: Callable[[str], None] = print, restarts_used: int = 0) -> RunResult:
     """run_once(attempt) runs the command on NAME's current workers (attempt 0 first; later attempts must
     re-read the workers and SSH settings, the slice being new). Returns the successful RunResult; raises
     the run's own error (RunFailed, HostError, UserError) when the slice is still READY, Preempted when the
     slice is lost and the policy or the restart budget says stop. Ctrl-C propagates as it is."""
     policy = policy or Policy()
-    restarts = 0
+    restarts = restarts_used
     while True:
         watch = _LocalWatch(name, policy.poll_s, progress) if local else None
         try:
@@ -101,18 +137,13 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
                             "raise --max-restarts") from None
         restarts += 1
         progress(f"{what}; recreating {name} ({restarts}/{policy.max_restarts})")
-        if _is_local(name, local):  # a real preemption's VMs are dead: so must the local hosts be
-            from infra.local_slice import LocalSlice
-            LocalSlice.stop_by_name(name)
-        try:
-            slices.recreate(name, progress=progress)
-        except UserError as e:
-            raise UserError(f"{name} was {_verb(st)} and recreating it failed: {e}") from None
+        _recreate(name, st, local, progress)
         progress(f"{name} is READY again; relaunching (attempt {restarts + 1})")
 
 
 def _verb(state: str) -> str:
-    return {"GONE": "deleted"}.get(state, state.lower())
+    return {"GONE": "deleted"}.get(state, "preempted" if state in ("DELETING", "SUSPENDING", "SUSPENDED")
+                                    else state.lower())
 
 
 def _is_local(name: str, local: bool | None) -> bool:

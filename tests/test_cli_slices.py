@@ -295,3 +295,39 @@ def test_a_state_file_that_lacks_fields_is_one_line(fake):
     state.state_path().write_text(json.dumps({"version": 1, "slices": {"a": {"name": "a", "zone": ZONE}}}))
     res = run("ls", ok=False)
     assert res.exit_code == 1 and "is damaged (slice 'a' lacks project, accelerator, node)" in error_line(res)
+
+
+def _fake_run(home: Path, name: str, pid: int, lines: list[str]) -> Path:
+    d = home / "runs" / name / "20260101-000000-abcdef"
+    d.mkdir(parents=True)
+    (d / "w0.log").write_text("".join(f"{x}\n" for x in lines))
+    (d / "run.json").write_text(json.dumps({"run_id": d.name, "started": time.time()}))  # no returncode: killed
+    (d / "tpuctl.pid").write_text(str(pid))
+    return d
+
+
+def test_logs_tail_refuses_negative_and_follow_ends_when_its_tpuctl_is_gone(env):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _fake_run(state.home(), "lg", dead.pid, ["one", "two", "three"])
+    res = run("logs", "lg", "--tail", "-1", ok=False)
+    assert res.exit_code == 2 and "-1 is not in the range x>=0" in res.output
+    assert run("logs", "lg", "--tail", "2").output.splitlines() == ["[w0] two", "[w0] three"]
+    t0 = time.monotonic()
+    res = run("logs", "lg", "--follow")                          # returns although run.json has no end
+    assert time.monotonic() - t0 < 10 and res.output.splitlines()[:3] == ["[w0] one", "[w0] two", "[w0] three"]
+    assert f"(pid {dead.pid}) is gone" in res.stderr
+
+
+def test_up_flags_for_network_identity_and_reservation_reach_the_request(fake):
+    fake.control.add_reservation(f"projects/{PROJECT}/locations/{ZONE}/reservations/r1")
+    run("up", "c-net", "-a", "v4-8", "--zone", ZONE, "--no-external-ips", "--network", "n1", "--subnetwork", "s1",
+        "--service-account", "sa@proj-test.iam.gserviceaccount.com", "--scopes", "cloud-platform,userinfo.email",
+        "--reservation", "r1", *api(fake))
+    body = FakeControl(fake.url).create_bodies("queuedResource")[-1]
+    node = body["tpu"]["nodeSpec"][0]["node"]
+    assert body["reservationName"] == f"projects/{PROJECT}/locations/{ZONE}/reservations/r1"
+    assert node["networkConfig"] == {"network": "n1", "subnetwork": "s1"}
+    assert node["serviceAccount"] == {"email": "sa@proj-test.iam.gserviceaccount.com", "scope": [
+        "https://www.googleapis.com/auth/cloud-platform", "https://www.googleapis.com/auth/userinfo.email"]}
+    assert json.loads(run("status", "c-net", "--json").output)["workers"][0]["external_ip"] is None

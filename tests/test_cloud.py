@@ -228,9 +228,10 @@ def test_down_twice_unknown_and_failed_queued_resource(fake):
 def test_down_unrecorded_by_zone_and_preempted(fake):
     """down finds a slice by name in a zone even without a record, and works on PREEMPTED/SUSPENDED."""
     res = slices.up(make_spec(fake, "t-pre", spot=True))
+    fake.control.config(suspend_s=60)     # the service has not begun deleting the preempted node yet
     fake.control.preempt(res.record.node)
     st = slices.status("t-pre")
-    assert st.state == "PREEMPTED" and st.queued_state == "SUSPENDED"
+    assert st.state == "PREEMPTED" and st.queued_state == "SUSPENDING"
     assert cloud.get_node(res.record.node, api_endpoint=fake.url).state == "PREEMPTED"
     assert slices.node("t-pre").state == "PREEMPTED"
     with pytest.raises(UserError, match="PREEMPTED, not READY"):
@@ -489,3 +490,84 @@ def _raises(fn):
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return e
     return None
+
+
+def test_failed_queued_resources_hold_quota_ls_flags_them_gc_deletes_them(fake):
+    """A FAILED queued resource that is recorded still counts against quota: ls flags it, gc lists it and deletes
+    it only when confirmed (yes=True)."""
+    fake.control.stockout(ZONE, fail_after_s=0.3)
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-held", "v4-8", wait_capacity=True, timeout_s=0.1))
+    assert e.value.kind == "waiting"
+    deadline = time.monotonic() + 10
+    while live(fake)[1][0]["state"]["state"] != "FAILED":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    [row] = slices.ls()
+    assert row.holds_quota and row.queued_state == "FAILED"
+    found = slices.gc(project=PROJECT, zones=[ZONE], api_endpoint=fake.url)
+    assert [(i.kind, i.slice, i.reason) for i in found.items] == [("queued_resource", "t-held", "holds-quota (FAILED)")]
+    assert len(live(fake)[1]) == 1 and state.lookup("t-held")        # not confirmed: nothing deleted
+    done = slices.gc(yes=True, project=PROJECT, zones=[ZONE], api_endpoint=fake.url)
+    assert all(i.deleted for i in done.items) and state.lookup("t-held") is None
+    time.sleep(0.2)
+    assert live(fake) == ([], [])
+
+
+# ---- reservations, and the VMs' network and identity, as the create request carries them ------------------
+
+def _body(fake, kind="queuedResource"):
+    return fake.control.create_bodies(kind)[-1]
+
+
+def test_reservation_by_name_not_found_then_consumed(fake):
+    res = f"projects/{PROJECT}/locations/{ZONE}/reservations/team-res"
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-res", "v4-8", reservation="team-res"))
+    assert e.value.kind == "reservation" and e.value.action == cloud.STOP
+    assert f"reservation not found: {res} does not exist in {ZONE}" in str(e.value)
+    assert live(fake) == ([], []) and state.records() == {}
+    fake.control.add_reservation(res)
+    up = slices.up(make_spec(fake, "t-res", "v4-8", reservation="team-res"))
+    body = _body(fake)
+    # v2: reservationName on the queued resource and schedulingConfig.reserved on its node; v2alpha1's
+    # guaranteed.reserved is not a v2 field (the stand-in refuses it as the API's parser does)
+    assert body["reservationName"] == res and "guaranteed" not in body
+    assert body["tpu"]["nodeSpec"][0]["node"]["schedulingConfig"] == {"reserved": True}
+    assert up.record.reserved and up.record.reservation == res
+    assert slices.spec_of(state.lookup("t-res")).reservation == res       # a recreate consumes it again
+
+
+def test_reserved_without_a_reservation_in_the_zone_moves_on(fake):
+    fake.control.add_reservation(f"projects/{PROJECT}/locations/us-west4-a/reservations/r1")
+    res = slices.up(make_spec(fake, "t-rz", "v5litepod-4", zones=TWO, reserved=True, queued=False))
+    assert res.record.zone == "us-west4-a" and res.attempts[0].status == "FAILED_PRECONDITION"
+    assert _body(fake, "node")["schedulingConfig"] == {"reserved": True}
+    with pytest.raises(UserError, match="--reservation needs a queued resource"):
+        slices.up(make_spec(fake, "t-rz2", "v4-8", reservation="r1", queued=False))
+
+
+def test_create_request_carries_identity_network_and_metadata(fake):
+    slices.up(make_spec(fake, "t-vm", "v4-8"))
+    body = _body(fake)["tpu"]["nodeSpec"][0]["node"]
+    # by default the cloud-platform scope is sent explicitly; the email is left to the API, which uses the
+    # project's default compute service account
+    assert body["serviceAccount"] == {"scope": ["https://www.googleapis.com/auth/cloud-platform"]}
+    assert body["networkConfig"] == {"enableExternalIps": True}
+    assert slices.node("t-vm").service_account.endswith("-compute@developer.gserviceaccount.com")
+
+    keys = "alice:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyForTests alice"
+    spec = make_spec(fake, "t-vm2", "v4-16", external_ips=False, network="train-net", subnetwork="train-sub",
+                     service_account="trainer@proj-test.iam.gserviceaccount.com",
+                     scopes=["https://www.googleapis.com/auth/devstorage.read_write"], metadata={"ssh-keys": keys})
+    rec = slices.up(spec).record
+    body = _body(fake)["tpu"]["nodeSpec"][0]["node"]
+    assert body["serviceAccount"] == {"email": "trainer@proj-test.iam.gserviceaccount.com",
+                                      "scope": ["https://www.googleapis.com/auth/devstorage.read_write"]}
+    assert body["networkConfig"] == {"network": "train-net", "subnetwork": "train-sub"}  # enableExternalIps false
+    assert body["metadata"] == {"ssh-keys": keys}
+    assert all(w.external_ip is None and w.internal_ip.startswith("10.") for w in rec.workers) and len(rec.workers) == 2
+    again = slices.spec_of(state.lookup("t-vm2"))
+    assert (again.external_ips, again.network, again.metadata) == (False, "train-net", {"ssh-keys": keys})
+    with pytest.raises(UserError, match="invalid --service-account"):
+        slices.up(make_spec(fake, "t-vm3", "v4-8", service_account="not an email"))

@@ -85,12 +85,23 @@ def test_queued_resource_lifecycle_delete_needs_force(fk, client):
     assert node.queued_resource == r.name
     with pytest.raises(gexc.BadRequest, match="force"):  # FAILED_PRECONDITION over REST is a 400
         client.delete_queued_resource(request={"name": r.name})
-    with pytest.raises(gexc.BadRequest, match="queued resource"):
-        client.delete_node(name=node.name)
     client.delete_queued_resource(request={"name": r.name, "force": True}).result(timeout=10)
     st = fk.control.state()
     assert st["nodes"] == [] and st["queued_resources"] == []
     assert st["delete_calls"][-1] == {**st["delete_calls"][-1], "kind": "queuedResource", "force": True}
+
+
+def test_a_node_in_a_queued_resource_can_be_deleted_directly_and_deletes_take_longer_per_host(fk, client):
+    """Google's samples delete the node, then its queued resource."""
+    fk.control.config(creating_s=0.05, deleting_s=0.1, deleting_per_host_s=0.2)
+    client.create_queued_resource(parent=P, queued_resource_id="d1", queued_resource=_qr("d1", _node("v4-32")),
+                                  ).result(timeout=10)
+    _states_until(lambda: client.get_queued_resource(name=f"{P}/queuedResources/d1").state.state.name, {"ACTIVE"})
+    t0 = time.monotonic()
+    client.delete_node(name=f"{P}/nodes/d1").result(timeout=10)      # 4 workers: 0.1 + 4 x 0.2 s
+    assert time.monotonic() - t0 >= 0.85
+    assert client.get_queued_resource(name=f"{P}/queuedResources/d1").state.state.name == "SUSPENDED"
+    client.delete_queued_resource(request={"name": f"{P}/queuedResources/d1"}).result(timeout=10)
 
 
 def test_stockout_queued_waits_then_fails_or_provisions(fk, client):
@@ -236,11 +247,20 @@ def test_preemption_slow_and_never_ready(fk, client):
         "p1", _node(), spot=tpu_v2.QueuedResource.Spot())).result(timeout=10)
     _states_until(lambda: client.get_queued_resource(name=f"{P}/queuedResources/p1").state.state.name, {"ACTIVE"})
     assert client.get_node(name=f"{P}/nodes/p1").scheduling_config.spot
+    fk.control.config(deleting_s=0.3)
     fk.control.preempt("p1")  # short names work when unique
-    assert client.get_node(name=f"{P}/nodes/p1").state.name == "PREEMPTED"
-    assert client.get_queued_resource(name=f"{P}/queuedResources/p1").state.state.name == "SUSPENDED"
+    # under a queued resource the service deletes the preempted node: DELETING, then gone; SUSPENDING, SUSPENDED
+    assert client.get_node(name=f"{P}/nodes/p1").state.name == "DELETING"
+    assert client.get_queued_resource(name=f"{P}/queuedResources/p1").state.state.name == "SUSPENDING"
     with pytest.raises(RuntimeError, match="only a READY node"):
         fk.control.preempt("p1")
+    _states_until(lambda: client.get_queued_resource(name=f"{P}/queuedResources/p1").state.state.name,
+                  {"SUSPENDED"})
+    with pytest.raises(gexc.NotFound):
+        client.get_node(name=f"{P}/nodes/p1")
+    gone = [g for g in fk.control.state()["gone"] if g["name"].endswith("/nodes/p1")]
+    assert gone[0]["history"] == ["CREATING", "READY", "PREEMPTED", "DELETING"]
+    client.delete_queued_resource(request={"name": f"{P}/queuedResources/p1"}).result(timeout=10)  # no node: no force
 
     fk.control.inject("never_ready", accelerator="v4-8", times=1)
     fk.control.inject("slow", accelerator="v4-32", creating_s=60, times=1)

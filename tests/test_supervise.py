@@ -153,10 +153,31 @@ def test_max_restarts_bounds_the_recreations(env, marker):
     environ, ctl = env
     node = _up("sup-d", environ)
     p, out = _run_until_ready("sup-d", environ, _second_attempt_cmd(marker), ["--max-restarts", "0"])
+    ctl.config(suspend_s=60)  # the service has not started deleting the terminated node yet
     try:
         ctl.preempt(node, "TERMINATED")
     finally:
         rc, text = _finish(p, out)
+        ctl.config(suspend_s=0)
     assert rc == 1, text
     assert "was terminated; not recreating sup-d: 0 restart(s) used of --max-restarts 0" in text, text
     assert "second attempt" not in text and _creates(ctl, node) == 1
+
+
+def test_a_slice_preempted_between_runs_is_recreated_by_the_next_run(env):
+    """Under a queued resource: QR SUSPENDING -> SUSPENDED, node DELETING -> gone; `run` recreates and goes on."""
+    environ, ctl = env
+    node = _up("sup-e", environ)
+    ctl.preempt(node)
+    for _ in range(200):
+        s = ctl.state()
+        if not any(n["name"] == node for n in s["nodes"]):
+            break
+    qr = [q for q in ctl.state()["queued_resources"] if q["name"].endswith("/sup-e")][0]
+    assert qr["state"]["state"] == "SUSPENDED" and qr["history"][-2:] == ["SUSPENDING", "SUSPENDED"]
+    assert [g["history"] for g in ctl.state()["gone"] if g["name"] == node][-1][-2:] == ["PREEMPTED", "DELETING"]
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli_run", "run", "sup-e", "--local", "--raw", "--",
+                        "echo", "after"], capture_output=True, text=True, timeout=120, env=environ)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "sup-e's VMs were preempted before this run; recreating sup-e (1/3)" in r.stdout + r.stderr
+    assert (r.stdout + r.stderr).count("] after") == 2 and _creates(ctl, node) == 2
