@@ -36,7 +36,7 @@ A control API under /_fake/ (JSON; FakeControl is its client):
   POST zones {zones: {zone: [types]}} or {zone, accelerator_types} · runtime_versions {versions}
   POST reservations {name}           a reservation that a queued resource's reservationName may name
   POST workers {ips: [...] | null}   nodes created afterwards get these IPs (ipAddress and externalIp), port 8470
-  POST node_workers {node, ips}      set them on an existing node
+  POST node_workers {node, ips, external?}  set them on an existing node (external: other external IPs)
   POST preempt {node, state?: PREEMPTED|TERMINATED}   a READY node; in a queued resource it goes DELETING, then
                                      is gone, and its queued resource goes SUSPENDING, then SUSPENDED
 
@@ -356,12 +356,14 @@ class FakeTpu:
         self.nodes[name] = node
         return node
 
-    def _endpoints(self, n: _Node) -> list[dict]:
+    def _endpoints(self, n: _Node, external_ips: list[str] | None = None) -> list[dict]:
         external = (n.spec.get("networkConfig") or {}).get("enableExternalIps", False)  # proto3: absent = false
         out = []
         for i in range(n.hosts):
             if self.worker_ips and i < len(self.worker_ips):
                 internal = ext = self.worker_ips[i]
+                if external_ips and i < len(external_ips):
+                    ext = external_ips[i]
             else:
                 a, b = (n.id // 250) % 250, n.id % 250
                 internal, ext = f"10.{a}.{b}.{i + 2}", f"34.{a}.{b}.{i + 2}"
@@ -648,11 +650,11 @@ class FakeTpu:
             raise ApiError(404, f"no node named {node!r} (or several: give the full name)")
         return matches[0]
 
-    def set_node_workers(self, node: str, ips: list[str]) -> dict:
+    def set_node_workers(self, node: str, ips: list[str], external: list[str] | None = None) -> dict:
         n = self._find_node(node)
         saved, self.worker_ips = self.worker_ips, list(ips)
         try:
-            n.endpoints = self._endpoints(n)
+            n.endpoints = self._endpoints(n, external)
         finally:
             self.worker_ips = saved
         return self.node_json(n)
@@ -980,7 +982,7 @@ class _Handler(BaseHTTPRequestHandler):
             f.worker_ips = list(ips) if ips else None
             return {"ips": f.worker_ips}
         if what == "node_workers" and method == "POST":
-            return f.set_node_workers(body["node"], body.get("ips") or [])
+            return f.set_node_workers(body["node"], body.get("ips") or [], body.get("external"))
         if what == "preempt" and method == "POST":
             return f.preempt(body["node"], body.get("state", "PREEMPTED"))
         if what == "reset" and method == "POST":
@@ -1096,8 +1098,9 @@ class FakeControl:
     def set_workers(self, ips: list[str] | None) -> dict:
         return self.call("POST", "workers", {"ips": ips})
 
-    def set_node_workers(self, node: str, ips: list[str]) -> dict:
-        return self.call("POST", "node_workers", {"node": node, "ips": ips})
+    def set_node_workers(self, node: str, ips: list[str], external: list[str] | None = None) -> dict:
+        """The node's workers: internal IPs (and, where it has external IPs, these instead of the same ones)."""
+        return self.call("POST", "node_workers", {"node": node, "ips": ips, **({"external": external} if external else {})})
 
     def preempt(self, node: str, state: str = "PREEMPTED") -> dict:
         return self.call("POST", "preempt", {"node": node, "state": state})

@@ -25,6 +25,7 @@ from _local_hosts import cmdline, host_processes, ssh, ssh_config, start, wait_i
 from infra import gcs
 from orchestrator import bundle as B
 from orchestrator import cli_run
+from orchestrator.cli import cli as cli_main
 from orchestrator.runner import RunFailed, local_install, run_job
 
 pytestmark = needs_hosts
@@ -277,11 +278,9 @@ def test_run_refuses_bad_input_before_touching_a_host(sl, tmp_path, monkeypatch)
     assert not (tmp_path / "home" / "runs").exists()
 
 
-def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
-    """`tpuctl up --local` starts the slice's hosts (real sshd) and the TPU API stand-in reports them as its
-    workers; `run NAME --local` finds them by name, with SSH settings from the local slice's record; `down`
-    stops the hosts."""
-    from infra.local_slice import LocalSlice
+@pytest.fixture
+def api_home(tmp_path, monkeypatch):
+    """A TPUCTL_HOME of its own with the local TPU API stand-in running (stopped, with the GCS emulator, after)."""
     from orchestrator import cloud
     home = tmp_path / "home"
     monkeypatch.setenv("TPUCTL_HOME", str(home))
@@ -291,11 +290,31 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     cloud.local_api_url()
     info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
+    yield home, info["url"]
+    gcs.stop(home)
+    os.kill(info["pid"], signal.SIGKILL)
+    try:
+        os.waitpid(info["pid"], 0)
+    except ChildProcessError:
+        pass
+
+
+def _up(*args) -> subprocess.CompletedProcess:
+    up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", *args], capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ))
+    assert up.returncode == 0, up.stderr
+    return up
+
+
+def test_run_by_slice_name_through_the_tpu_api_stand_in(api_home):
+    """`tpuctl up --local` starts the slice's hosts (real sshd) and the TPU API stand-in reports them as its
+    workers; `run NAME --local` finds them by name, with SSH settings from the local slice's record; `down`
+    stops the hosts."""
+    from infra.local_slice import LocalSlice
+    home, _ = api_home
     s = None
     try:
-        up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "byname", "--local", "-a", "v4-16"],
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ))
-        assert up.returncode == 0, up.stderr
+        _up("byname", "--local", "-a", "v4-16")
         s = LocalSlice.load("byname")
         assert s is not None and all(s.alive()) and len(s.hosts) == 2
         res = CliRunner().invoke(cli_run.ssh, ["byname", "--local", "--worker", "all", "--", "hostname"])
@@ -319,12 +338,37 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(tmp_path, monkeypatch):
     finally:
         if s is not None:
             s.stop()
-        gcs.stop(home)
-        os.kill(info["pid"], signal.SIGKILL)
-        try:
-            os.waitpid(info["pid"], 0)
-        except ChildProcessError:
-            pass
+
+
+def test_workers_without_external_ips_are_reached_on_their_internal_ones(api_home):
+    """`up --no-external-ips`: the workers report no external IP and `run` goes to the internal one. Where the
+    external IPs are not reachable from here (this machine is inside the VPC), --internal-ip says so."""
+    from infra.fake_tpu_api import FakeControl
+    from infra.local_slice import LocalSlice
+    from orchestrator import state
+    home, url = api_home
+    made = []
+    try:
+        _up("noext", "--local", "-a", "v4-16", "--no-external-ips")
+        made.append(LocalSlice.load("noext"))
+        st = json.loads(CliRunner().invoke(cli_main, ["status", "noext", "--json"]).stdout)
+        assert [w["external_ip"] for w in st["workers"]] == [None, None]
+        res = CliRunner().invoke(cli_run.run, ["noext", "--local", "--raw", "--", "hostname"])
+        assert res.exit_code == 0, res.output
+        assert sorted(l for l in res.output.splitlines() if l.startswith("[w")) == ["[w0] noext-w0", "[w1] noext-w1"]
+
+        _up("ext", "--local", "-a", "v4-16")
+        made.append(sl := LocalSlice.load("ext"))
+        unreachable = ["127.0.99.1", "127.0.99.2"]  # what the API reports as external: nothing listens there
+        FakeControl(url).set_node_workers(state.lookup("ext").node, [h.ip for h in sl.hosts], external=unreachable)
+        res = CliRunner().invoke(cli_run.run, ["ext", "--local", "--raw", "--ssh-wait", "1", "--", "hostname"])
+        assert res.exit_code == 1 and "w0 (127.0.99.1): unreachable over SSH" in res.output, res.output
+        res = CliRunner().invoke(cli_run.run, ["ext", "--local", "--raw", "--internal-ip", "--", "hostname"])
+        assert res.exit_code == 0 and "[w1] ext-w1" in res.output, res.output
+    finally:
+        for s in made:
+            if s is not None:
+                s.stop()
 
 
 def test_a_taken_coordinator_port_is_a_preflight_error_not_a_crash(sl, tmp_path, clean):
