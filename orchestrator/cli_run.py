@@ -253,7 +253,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         return run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
                        kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
                        coordinator_port=coordinator_port, heartbeat_timeout_s=heartbeat_timeout,
-                       init_timeout_s=init_timeout, run_id=run_dir.name, out=out)
+                       init_timeout_s=init_timeout, run_id=run_dir.name, out=out, report_failure=bool(hosts))
 
     try:
         if hosts:  # no slice to ask about or recreate
@@ -264,8 +264,10 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
                             api_endpoint=api_endpoint, local=True if target.local_slice is not None else local,
                             progress=lambda m: (print(f"[tpuctl] {m}", file=out, flush=True)),
                             restarts_used=restarts_used)
-    except RunFailed as e:
+    except RunFailed as e:  # not a preemption (that is recreated, or raised as Preempted)
         res = e.result
+        if res.report and not hosts:
+            click.echo(res.report, file=out)
         click.echo(f"Error: {e}", err=True)
     except KeyboardInterrupt:  # outside a run (recreating, asking the API): up/down clean up after themselves
         click.echo("Error: interrupted", err=True)
@@ -273,7 +275,9 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     if as_json:
         click.echo(json.dumps({"name": name, "run_id": res.run_id, "run_dir": str(res.run_dir),
                                "returncode": res.returncode, "exit_codes": res.exit_codes,
-                               "failed_worker": res.failed_worker, "push": res.push, "timings": res.timings}))
+                               "failed_worker": res.failed_worker, "push": res.push, "timings": res.timings,
+                               "attempts": res.attempts,
+                               "steps_redone": sum(a.get("steps_redone", 0) for a in res.attempts)}))
     elif res.ok:
         click.echo(f"[tpuctl] done on {len(target.workers)} host(s) in {res.timings.get('total_s', 0):.1f} s; "
                    f"logs: {res.run_dir}", file=out)

@@ -35,6 +35,8 @@ class RunResult:
     push: dict[int, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     interrupted: bool = False
+    report: str = ""      # each host's last lines and the FAILED line, when the run failed
+    attempts: list[dict] = field(default_factory=list)  # across preemptions (supervise): one summary each
 
     @property
     def ok(self) -> bool:
@@ -101,11 +103,12 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
             init_timeout_s: int = 60, distributed: bool = True, run_id: str | None = None,
             out: TextIO | None = None, tail_lines: int = 30, stop_grace_s: float = 10.0,
             fail_grace_s: float = 2.0, preempt_grace_s: float = 120.0,
-            layout: L.HostLayout | None = None) -> RunResult:
+            layout: L.HostLayout | None = None, report_failure: bool = True) -> RunResult:
     """Run argv on every worker at once; argv[0] == "python" is the bundle's Python (needs `bundle`).
 
     secret_env holds values (read from the user's environment by the caller); they reach the hosts only
-    through stdin and are masked in the output. Raises RunFailed (with .result) when a host fails or the
+    through stdin and are masked in the output. report_failure=False keeps a failed run's host tails out of
+    `out` (in RunResult.report): a caller that may find the VMs were preempted prints them only if not. Raises RunFailed (with .result) when a host fails or the
     run is interrupted, HostError when preflight or push fails (nothing was started then).
     """
     out = out or sys.stdout
@@ -154,7 +157,7 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
         wrap = hosts.helpers[L.HOSTWRAP]
         cmds = [_command(spec, workers, i, lay, probes[i], bundle, wrap) for i in range(len(workers))]
         result = _watch(hosts, spec, cmds, probes, run_dir, out, secret_env, tail_lines, fail_grace_s,
-                        preempt_grace_s, t0, timings, say)
+                        preempt_grace_s, t0, timings, say, report_failure)
         result.push = pushed
     except BaseException:
         record["returncode"] = None
@@ -212,7 +215,7 @@ def _command(spec: L.LaunchSpec, workers: list[L.Worker], i: int, lay: L.HostLay
 
 def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe], run_dir: Path,
            out: TextIO, secret_env: dict, tail_lines: int, fail_grace_s: float, preempt_grace_s: float,
-           t0: float, timings: dict, say) -> RunResult:
+           t0: float, timings: dict, say, report_failure: bool = True) -> RunResult:
     n = len(cmds)
     lock = threading.Lock()
     first: dict[int, float] = {}
@@ -264,7 +267,9 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
                     say(f"w{i} stopped on a preemption notice; waiting for the other hosts to save")
                     deadline = time.monotonic() + preempt_grace_s
                 elif others:
-                    say(f"w{i} failed ({_describe(rc)}): stopping {', '.join(f'w{j}' for j in others)}")
+                    # A dropped SSH connection may be a preempted VM, not a failure: the caller tells which.
+                    what = "lost its SSH connection" if rc in (255, -1) else f"failed ({_describe(rc)})"
+                    say(f"w{i} {what}: stopping {', '.join(f'w{j}' for j in others)}")
                     stopped = True
                     stop_all(fail_grace_s, others)
     except KeyboardInterrupt:
@@ -290,20 +295,26 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
         rc_all = codes[failed] or 1
     else:
         rc_all = 0
+    report = []
     if rc_all != 0:
         for i, s in enumerate(streams):
-            with lock:
-                out.write(f"---- w{i} ({hosts.workers[i].address}): {_describe(codes[i])}, "
-                          f"last {len(s.tail)} lines ----\n")
-                out.writelines(f"[w{i}] {line}\n" for line in s.tail)
+            report.append(f"---- w{i} ({hosts.workers[i].address}): {_describe(codes[i])}, "
+                          f"last {len(s.tail)} lines ----")
+            report += [f"[w{i}] {line}" for line in s.tail]
         if all_preempted(codes):
-            say(f"preempted: every host saved a checkpoint (exit {PREEMPTED}); run again to resume; logs in {run_dir}")
+            report.append(f"[tpuctl] preempted: every host saved a checkpoint (exit {PREEMPTED}); run again to "
+                          f"resume; logs in {run_dir}")
         elif failed is not None and not interrupted:
             w = hosts.workers[failed]
-            say(f"FAILED: worker {w.name} ({w.address}) {_describe(codes[failed])}; logs in {run_dir}")
-        out.flush()
+            report.append(f"[tpuctl] FAILED: worker {w.name} ({w.address}) {_describe(codes[failed])}; "
+                          f"logs in {run_dir}")
+        if report_failure:
+            with lock:
+                out.writelines(line + "\n" for line in report)
+                out.flush()
     return RunResult(run_id=spec.run_id, run_dir=run_dir, returncode=rc_all, exit_codes=codes,
-                     failed_worker=None if interrupted else failed, timings=timings, interrupted=interrupted)
+                     failed_worker=None if interrupted else failed, timings=timings, interrupted=interrupted,
+                     report="\n".join(report))
 
 
 def _write_json(path: Path, obj: dict) -> None:

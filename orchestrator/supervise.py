@@ -26,6 +26,7 @@ from orchestrator.spec import UserError
 LOST = ("PREEMPTED", "TERMINATED", "DELETING", "SUSPENDING", "SUSPENDED", "GONE")
 HOST_LOST = {255, -1}                        # a host whose SSH connection dropped (runner, invoke)
 _STEP = re.compile(r"\bstep\s+(\d+)")
+_START = re.compile(r"resuming from step (\d+)|(starting from scratch)")
 
 
 @dataclass
@@ -68,6 +69,38 @@ def latest_step(run_dir: Path | None) -> int | None:
     return best
 
 
+def resumed_from(run_dir: Path | None) -> int | None:
+    """The step the trainer of this run started from (0: from scratch), as process 0 printed it."""
+    try:
+        m = _START.search((Path(run_dir) / "w0.log").read_text(errors="replace")) if run_dir else None
+    except OSError:
+        return None
+    return None if m is None else int(m.group(1) or 0)
+
+
+def summarize(attempts: list[dict]) -> str:
+    """One line: how many preemptions, where each attempt resumed, and the steps done twice."""
+    lost = [a for a in attempts if a["outcome"] == "preempted"]
+    if not lost:
+        return ""
+    parts = []
+    for prev, nxt in zip(attempts, attempts[1:]):
+        if prev["outcome"] == "preempted":
+            parts.append(f"lost at step {prev['last_step']}, resumed from step {nxt['resumed_from']}")
+    redone = sum(a.get("steps_redone", 0) for a in attempts)
+    return f"{len(lost)} preemption(s): " + "; ".join(parts) + f"; {redone} step(s) redone"
+
+
+def _attempt(n: int, result: RunResult | None, outcome: str, before: dict | None) -> dict:
+    run_dir = result.run_dir if result else None
+    a = {"attempt": n + 1, "run_id": result.run_id if result else None, "outcome": outcome,
+         "resumed_from": resumed_from(run_dir), "last_step": latest_step(run_dir),
+         "wall_s": round(result.timings.get("total_s", 0.0), 3) if result else 0.0}
+    if before and before["outcome"] == "preempted" and before["last_step"] is not None and a["resumed_from"] is not None:
+        a["steps_redone"] = max(0, before["last_step"] - a["resumed_from"])
+    return a
+
+
 def recover_before_run(name: str, *, policy: Policy, api_endpoint: str | None = None, local: bool | None = None,
                        progress: Callable[[str], None] = print) -> int:
     """A slice preempted *between* runs gets the same policy as one preempted during a run: recreated (returns
@@ -108,10 +141,16 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
     slice is lost and the policy or the restart budget says stop. Ctrl-C propagates as it is."""
     policy = policy or Policy()
     restarts = restarts_used
+    attempts: list[dict] = []
     while True:
         watch = _LocalWatch(name, policy.poll_s, progress) if local else None
         try:
-            return run_once(restarts)
+            result = run_once(restarts)
+            attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None))
+            result.attempts = attempts
+            if summary := summarize(attempts):
+                progress(summary)
+            return result
         except RunFailed as e:
             if e.result.interrupted:
                 raise
@@ -123,7 +162,11 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
                 watch.stop()
         st = _settled_state(name, result, policy, api_endpoint, local, failure)
         if st not in LOST:
+            if result is not None:
+                attempts.append(_attempt(len(attempts), result, "failed", attempts[-1] if attempts else None))
+                result.attempts = attempts
             raise failure
+        attempts.append(_attempt(len(attempts), result, "preempted", attempts[-1] if attempts else None))
         step = latest_step(result.run_dir if result else None)
         what = (f"w{result.failed_worker}'s VM was" if result and result.failed_worker is not None
                 else f"{name}'s VMs were") + f" {_verb(st)}" + (f" at step {step}" if step is not None else "")
@@ -136,7 +179,8 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
                             f"{policy.max_restarts}; `tpuctl down {name}`, `tpuctl up` again and rerun, or "
                             "raise --max-restarts") from None
         restarts += 1
-        progress(f"{what}; recreating {name} ({restarts}/{policy.max_restarts})")
+        progress(f"{what}; recreating {name} ({restarts}/{policy.max_restarts}); the trainer resumes from the "
+                 "latest complete checkpoint in --ckpt-dir")
         _recreate(name, st, local, progress)
         progress(f"{name} is READY again; relaunching (attempt {restarts + 1})")
 
