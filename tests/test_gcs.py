@@ -67,3 +67,13 @@ print(json.dumps({"steps": list(mgr.all_steps()), "equal": bool(np.array_equal(n
     names = [b.name for b in client.list_blobs("ckpt", prefix="x/")]
     assert "x/3/commit_success.txt" in names, names
     assert len([n for n in names if n.startswith("x/3/")]) > 3, names  # metadata + array chunks
+
+
+def test_prepare_to_a_missing_bucket_is_one_line(emu, tmp_path):
+    env = {**os.environ, **emu.env}
+    r = subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", "gs://no-such-bucket-x/tok"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["error: --out gs://no-such-bucket-x/tok: cannot write to gs://no-such-bucket-x "
+                                     "(the bucket does not exist); create it (`gcloud storage buckets create "
+                                     "gs://no-such-bucket-x`) or pick a bucket you can write"], r.stderr

@@ -91,3 +91,48 @@ def test_emulate_devices_sets_the_count_and_an_inherited_flag_wins(corpus, tmp_p
     out = run_cli(args, env(cache, devices=8))  # XLA_FLAGS already has a device count: it wins
     assert out.returncode == 2 and "there are 8 devices" in out.stderr, out.stderr
     assert not (tmp_path / "c").exists()
+
+
+def _copy_data(corpus: str, dst) -> str:
+    import shutil
+    shutil.copytree(corpus, dst)
+    return str(dst)
+
+
+def test_bad_token_files_are_refused_at_load(capsys, corpus, tmp_path):
+    """Token ids outside the vocabulary, or a file that is not whole uint16 tokens: one line, no checkpoint."""
+    import numpy as np
+    odd = _copy_data(corpus, tmp_path / "odd")
+    with open(f"{odd}/train.bin", "ab") as f:
+        f.write(b"\x01")
+    fails(capsys, ["pretrain", "--data", odd, *TINY, "--ckpt-dir", str(tmp_path / "c1")],
+          f"{odd}/train.bin has", "an odd number", "prepare the data again")
+    big = _copy_data(corpus, tmp_path / "big")
+    tokens = np.fromfile(f"{big}/train.bin", dtype=np.uint16)
+    tokens[123] = 60000
+    tokens.tofile(f"{big}/train.bin")
+    fails(capsys, ["pretrain", "--data", big, *TINY, "--ckpt-dir", str(tmp_path / "c2")],
+          "holds token id 60000", "vocabulary of 50257")
+    assert not (tmp_path / "c1").exists() and not (tmp_path / "c2").exists()
+
+
+def test_prepare_refuses_a_binary_file_by_name(capsys, tmp_path):
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(bytes(range(256)) * 64)
+    fails(capsys, ["prepare", "--data", str(blob), "--out", str(tmp_path / "tok")], f"--data {blob}: not a text file")
+    assert not (tmp_path / "tok").exists()
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_step(capsys, corpus, tmp_path):
+    """A loss that becomes nan/inf stops the run (exit 2, one line); no diverged step is ever saved."""
+    import json
+    from trainer.checkpoint import Checkpointer
+    ckpt = tmp_path / "ckpt"
+    err = fails(capsys, ["pretrain", "--data", corpus, *TINY[:-2], "--lr", "1e4", "--warmup-steps", "1",
+                         "--ckpt-dir", str(ckpt), "--ckpt-every", "1", "--log-every", "1", "--steps", "40",
+                         "--eval-batches", "1"], "training stopped", "nothing diverged was saved")
+    bad = int(err.split(" at step ")[1].split(":")[0])
+    kept = Checkpointer(str(ckpt), keep=1, read_only=True).latest_step()
+    assert kept == bad - 1, (err, kept)
+    losses = [json.loads(l)["loss"] for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert all(abs(x) < float("inf") for x in losses)

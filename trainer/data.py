@@ -76,12 +76,26 @@ def _collect(sources: Sequence[str] | None) -> list[Path]:
             files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES
                             and not any(part.startswith(".") for part in f.relative_to(p).parts))
         elif p.is_file():
+            if not _is_text(p):
+                raise DataError(f"--data {s}: not a text file (binary or not UTF-8); give text files or dirs of them")
             files.append(p)
         else:
             raise DataError(f"--data {s}: no such file or directory")
     if not files:
         raise DataError(f"--data {' '.join(sources)}: no text files found (looked for {sorted(TEXT_SUFFIXES - {''})})")
     return files
+
+
+def _is_text(path: Path, probe: int = 8192) -> bool:
+    """UTF-8 text without NUL bytes, judged from the file's start (a cut multi-byte character is allowed)."""
+    head = path.open("rb").read(probe)
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3  # only the last character was cut by the probe's end
+    return True
 
 
 def _content_hash(files: list[Path], val_fraction: float) -> str:
@@ -129,10 +143,16 @@ def prepare(sources: Sequence[str] | None, out: str, val_fraction: float = DEFAU
     if out.startswith("gs://"):
         from etils import epath
         root = epath.Path(out)
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "train.bin").write_bytes(train.tobytes())
-        (root / "val.bin").write_bytes(val.tobytes())
-        (root / META).write_text(json.dumps(meta, indent=1))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "train.bin").write_bytes(train.tobytes())
+            (root / "val.bin").write_bytes(val.tobytes())
+            (root / META).write_text(json.dumps(meta, indent=1))
+        except (FileNotFoundError, PermissionError, OSError) as e:
+            bucket = out[5:].split("/")[0]
+            why = "the bucket does not exist" if isinstance(e, FileNotFoundError) else (str(e).splitlines() or [""])[0]
+            raise DataError(f"--out {out}: cannot write to gs://{bucket} ({why}); create it "
+                            f"(`gcloud storage buckets create gs://{bucket}`) or pick a bucket you can write") from None
     else:
         _write_local_atomically(Path(out), train, val, meta)
     return meta
@@ -210,7 +230,7 @@ class BatchLoader:
     """
 
     def __init__(self, data_dir: str, split: str, seq_len: int, global_batch: int, seed: int,
-                 process_index: int = 0, process_count: int = 1):
+                 process_index: int = 0, process_count: int = 1, vocab_size: int | None = None):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         if global_batch % process_count:
@@ -218,7 +238,14 @@ class BatchLoader:
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():
             raise DataError(f"--data {data_dir}: no {split}.bin; prepare it with `python -m trainer prepare`")
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
+        size = path.stat().st_size
+        if size % 2:
+            raise DataError(f"{path} has {size} bytes, an odd number: it is not a file of uint16 tokens (truncated "
+                            "or not made by `python -m trainer prepare`); prepare the data again")
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+        if vocab_size is not None and self.tokens.size and int(self.tokens.max()) >= vocab_size:
+            raise DataError(f"{path} holds token id {int(self.tokens.max())}, outside the model's vocabulary of "
+                            f"{vocab_size}: the data was made with another tokenizer, or --vocab-size is too small")
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.local_size = global_batch // process_count
         self.offset = process_index * self.local_size

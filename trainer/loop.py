@@ -7,6 +7,7 @@ the step is compiled with those as in/out shardings and donates its inputs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -187,8 +188,9 @@ def pretrain(cfg: Config) -> int:
     vocab = checkpoint.read_json(f"{data_dir}/{data.META}").get("vocab_size", 0)
     if vocab > m.vocab_size:
         raise UsageError(f"--vocab-size {m.vocab_size} is smaller than the data's vocabulary ({vocab})")
-    loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc)
-    val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc)
+    loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc, vocab_size=m.vocab_size)
+    val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc,
+                           vocab_size=m.vocab_size)
 
     checkpoint.check_writable(t.ckpt_dir)
     checkpoint.check_shared(t.ckpt_dir)
@@ -199,6 +201,17 @@ def pretrain(cfg: Config) -> int:
     finally:
         ckpt.unwatch()
         ckpt.close()
+
+
+def _finite(loss: float, step: int, ckpt: checkpoint.Checkpointer) -> float:
+    """The loss, or stop the run (every process sees the same replicated loss) keeping the last good step."""
+    if math.isfinite(loss):
+        return loss
+    ckpt.wait()
+    kept = ckpt.latest_step()
+    raise UsageError(f"the loss is {loss} at step {step}: training stopped; "
+                     + (f"the latest checkpoint stays step {kept}" if kept else "no checkpoint was written")
+                     + " (nothing diverged was saved): lower --lr, or check the data")
 
 
 def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchLoader, val: data.BatchLoader) -> int:
@@ -240,7 +253,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
             params, opt_state, out = steps.step(params, opt_state, local, step)
             last = step == t.steps
             if step == start + 1 or step % t.log_every == 0 or last:
-                rec = {"step": step, "loss": float(out["loss"])}  # blocks until the step is done
+                rec = {"step": step, "loss": _finite(float(out["loss"]), step, ckpt)}  # blocks until the step is done
                 dt = (time.perf_counter() - last_t) / (step - last_step)
                 tps = tokens_per_step / dt
                 rec.update(tokens_per_s=tps, mfu=(tps * fpt / (peak * jax.device_count())) if peak else None,
@@ -254,6 +267,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
             preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
             interrupted = ckpt.interrupted and not last
             if preempted or interrupted or last or (t.ckpt_every and step % t.ckpt_every == 0):
+                _finite(float(out["loss"]), step, ckpt)  # a diverged step never replaces a good one
                 ckpt.save(step, params, opt_state, cfg)
             if preempted or interrupted:
                 ckpt.wait()
