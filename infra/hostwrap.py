@@ -55,6 +55,31 @@ def stop_group(pgid, grace):
     _killpg(pgid, signal.SIGKILL)
 
 
+MIN_MASKED_LINE = 6  # lines of a multi-line secret shorter than this ("{", "}") are not masked on their own
+
+
+def mask_variants(values):
+    """What to replace with *** in any output line, for secret values: each value as it is, JSON-escaped and
+    as Python's repr shows it (a multi-line value never fits in one output line, so those forms matter), and
+    every line of a multi-line value of at least MIN_MASKED_LINE characters. Longest first."""
+    out = set()
+    for v in values:
+        if not v:
+            continue
+        forms = {v, json.dumps(v)[1:-1], json.dumps(v, ensure_ascii=False)[1:-1], repr(v)[1:-1]}
+        out |= forms
+        for form in forms:
+            out |= {ln.strip() for ln in form.splitlines() if len(ln.strip()) >= MIN_MASKED_LINE}
+    return sorted((m for m in out if m and "\n" not in m), key=len, reverse=True)
+
+
+def private_open(path, mode="ab"):
+    """Open for writing, readable by this user only (0600), whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC), 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode)
+
+
 def cmd_run(a, argv):
     env = dict(os.environ)
     masks = []
@@ -63,8 +88,10 @@ def cmd_run(a, argv):
             secrets = json.load(f)
         os.unlink(a.secrets)  # nothing of it stays on disk
         env.update(secrets)
-        masks = sorted((v.encode() for v in secrets.values() if v), key=len, reverse=True)
-    log = open(a.log, "ab") if a.log else None
+        masks = [m.encode() for m in mask_variants(secrets.values())]
+    if a.log:
+        os.makedirs(os.path.dirname(a.log) or ".", mode=0o700, exist_ok=True)
+    log = private_open(a.log) if a.log else None
     child = subprocess.Popen(argv, env=env, cwd=a.cwd or None, stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     pgid = child.pid

@@ -175,7 +175,9 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
               "every host (repeatable).")
 @click.option("--secret-env", "secret_names", multiple=True, metavar="K",
               help="Pass $K from your environment to the trainer on every host, through stdin into a 0600 file: "
-                   "never in argv, logs or state (repeatable).")
+                   "never in argv or state (repeatable). Output lines that show it are masked (***) on the hosts "
+                   "and here: the value as it is, JSON-escaped or as Python's repr, and each line of a multi-line "
+                   "value that is 6 characters or longer.")
 @click.option("--kill-stale", is_flag=True, help="Kill processes that hold the accelerator (and stale lockfiles, "
               "earlier tpuctl trainers) instead of stopping at preflight.")
 @click.option("--workdir", type=click.Path(file_okay=False, exists=True),

@@ -6,6 +6,7 @@ host's last lines and names the failing worker. Ctrl-C stops every host the same
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import queue
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from infra.hostwrap import mask_variants, private_open
 from orchestrator import launch as L
 from orchestrator.bundle import Bundle
 from orchestrator.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig  # noqa: F401 - HostError: raised from here
@@ -55,7 +57,7 @@ class _HostStream:
     def __init__(self, index: int, out: TextIO, log: Path, lock: threading.Lock, secrets: list[str],
                  first_output: dict, t0: float, tail: int):
         self.prefix, self.out, self.lock, self.secrets = f"[w{index}] ", out, lock, secrets
-        self.log = open(log, "a", encoding="utf-8", errors="replace")
+        self.log = io.TextIOWrapper(private_open(log), encoding="utf-8", errors="replace")
         self.buf, self.tail = "", deque(maxlen=tail)
         self.index, self.first_output, self.t0 = index, first_output, t0
 
@@ -122,7 +124,7 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
     if argv and argv[0] == L.PYTHON and bundle is None:
         raise L.LaunchError("the command runs `python` from the bundle, but no bundle was given")
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _private_dirs(run_dir)
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     say = lambda msg: (out.write(f"[tpuctl] {msg}\n"), out.flush())  # noqa: E731
@@ -219,7 +221,7 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
     n = len(cmds)
     lock = threading.Lock()
     first: dict[int, float] = {}
-    secrets = sorted((v for v in secret_env.values() if v), key=len, reverse=True)
+    secrets = mask_variants(secret_env.values())
     streams = [_HostStream(i, out, run_dir / f"w{i}.log", lock, secrets, first, t0, tail_lines) for i in range(n)]
     done: queue.Queue = queue.Queue()
     codes: dict[int, int | None] = {i: None for i in range(n)}
@@ -318,6 +320,16 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
 
 
 def _write_json(path: Path, obj: dict) -> None:
+    """run.json holds --env values: 0600, written whole or not at all."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    with private_open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def _private_dirs(run_dir: Path) -> None:
+    """runs/, runs/NAME/ and the run's dir, readable by this user only (they hold logs and --env values)."""
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mine = [run_dir, run_dir.parent, run_dir.parent.parent] if run_dir.parent.parent.name == "runs" else [run_dir]
+    for d in mine:
+        os.chmod(d, 0o700)

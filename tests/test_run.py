@@ -144,6 +144,34 @@ def test_secret_env_reaches_the_trainer_but_no_argv_log_or_record(sl, tmp_path, 
         assert not list((Path(h.home) / ".tpuctl-host" / "run").glob("*.secrets"))
 
 
+
+def test_a_multi_line_secret_is_masked_as_is_and_escaped_and_run_files_are_private(sl, tmp_path, clean):
+    """A key file's JSON as a secret, printed whole, JSON-escaped and as repr: none of its lines (>= 6 chars)
+    reaches the terminal, the run's files or the hosts' logs; the run's files are 0600 in 0700 dirs."""
+    import stat
+    tag = uuid.uuid4().hex
+    secret = '{\n  "type": "service_account",\n  "private_key": "-----BEGIN-' + tag + '-----"\n}'
+    run_dir = tmp_path / "runs" / "sl" / "r1"
+    out = io.StringIO()
+    r = run_job(workers(sl), py("v = os.environ['MULTI']\nprint(v)\nprint(json.dumps(v))\nprint(repr(v))\n"
+                                "print(json.dumps({'key': v}))"), ssh=ssh_config(sl), run_dir=run_dir, out=out,
+                secret_env={"MULTI": secret})
+    assert r.ok
+    text = out.getvalue()
+    assert tag not in text and '"service_account"' not in text and "***" in text, text
+    files = [f for f in run_dir.iterdir()]
+    for f in files:
+        assert tag not in f.read_text(), f
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    for d in (run_dir, run_dir.parent, run_dir.parent.parent):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    for h in sl.hosts:
+        logs = Path(h.home) / ".tpuctl-host" / "logs"
+        for f in logs.glob("*.log"):
+            assert tag.encode() not in f.read_bytes(), f
+        mine = logs / f"{r.run_id}.log"
+        assert mine.exists() and stat.S_IMODE(mine.stat().st_mode) == 0o600
+
 def test_nasty_arguments_and_env_values_arrive_unchanged_and_run_nothing(sl, tmp_path, clean):
     nasty = "a b 'q' \"dq\" $(touch /tmp/PWNED1) `touch /tmp/PWNED2`; touch /tmp/PWNED3 && echo $HOME *"
     r, out = _run(sl, [*py("print('ARGS', json.dumps([sys.argv[1:], os.environ['NASTY']]))"), nasty, ";", "|",
