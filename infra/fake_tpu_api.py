@@ -60,11 +60,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-try:  # the stand-in's default offerings come from tpuctl's catalog, but it can be told otherwise
-    from orchestrator import catalog as _catalog
-except ImportError:  # pragma: no cover - infra used on its own
-    _catalog = None
-
 OP_META = "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata"
 T_NODE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 T_QR = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
@@ -109,34 +104,59 @@ class FakeConfig:
     waiting_s: float = 0.05     # WAITING_FOR_RESOURCES -> PROVISIONING when there is capacity
     stockout_fail_s: float = 0.2  # plain-node stockout: the create LRO fails after this
     idle_timeout_s: float = 0.0   # >0: the server exits after this long without a request
-    zones: dict[str, list[str]] | None = None   # zone -> accelerator types; None: from the catalog's hints
+    zones: dict[str, list[str]] | None = None   # zone -> accelerator types; None: OFFERED
     runtime_versions: list[str] | None = None
 
 
+# What the service offers, kept here on its own (Google's TPU regions-and-zones and version pages): tpuctl's
+# catalog is checked against this table, so a wrong catalog entry fails a test instead of being agreed with.
+# generation -> (AcceleratorConfig type, {size in the name: (topology, worker VMs)})
+_CUBE = {8: ("2x2x1", 1), 16: ("2x2x2", 2), 32: ("2x2x4", 4), 64: ("2x4x4", 8), 128: ("4x4x4", 16),
+         256: ("4x4x8", 32), 512: ("4x8x8", 64), 1024: ("8x8x8", 128), 2048: ("8x8x16", 256), 4096: ("8x16x16", 512)}
+_PLANE = {1: ("1x1", 1), 4: ("2x2", 1), 8: ("2x4", 1), 16: ("4x4", 4), 32: ("4x8", 8), 64: ("8x8", 16),
+          128: ("8x16", 32), 256: ("16x16", 64)}
+SHAPES: dict[str, tuple[str, dict[int, tuple[str, int]]]] = {
+    "v2": ("V2", {8: ("2x2", 1)}),
+    "v3": ("V3", {8: ("2x2", 1)}),
+    "v4": ("V4", _CUBE),
+    "v5p": ("V5P", {**_CUBE, 8192: ("16x16x16", 1024), 12288: ("16x16x24", 1536)}),
+    "v5litepod": ("V5LITE_POD", _PLANE),
+    "v6e": ("V6E", _PLANE),
+}
+OFFERED: dict[str, tuple[str, ...]] = {  # zone -> generations offered there
+    "us-central1-a": ("v3", "v5p", "v5litepod"),
+    "us-central1-b": ("v2", "v3", "v6e"),
+    "us-central1-c": ("v2",),
+    "us-central1-f": ("v2", "v3"),
+    "us-central2-b": ("v4",),
+    "us-east1-d": ("v6e",),
+    "us-east5-a": ("v5p", "v5litepod", "v6e"),
+    "us-east5-b": ("v5litepod", "v6e"),
+    "us-east5-c": ("v5litepod",),
+    "us-south1-a": ("v5litepod",),
+    "us-west1-c": ("v5litepod",),
+    "us-west4-a": ("v5litepod",),
+    "europe-west4-a": ("v2", "v3", "v6e"),
+    "europe-west4-b": ("v5p", "v5litepod"),
+}
+RUNTIME_VERSIONS = ("tpu-ubuntu2204-base", "tpu-vm-base", "tpu-vm-tf-2.16.1-pjrt", "v2-alpha-tpuv5",
+                    "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e")
+
+
 def default_zones() -> dict[str, list[str]]:
-    zones: dict[str, list[str]] = {}
-    if _catalog is not None:
-        for g in _catalog.GENERATIONS.values():
-            for z in g.zones:
-                zones.setdefault(z, []).extend(f"{g.name}-{s}" for s in g.topologies)
-    return zones
+    return {z: [f"{g}-{size}" for g in gens for size in SHAPES[g][1]] for z, gens in OFFERED.items()}
 
 
 def default_runtime_versions() -> list[str]:
-    versions = ["tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e"]
-    if _catalog is not None:
-        versions += [g.runtime_version for g in _catalog.GENERATIONS.values()]
-    return sorted(set(versions))
+    return list(RUNTIME_VERSIONS)
 
 
 def _shape(accelerator: str) -> tuple[str, str, int]:
     """(AcceleratorConfig type, topology, worker count) for an accelerator type name."""
-    if _catalog is not None:
-        try:
-            a = _catalog.lookup(accelerator)
-            return a.generation.api_type, a.topology, a.hosts
-        except ValueError:
-            pass
+    gen, _, size = accelerator.rpartition("-")
+    if gen in SHAPES and size.isdigit() and int(size) in SHAPES[gen][1]:
+        topology, hosts = SHAPES[gen][1][int(size)]
+        return SHAPES[gen][0], topology, hosts
     return "TYPE_UNSPECIFIED", "", 1
 
 

@@ -571,3 +571,10 @@ def test_create_request_carries_identity_network_and_metadata(fake):
     assert (again.external_ips, again.network, again.metadata) == (False, "train-net", {"ssh-keys": keys})
     with pytest.raises(UserError, match="invalid --service-account"):
         slices.up(make_spec(fake, "t-vm3", "v4-8", service_account="not an email"))
+
+
+def test_gc_default_scan_covers_every_catalog_zone(fake):
+    from orchestrator import catalog
+    res = slices.gc(project=PROJECT, api_endpoint=fake.url)
+    assert set(catalog.all_zones()) <= set(res.zones) and res.skipped_zones == {}
+    assert {"us-central1-f", "europe-west4-b", "us-east5-c"} <= set(res.zones)  # v2/v3, v5p/v5e zones included
