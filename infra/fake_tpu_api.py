@@ -313,7 +313,7 @@ class FakeTpu:
         if q.state == "SUSPENDING":
             node = self.nodes.get(q.node or "")
             if node is not None and node.state in ("PREEMPTED", "TERMINATED") and now >= (node.t_suspend or 0):
-                node.state, node.t_gone = "DELETING", self._deleting(node, now)
+                node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
         if q.state == "SUSPENDING" and (q.node or "") not in self.nodes:
             q.state = "SUSPENDED"
         if q.state == "DELETING" and now >= (q.t_gone or 0):
@@ -353,9 +353,8 @@ class FakeTpu:
             op.done, op.result = True, {"response": {"@type": T_EMPTY}}
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _deleting(self, n: _Node | None, now: float) -> float:
-        """When a node (or a queued resource with node n) that starts deleting now is gone."""
-        hosts = n.hosts if n is not None else 0
+    def _deleting(self, hosts: int, now: float) -> float:
+        """When a slice of `hosts` worker VMs that starts deleting now is gone."""
         return now + self.config.deleting_s + self.config.deleting_per_host_s * hosts
 
     def _new_node(self, name: str, project: str, zone: str, spec: dict, now: float, t_ready: float | None) -> _Node:
@@ -596,7 +595,7 @@ class FakeTpu:
             # A node inside a queued resource may be deleted directly (Google's samples delete the node, then the
             # queued resource); the queued resource then goes SUSPENDING -> SUSPENDED.
             if n.state != "DELETING":
-                n.state, n.t_gone = "DELETING", self._deleting(n, now)
+                n.state, n.t_gone = "DELETING", self._deleting(n.hosts, now)
             q = self.qrs.get(n.qr or "")
             if q is not None and q.state in ("ACTIVE", "PROVISIONING"):
                 q.state = "SUSPENDING"
@@ -609,9 +608,10 @@ class FakeTpu:
                 raise ApiError(400, f"Queued resource {name} has an existing node {node.name}; delete with "
                                     "force=true or delete the node first.", status="FAILED_PRECONDITION")
             if q.state != "DELETING":
-                q.state, q.t_gone, q.initiator = "DELETING", self._deleting(node, now), "USER"
+                acc = (((q.body["tpu"]["nodeSpec"][0].get("node") or {}).get("acceleratorType")) or "")
+                q.state, q.t_gone, q.initiator = "DELETING", self._deleting(_shape(acc)[2], now), "USER"
             if node is not None and node.state != "DELETING":
-                node.state, node.t_gone = "DELETING", self._deleting(node, now)
+                node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
         return self.op_json(self._new_op("delete", kind, project, zone, name, now))
 
     def get_op(self, name: str) -> dict:

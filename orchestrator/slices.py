@@ -147,7 +147,8 @@ class Attempt:
 def _why(attempts: list[Attempt]) -> str:
     """The capacity answers met, in words: stockout, reserved capacity short, spot preempted while creating."""
     words = {"FAILED_PRECONDITION": "reserved capacity short", "INVALID_ARGUMENT": "spot preempted while creating"}
-    seen = dict.fromkeys(words.get(a.status, "stockout") for a in attempts if a.outcome == "capacity")
+    seen = dict.fromkeys((a.detail if a.detail.endswith("(--capacity-wait)") else words.get(a.status, "stockout"))
+                         for a in attempts if a.outcome == "capacity")
     return ", ".join(seen) or "stockout"
 
 
@@ -360,10 +361,9 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                 last: dict) -> NodeInfo:
     op_done, waiting_since = False, time.monotonic()
     where = dict(zone=rec.zone, accelerator=rec.accelerator, project=rec.project)
-    def out_of_patience(what: str) -> CloudError:
-        return CloudError("capacity", f"no capacity for {rec.accelerator} in {rec.zone}: {what} after "
-                                      f"{fmt_duration(spec.capacity_wait_s)} (--capacity-wait)",
-                          raw=f"{what} after --capacity-wait {fmt_duration(spec.capacity_wait_s)}",
+    def out_of_patience(what: str) -> CloudError:  # tpuctl's own limit, reached before the server's validUntil
+        own = f"{what} after {fmt_duration(spec.capacity_wait_s)} (--capacity-wait)"
+        return CloudError("capacity", f"no capacity for {rec.accelerator} in {rec.zone}: {own}", raw=own,
                           status="RESOURCE_EXHAUSTED")
 
     while True:
@@ -373,7 +373,7 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                 raise cloud.operation_error(code, msg, action=f"create {rec.accelerator}", **where)
             if (not op_done and rec.queued_resource and not spec.wait_capacity
                     and time.monotonic() - waiting_since > spec.capacity_wait_s):
-                raise out_of_patience("the create operation was still pending")
+                raise out_of_patience("create operation still pending")
         q = api.get_queued_resource(rec.queued_resource) if rec.queued_resource and op_done else None
         node = None
         if q is not None:
@@ -387,7 +387,7 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                                            "(preempted or deleted elsewhere)")
             if q.state in _WAITING:
                 if not spec.wait_capacity and time.monotonic() - waiting_since > spec.capacity_wait_s:
-                    raise out_of_patience(f"the queued resource was still {q.state}")
+                    raise out_of_patience(f"still {q.state}")
             else:
                 node = api.get_node(rec.node)
         elif not rec.queued_resource:

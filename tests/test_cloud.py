@@ -578,3 +578,29 @@ def test_gc_default_scan_covers_every_catalog_zone(fake):
     res = slices.gc(project=PROJECT, api_endpoint=fake.url)
     assert set(catalog.all_zones()) <= set(res.zones) and res.skipped_zones == {}
     assert {"us-central1-f", "europe-west4-b", "us-east5-c"} <= set(res.zones)  # v2/v3, v5p/v5e zones included
+
+
+def test_zone_fallback_keeps_a_slice_still_being_deleted_recorded(fake, monkeypatch):
+    """Deleting a multi-host slice takes minutes: when the first zone's leftovers outlast tpuctl's wait, the next
+    zone's record carries them (never overwrites them), and `down` deletes them too."""
+    fake.control.config(deleting_s=0.05, deleting_per_host_s=1.0)      # a 4-VM slice: 4 s to delete
+    monkeypatch.setattr(slices, "DELETE_WAIT_BASE_S", 0.2)
+    monkeypatch.setattr(slices, "DELETE_WAIT_PER_HOST_S", 0.1)         # tpuctl waits 0.6 s for it
+    fake.control.stockout("us-central1-a")
+    res = slices.up(make_spec(fake, "t-left", "v5litepod-16", zones=TWO, capacity_wait_s=0.3))
+    first = f"projects/{PROJECT}/locations/us-central1-a/queuedResources/t-left"
+    assert res.record.zone == "us-west4-a" and first in res.record.leftovers
+    assert first in state.lookup("t-left").leftovers
+    assert any(q["name"] == first and q["state"]["state"] == "DELETING" for q in live(fake)[1])
+    out = slices.down("t-left")
+    assert live(fake) == ([], []) and state.lookup("t-left") is None and out.deleted
+
+
+def test_valid_until_outlasts_the_clients_own_capacity_wait(fake):
+    fake.control.stockout(ZONE)                                  # no end of its own: only validUntil would end it
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-vu", "v4-8", capacity_wait_s=0.3))
+    assert "still WAITING_FOR_RESOURCES after 0.3s (--capacity-wait)" in str(e.value)
+    vu = float(fake.control.create_bodies("queuedResource")[-1]["queueingPolicy"]["validUntilDuration"].rstrip("s"))
+    assert vu >= 0.3 + slices.VALID_UNTIL_MARGIN_S - 1
+    assert live(fake) == ([], []) and state.records() == {}
