@@ -147,7 +147,7 @@ class Attempt:
 def _why(attempts: list[Attempt]) -> str:
     """The capacity answers met, in words: stockout, reserved capacity short, spot preempted while creating."""
     words = {"FAILED_PRECONDITION": "reserved capacity short", "INVALID_ARGUMENT": "spot preempted while creating"}
-    seen = dict.fromkeys((a.detail if a.detail.endswith("(--capacity-wait)") else words.get(a.status, "stockout"))
+    seen = dict.fromkeys((a.detail if "after --capacity-wait" in a.detail else words.get(a.status, "stockout"))
                          for a in attempts if a.outcome == "capacity")
     return ", ".join(seen) or "stockout"
 
@@ -362,7 +362,7 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
     op_done, waiting_since = False, time.monotonic()
     where = dict(zone=rec.zone, accelerator=rec.accelerator, project=rec.project)
     def out_of_patience(what: str) -> CloudError:  # tpuctl's own limit, reached before the server's validUntil
-        own = f"{what} after {fmt_duration(spec.capacity_wait_s)} (--capacity-wait)"
+        own = f"stockout: {what} after --capacity-wait {fmt_duration(spec.capacity_wait_s)}"
         return CloudError("capacity", f"no capacity for {rec.accelerator} in {rec.zone}: {own}", raw=own,
                           status="RESOURCE_EXHAUSTED")
 

@@ -600,7 +600,7 @@ def test_valid_until_outlasts_the_clients_own_capacity_wait(fake):
     fake.control.stockout(ZONE)                                  # no end of its own: only validUntil would end it
     with pytest.raises(CloudError) as e:
         slices.up(make_spec(fake, "t-vu", "v4-8", capacity_wait_s=0.3))
-    assert "still WAITING_FOR_RESOURCES after 0.3s (--capacity-wait)" in str(e.value)
+    assert "right now (stockout: still WAITING_FOR_RESOURCES after --capacity-wait 0.3s)" in str(e.value)
     vu = float(fake.control.create_bodies("queuedResource")[-1]["queueingPolicy"]["validUntilDuration"].rstrip("s"))
     assert vu >= 0.3 + slices.VALID_UNTIL_MARGIN_S - 1
     assert live(fake) == ([], []) and state.records() == {}
