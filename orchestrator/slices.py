@@ -551,9 +551,10 @@ class DownResult:
 
 
 def down(name: str, *, project: str | None = None, zone: str | None = None, api_endpoint: str | None = None,
-         local: bool | None = None, wait: bool = True, timeout_s: float = 900,
+         local: bool | None = None, wait: bool = True, timeout_s: float | None = None,
          progress: Progress | None = None) -> DownResult:
-    """Delete the queued resource (force) and the node, idempotently; works in any state."""
+    """Delete the queued resource (force) and the node, idempotently; works in any state. Waits up to timeout_s
+    (default: what a slice of its size takes, delete_wait_s)."""
     progress = progress or _noop
     rec = state.lookup(name)
     if rec is None:
@@ -563,7 +564,7 @@ def down(name: str, *, project: str | None = None, zone: str | None = None, api_
             return DownResult(name, nothing=True, message=f"nothing to delete: no slice named {name}{where}")
     api = _api_for(rec, api_endpoint, local)
     if wait:
-        deleted = _delete_and_wait(api, rec, timeout_s=timeout_s, progress=progress)
+        deleted = _delete_and_wait(api, rec, timeout_s=timeout_s or delete_wait_s(rec), progress=progress)
     else:
         deleted = _start_delete(api, rec)
     if rec.local:
