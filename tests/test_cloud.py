@@ -592,7 +592,7 @@ def test_zone_fallback_keeps_a_slice_still_being_deleted_recorded(fake, monkeypa
     assert res.record.zone == "us-west4-a" and first in res.record.leftovers
     assert first in state.lookup("t-left").leftovers
     assert any(q["name"] == first and q["state"]["state"] == "DELETING" for q in live(fake)[1])
-    out = slices.down("t-left")
+    out = slices.down("t-left", timeout_s=30)
     assert live(fake) == ([], []) and state.lookup("t-left") is None and out.deleted
 
 
