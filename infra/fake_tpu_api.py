@@ -30,7 +30,8 @@ A control API under /_fake/ (JSON; FakeControl is its client):
          quota {quota?, limit?, async?}   429 + QuotaFailure, per region (async: code 8 in the LRO)
          rate_limit                 429 + ErrorInfo RATE_LIMIT_EXCEEDED
          unavailable | internal     503 | 500;   bad_argument {message?}   400 INVALID_ARGUMENT
-         never_ready, slow {creating_s}
+         never_ready, slow {creating_s}, pending_create {pending_s}: a queued resource's create operation
+         stays pending (the resource ACCEPTED) that long
   POST clear {kind?} · config {creating_s, deleting_s, deleting_per_host_s, suspend_s, accept_s, waiting_s,
        stockout_fail_s} · reset
   POST zones {zones: {zone: [types]}} or {zone, accelerator_types} · runtime_versions {versions}
@@ -81,7 +82,7 @@ T_QUOTA_FAILURE = "type.googleapis.com/google.rpc.QuotaFailure"
 ERROR_KINDS = ("reserved_capacity", "spot_preempted", "reservation_not_found", "location", "service_disabled",
                "billing_disabled", "location_policy", "permission", "quota", "rate_limit", "unavailable",
                "internal", "bad_argument")
-INJECTION_KINDS = ("stockout", "never_ready", "slow") + ERROR_KINDS
+INJECTION_KINDS = ("stockout", "never_ready", "slow", "pending_create") + ERROR_KINDS
 # The request an injection matches: `op` names, by route.
 OPS = ("create", "get", "list", "delete", "operation", "accelerator_types", "runtime_versions", "locations", "any")
 # Checked before anything else in a request (any op by default, except where noted) ...
@@ -90,7 +91,7 @@ _EARLY_KINDS = ("location", "service_disabled", "billing_disabled", "location_po
 # ... and, on create, after the request was validated: capacity, reservations, chip quota.
 _LATE_KINDS = ("reserved_capacity", "spot_preempted", "reservation_not_found", "quota")
 _DEFAULT_OP = {"permission": "create", "bad_argument": "create", "stockout": "create", "never_ready": "create",
-               "slow": "create", **{k: "create" for k in _LATE_KINDS}}
+               "slow": "create", "pending_create": "create", **{k: "create" for k in _LATE_KINDS}}
 
 
 @dataclass
@@ -242,6 +243,7 @@ class _Op:
     created: float
     done: bool = False
     result: dict | None = None      # {"response": ...} or {"error": ...}, frozen once done
+    t_done: float | None = None     # a create operation that stays pending until then
 
 
 class FakeTpu:
@@ -335,7 +337,7 @@ class FakeTpu:
         q.state, q.node, q.t_provision = "PROVISIONING", name, now
 
     def _tick_op(self, op: _Op) -> None:
-        if op.done:
+        if op.done or (op.t_done is not None and time.monotonic() < op.t_done):
             return
         if op.verb == "create" and op.kind == "node":
             n = self.nodes.get(op.target)
@@ -450,9 +452,10 @@ class FakeTpu:
         if zone is not None and zone not in self.zones:
             raise _error_for("location", project, zone, {})
 
-    def _new_op(self, verb: str, kind: str, project: str, zone: str, target: str, now: float) -> _Op:
+    def _new_op(self, verb: str, kind: str, project: str, zone: str, target: str, now: float,
+                t_done: float | None = None) -> _Op:
         name = f"projects/{project}/locations/{zone}/operations/operation-{int(time.time() * 1000)}-{next(self._ids)}"
-        op = _Op(name=name, verb=verb, kind=kind, target=target, created=now)
+        op = _Op(name=name, verb=verb, kind=kind, target=target, created=now, t_done=t_done)
         self.ops[name] = op
         self._tick_op(op)
         return op
@@ -548,7 +551,12 @@ class FakeTpu:
             op = self._new_op("create", "node", project, zone, name, now)
             return self.op_json(op)
 
-        q = _QR(name=name, project=project, zone=zone, body=body, created=now, t_waiting=now + self.config.accept_s,
+        pending = self._match(("pending_create",), project, zone, acc, "create")
+        if pending:
+            self._consume(pending)
+        t_done = now + float(pending.get("pending_s", 60)) if pending else None
+        q = _QR(name=name, project=project, zone=zone, body=body, created=now,
+                t_waiting=(t_done or now) + self.config.accept_s,
                 slow_creating_s=creating if slow else None, never_ready=bool(never))
         valid = _duration_s((body.get("queueingPolicy") or {}).get("validUntilDuration"))
         if stockout:
@@ -560,7 +568,7 @@ class FakeTpu:
             q.fail_error = lro_error
             q.t_fail = q.t_waiting
         self.qrs[name] = q
-        op = self._new_op("create", "queuedResource", project, zone, name, now)
+        op = self._new_op("create", "queuedResource", project, zone, name, now, t_done)
         return self.op_json(op)
 
     def get(self, kind: str, name: str) -> dict:

@@ -604,3 +604,12 @@ def test_valid_until_outlasts_the_clients_own_capacity_wait(fake):
     vu = float(fake.control.create_bodies("queuedResource")[-1]["queueingPolicy"]["validUntilDuration"].rstrip("s"))
     assert vu >= 0.3 + slices.VALID_UNTIL_MARGIN_S - 1
     assert live(fake) == ([], []) and state.records() == {}
+
+
+def test_capacity_wait_counts_while_the_create_operation_is_pending(fake):
+    fake.control.inject("pending_create", zone="us-central1-a", pending_s=60)
+    lines = []
+    res = slices.up(make_spec(fake, "t-pend", "v5litepod-4", zones=TWO, capacity_wait_s=0.3), progress=lines.append)
+    assert res.record.zone == "us-west4-a"
+    assert "stockout: create operation still pending after --capacity-wait 0.3s" in res.attempts[0].detail
+    assert [q["name"].split("/")[3] for q in live(fake)[1]] == ["us-west4-a"]
