@@ -30,7 +30,8 @@ A control API under /_fake/ (JSON; FakeControl is its client):
          quota {quota?, limit?, async?}   429 + QuotaFailure, per region (async: code 8 in the LRO)
          rate_limit                 429 + ErrorInfo RATE_LIMIT_EXCEEDED
          unavailable | internal     503 | 500;   bad_argument {message?}   400 INVALID_ARGUMENT
-         never_ready, slow {creating_s}
+         never_ready, slow {creating_s}, pending_create {pending_s}: a queued resource's create operation
+         stays pending (the resource ACCEPTED) that long
   POST clear {kind?} · config {creating_s, deleting_s, deleting_per_host_s, suspend_s, accept_s, waiting_s,
        stockout_fail_s} · reset
   POST zones {zones: {zone: [types]}} or {zone, accelerator_types} · runtime_versions {versions}
@@ -60,11 +61,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-try:  # the stand-in's default offerings come from tpuctl's catalog, but it can be told otherwise
-    from orchestrator import catalog as _catalog
-except ImportError:  # pragma: no cover - infra used on its own
-    _catalog = None
-
 OP_META = "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata"
 T_NODE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 T_QR = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
@@ -86,7 +82,7 @@ T_QUOTA_FAILURE = "type.googleapis.com/google.rpc.QuotaFailure"
 ERROR_KINDS = ("reserved_capacity", "spot_preempted", "reservation_not_found", "location", "service_disabled",
                "billing_disabled", "location_policy", "permission", "quota", "rate_limit", "unavailable",
                "internal", "bad_argument")
-INJECTION_KINDS = ("stockout", "never_ready", "slow") + ERROR_KINDS
+INJECTION_KINDS = ("stockout", "never_ready", "slow", "pending_create") + ERROR_KINDS
 # The request an injection matches: `op` names, by route.
 OPS = ("create", "get", "list", "delete", "operation", "accelerator_types", "runtime_versions", "locations", "any")
 # Checked before anything else in a request (any op by default, except where noted) ...
@@ -95,7 +91,7 @@ _EARLY_KINDS = ("location", "service_disabled", "billing_disabled", "location_po
 # ... and, on create, after the request was validated: capacity, reservations, chip quota.
 _LATE_KINDS = ("reserved_capacity", "spot_preempted", "reservation_not_found", "quota")
 _DEFAULT_OP = {"permission": "create", "bad_argument": "create", "stockout": "create", "never_ready": "create",
-               "slow": "create", **{k: "create" for k in _LATE_KINDS}}
+               "slow": "create", "pending_create": "create", **{k: "create" for k in _LATE_KINDS}}
 
 
 @dataclass
@@ -109,34 +105,59 @@ class FakeConfig:
     waiting_s: float = 0.05     # WAITING_FOR_RESOURCES -> PROVISIONING when there is capacity
     stockout_fail_s: float = 0.2  # plain-node stockout: the create LRO fails after this
     idle_timeout_s: float = 0.0   # >0: the server exits after this long without a request
-    zones: dict[str, list[str]] | None = None   # zone -> accelerator types; None: from the catalog's hints
+    zones: dict[str, list[str]] | None = None   # zone -> accelerator types; None: OFFERED
     runtime_versions: list[str] | None = None
 
 
+# What the service offers, kept here on its own (Google's TPU regions-and-zones and version pages): tpuctl's
+# catalog is checked against this table, so a wrong catalog entry fails a test instead of being agreed with.
+# generation -> (AcceleratorConfig type, {size in the name: (topology, worker VMs)})
+_CUBE = {8: ("2x2x1", 1), 16: ("2x2x2", 2), 32: ("2x2x4", 4), 64: ("2x4x4", 8), 128: ("4x4x4", 16),
+         256: ("4x4x8", 32), 512: ("4x8x8", 64), 1024: ("8x8x8", 128), 2048: ("8x8x16", 256), 4096: ("8x16x16", 512)}
+_PLANE = {1: ("1x1", 1), 4: ("2x2", 1), 8: ("2x4", 1), 16: ("4x4", 4), 32: ("4x8", 8), 64: ("8x8", 16),
+          128: ("8x16", 32), 256: ("16x16", 64)}
+SHAPES: dict[str, tuple[str, dict[int, tuple[str, int]]]] = {
+    "v2": ("V2", {8: ("2x2", 1)}),
+    "v3": ("V3", {8: ("2x2", 1)}),
+    "v4": ("V4", _CUBE),
+    "v5p": ("V5P", {**_CUBE, 8192: ("16x16x16", 1024), 12288: ("16x16x24", 1536)}),
+    "v5litepod": ("V5LITE_POD", _PLANE),
+    "v6e": ("V6E", _PLANE),
+}
+OFFERED: dict[str, tuple[str, ...]] = {  # zone -> generations offered there
+    "us-central1-a": ("v3", "v5p", "v5litepod"),
+    "us-central1-b": ("v2", "v3", "v6e"),
+    "us-central1-c": ("v2",),
+    "us-central1-f": ("v2", "v3"),
+    "us-central2-b": ("v4",),
+    "us-east1-d": ("v6e",),
+    "us-east5-a": ("v5p", "v5litepod", "v6e"),
+    "us-east5-b": ("v5litepod", "v6e"),
+    "us-east5-c": ("v5litepod",),
+    "us-south1-a": ("v5litepod",),
+    "us-west1-c": ("v5litepod",),
+    "us-west4-a": ("v5litepod",),
+    "europe-west4-a": ("v2", "v3", "v6e"),
+    "europe-west4-b": ("v5p", "v5litepod"),
+}
+RUNTIME_VERSIONS = ("tpu-ubuntu2204-base", "tpu-vm-base", "tpu-vm-tf-2.16.1-pjrt", "v2-alpha-tpuv5",
+                    "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e")
+
+
 def default_zones() -> dict[str, list[str]]:
-    zones: dict[str, list[str]] = {}
-    if _catalog is not None:
-        for g in _catalog.GENERATIONS.values():
-            for z in g.zones:
-                zones.setdefault(z, []).extend(f"{g.name}-{s}" for s in g.topologies)
-    return zones
+    return {z: [f"{g}-{size}" for g in gens for size in SHAPES[g][1]] for z, gens in OFFERED.items()}
 
 
 def default_runtime_versions() -> list[str]:
-    versions = ["tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e"]
-    if _catalog is not None:
-        versions += [g.runtime_version for g in _catalog.GENERATIONS.values()]
-    return sorted(set(versions))
+    return list(RUNTIME_VERSIONS)
 
 
 def _shape(accelerator: str) -> tuple[str, str, int]:
     """(AcceleratorConfig type, topology, worker count) for an accelerator type name."""
-    if _catalog is not None:
-        try:
-            a = _catalog.lookup(accelerator)
-            return a.generation.api_type, a.topology, a.hosts
-        except ValueError:
-            pass
+    gen, _, size = accelerator.rpartition("-")
+    if gen in SHAPES and size.isdigit() and int(size) in SHAPES[gen][1]:
+        topology, hosts = SHAPES[gen][1][int(size)]
+        return SHAPES[gen][0], topology, hosts
     return "TYPE_UNSPECIFIED", "", 1
 
 
@@ -222,6 +243,7 @@ class _Op:
     created: float
     done: bool = False
     result: dict | None = None      # {"response": ...} or {"error": ...}, frozen once done
+    t_done: float | None = None     # a create operation that stays pending until then
 
 
 class FakeTpu:
@@ -293,7 +315,7 @@ class FakeTpu:
         if q.state == "SUSPENDING":
             node = self.nodes.get(q.node or "")
             if node is not None and node.state in ("PREEMPTED", "TERMINATED") and now >= (node.t_suspend or 0):
-                node.state, node.t_gone = "DELETING", self._deleting(node, now)
+                node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
         if q.state == "SUSPENDING" and (q.node or "") not in self.nodes:
             q.state = "SUSPENDED"
         if q.state == "DELETING" and now >= (q.t_gone or 0):
@@ -315,7 +337,7 @@ class FakeTpu:
         q.state, q.node, q.t_provision = "PROVISIONING", name, now
 
     def _tick_op(self, op: _Op) -> None:
-        if op.done:
+        if op.done or (op.t_done is not None and time.monotonic() < op.t_done):
             return
         if op.verb == "create" and op.kind == "node":
             n = self.nodes.get(op.target)
@@ -333,9 +355,8 @@ class FakeTpu:
             op.done, op.result = True, {"response": {"@type": T_EMPTY}}
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _deleting(self, n: _Node | None, now: float) -> float:
-        """When a node (or a queued resource with node n) that starts deleting now is gone."""
-        hosts = n.hosts if n is not None else 0
+    def _deleting(self, hosts: int, now: float) -> float:
+        """When a slice of `hosts` worker VMs that starts deleting now is gone."""
         return now + self.config.deleting_s + self.config.deleting_per_host_s * hosts
 
     def _new_node(self, name: str, project: str, zone: str, spec: dict, now: float, t_ready: float | None) -> _Node:
@@ -433,9 +454,10 @@ class FakeTpu:
         if zone is not None and zone not in self.zones:
             raise _error_for("location", project, zone, {})
 
-    def _new_op(self, verb: str, kind: str, project: str, zone: str, target: str, now: float) -> _Op:
+    def _new_op(self, verb: str, kind: str, project: str, zone: str, target: str, now: float,
+                t_done: float | None = None) -> _Op:
         name = f"projects/{project}/locations/{zone}/operations/operation-{int(time.time() * 1000)}-{next(self._ids)}"
-        op = _Op(name=name, verb=verb, kind=kind, target=target, created=now)
+        op = _Op(name=name, verb=verb, kind=kind, target=target, created=now, t_done=t_done)
         self.ops[name] = op
         self._tick_op(op)
         return op
@@ -531,7 +553,12 @@ class FakeTpu:
             op = self._new_op("create", "node", project, zone, name, now)
             return self.op_json(op)
 
-        q = _QR(name=name, project=project, zone=zone, body=body, created=now, t_waiting=now + self.config.accept_s,
+        pending = self._match(("pending_create",), project, zone, acc, "create")
+        if pending:
+            self._consume(pending)
+        t_done = now + float(pending.get("pending_s", 60)) if pending else None
+        q = _QR(name=name, project=project, zone=zone, body=body, created=now,
+                t_waiting=(t_done or now) + self.config.accept_s,
                 slow_creating_s=creating if slow else None, never_ready=bool(never))
         valid = _duration_s((body.get("queueingPolicy") or {}).get("validUntilDuration"))
         if stockout:
@@ -543,7 +570,7 @@ class FakeTpu:
             q.fail_error = lro_error
             q.t_fail = q.t_waiting
         self.qrs[name] = q
-        op = self._new_op("create", "queuedResource", project, zone, name, now)
+        op = self._new_op("create", "queuedResource", project, zone, name, now, t_done)
         return self.op_json(op)
 
     def get(self, kind: str, name: str) -> dict:
@@ -578,7 +605,7 @@ class FakeTpu:
             # A node inside a queued resource may be deleted directly (Google's samples delete the node, then the
             # queued resource); the queued resource then goes SUSPENDING -> SUSPENDED.
             if n.state != "DELETING":
-                n.state, n.t_gone = "DELETING", self._deleting(n, now)
+                n.state, n.t_gone = "DELETING", self._deleting(n.hosts, now)
             q = self.qrs.get(n.qr or "")
             if q is not None and q.state in ("ACTIVE", "PROVISIONING"):
                 q.state = "SUSPENDING"
@@ -591,9 +618,10 @@ class FakeTpu:
                 raise ApiError(400, f"Queued resource {name} has an existing node {node.name}; delete with "
                                     "force=true or delete the node first.", status="FAILED_PRECONDITION")
             if q.state != "DELETING":
-                q.state, q.t_gone, q.initiator = "DELETING", self._deleting(node, now), "USER"
+                acc = (((q.body["tpu"]["nodeSpec"][0].get("node") or {}).get("acceleratorType")) or "")
+                q.state, q.t_gone, q.initiator = "DELETING", self._deleting(_shape(acc)[2], now), "USER"
             if node is not None and node.state != "DELETING":
-                node.state, node.t_gone = "DELETING", self._deleting(node, now)
+                node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
         return self.op_json(self._new_op("delete", kind, project, zone, name, now))
 
     def get_op(self, name: str) -> dict:

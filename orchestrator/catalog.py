@@ -20,6 +20,10 @@ from dataclasses import dataclass
 # [9] https://cloud.google.com/tpu/docs/runtimes
 # [10] https://github.com/skypilot-org/skypilot-catalog/blob/017e2502fb63c7a28757acd94002b2d6099d3e3d/catalogs/v7/gcp/vms.csv
 #      (third party, built from GCP SKUs, US regions, undated: list prices are estimates)
+# [5] https://cloud.google.com/tpu/docs/v3 ; [6b] an older version of [6] (v2/v3 zones, v2 HBM)
+# [12] https://cloud.google.com/tpu/docs/quota (v2-8/v3-8: 4 chips, 8 TensorCores, one host)
+# [16] https://docs.cloud.google.com/tpu/docs/ray-guide (v5p in europe-west4-b)
+# [6e] https://cloud.google.com/tpu/docs/types-zones (an older version: v5e in us-east5-a/b/c)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Generation:
     runtime_version: str          # default software version [9]
     zones: tuple[str, ...]        # hints only [6]
     topologies: dict[int, tuple[str, int]]  # size in the name -> (topology, VMs)
+    devices_per_chip: int = 1     # JAX devices: one per chip (megacore, v5e, v6e); v2/v3: one per TensorCore
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -60,7 +65,7 @@ GENERATIONS: dict[str, Generation] = {
         price_on_demand=4.20,                                       # [10]
         price_spot={"us-central1": 1.68, "us-east1": 1.68, "us-east5": 1.56},  # [10]
         runtime_version="v2-alpha-tpuv5",                           # [9]
-        zones=("us-central1-a", "us-east5-a"),                      # [6]
+        zones=("us-central1-a", "us-east5-a", "europe-west4-b"),    # [6][16]
         topologies={  # [3] (v5p-32 from [7])
             8: ("2x2x1", 1), 16: ("2x2x2", 2), 32: ("2x2x4", 4), 64: ("2x4x4", 8),
             128: ("4x4x4", 16), 256: ("4x4x8", 32), 512: ("4x8x8", 64), 1024: ("8x8x8", 128),
@@ -77,7 +82,8 @@ GENERATIONS: dict[str, Generation] = {
         price_spot={"us-central1": 0.213, "us-east1": 0.213, "us-west1": 0.213,
                     "us-west4": 0.469, "us-east5": 0.60},           # [10]
         runtime_version="v2-alpha-tpuv5-lite",                      # [9]
-        zones=("us-central1-a", "us-south1-a", "us-west1-c", "us-west4-a"),  # [6]
+        zones=("us-central1-a", "us-south1-a", "us-west1-c", "us-west4-a",   # [6]
+               "us-east5-a", "us-east5-b", "us-east5-c", "europe-west4-b"), # [6e]
         topologies={  # -1/-4/-8: one 1-, 4- or 8-chip VM [2]; larger: 4-chip VMs [7]
             1: ("1x1", 1), 4: ("2x2", 1), 8: ("2x4", 1), 16: ("4x4", 4), 32: ("4x8", 8),
             64: ("8x8", 16), 128: ("8x16", 32), 256: ("16x16", 64),
@@ -97,6 +103,28 @@ GENERATIONS: dict[str, Generation] = {
             1: ("1x1", 1), 4: ("2x2", 1), 8: ("2x4", 1), 16: ("4x4", 4), 32: ("4x8", 8),
             64: ("8x8", 16), 128: ("8x16", 32), 256: ("16x16", 64),
         },
+    ),
+    "v2": Generation(
+        name="v2", api_type="V2",
+        peak_bf16_tflops=45.0,    # 180 per 4-chip board; not in the current docs (unverified)
+        hbm_gib_per_chip=16.0,    # v2-8 = 64 GiB [6b]
+        chips_per_vm=4, name_counts_cores=True,
+        price_on_demand=1.125, price_spot={"us-central1": 0.3375},  # [10]
+        runtime_version="tpu-ubuntu2204-base",                      # "v4 and older" [9]
+        zones=("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a"),  # [6b]
+        topologies={8: ("2x2", 1)},  # the size still offered [6b][12]
+        devices_per_chip=2,
+    ),
+    "v3": Generation(
+        name="v3", api_type="V3",
+        peak_bf16_tflops=123.0,   # [5]
+        hbm_gib_per_chip=32.0,    # [5]
+        chips_per_vm=4, name_counts_cores=True,
+        price_on_demand=2.00, price_spot={"us-central1": 0.51},     # [10]
+        runtime_version="tpu-ubuntu2204-base",                      # [9]
+        zones=("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a"),  # [6b]
+        topologies={8: ("2x2", 1)},  # [6b][12]
+        devices_per_chip=2,
     ),
 }
 
@@ -118,7 +146,8 @@ class AcceleratorType:
 
     @property
     def devices_per_host(self) -> int:
-        return self.chips_per_host  # one JAX device per chip on v4/v5p (megacore), v5e and v6e
+        # one JAX device per chip on v4/v5p (megacore), v5e and v6e; one per TensorCore on v2/v3
+        return self.chips_per_host * self.generation.devices_per_chip
 
     @property
     def hbm_gib_per_chip(self) -> float:
@@ -186,7 +215,8 @@ def all_types() -> list[AcceleratorType]:
 
 
 def _summary() -> str:
-    return "; ".join(f"{g.name}-{min(g.topologies)}..{g.name}-{max(g.topologies)}" for g in GENERATIONS.values())
+    return "; ".join(f"{g.name}-{min(g.topologies)}" + (f"..{g.name}-{max(g.topologies)}" if len(g.topologies) > 1
+                                                        else "") for g in GENERATIONS.values())
 
 
 def zones_for(name: str) -> tuple[str, ...]:

@@ -147,7 +147,8 @@ class Attempt:
 def _why(attempts: list[Attempt]) -> str:
     """The capacity answers met, in words: stockout, reserved capacity short, spot preempted while creating."""
     words = {"FAILED_PRECONDITION": "reserved capacity short", "INVALID_ARGUMENT": "spot preempted while creating"}
-    seen = dict.fromkeys(words.get(a.status, "stockout") for a in attempts if a.outcome == "capacity")
+    seen = dict.fromkeys((a.detail if "after --capacity-wait" in a.detail else words.get(a.status, "stockout"))
+                         for a in attempts if a.outcome == "capacity")
     return ", ".join(seen) or "stockout"
 
 
@@ -386,10 +387,9 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                 last: dict) -> NodeInfo:
     op_done, waiting_since = False, time.monotonic()
     where = dict(zone=rec.zone, accelerator=rec.accelerator, project=rec.project)
-    def out_of_patience(what: str) -> CloudError:
-        return CloudError("capacity", f"no capacity for {rec.accelerator} in {rec.zone}: {what} after "
-                                      f"{fmt_duration(spec.capacity_wait_s)} (--capacity-wait)",
-                          raw=f"{what} after --capacity-wait {fmt_duration(spec.capacity_wait_s)}",
+    def out_of_patience(what: str) -> CloudError:  # tpuctl's own limit, reached before the server's validUntil
+        own = f"stockout: {what} after --capacity-wait {fmt_duration(spec.capacity_wait_s)}"
+        return CloudError("capacity", f"no capacity for {rec.accelerator} in {rec.zone}: {own}", raw=own,
                           status="RESOURCE_EXHAUSTED")
 
     while True:
@@ -399,7 +399,7 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                 raise cloud.operation_error(code, msg, action=f"create {rec.accelerator}", **where)
             if (not op_done and rec.queued_resource and not spec.wait_capacity
                     and time.monotonic() - waiting_since > spec.capacity_wait_s):
-                raise out_of_patience("the create operation was still pending")
+                raise out_of_patience("create operation still pending")
         q = api.get_queued_resource(rec.queued_resource) if rec.queued_resource and op_done else None
         node = None
         if q is not None:
@@ -413,7 +413,7 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                                            "(preempted or deleted elsewhere)")
             if q.state in _WAITING:
                 if not spec.wait_capacity and time.monotonic() - waiting_since > spec.capacity_wait_s:
-                    raise out_of_patience(f"the queued resource was still {q.state}")
+                    raise out_of_patience(f"still {q.state}")
             else:
                 node = api.get_node(rec.node)
         elif not rec.queued_resource:
@@ -577,9 +577,10 @@ class DownResult:
 
 
 def down(name: str, *, project: str | None = None, zone: str | None = None, api_endpoint: str | None = None,
-         local: bool | None = None, wait: bool = True, timeout_s: float = 900,
+         local: bool | None = None, wait: bool = True, timeout_s: float | None = None,
          progress: Progress | None = None) -> DownResult:
-    """Delete the queued resource (force) and the node, idempotently; works in any state."""
+    """Delete the queued resource (force) and the node, idempotently; works in any state. Waits up to timeout_s
+    (default: what a slice of its size takes, delete_wait_s)."""
     progress = progress or _noop
     rec = state.lookup(name)
     if rec is None:
@@ -589,7 +590,7 @@ def down(name: str, *, project: str | None = None, zone: str | None = None, api_
             return DownResult(name, nothing=True, message=f"nothing to delete: no slice named {name}{where}")
     api = _api_for(rec, api_endpoint, local)
     if wait:
-        deleted = _delete_and_wait(api, rec, timeout_s=timeout_s, progress=progress)
+        deleted = _delete_and_wait(api, rec, timeout_s=timeout_s or delete_wait_s(rec), progress=progress)
     else:
         deleted = _start_delete(api, rec)
     if rec.local:

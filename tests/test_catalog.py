@@ -134,3 +134,20 @@ def test_spec_file_zone_string_non_utf8_and_huge_durations(tmp_path):
         parse_duration("9" * 400, "--ttl")
     with pytest.raises(UserError, match="invalid --ttl"):
         parse_duration("1e999", "--ttl")
+
+
+def test_catalog_agrees_with_what_the_service_offers():
+    """The stand-in keeps its own table of offerings (infra/fake_tpu_api.py): every catalog zone hint must
+    offer that generation there, and every catalog shape must be the service's."""
+    from infra import fake_tpu_api as svc
+    offered = svc.default_zones()
+    for a in catalog.all_types():
+        assert svc._shape(a.name) == (a.generation.api_type, a.topology, a.hosts), a.name
+        for z in a.zone_hints:
+            assert a.name in offered.get(z, []), f"{a.name} is not offered in {z}"
+        assert a.default_runtime_version in svc.RUNTIME_VERSIONS
+    assert catalog.lookup("v2-8").zone_hints == ("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a")
+    assert catalog.lookup("v3-8").zone_hints == ("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a")
+    assert catalog.lookup("v3-8").devices_per_host == 8 and catalog.lookup("v2-8").hbm_gib == 64
+    assert "europe-west4-b" in catalog.zones_for("v5p-8") and "europe-west4-b" in catalog.zones_for("v5e-4")
+    assert not (set(catalog.all_zones()) - set(offered))   # gc's default scan covers every catalog zone

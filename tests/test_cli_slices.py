@@ -130,7 +130,7 @@ def test_stockout_zones_via_cli(fake):
     bad = run("up", "c-z2", "-a", "v5litepod-4", "--zone", "us-central1-a", "--capacity-wait", "0.3s", *api(fake),
               ok=False)
     assert bad.exit_code == 1
-    assert "no capacity for v5litepod-4 in us-central1-a right now (stockout)" in error_line(bad)
+    assert "no capacity for v5litepod-4 in us-central1-a right now (stockout" in error_line(bad)
     nodes, qrs = live(fake)
     assert [n["name"].rsplit("/", 1)[1] for n in nodes] == ["c-z"] and qrs == []
 
@@ -331,3 +331,10 @@ def test_up_flags_for_network_identity_and_reservation_reach_the_request(fake):
     assert node["serviceAccount"] == {"email": "sa@proj-test.iam.gserviceaccount.com", "scope": [
         "https://www.googleapis.com/auth/cloud-platform", "https://www.googleapis.com/auth/userinfo.email"]}
     assert json.loads(run("status", "c-net", "--json").output)["workers"][0]["external_ip"] is None
+
+
+def test_run_on_a_missing_slice_suggests_nothing_run_does_not_take(env):
+    res = run("run", "adv-x", "--local", "--raw", "--", "echo", "x", ok=False)
+    line = error_line(res)
+    assert res.exit_code == 1 and "no slice named adv-x in the local record" in line
+    assert "--zone" not in line and "--project" not in line and "tpuctl up adv-x ... --local" in line

@@ -571,3 +571,45 @@ def test_create_request_carries_identity_network_and_metadata(fake):
     assert (again.external_ips, again.network, again.metadata) == (False, "train-net", {"ssh-keys": keys})
     with pytest.raises(UserError, match="invalid --service-account"):
         slices.up(make_spec(fake, "t-vm3", "v4-8", service_account="not an email"))
+
+
+def test_gc_default_scan_covers_every_catalog_zone(fake):
+    from orchestrator import catalog
+    res = slices.gc(project=PROJECT, api_endpoint=fake.url)
+    assert set(catalog.all_zones()) <= set(res.zones) and res.skipped_zones == {}
+    assert {"us-central1-f", "europe-west4-b", "us-east5-c"} <= set(res.zones)  # v2/v3, v5p/v5e zones included
+
+
+def test_zone_fallback_keeps_a_slice_still_being_deleted_recorded(fake, monkeypatch):
+    """Deleting a multi-host slice takes minutes: when the first zone's leftovers outlast tpuctl's wait, the next
+    zone's record carries them (never overwrites them), and `down` deletes them too."""
+    fake.control.config(deleting_s=0.05, deleting_per_host_s=1.0)      # a 4-VM slice: 4 s to delete
+    monkeypatch.setattr(slices, "DELETE_WAIT_BASE_S", 0.2)
+    monkeypatch.setattr(slices, "DELETE_WAIT_PER_HOST_S", 0.1)         # tpuctl waits 0.6 s for it
+    fake.control.stockout("us-central1-a")
+    res = slices.up(make_spec(fake, "t-left", "v5litepod-16", zones=TWO, capacity_wait_s=0.3))
+    first = f"projects/{PROJECT}/locations/us-central1-a/queuedResources/t-left"
+    assert res.record.zone == "us-west4-a" and first in res.record.leftovers
+    assert first in state.lookup("t-left").leftovers
+    assert any(q["name"] == first and q["state"]["state"] == "DELETING" for q in live(fake)[1])
+    out = slices.down("t-left", timeout_s=30)
+    assert live(fake) == ([], []) and state.lookup("t-left") is None and out.deleted
+
+
+def test_valid_until_outlasts_the_clients_own_capacity_wait(fake):
+    fake.control.stockout(ZONE)                                  # no end of its own: only validUntil would end it
+    with pytest.raises(CloudError) as e:
+        slices.up(make_spec(fake, "t-vu", "v4-8", capacity_wait_s=0.3))
+    assert "right now (stockout: still WAITING_FOR_RESOURCES after --capacity-wait 0.3s)" in str(e.value)
+    vu = float(fake.control.create_bodies("queuedResource")[-1]["queueingPolicy"]["validUntilDuration"].rstrip("s"))
+    assert vu >= 0.3 + slices.VALID_UNTIL_MARGIN_S - 1
+    assert live(fake) == ([], []) and state.records() == {}
+
+
+def test_capacity_wait_counts_while_the_create_operation_is_pending(fake):
+    fake.control.inject("pending_create", zone="us-central1-a", pending_s=60)
+    lines = []
+    res = slices.up(make_spec(fake, "t-pend", "v5litepod-4", zones=TWO, capacity_wait_s=0.3), progress=lines.append)
+    assert res.record.zone == "us-west4-a"
+    assert "stockout: create operation still pending after --capacity-wait 0.3s" in res.attempts[0].detail
+    assert [q["name"].split("/")[3] for q in live(fake)[1]] == ["us-west4-a"]
