@@ -151,3 +151,30 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
     logits, _ = model(jnp.asarray(tokens), positions, None, mask)
     return np.asarray(logits)
+
+
+TEXT = """To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune,
+Or to take arms against a sea of troubles
+And by opposing end them. To die: to sleep;
+No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks
+That flesh is heir to, 'tis a consummation
+Devoutly to be wish'd. To die, to sleep;
+To sleep: perchance to dream: ay, there's the rub;
+"""
+
+
+def write_tokenizer(path: str, vocab: int) -> str:
+    """A small sentencepiece model with Gemma's special ids (pad 0, eos 1, bos 2, unk 3, turn markers)."""
+    import io
+    import sentencepiece as spm
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT.splitlines() * 20), model_writer=buf, vocab_size=vocab, model_type="bpe",
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        add_dummy_prefix=False, minloglevel=2)
+    with open(path, "wb") as f:
+        f.write(buf.getvalue())
+    return path
