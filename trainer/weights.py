@@ -26,6 +26,7 @@ import numpy as np
 from trainer.config import UsageError
 from trainer.models import gemma
 
+MANIFEST = "tpuctl-manifest.json"  # written last by `tpuctl weights pull` (orchestrator/weights.py)
 # Test hook: called as on_read(tensor_name, n_bytes) for every byte range read from a safetensors file.
 on_read: Callable[[str, int], None] | None = None
 
@@ -68,6 +69,9 @@ def locate(path: str) -> tuple[str, str]:
                          "gs://BUCKET/PREFIX` and pass that gs:// path (or a local download)")
     if not fs.isdir(p):
         raise UsageError(f"--weights {path} is a file; pass the folder that holds the checkpoint")
+    if path.startswith("gs://") and not any(fs.exists(f"{d}/{MANIFEST}") for d in (p.rstrip("/"), p.rstrip("/").rsplit("/", 1)[0])):
+        raise UsageError(f"--weights {path}: no {MANIFEST} there, so the `tpuctl weights pull` that staged it did "
+                         "not finish; run the same pull again (it resumes)")
     entries = fs.ls(p, detail=True)
     if any(e["name"].endswith(".safetensors") for e in entries):
         return "transformers", path
