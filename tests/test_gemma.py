@@ -149,3 +149,16 @@ def test_hf_config_json_supplies_what_shapes_cannot(ckpts):
     ck = weights.inspect(path)
     assert ck.cfg.sliding_window == conf["sliding_window"] == 4
     assert ck.cfg.global_rope_scale == conf["rope_scaling"]["factor"]
+
+
+def test_many_narrow_rows_are_read_in_bounded_whole_row_groups(ckpts, monkeypatch):
+    path = ckpts["gemma2", "transformers"][0]
+    st = weights.SafeTensors(path)
+    full = st.read("model.embed_tokens.weight", slice(None))
+    reads = []
+    monkeypatch.setattr(weights, "on_read", lambda name, n: reads.append(n))
+    monkeypatch.setattr(weights, "MAX_ROW_REQUESTS", 8)
+    monkeypatch.setattr(weights, "GROUP_BYTES", 10 * 64 * 4)  # 10 rows of 64 f32
+    block = st.read("model.embed_tokens.weight", slice(3, 90), slice(16, 32))
+    np.testing.assert_array_equal(block, full[3:90, 16:32])
+    assert max(reads) == 10 * 64 * 4 and len(reads) == 9

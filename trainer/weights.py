@@ -30,6 +30,10 @@ MANIFEST = "tpuctl-manifest.json"  # written last by `tpuctl weights pull` (orch
 # Test hook: called as on_read(tensor_name, n_bytes) for every byte range read from a safetensors file.
 on_read: Callable[[str, int], None] | None = None
 
+# A block narrower than its rows is read one range per row, up to this many rows; past that, in whole-row
+# groups of at most GROUP_BYTES (more bytes fetched, far fewer requests, memory still bounded).
+MAX_ROW_REQUESTS = 4096
+GROUP_BYTES = 64 << 20
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "F64": np.float64}
 _NORMS = {"pre_attn_norm": "pre_attention_norm", "post_attn_norm": "post_attention_norm",
           "pre_ffw_norm": "pre_ffw_norm", "post_ffw_norm": "post_ffw_norm"}
@@ -223,6 +227,10 @@ class SafeTensors:
             c0, c1, _ = (cols or slice(None)).indices(ncol)
             if c0 == 0 and c1 == ncol:  # whole rows: one contiguous range
                 starts, ends = [off + r0 * ncol * item], [off + r1 * ncol * item]
+            elif r1 - r0 > MAX_ROW_REQUESTS:  # e.g. a vocab's rows: whole-row groups, cut as they arrive
+                step = max(1, GROUP_BYTES // (ncol * item))
+                return np.concatenate([self.read(name, slice(r, min(r + step, r1)))[:, c0:c1]
+                                       for r in range(r0, r1, step)])
             else:
                 starts = [off + (r * ncol + c0) * item for r in range(r0, r1)]
                 ends = [s + (c1 - c0) * item for s in starts]
