@@ -87,6 +87,7 @@ def test_load_on_a_4x2_mesh_gives_each_param_its_rule_sharding(ckpts, mesh, layo
     if layout == "transformers":  # no read ever fetched more than one device's block of a tensor
         largest = max(max(_per_device_bytes(x)) for x in params.values())
         assert reads and max(n for _, n in reads) <= largest
+        assert sum(n for _, n in reads) == sum(x.nbytes for x in params.values())  # every byte fetched once
         assert max(n for name, n in reads if "o_proj" in name) <= params["layers.0.o"].nbytes // 8
 
 

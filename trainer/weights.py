@@ -334,14 +334,18 @@ def _hf_block(st: SafeTensors, pre: str, cfg: gemma.GemmaConfig, ours: str, idx:
 
 def _load_hf(ck: Checkpoint, st: SafeTensors, pre: str, mesh, dtype) -> dict[str, jax.Array]:
     cfg = ck.cfg
+    lay = gemma.param_layout(cfg)
+    dt = dtype or jnp.dtype(_ST_DTYPES[st.index[pre + "embed_tokens.weight"][1]])
     out = {}
     for ours, sh in gemma.shardings(cfg, mesh).items():
-        shape = gemma.param_layout(cfg)[ours][0]
-        src = pre + "embed_tokens.weight"
-        dt = dtype or jnp.dtype(_ST_DTYPES[st.index[src][1]])
+        shape = lay[ours][0]
+        blocks: dict[tuple, np.ndarray] = {}  # devices of this process holding the same block read it once
 
-        def block(idx, ours=ours, dt=dt):
-            return np.ascontiguousarray(_hf_block(st, pre, cfg, ours, idx)).astype(dt)
+        def block(idx, ours=ours, shape=shape, blocks=blocks):
+            key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+            if key not in blocks:
+                blocks[key] = np.ascontiguousarray(_hf_block(st, pre, cfg, ours, idx)).astype(dt)
+            return blocks[key]
         out[ours] = jax.make_array_from_callback(shape, sh, block)
     return out
 
