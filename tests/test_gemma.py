@@ -108,11 +108,16 @@ def test_sizes_come_from_shapes_and_the_named_table_has_real_counts():
     assert gemma.SIZES["gemma3-1b"].layer_types[:6] == (gemma.LOCAL,) * 5 + (gemma.GLOBAL,)
 
 
-def test_abstract_model_builds_from_shapes_alone():
+def test_abstract_model_and_train_step_build_from_shapes_alone():
     cfg = gemma.SIZES["gemma2-27b"]
     _, state = gemma.abstract(cfg)
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
     assert n == gemma.count_params(cfg)
+    params = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, (s, _) in gemma.param_layout(cfg).items()}
+    tokens = jax.ShapeDtypeStruct((8, 4097), jnp.int32)
+    loss, grads = jax.eval_shape(jax.value_and_grad(lambda p, t: gemma.loss(cfg, p, t, jnp.bfloat16)), params, tokens)
+    assert loss.shape == () and loss.dtype == jnp.float32
+    assert {k: g.shape for k, g in grads.items()} == {k: p.shape for k, p in params.items()}
 
 
 # ---------------------------------------------------------------- bad input

@@ -10,7 +10,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import _gemma_ckpt as gc
 from _trainer_util import REPO, env, session_cache
@@ -40,7 +39,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.slow
 def test_two_processes_each_read_their_half(tmp_path, tmp_path_factory):
     cfg = gc.TINY["gemma2"]
     flat = gemma.random_params(cfg, seed=21)

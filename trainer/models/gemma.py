@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.mesh import RULES, fitted_spec
+from trainer.models.gpt2 import loss_fn
 
 K_MASK = -2.3819763e38  # what Google's implementation writes into masked attention logits
 LOCAL, GLOBAL = "local", "global"
@@ -265,6 +266,13 @@ class Gemma(nnx.Module):
         logits = jnp.einsum("btd,vd->btv", x, emb.astype(dtype), preferred_element_type=jnp.float32)
         logits = softcap(_constrain(logits, ("batch", "seq", "vocab")), self.cfg.fam.final_softcap)
         return logits, new_cache
+
+
+def loss(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Mean next-token cross-entropy (f32) of int tokens [B, T+1] under flat params: what a train step
+    differentiates (also on abstract shapes, e.g. to compile a step for a slice ahead of time)."""
+    logits, _ = from_flat(cfg, params)(tokens[:, :-1], dtype=dtype)
+    return loss_fn(logits, tokens[:, 1:])
 
 
 def init_cache(cfg: GemmaConfig, batch: int, length: int, dtype=jnp.float32) -> list[dict[str, jax.Array]]:
