@@ -31,8 +31,12 @@ def kaggle_flax_tree(cfg: gemma.GemmaConfig, flat: dict) -> dict:
         gating = a[s + "gating"]
         if cfg.family == "gemma2":
             gating = np.ascontiguousarray(gating.transpose(0, 2, 1))
+        if cfg.n_heads == cfg.n_kv_heads:  # multi-head attention: q, k, v in one [3, H, D, hd] einsum
+            t[p + "attn/qkv_einsum"] = {"w": np.concatenate([a[s + "q"][None], a[s + "kv"]])}
+        else:
+            t[p + "attn/q_einsum"] = {"w": a[s + "q"]}
+            t[p + "attn/kv_einsum"] = {"w": a[s + "kv"]}
         t.update({
-            p + "attn/q_einsum": {"w": a[s + "q"]}, p + "attn/kv_einsum": {"w": a[s + "kv"]},
             p + "attn/attn_vec_einsum": {"w": a[s + "o"]}, p + "mlp/gating_einsum": {"w": gating},
             p + "mlp/linear": {"w": a[s + "linear"]},
             p + "pre_attention_norm": {"scale": a[s + "pre_attn_norm"]},

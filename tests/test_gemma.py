@@ -64,6 +64,18 @@ def test_logits_match_googles_implementation(ckpts, mesh, fam, layout):
     assert np.abs(wide[:, -1] - ref[:, -1]).max() > 1e-3
 
 
+def test_fused_qkv_checkpoint_matches_googles_implementation(mesh, tmp_path):
+    # Kaggle stores q, k and v as one qkv_einsum when heads == kv heads.
+    cfg = dataclasses.replace(gc.TINY["gemma2"], n_kv_heads=4)
+    flat = gemma.random_params(cfg, seed=5)
+    path = gc.write_flax(str(tmp_path / "mha"), cfg, flat)
+    ck, params = weights.load(path, mesh, **gc.FLAX_OVERRIDES["gemma2"])
+    assert ck.cfg == cfg
+    tokens = np.random.RandomState(3).randint(0, cfg.vocab, (2, SEQ))
+    ref = gc.tunix_logits(gc.tunix_model(cfg, path, "flax"), tokens)
+    assert np.abs(_logits(cfg, params, tokens, mesh) - ref).max() <= 1e-4
+
+
 def _per_device_bytes(x) -> set[int]:
     return {s.data.nbytes for s in x.addressable_shards}
 

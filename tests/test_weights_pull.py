@@ -95,6 +95,7 @@ print(json.dumps(out))
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_pull_both_families_both_layouts_then_load_from_gs_and_pull_again(world):
     fake = world["fake"]
     dests = {}
@@ -111,6 +112,14 @@ def test_pull_both_families_both_layouts_then_load_from_gs_and_pull_again(world)
         assert got["family"] == fam and got["layout"] == layout
         want = {k: float(np.asarray(v, np.float64).sum()) for k, v in world["params"][fam].items()}
         assert got["sum"] == pytest.approx(want, rel=1e-6)
+
+    # The sampler end to end from gs:// (the tokenizer.model is read from the bucket too).
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "trainer", "sample", "--weights", dests["gemma2/flax"], "--prompt",
+                        "To be", "--chat", "--max-new-tokens", "4", "--temperature", "0", "--mesh", "data=4,model=2"],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "gemma2 4 layers" in p.stderr, p.stderr[-2000:]
 
     gets = _blob_gets(fake)
     res, lines = _pull(world, MODELS["gemma2", "flax"], dests["gemma2/flax"])
