@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
