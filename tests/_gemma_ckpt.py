@@ -50,12 +50,24 @@ def kaggle_flax_tree(cfg: gemma.GemmaConfig, flat: dict) -> dict:
     return t
 
 
-def write_flax(root: str, cfg: gemma.GemmaConfig, flat: dict, variation: str = "tiny") -> str:
-    """<root>/<variation>/ (Orbax params) as Kaggle ships it; returns root."""
+def write_flax(root: str, cfg: gemma.GemmaConfig, flat: dict, variation: str = "tiny", mesh=None) -> str:
+    """<root>/<variation>/ (Orbax params) as Kaggle ships it; returns root. With `mesh`, the arrays are saved
+    sharded by the rules, so each array is stored in one chunk per shard (else one chunk per array)."""
+    import jax
     import orbax.checkpoint as ocp
+    from trainer.mesh import fitted_spec
     os.makedirs(root, exist_ok=True)
+    tree = kaggle_flax_tree(cfg, flat)
+    if mesh is not None:
+        axes = {shape: ax for shape, ax in gemma.param_layout(cfg).values()}
+        axes[(2, cfg.d_model, cfg.ff)] = (None, "fsdp", "mlp")  # Gemma 2's [2, D, F] gating
+
+        def place(x):
+            spec = fitted_spec(axes[x.shape], x.shape, dict(mesh.shape))
+            return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+        tree = jax.tree.map(place, tree)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.abspath(os.path.join(root, variation)), kaggle_flax_tree(cfg, flat))
+    ckpt.save(os.path.abspath(os.path.join(root, variation)), tree)
     ckpt.wait_until_finished()
     ckpt.close()
     return root

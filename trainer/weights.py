@@ -2,6 +2,8 @@
 
 - flax: an Orbax params dir (keys `transformer/layer_i/...`) beside `tokenizer.model`. Restored by
   Orbax/tensorstore with the target shardings, so each process fetches only the chunks its devices hold.
+  Chunks are what the checkpoint was written with: an array saved from one host is one chunk, which every
+  process reads whole (one array at a time, never the whole model at once).
 - transformers: `*.safetensors` (Hugging Face names, matrices stored [out, in]) with `config.json`.
   Read with byte-range requests: each device's block is assembled from the rows (or row pieces) it
   needs, never from a whole tensor (`on_read` sees every request).
