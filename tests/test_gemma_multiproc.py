@@ -10,6 +10,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import _gemma_ckpt as gc
 from _trainer_util import REPO, env, session_cache
@@ -47,6 +48,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow  # ~60 s on 2 busy cores: two jax.distributed processes, three loads each
 def test_two_processes_each_read_their_half(tmp_path, tmp_path_factory):
     cfg = gc.TINY["gemma2"]
     flat = gemma.random_params(cfg, seed=21)
