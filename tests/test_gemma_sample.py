@@ -110,3 +110,12 @@ def test_cli_weights_path_without_a_checkpoint(tmp_path, tmp_path_factory):
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         f"error: --weights {tmp_path}: no Gemma checkpoint there (no *.safetensors, no Orbax params dir; found: "
         "nothing); pass the folder `tpuctl weights pull` staged"]
+
+
+def test_cli_needs_exactly_one_checkpoint_kind(tiny_flax, tmp_path_factory):
+    p = _sample(tmp_path_factory, "--weights", tiny_flax, "--ckpt-dir", tiny_flax, "--prompt", "x")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: sample: pass either --ckpt-dir (a GPT-2 checkpoint) or --weights (a Gemma checkpoint)"]
+    p = _sample(tmp_path_factory, "--ckpt-dir", tiny_flax, "--chat")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: sample: --chat, --model, --tokenizer, --top-p and --mesh apply to Gemma --weights only"]

@@ -98,11 +98,13 @@ def run(args: argparse.Namespace) -> int:
         from trainer import config, loop
         return loop.pretrain(config.resolve(args))
     from absl import logging
+    if bool(args.weights) == bool(args.ckpt_dir):
+        raise UsageError("sample: pass either --ckpt-dir (a GPT-2 checkpoint) or --weights (a Gemma checkpoint)")
     if args.weights:
         from trainer import generate
         return generate.sample_main(args)
-    if not args.ckpt_dir:
-        raise UsageError("sample: pass --ckpt-dir (a GPT-2 checkpoint) or --weights (a Gemma checkpoint)")
+    if args.chat or args.model or args.tokenizer or args.top_p != 1.0 or args.mesh:
+        raise UsageError("sample: --chat, --model, --tokenizer, --top-p and --mesh apply to Gemma --weights only")
     from trainer import sample
     logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only checkpoint manager is read-only
     print(sample.generate(args.ckpt_dir, args.prompt, max_new_tokens=args.max_new_tokens,
