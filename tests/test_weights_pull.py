@@ -212,6 +212,7 @@ def test_cli_pull_json_with_endpoint_from_env_never_prints_the_key(world):
     out = json.loads(p.stdout)
     assert out["handle"] == MODELS["gemma3", "transformers"] + "/1" and out["version"] == 1
     assert "resolved google/gemma-3/transformers/tiny to version 1" in p.stderr
+    assert "Downloading" in p.stderr and "upload: 100%" in p.stderr  # both progress bars, on stderr
     assert KEY not in p.stdout + p.stderr and KEY not in " ".join(cmd)
     env["KAGGLE_USERNAME"], env["KAGGLE_KEY"] = "bob", "bob-key"
     cmd[-2] = "gs://models/cli-bob"
