@@ -169,9 +169,7 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def _p(rngs: nnx.Rngs | None, shape, axes, init_std: float) -> nnx.Param:
-    if rngs is None:  # abstract / to be loaded
-        val = jnp.zeros(shape, jnp.float32)
-    elif init_std == 0:
+    if rngs is None or init_std == 0:  # abstract / to be loaded, or a norm scale (applied as 1 + scale)
         val = jnp.zeros(shape, jnp.float32)
     else:
         val = init_std * jax.random.normal(rngs.params(), shape, jnp.float32)
