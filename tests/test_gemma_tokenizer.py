@@ -27,7 +27,8 @@ STRINGS = [
 
 
 def _cache_dir() -> str:
-    d = os.environ.get("TPUCTL_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpuctl-tests")
+    """The machine-wide test cache the local-slice tests use too (TPUCTL_TEST_CACHE)."""
+    d = os.path.join(os.environ.get("TPUCTL_TEST_CACHE") or os.path.expanduser("~/.cache/tpuctl-test"), "wheels")
     os.makedirs(d, exist_ok=True)
     return d
 
