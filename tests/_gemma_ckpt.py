@@ -149,11 +149,15 @@ def tunix_model(cfg: gemma.GemmaConfig, path: str, layout: str):
             return tm.Gemma.from_params(params, version="2-tiny")
         return ts.create_model_from_safe_tensors(path, tcfg, dtype=jnp.float32)
     from tunix.models.gemma3 import model as tm, params as tp, params_safetensors as ts
+    by_width = cfg.query_pre_attn_scalar == cfg.d_model // cfg.n_heads != cfg.head_dim  # as the 27b sizes
+    norm = tm.QueryPreAttentionNormalisation
     tcfg = tm.ModelConfig(num_layers=cfg.n_layers, num_embed=cfg.vocab, embed_dim=cfg.d_model,
                           hidden_dim=cfg.ff, num_heads=cfg.n_heads, head_dim=cfg.head_dim,
                           num_kv_heads=cfg.n_kv_heads, sliding_window_size=cfg.sliding_window,
                           local_base_frequency=10_000, global_base_frequency=1_000_000,
-                          global_scale_factor=cfg.global_rope_scale, param_dtype=jnp.float32)
+                          global_scale_factor=cfg.global_rope_scale, param_dtype=jnp.float32,
+                          query_pre_attn_norm=norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS if by_width
+                          else norm.BY_ONE_OVER_SQRT_HEAD_DIM)
     if layout == "flax":
         return tp.create_model_from_checkpoint(os.path.abspath(os.path.join(path, "tiny")), tcfg,
                                                dtype=jnp.float32)

@@ -76,6 +76,20 @@ def test_fused_qkv_checkpoint_matches_googles_implementation(mesh, tmp_path):
     assert np.abs(_logits(cfg, params, tokens, mesh) - ref).max() <= 1e-4
 
 
+def test_query_scaled_by_width_over_heads_as_the_27b_sizes_match_googles_implementation(mesh, tmp_path):
+    # Gemma 2/3 27b scale q by (d_model / heads) ** -0.5, not head_dim ** -0.5 (tunix models it for Gemma 3).
+    cfg = dataclasses.replace(gc.TINY["gemma3"], head_dim=8, query_pre_attn_scalar=16.0)
+    flat = gemma.random_params(cfg, seed=9)
+    path = gc.write_hf(str(tmp_path / "wide"), cfg, flat)
+    ck, params = weights.load(path, mesh)
+    assert ck.cfg == cfg
+    tokens = np.random.RandomState(4).randint(0, cfg.vocab, (2, SEQ))
+    ref = gc.tunix_logits(gc.tunix_model(cfg, path, "transformers"), tokens)
+    assert np.abs(_logits(cfg, params, tokens, mesh) - ref).max() <= 1e-4
+    other = _logits(dataclasses.replace(cfg, query_pre_attn_scalar=8.0), params, tokens, mesh)
+    assert np.abs(other - ref).max() > 1e-3
+
+
 def _per_device_bytes(x) -> set[int]:
     return {s.data.nbytes for s in x.addressable_shards}
 
