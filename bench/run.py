@@ -351,5 +351,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         launch.bench(say=say)
     else:
         say("[6] launch bench (issue 4): skipped" + (" (--quick)" if plan.quick else ""))
+    if "gemma" in sections and not plan.quick:
+        say("== [7] Gemma sampling: KV-cache loop vs full recompute (bench/gemma_sample.py)")
+        from bench import gemma_sample
+        gemma_sample.main()
+    else:
+        say("[7] Gemma sampling: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

@@ -475,6 +475,10 @@ from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run doe
 for _cmd in (cli_run.run, cli_run.ssh, cli_run.logs):
     cli.add_command(_cmd)
 
+from orchestrator import cli_weights  # noqa: E402
+
+cli.add_command(cli_weights.weights)
+
 
 def main(argv=None) -> int:
     try:

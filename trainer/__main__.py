@@ -68,8 +68,8 @@ def parser() -> argparse.ArgumentParser:
     pt = common(sub.add_parser("pretrain", help="train (resumes from the latest checkpoint in --ckpt-dir)"))
     add_config_flags(pt)
 
-    sa = common(sub.add_parser("sample", help="generate text from a checkpoint"))
-    sa.add_argument("--ckpt-dir", required=True)
+    sa = common(sub.add_parser("sample", help="generate text from a checkpoint (GPT-2 --ckpt-dir or Gemma --weights)"))
+    sa.add_argument("--ckpt-dir", help="a GPT-2 checkpoint dir trained by pretrain")
     sa.add_argument("--prompt", default="\n")
     sa.add_argument("--max-new-tokens", type=int, default=200)
     sa.add_argument("--temperature", type=float, default=0.8)
@@ -77,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     sa.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    # Gemma (trainer/generate.py): KV-cache decoding in one compiled loop on the mesh, streamed.
+    sa.add_argument("--weights", help="a Gemma checkpoint (Kaggle flax or transformers layout), local or gs://")
+    sa.add_argument("--chat", action="store_true", help="wrap the prompt in Gemma's chat turns; stop at <end_of_turn>")
+    sa.add_argument("--model", choices=("gemma2", "gemma3"), help="expected family (default: from the checkpoint)")
+    sa.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the one beside --weights)")
+    sa.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut (1 = off; --temperature 0 = greedy)")
+    sa.add_argument("--mesh", default="", help="data=D,model=M over all devices (default: all on data)")
     return p
 
 
@@ -91,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
         from trainer import config, loop
         return loop.pretrain(config.resolve(args))
     from absl import logging
+    if bool(args.weights) == bool(args.ckpt_dir):
+        raise UsageError("sample: pass either --ckpt-dir (a GPT-2 checkpoint) or --weights (a Gemma checkpoint)")
+    if args.weights:
+        from trainer import generate
+        return generate.sample_main(args)
+    if args.chat or args.model or args.tokenizer or args.top_p != 1.0 or args.mesh:
+        raise UsageError("sample: --chat, --model, --tokenizer, --top-p and --mesh apply to Gemma --weights only")
     from trainer import sample
     logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only checkpoint manager is read-only
     print(sample.generate(args.ckpt_dir, args.prompt, max_new_tokens=args.max_new_tokens,

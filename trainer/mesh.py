@@ -21,6 +21,9 @@ RULES: dict[str, str | None] = {
     "embed": None,
     "seq": None,
     "head_dim": None,
+    # Gemma: the model width of each weight matrix is sharded fsdp-style over `data`; kv heads like heads.
+    "fsdp": "data",
+    "kv_heads": "model",
 }
 # --vocab-parallel: the tied embedding's vocab rows over every device (trainer/models/vocab_parallel.py).
 VOCAB_PARALLEL_RULES = {**RULES, "vocab": AXES}
@@ -91,3 +94,23 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def fitted_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape: dict[str, int],
+                rules: dict = RULES) -> P:
+    """spec(axes) for an array of `shape`, with a mesh axis that does not divide its dimension (or that an
+    earlier dimension already uses) left out: that dimension stays whole, e.g. a single kv head on model=2."""
+    used: set[str] = set()
+    out = []
+    for a, n in zip(axes, shape):
+        m = rules[a] if a is not None else None
+        names = (m,) if isinstance(m, str) else tuple(m or ())
+        size = 1
+        for name in names:
+            size *= mesh_shape.get(name, 1)
+        if not names or n % size or used & set(names):
+            out.append(None)
+            continue
+        used |= set(names)
+        out.append(m)
+    return P(*out)

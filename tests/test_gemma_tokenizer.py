@@ -1,0 +1,136 @@
+"""Our Gemma tokenizer (sentencepiece .model and tokenizer.json) and chat template against Google's real
+Gemma 2 and Gemma 3 tokenizers, read out of the maxtext wheel (fetched from the package index once per cache)."""
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from trainer import tokenizer as tok_lib
+from trainer.config import UsageError
+
+WHEEL = "maxtext==0.2.5"
+ASSETS = {"gemma2": "maxtext/assets/tokenizers/tokenizer.gemma", "gemma3": "maxtext/assets/tokenizers/tokenizer.gemma3"}
+STRINGS = [
+    "Hello world",
+    "  leading spaces  and\ttabs\n\nnew lines",
+    "naïve café 日本語 🤗 ½",
+    "def f(x):\n    return x**2  # 12345",
+    "<bos> typed by a user is text",
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+]
+
+
+def _cache_dir() -> str:
+    """The machine-wide test cache the local-slice tests use too (TPUCTL_TEST_CACHE)."""
+    d = os.path.join(os.environ.get("TPUCTL_TEST_CACHE") or os.path.expanduser("~/.cache/tpuctl-test"), "wheels")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def google_models(tmp_path_factory) -> dict[str, str]:
+    """family -> path of Google's sentencepiece model (from the maxtext wheel; never committed)."""
+    cache = _cache_dir()
+    wheels = glob.glob(os.path.join(cache, "maxtext-0.2.5-*.whl"))
+    if not wheels:
+        p = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                            "--python-version", "3.12", WHEEL, "-d", cache], capture_output=True, text=True,
+                           timeout=300)
+        wheels = glob.glob(os.path.join(cache, "maxtext-0.2.5-*.whl"))
+        if not wheels:
+            pytest.skip(f"the package index is unreachable, so Google's tokenizers ({WHEEL}) could not be "
+                        f"fetched: {p.stderr.strip().splitlines()[-1:]}")
+    out = tmp_path_factory.mktemp("google-tokenizers")
+    z = zipfile.ZipFile(wheels[0])
+    paths = {}
+    for fam, member in ASSETS.items():
+        (out / fam).mkdir()
+        paths[fam] = str(out / fam / "tokenizer.model")
+        with open(paths[fam], "wb") as f:
+            f.write(z.read(member))
+    return paths
+
+
+def _to_tokenizer_json(model: str, out: str) -> str:
+    """tokenizer.json as Hugging Face's Gemma converter makes it from the same sentencepiece model."""
+    import sentencepiece as spm
+    conv = importlib.import_module("transformers.convert_slow_tokenizer")
+
+    class Extractor(conv.GemmaSentencePieceExtractor):
+        def __init__(self, m):  # this transformers release forgets to set .sp, which extract() reads
+            super().__init__(m)
+            self.sp = spm.SentencePieceProcessor(model_file=m)
+
+    class Converter(conv.GemmaConverter):
+        SpmExtractor = Extractor
+
+    class Slow:
+        vocab_file = model
+        pad_token, eos_token, bos_token, unk_token = "<pad>", "<eos>", "<bos>", "<unk>"
+        legacy, add_prefix_space = False, False
+
+    Converter(Slow()).converted().save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizers(google_models) -> dict[tuple[str, str], tok_lib.GemmaTokenizer]:
+    out = {}
+    for fam, model in google_models.items():
+        out[fam, "model"] = tok_lib.GemmaTokenizer(model)
+        out[fam, "json"] = tok_lib.GemmaTokenizer(_to_tokenizer_json(model, model.replace(".model", ".json")))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["model", "json"])
+@pytest.mark.parametrize("fam", ["gemma2", "gemma3"])
+def test_ids_match_sentencepiece_with_googles_model(google_models, tokenizers, fam, fmt):
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=google_models[fam])
+    tok = tokenizers[fam, fmt]
+    assert tok.vocab_size == sp.get_piece_size() == {"gemma2": 256000, "gemma3": 262144}[fam]
+    assert (tok.bos_id, tok.eos_id) == (sp.bos_id(), sp.eos_id()) == (2, 1)
+    assert tok.end_of_turn_id == sp.piece_to_id("<end_of_turn>") == {"gemma2": 107, "gemma3": 106}[fam]
+    for s in STRINGS:
+        ids = tok.encode(s)
+        assert ids == [sp.bos_id(), *sp.encode(s)], s
+        assert tok.decode(ids[1:]) == sp.decode(ids[1:]) == s
+    assert tok.encode("<bos>", bos=False).count(sp.bos_id()) == 0  # BOS is an id, never text
+
+
+@pytest.mark.parametrize("fmt", ["model", "json"])
+@pytest.mark.parametrize("fam", ["gemma2", "gemma3"])
+def test_chat_template_matches_sentencepiece_on_the_rendered_turns(google_models, tokenizers, fam, fmt):
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=google_models[fam])
+    tok = tokenizers[fam, fmt]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi there! "},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+    text = ("<start_of_turn>user\nBe brief.\n\nHi there!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+            "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")
+    assert tok_lib.chat_text(msgs) == text
+    ids = tok.chat(msgs)
+    assert ids == [sp.bos_id(), *sp.encode(text)]
+    assert ids.count(sp.bos_id()) == 1 and ids.count(tok.end_of_turn_id) == 3
+    assert ids[1] == sp.piece_to_id("<start_of_turn>")  # the marker is one piece, right after BOS
+
+
+def test_chat_rejects_turns_out_of_order():
+    with pytest.raises(UsageError, match="alternate"):
+        tok_lib.chat_text([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(UsageError, match="unknown role 'tool'"):
+        tok_lib.chat_text([{"role": "tool", "content": "a"}])
+
+
+def test_a_tokenizer_that_does_not_fit_the_embedding_is_refused(google_models):
+    root = os.path.dirname(google_models["gemma3"])
+    assert tok_lib.load(root, embed_rows=262144).vocab_size == 262144
+    with pytest.raises(UsageError, match=r"has 262144 pieces but the checkpoint's embedding has 256128 rows"):
+        tok_lib.load(root, embed_rows=256128)  # a Gemma 3 tokenizer beside Gemma 2 weights
+    assert tok_lib.load(os.path.dirname(google_models["gemma2"]), embed_rows=256128).vocab_size == 256000

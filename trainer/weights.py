@@ -1,0 +1,382 @@
+"""Gemma weights in Kaggle's two layouts -> sharded params on the mesh, each process reading its slices.
+
+- flax: an Orbax params dir (keys `transformer/layer_i/...`) beside `tokenizer.model`. Restored by
+  Orbax/tensorstore with the target shardings, so each process fetches only the chunks its devices hold.
+  Chunks are what the checkpoint was written with: an array saved from one host is one chunk, which every
+  process reads whole (one array at a time, never the whole model at once).
+- transformers: `*.safetensors` (Hugging Face names, matrices stored [out, in]) with `config.json`.
+  Read with byte-range requests: each device's block is assembled from the rows (or row pieces) it
+  needs, never from a whole tensor (`on_read` sees every request).
+
+Both work on a local path or gs:// (fsspec/gcsfs and tensorstore, pointed at an emulator by the same
+environment variables as checkpoints). The sizes come from the arrays' shapes; the family from which
+parameters exist (Gemma 3 has QK-norm, Gemma 2 post-norms without it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import fsspec
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainer.config import UsageError
+from trainer.models import gemma
+
+MANIFEST = "tpuctl-manifest.json"  # written last by `tpuctl weights pull` (orchestrator/weights.py)
+# Test hook: called as on_read(tensor_name, n_bytes) for every byte range read from a safetensors file.
+on_read: Callable[[str, int], None] | None = None
+
+# A block narrower than its rows is read one range per row, up to this many rows; past that, in whole-row
+# groups of at most GROUP_BYTES (more bytes fetched, far fewer requests, memory still bounded).
+MAX_ROW_REQUESTS = 4096
+GROUP_BYTES = 64 << 20
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "F64": np.float64}
+_NORMS = {"pre_attn_norm": "pre_attention_norm", "post_attn_norm": "post_attention_norm",
+          "pre_ffw_norm": "pre_ffw_norm", "post_ffw_norm": "post_ffw_norm"}
+_HF_NORMS = {"pre_attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "pre_ffw_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: str           # the params dir (flax) or the folder of *.safetensors (transformers)
+    layout: str         # "flax" | "transformers"
+    root: str           # the folder as given (where tokenizer files live)
+    cfg: gemma.GemmaConfig
+
+
+def _fs(path: str):
+    fs, p = fsspec.core.url_to_fs(path)
+    return fs, p
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name
+
+
+def _is_orbax_dir(fs, p: str) -> bool:
+    return fs.exists(_join(p, "_METADATA")) or fs.exists(_join(p, "_CHECKPOINT_METADATA"))
+
+
+def locate(path: str) -> tuple[str, str]:
+    """(layout, params path) of the checkpoint at `path`: a safetensors folder, an Orbax params dir, or a
+    folder holding one Orbax params dir (Kaggle's flax layout)."""
+    if "://" not in path:
+        path = os.path.abspath(path)
+    fs, p = _fs(path)
+    if not fs.exists(p):
+        raise UsageError(f"--weights {path} does not exist; pull a model with `tpuctl weights pull HANDLE --to "
+                         "gs://BUCKET/PREFIX` and pass that gs:// path (or a local download)")
+    if not fs.isdir(p):
+        raise UsageError(f"--weights {path} is a file; pass the folder that holds the checkpoint")
+    if path.startswith("gs://") and not any(fs.exists(f"{d}/{MANIFEST}") for d in (p.rstrip("/"), p.rstrip("/").rsplit("/", 1)[0])):
+        raise UsageError(f"--weights {path}: no {MANIFEST} there, so the `tpuctl weights pull` that staged it did "
+                         "not finish; run the same pull again (it resumes)")
+    entries = fs.ls(p, detail=True)
+    if any(e["name"].endswith(".safetensors") for e in entries):
+        return "transformers", path
+    if _is_orbax_dir(fs, p):
+        return "flax", path
+    subs = [e["name"] for e in entries if e["type"] == "directory" and _is_orbax_dir(fs, e["name"])]
+    if len(subs) == 1:
+        return "flax", path.rstrip("/") + "/" + subs[0].rstrip("/").rsplit("/", 1)[-1]
+    names = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries)[:8]
+    raise UsageError(f"--weights {path}: no Gemma checkpoint there (no *.safetensors, no Orbax params dir; "
+                     f"found: {', '.join(names) or 'nothing'}); pass the folder `tpuctl weights pull` staged")
+
+
+# ---------------------------------------------------------------- flax (Orbax params dir)
+
+def _flax_names(n_layers: int, qk_norm: bool, fused_qkv: bool) -> dict[str, tuple[str, str]]:
+    """Our flat name -> (Orbax key, leaf) in a Kaggle flax checkpoint."""
+    out = {"embed": ("transformer/embedder", "input_embedding"), "final_norm": ("transformer/final_norm", "scale")}
+    for i in range(n_layers):
+        p = f"transformer/layer_{i}/"
+        out[f"layers.{i}.q"] = (p + ("attn/qkv_einsum" if fused_qkv else "attn/q_einsum"), "w")
+        out[f"layers.{i}.kv"] = (p + ("attn/qkv_einsum" if fused_qkv else "attn/kv_einsum"), "w")
+        out[f"layers.{i}.o"] = (p + "attn/attn_vec_einsum", "w")
+        out[f"layers.{i}.gating"] = (p + "mlp/gating_einsum", "w")
+        out[f"layers.{i}.linear"] = (p + "mlp/linear", "w")
+        for ours, theirs in _NORMS.items():
+            out[f"layers.{i}.{ours}"] = (p + theirs, "scale")
+        if qk_norm:
+            out[f"layers.{i}.q_norm"] = (p + "attn/_query_norm", "scale")
+            out[f"layers.{i}.k_norm"] = (p + "attn/_key_norm", "scale")
+    return out
+
+
+def _family(found: set[str], where: str) -> str:
+    """Gemma 3 has QK-norm; Gemma 2 has post-attention/post-ffw norms without it."""
+    if "q_norm" in found and "post_ffw_norm" in found:
+        return "gemma3"
+    if "post_ffw_norm" in found and "post_attn_norm" in found and "q_norm" not in found:
+        return "gemma2"
+    raise UsageError(f"{where}: matches no known Gemma family (Gemma 2: post-norms; Gemma 3: post-norms + "
+                     f"QK-norm); found layer params: {', '.join(sorted(found)) or 'none'}")
+
+
+def _flax_meta(params_path: str) -> dict[str, dict]:
+    import orbax.checkpoint as ocp
+    meta = ocp.PyTreeCheckpointer().metadata(params_path)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return {k: dict(v) for k, v in tree.items() if isinstance(v, dict) or hasattr(v, "items")}
+
+
+def _flax_config(params_path: str, family: str | None, overrides: dict):
+    meta = _flax_meta(params_path)
+    where = f"--weights {params_path}"
+    if "transformer/embedder" not in meta or "transformer/layer_0/attn/attn_vec_einsum" not in meta:
+        raise UsageError(f"{where}: matches no known Gemma family (no transformer/embedder or "
+                         f"transformer/layer_0/attn; found keys: {', '.join(sorted(meta)[:6])})")
+    found = set()
+    for key in meta:
+        if key.startswith("transformer/layer_0/"):
+            leaf = key[len("transformer/layer_0/"):]
+            found.add({"pre_attention_norm": "pre_attn_norm", "post_attention_norm": "post_attn_norm",
+                       "attn/_query_norm": "q_norm", "attn/_key_norm": "k_norm"}.get(leaf, leaf.split("/")[-1]))
+    fam = _family(found, where)
+    _check_family(family, fam, where)
+    shape = lambda k, leaf: tuple(meta[k][leaf].shape)  # noqa: E731
+    n = sum(1 for k in meta if k.startswith("transformer/layer_") and k.endswith("/attn/attn_vec_einsum"))
+    fused = "transformer/layer_0/attn/qkv_einsum" in meta
+    shapes = {"embed": shape("transformer/embedder", "input_embedding")}
+    if fused:
+        _, h, d, hd = shape("transformer/layer_0/attn/qkv_einsum", "w")
+        shapes["layers.0.q"], shapes["layers.0.kv"] = (h, d, hd), (2, h, d, hd)
+    else:
+        shapes["layers.0.q"] = shape("transformer/layer_0/attn/q_einsum", "w")
+        shapes["layers.0.kv"] = shape("transformer/layer_0/attn/kv_einsum", "w")
+    shapes["layers.0.linear"] = shape("transformer/layer_0/mlp/linear", "w")
+    shapes.update({f"layers.{i}.q": shapes["layers.0.q"] for i in range(n)})
+    cfg = gemma.GemmaConfig.from_shapes(fam, shapes, **overrides)
+    return cfg, meta, fused
+
+
+def _check_family(wanted: str | None, found: str, where: str) -> None:
+    if wanted and wanted != found:
+        raise UsageError(f"--model {wanted}: {where} is a {found} checkpoint; pass --model {found} "
+                         "or leave --model out")
+
+
+def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.Array]:
+    import orbax.checkpoint as ocp
+    cfg = ck.cfg
+    names = _flax_names(cfg.n_layers, cfg.fam.qk_norm, fused)
+    lay = gemma.param_layout(cfg)
+    mshape = dict(mesh.shape)
+    target, args, post = {}, {}, {}
+    for ours, (key, leaf) in names.items():
+        raw_shape = tuple(meta[key][leaf].shape)
+        shape, axes = lay[ours]
+        raw_axes, fix = axes, None
+        if ours.endswith(".gating") and raw_shape != shape:  # Gemma 2 2b stores [2, D, F]
+            raw_axes, fix = (None, "fsdp", "mlp"), lambda x: x.transpose(0, 2, 1)
+        elif fused and ours.endswith((".q", ".kv")):  # [3, H, D, hd] when heads == kv heads
+            raw_axes = (None, "heads", "fsdp", "head_dim")
+            fix = (lambda x: x[0]) if ours.endswith(".q") else (lambda x: x[1:])
+        sh = jax.sharding.NamedSharding(mesh, gemma.fitted_spec(raw_axes, raw_shape, mshape))
+        dt = dtype or meta[key][leaf].dtype
+        target.setdefault(key, {})[leaf] = jax.ShapeDtypeStruct(raw_shape, dt, sharding=sh)
+        args.setdefault(key, {})[leaf] = ocp.ArrayRestoreArgs(sharding=sh, dtype=dt)
+        post[ours] = (key, leaf, fix)
+    raw = ocp.PyTreeCheckpointer().restore(
+        ck.path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
+    shardings = gemma.shardings(cfg, mesh)
+    out = {}
+    for ours, (key, leaf, fix) in post.items():
+        x = raw[key][leaf]
+        out[ours] = x if fix is None else jax.jit(fix, out_shardings=shardings[ours])(x)
+    return out
+
+
+# ---------------------------------------------------------------- transformers (safetensors)
+
+class SafeTensors:
+    """Tensor index over a folder of .safetensors files; reads blocks by byte ranges."""
+
+    def __init__(self, folder: str):
+        self.fs, p = _fs(folder)
+        self.index: dict[str, tuple[str, str, tuple[int, ...], int]] = {}  # name -> (file, dtype, shape, offset)
+        for f in sorted(self.fs.glob(_join(p, "*.safetensors"))):
+            with self.fs.open(f, "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                header = json.loads(fh.read(n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self.index[name] = (f, info["dtype"], tuple(info["shape"]), 8 + n + info["data_offsets"][0])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.index[name][2]
+
+    def read(self, name: str, rows: slice, cols: slice | None = None) -> np.ndarray:
+        """tensor[rows] (1-D) or tensor[rows, cols] (2-D), fetching only those bytes."""
+        f, dt, shape, off = self.index[name]
+        dtype = np.dtype(_ST_DTYPES[dt])
+        item = dtype.itemsize
+        r0, r1, _ = rows.indices(shape[0])
+        if len(shape) == 1:
+            starts, ends = [off + r0 * item], [off + r1 * item]
+            width = r1 - r0
+        else:
+            ncol = shape[1]
+            c0, c1, _ = (cols or slice(None)).indices(ncol)
+            if c0 == 0 and c1 == ncol:  # whole rows: one contiguous range
+                starts, ends = [off + r0 * ncol * item], [off + r1 * ncol * item]
+            elif r1 - r0 > MAX_ROW_REQUESTS:  # e.g. a vocab's rows: whole-row groups, cut as they arrive
+                step = max(1, GROUP_BYTES // (ncol * item))
+                return np.concatenate([self.read(name, slice(r, min(r + step, r1)))[:, c0:c1]
+                                       for r in range(r0, r1, step)])
+            else:
+                starts = [off + (r * ncol + c0) * item for r in range(r0, r1)]
+                ends = [s + (c1 - c0) * item for s in starts]
+            width = c1 - c0
+        parts = self.fs.cat_ranges([f] * len(starts), starts, ends)
+        if on_read:
+            for part in parts:
+                on_read(name, len(part))
+        arr = np.frombuffer(b"".join(parts), dtype)
+        return arr.reshape(r1 - r0, width) if len(shape) == 2 else arr
+
+
+def _hf_prefix(st: SafeTensors) -> str:
+    for prefix in ("model.", "language_model.model."):
+        if prefix + "embed_tokens.weight" in st.index:
+            return prefix
+    raise UsageError("safetensors: no model.embed_tokens.weight (found: "
+                     f"{', '.join(sorted(st.index)[:5])}); matches no known Gemma family")
+
+
+def _hf_config(folder: str, family: str | None, overrides: dict):
+    st = SafeTensors(folder)
+    where = f"--weights {folder}"
+    if not st.index:
+        raise UsageError(f"{where}: the .safetensors files hold no tensors")
+    try:
+        pre = _hf_prefix(st)
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+    lp = pre + "layers.0."
+    found = {ours for ours, theirs in _HF_NORMS.items() if lp + theirs + ".weight" in st.index}
+    if lp + "self_attn.q_norm.weight" in st.index:
+        found.add("q_norm")
+    fam = _family(found, where)
+    _check_family(family, fam, where)
+    conf = {}
+    fs, p = _fs(folder)
+    if fs.exists(_join(p, "config.json")):
+        with fs.open(_join(p, "config.json")) as fh:
+            conf = json.load(fh)
+        conf = conf.get("text_config", conf)
+    v, d = st.shape(pre + "embed_tokens.weight")
+    # head_dim: config.json, else Gemma 3's per-head QK-norm, else Gemma 2's 256 (all but 27b)
+    hd = conf.get("head_dim") or (st.shape(lp + "self_attn.q_norm.weight")[0] if "q_norm" in found else 256)
+    h = st.shape(lp + "self_attn.q_proj.weight")[0] // hd
+    k = st.shape(lp + "self_attn.k_proj.weight")[0] // hd
+    f = st.shape(lp + "mlp.down_proj.weight")[1]
+    n = sum(1 for name in st.index if name.startswith(pre + "layers.") and name.endswith("self_attn.o_proj.weight"))
+    shapes = {"embed": (v, d), "layers.0.kv": (2, k, d, hd), "layers.0.linear": (f, d),
+              **{f"layers.{i}.q": (h, d, hd) for i in range(n)}}
+    from_conf = {}
+    if conf.get("sliding_window"):
+        from_conf["sliding_window"] = int(conf["sliding_window"])
+    if conf.get("query_pre_attn_scalar"):
+        from_conf["query_pre_attn_scalar"] = float(conf["query_pre_attn_scalar"])
+    scaling = conf.get("rope_scaling") or {}
+    if fam == "gemma3" and "rope_scaling" in conf:
+        from_conf["global_rope_scale"] = float(scaling.get("factor", 1.0))
+    cfg = gemma.GemmaConfig.from_shapes(fam, shapes, **{**from_conf, **overrides})
+    return cfg, st, pre
+
+
+def _hf_block(st: SafeTensors, pre: str, cfg: gemma.GemmaConfig, ours: str, idx: tuple[slice, ...]) -> np.ndarray:
+    """Our parameter's block at `idx` (slices of our shape), from the Hugging Face tensors."""
+    hd = cfg.head_dim
+    if ours == "embed":
+        return st.read(pre + "embed_tokens.weight", idx[0], idx[1])
+    if ours == "final_norm":
+        return st.read(pre + "norm.weight", idx[0])
+    _, i, kind = ours.split(".")
+    lp = f"{pre}layers.{i}."
+    if kind in _HF_NORMS:
+        return st.read(lp + _HF_NORMS[kind] + ".weight", idx[0])
+    if kind in ("q_norm", "k_norm"):
+        return st.read(lp + f"self_attn.{kind}.weight", idx[0])
+
+    def heads(name, h, d, e):  # [N*hd, D] -> [n, D, hd] block
+        raw = st.read(name, slice(h.start * hd, h.stop * hd), d)
+        return raw.reshape(h.stop - h.start, hd, -1)[:, e].transpose(0, 2, 1)
+
+    full = lambda s, n: slice(*s.indices(n)[:2])  # noqa: E731
+    shape = gemma.param_layout(cfg)[ours][0]
+    idx = tuple(full(s, n) for s, n in zip(idx, shape))
+    if kind == "q":
+        return heads(lp + "self_attn.q_proj.weight", *idx)
+    if kind == "kv":
+        c, k, d, e = idx
+        return np.stack([heads(lp + f"self_attn.{'kv'[j]}_proj.weight", k, d, e) for j in range(c.start, c.stop)])
+    if kind == "o":  # [D, H*hd] -> [h, hd, D] block
+        h, e, d = idx
+        raw = st.read(lp + "self_attn.o_proj.weight", d, slice(h.start * hd, h.stop * hd))
+        return raw.reshape(d.stop - d.start, h.stop - h.start, hd)[:, :, e].transpose(1, 2, 0)
+    if kind == "gating":
+        c, f, d = idx
+        return np.stack([st.read(lp + f"mlp.{('gate', 'up')[j]}_proj.weight", f, d) for j in range(c.start, c.stop)])
+    if kind == "linear":  # [D, F] stored -> [F, D]
+        f, d = idx
+        return st.read(lp + "mlp.down_proj.weight", d, f).T
+    raise AssertionError(ours)
+
+
+def _load_hf(ck: Checkpoint, st: SafeTensors, pre: str, mesh, dtype) -> dict[str, jax.Array]:
+    cfg = ck.cfg
+    lay = gemma.param_layout(cfg)
+    dt = dtype or jnp.dtype(_ST_DTYPES[st.index[pre + "embed_tokens.weight"][1]])
+    out = {}
+    for ours, sh in gemma.shardings(cfg, mesh).items():
+        shape = lay[ours][0]
+        blocks: dict[tuple, np.ndarray] = {}  # devices of this process holding the same block read it once
+
+        def block(idx, ours=ours, shape=shape, blocks=blocks):
+            key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+            if key not in blocks:
+                blocks[key] = np.ascontiguousarray(_hf_block(st, pre, cfg, ours, idx)).astype(dt)
+            return blocks[key]
+        out[ours] = jax.make_array_from_callback(shape, sh, block)
+    return out
+
+
+# ---------------------------------------------------------------- entry points
+
+def inspect(path: str, *, family: str | None = None, **overrides) -> Checkpoint:
+    """Layout, family and sizes of the checkpoint at `path`, from metadata only (no array is read)."""
+    ck, _ = _inspect(path, family, overrides)
+    return ck
+
+
+def _inspect(path: str, family: str | None, overrides: dict):
+    if family is not None and family not in gemma.FAMILIES:
+        raise UsageError(f"--model {family}: expected one of {', '.join(gemma.FAMILIES)}")
+    layout, params_path = locate(path)
+    if layout == "flax":
+        cfg, meta, fused = _flax_config(params_path, family, overrides)
+        return Checkpoint(params_path, layout, path, cfg), (meta, fused)
+    cfg, st, pre = _hf_config(params_path, family, overrides)
+    return Checkpoint(params_path, layout, path, cfg), (st, pre)
+
+
+def load(path: str, mesh, *, family: str | None = None, dtype=None, **overrides) -> tuple[Checkpoint, dict]:
+    """(checkpoint info, flat params as global arrays in the rules' shardings on `mesh`).
+
+    dtype: the dtype params are held in (default: as stored), e.g. jnp.bfloat16. `overrides` set config
+    fields the files cannot tell (the flax layout has no config: sliding_window, global_rope_scale)."""
+    ck, extra = _inspect(path, family, overrides)
+    if ck.layout == "flax":
+        return ck, _load_flax(ck, *extra, mesh, dtype)
+    return ck, _load_hf(ck, *extra, mesh, dtype)
