@@ -82,8 +82,64 @@ def check_shared(directory: str) -> None:
                          "or a filesystem every host mounts at the same path (NFS, Filestore, gcsfuse)")
 
 
+EXIT_STORAGE = 3  # the checkpoint storage did not answer in time (docs/CONTRACTS.md)
+# How long one checkpoint operation (a save's synchronous part, waiting for the previous async save, a restore)
+# may take before the run stops instead of waiting on retries. Long enough for a slow save of a big model;
+# TPUCTL_STORAGE_TIMEOUT_S raises it.
+STORAGE_TIMEOUT_S = 60.0
+# tensorstore retries a GCS request 32 times with waits up to 32 s (~15 min) by default: a few retries with
+# short waits are enough for a blip, and a bucket that is gone fails within the operation's budget.
+GCS_RETRIES = {"max_retries": 5, "initial_delay": "0.5s", "max_delay": "8s"}
+
+
+def _bounded_gcs_retries() -> None:
+    """Orbax builds every TensorStore context from these module defaults (gcs_request_retries is a context
+    resource of TensorStore's gcs driver)."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+    for ctx in (tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT):
+        ctx["gcs_request_retries"] = dict(GCS_RETRIES)
+
+
+class StorageDeadline:
+    """Bound a blocking checkpoint operation: past the budget, say what hung and stop the process at once
+    (Orbax's own threads would keep it alive, retrying). A step whose save was cut short never counts: on
+    GCS it has no commit_success.txt, locally it stays a tmp dir the next writer deletes."""
+
+    def __init__(self, what: str, kept: int | None, directory: str):
+        self.what, self.kept, self.directory = what, kept, directory
+        self.timeout = float(os.environ.get("TPUCTL_STORAGE_TIMEOUT_S") or STORAGE_TIMEOUT_S)
+        self.timer = threading.Timer(self.timeout, self._fire)
+        self.timer.daemon = True
+
+    def _stop(self, why: str) -> None:
+        where = f"the bucket gs://{self.directory[5:].split('/')[0]}" if self.directory.startswith("gs://") \
+            else self.directory
+        kept = f"the latest step known saved is {self.kept}" if self.kept else "no step is known saved yet"
+        sys.stdout.flush()
+        sys.stderr.write(f"error: {where} {why} while {self.what}: stopping; {kept}, and the same command resumes "
+                         "from the latest complete step once the storage answers again\n")
+        sys.stderr.flush()
+        os._exit(EXIT_STORAGE)
+
+    def _fire(self) -> None:
+        self._stop(f"did not answer for {self.timeout:.0f} s (TPUCTL_STORAGE_TIMEOUT_S sets the budget)")
+
+    def __enter__(self):
+        self.timer.start()
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        self.timer.cancel()
+        if exc is not None and isinstance(exc, Exception) and not isinstance(exc, UsageError):
+            # The clients' retries are spent (gcsfs, tensorstore): a storage failure, not a bug of the run.
+            text = (str(exc).strip().splitlines() or [""])[-1][:200]
+            self._stop(f"failed ({type(exc).__name__}: {text})")
+        return False
+
+
 class Checkpointer:
     def __init__(self, directory: str, keep: int, *, read_only: bool = False, async_save: bool = True):
+        _bounded_gcs_retries()
         self.directory = directory
         self.path = epath.Path(directory)
         self.mngr = ocp.CheckpointManager(
@@ -97,6 +153,8 @@ class Checkpointer:
         )
         self._signalled = False
         self._interrupted = False
+        self._saving: int | None = None   # the step whose async save was started last
+        self._saved: int | None = None    # the last step known complete
         self._distributed = False
         self._previous = None
         self._previous_int = None
@@ -119,25 +177,37 @@ class Checkpointer:
 
     # --- save / restore -------------------------------------------------------------------------
 
+    def _deadline(self, what: str) -> StorageDeadline:
+        return StorageDeadline(what, self._saved, self.directory)
+
     def save(self, step: int, params, opt_state, cfg: Config) -> None:
-        """Start an async save of `step` (every process calls this; Orbax coordinates the writers)."""
-        self.mngr.save(step, force=True, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave({"step": step, "config": cfg.to_dict()})))
+        """Start an async save of `step` (every process calls this; Orbax coordinates the writers). Orbax first
+        waits for the previous save: both are bounded by the storage deadline."""
+        what = f"saving step {step}" + (f" (after step {self._saving})" if self._saving else "")
+        with self._deadline(what):
+            self.mngr.save(step, force=True, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
+                meta=ocp.args.JsonSave({"step": step, "config": cfg.to_dict()})))
+        if self._saving is not None:
+            self._saved = self._saving  # Orbax finished it before starting this one
+        self._saving = step
 
     def restore(self, step: int, abstract_params, abstract_opt=None):
         """Arrays land in the shardings carried by the abstract trees (ShapeDtypeStruct with .sharding)."""
         items = {"params": ocp.args.StandardRestore(abstract_params)}
         if abstract_opt is not None:
             items["opt"] = ocp.args.StandardRestore(abstract_opt)
-        out = self.mngr.restore(step, args=ocp.args.Composite(**items))
+        with self._deadline(f"restoring step {step}"):
+            out = self.mngr.restore(step, args=ocp.args.Composite(**items))
         return out.params, (out.opt if abstract_opt is not None else None)
 
     def wait(self) -> None:
-        self.mngr.wait_until_finished()
+        with self._deadline(f"finishing the save of step {self._saving}"):
+            self.mngr.wait_until_finished()
+        self._saved = self._saving if self._saving is not None else self._saved
 
     def close(self) -> None:
-        self.mngr.wait_until_finished()
+        self.wait()
         self.mngr.close()
 
     # --- preemption -----------------------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""The checkpoint bucket stops answering mid-run (the GCS emulator is killed during an async save): the trainer
+stops within its storage budget with one line naming the bucket and the operation (exit 3), never takes a
+half-written step for a checkpoint, and the same command resumes from the previous complete step once the
+bucket is back."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _trainer_util import TINY, env, session_cache, shakespeare
+from infra import gcs
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["pretrain", *TINY, "--ckpt-every", "1", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+        "--ckpt-dir", "gs://outage-b/run"]
+
+
+def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_factory, tmp_path):
+    data = shakespeare(tmp_path_factory)
+    home, store = tmp_path / "home", tmp_path / "gcs-data"
+    emu = gcs.start(home=home, backend="filesystem", data_dir=str(store), buckets=("outage-b",), record=False,
+                    reuse=False)
+    e = env(session_cache(tmp_path_factory), **emu.env)
+    log = tmp_path / "run1.log"
+    p = subprocess.Popen([sys.executable, "-m", "trainer", *ARGS, "--data", data, "--steps", "5000"], env=e,
+                         stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while not re.search(r"step +8/", log.read_text()):
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(emu.pid, signal.SIGKILL)  # every step saves: this lands in (or just before) an async save
+        rc = p.wait(timeout=150)  # the trainer's own budget is 60 s per storage operation
+    finally:
+        if p.poll() is None:
+            p.kill()
+        emu.stop()
+    out = log.read_text()
+    errors = [l for l in out.splitlines() if l.startswith("error: ")]
+    assert rc == 3 and len(errors) == 1, out[-3000:]
+    assert errors[0].startswith("error: the bucket gs://outage-b ") and "while saving step " in errors[0], errors
+    assert "the same command resumes from the latest complete step" in errors[0]
+    stopped_at = max(int(s) for s in re.findall(r"step +(\d+)/", out))
+
+    # The bucket is back with the same data: only complete steps are listed, and the run resumes from the last.
+    emu = gcs.start(home=home, backend="filesystem", data_dir=str(store), port=emu.port, record=False, reuse=False)
+    try:
+        complete = sorted(int(d.name) for d in (store / "outage-b" / "run").iterdir()
+                          if d.name.isdigit() and (d / "commit_success.txt").exists())
+        listed = subprocess.run([sys.executable, "-c", "from trainer.checkpoint import Checkpointer as C; "
+                                 "print(sorted(C('gs://outage-b/run', 1, read_only=True).mngr.all_steps()))"],
+                                env=e, capture_output=True, text=True, timeout=120)
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        steps = [int(x) for x in re.findall(r"\d+", listed.stdout.strip().splitlines()[-1])]
+        assert steps and set(steps) <= set(complete) and max(steps) == max(complete), (steps, complete)
+        last = max(complete)
+        assert last < stopped_at + 1
+        again = subprocess.run([sys.executable, "-m", "trainer", *ARGS, "--data", data, "--steps", str(last + 2)],
+                               env=e, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+        assert f"resuming from step {last}" in again.stdout + again.stderr
+    finally:
+        emu.stop()
