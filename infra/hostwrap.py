@@ -6,6 +6,7 @@ run:  loads the run's secrets from a 0600 file (written from stdin, deleted as s
       copies the output to a host-side log, forwards SIGTERM/SIGINT/SIGHUP to the group, kills the group if
       the SSH session that started it goes away, and exits with the child's status (128+N for signal N).
 stop: SIGTERM to the recorded group, SIGKILL after a grace period, also to the wrapper.
+state: one line with the group's processes and their /proc state (T: stopped), to name a host that hangs.
 
 usage: hostwrap.py run --pidfile F --run-id ID [--log F] [--secrets F] [--cwd D] [--grace S] -- CMD...
        hostwrap.py stop --pidfile F [--grace S]
@@ -142,6 +143,29 @@ def cmd_run(a, argv):
     return rc if rc >= 0 else 128 - rc
 
 
+def cmd_state(a):
+    """One line: the run's processes (pid, state letter from /proc, CPU ticks), to tell stopped or hung ones."""
+    try:
+        with open(a.pidfile) as f:
+            pgid = int(json.load(f)["pgid"])
+    except (OSError, ValueError, KeyError):
+        print("TPUCTL_STATE " + json.dumps({"running": False, "procs": []}))
+        return 0
+    procs = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            procs.append({"pid": int(pid), "state": fields[0], "cpu": int(fields[11]) + int(fields[12])})
+    print("TPUCTL_STATE " + json.dumps({"running": bool(procs), "procs": procs}))
+    return 0
+
+
 def cmd_stop(a):
     try:
         with open(a.pidfile) as f:
@@ -183,12 +207,14 @@ def main():
     s = sub.add_parser("stop")
     s.add_argument("--pidfile", required=True)
     s.add_argument("--grace", type=float, default=3.0)
+    st = sub.add_parser("state")
+    st.add_argument("--pidfile", required=True)
     a = ap.parse_args(opts)
     if a.verb == "run":
         if not cmd:
             ap.error("run needs a command after --")
         return cmd_run(a, cmd)
-    return cmd_stop(a)
+    return cmd_state(a) if a.verb == "state" else cmd_stop(a)
 
 
 if __name__ == "__main__":

@@ -193,12 +193,15 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
 @click.option("--on-preemption", type=click.Choice(["recreate", "fail"]), default="recreate", show_default=True,
               help="When the slice's VMs are preempted mid-run (not for --hosts): recreate the slice and run the "
                    "same command again (the trainer resumes from the latest step), or stop and say so.")
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=300, show_default=True, metavar="SECONDS",
+              help="Stop every host when no host has reported a new step for this long (each must have reported one: "
+                   "compiles and the first step are not judged), naming the host that stopped advancing. 0: never.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="At most this many recreations per run.")
 @_ssh_options
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
-        init_timeout, as_json, on_preemption, max_restarts, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts,
+        init_timeout, as_json, on_preemption, hang_timeout, max_restarts, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts,
         local, api_endpoint):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
@@ -255,7 +258,8 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         return run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
                        kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
                        coordinator_port=coordinator_port, heartbeat_timeout_s=heartbeat_timeout,
-                       init_timeout_s=init_timeout, run_id=run_dir.name, out=out, report_failure=bool(hosts))
+                       init_timeout_s=init_timeout, run_id=run_dir.name, out=out, report_failure=bool(hosts),
+                       hang_timeout_s=hang_timeout or None)
 
     try:
         if hosts:  # no slice to ask about or recreate

@@ -202,6 +202,12 @@ def secrets_upload_command(layout: HostLayout, run_id: str) -> str:
     return f"umask 077 && mkdir -p {_home_path(layout.root + '/run')} && cat > {path}.tmp && mv {path}.tmp {path}"
 
 
+def state_command(layout: HostLayout, run_id: str, *, wrap_python: str, wrap_script: str = HOSTWRAP) -> str:
+    """Prints `TPUCTL_STATE {json}`: the run's processes on the host and their state (R, S, T stopped, ...)."""
+    return (f"{_home_path(wrap_python)} {_home_path(layout.bin(wrap_script))} state "
+            f"--pidfile {_home_path(layout.pidfile(run_id))}")
+
+
 def stop_command(layout: HostLayout, run_id: str, *, wrap_python: str, grace: float = 3.0,
                  wrap_script: str = HOSTWRAP) -> str:
     return (f"{_home_path(wrap_python)} {_home_path(layout.bin(wrap_script))} stop "

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -25,6 +26,14 @@ from orchestrator.bundle import Bundle
 from orchestrator.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig  # noqa: F401 - HostError: raised from here
 
 PREEMPTED = 42  # the trainer saved a checkpoint on a preemption notice (docs/CONTRACTS.md)
+HUNG = 124      # a host stopped advancing: every host was stopped
+# No host reported a new step for this long (after each had reported one): the run is hung. Compiles and the
+# first step are not judged (they come before a host's first report); saves are bounded by the trainer itself.
+DEFAULT_HANG_TIMEOUT_S = 300.0
+PROGRESS = "TPUCTL_PROGRESS step="  # every trainer process prints it at each logged step (docs/CONTRACTS.md)
+# Lines that are noise in the streamed view (libraries' start-up chatter): kept in the per-host logs only.
+QUIET = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks|google_auth_provider\.cc.*"
+                   r"GOOGLE_AUTH_TOKEN_FOR_TESTING")
 
 
 @dataclass
@@ -38,6 +47,7 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     interrupted: bool = False
     report: str = ""      # each host's last lines and the FAILED line, when the run failed
+    hung: str = ""        # why the failed worker is named as the one that stopped advancing
     attempts: list[dict] = field(default_factory=list)  # across preemptions (supervise): one summary each
 
     @property
@@ -55,11 +65,12 @@ class _HostStream:
     """invoke out_stream for one host: whole lines, secrets masked, to the terminal and the log."""
 
     def __init__(self, index: int, out: TextIO, log: Path, lock: threading.Lock, secrets: list[str],
-                 first_output: dict, t0: float, tail: int):
+                 first_output: dict, t0: float, tail: int, progress: dict | None = None):
         self.prefix, self.out, self.lock, self.secrets = f"[w{index}] ", out, lock, secrets
         self.log = io.TextIOWrapper(private_open(log), encoding="utf-8", errors="replace")
         self.buf, self.tail = "", deque(maxlen=tail)
         self.index, self.first_output, self.t0 = index, first_output, t0
+        self.progress = progress if progress is not None else {}  # index -> (step, monotonic time)
 
     def write(self, s: str) -> int:
         self.buf += s
@@ -73,9 +84,16 @@ class _HostStream:
         for v in self.secrets:
             line = line.replace(v, "***")
         self.first_output.setdefault(self.index, time.monotonic() - self.t0)
-        self.tail.append(line)
+        if line.startswith(PROGRESS):
+            step = line[len(PROGRESS):].strip()
+            if step.isdigit():
+                self.progress[self.index] = (int(step), time.monotonic())
+            return
         self.log.write(line + "\n")
         self.log.flush()
+        if QUIET.search(line):
+            return
+        self.tail.append(line)
         with self.lock:
             self.out.write(self.prefix + line + "\n")
             self.out.flush()
@@ -105,7 +123,8 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
             init_timeout_s: int = 60, distributed: bool = True, run_id: str | None = None,
             out: TextIO | None = None, tail_lines: int = 30, stop_grace_s: float = 10.0,
             fail_grace_s: float = 2.0, preempt_grace_s: float = 120.0,
-            layout: L.HostLayout | None = None, report_failure: bool = True) -> RunResult:
+            layout: L.HostLayout | None = None, report_failure: bool = True,
+            hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S) -> RunResult:
     """Run argv on every worker at once; argv[0] == "python" is the bundle's Python (needs `bundle`).
 
     secret_env holds values (read from the user's environment by the caller); they reach the hosts only
@@ -159,7 +178,7 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
         wrap = hosts.helpers[L.HOSTWRAP]
         cmds = [_command(spec, workers, i, lay, probes[i], bundle, wrap) for i in range(len(workers))]
         result = _watch(hosts, spec, cmds, probes, run_dir, out, secret_env, tail_lines, fail_grace_s,
-                        preempt_grace_s, t0, timings, say, report_failure)
+                        preempt_grace_s, t0, timings, say, report_failure, hang_timeout_s)
         result.push = pushed
     except BaseException:
         record["returncode"] = None
@@ -199,6 +218,8 @@ def result_message(r: RunResult, workers: list[L.Worker]) -> str:
         return "stopped on a preemption notice after every host saved a checkpoint; run again to resume"
     if r.failed_worker is not None:
         w = workers[r.failed_worker]
+        if r.hung:
+            return f"worker {w.name} ({w.address}) {r.hung}"
         return f"worker {w.name} ({w.address}) failed: {_describe(r.exit_codes.get(r.failed_worker))}"
     return f"run failed with exit {r.returncode}"
 
@@ -217,12 +238,30 @@ def _command(spec: L.LaunchSpec, workers: list[L.Worker], i: int, lay: L.HostLay
 
 def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe], run_dir: Path,
            out: TextIO, secret_env: dict, tail_lines: int, fail_grace_s: float, preempt_grace_s: float,
-           t0: float, timings: dict, say, report_failure: bool = True) -> RunResult:
+           t0: float, timings: dict, say, report_failure: bool = True,
+           hang_timeout_s: float | None = None) -> RunResult:
     n = len(cmds)
     lock = threading.Lock()
     first: dict[int, float] = {}
+    progress: dict[int, tuple[int, float]] = {}
     secrets = mask_variants(secret_env.values())
-    streams = [_HostStream(i, out, run_dir / f"w{i}.log", lock, secrets, first, t0, tail_lines) for i in range(n)]
+    streams = [_HostStream(i, out, run_dir / f"w{i}.log", lock, secrets, first, t0, tail_lines, progress)
+               for i in range(n)]
+    hung = ""
+
+    def stopped_hosts(indices: list[int]) -> list[int]:
+        """Hosts whose trainer is stopped (state T) or that do not answer: the ones that stopped advancing."""
+        cmd = L.state_command(hosts.layout, spec.run_id, wrap_python="python3", wrap_script=hosts.helpers[L.HOSTWRAP])
+        out_ = hosts.stop(cmd, indices, timeout=10)
+        bad = []
+        for i, r in out_.items():
+            line = next((l for l in getattr(r, "stdout", "").splitlines() if l.startswith("TPUCTL_STATE ")), None)
+            if line is None or any(p["state"] == "T" for p in json.loads(line[len("TPUCTL_STATE "):])["procs"]):
+                bad.append(i)
+        return bad
+
+    def step_of(i: int) -> str:
+        return f"step {progress[i][0]}" if i in progress else "its first step"
     done: queue.Queue = queue.Queue()
     codes: dict[int, int | None] = {i: None for i in range(n)}
 
@@ -259,6 +298,16 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
                 if deadline is not None and time.monotonic() >= deadline and not stopped:
                     stopped = True
                     stop_all(fail_grace_s, [j for j in range(n) if codes[j] is None])
+                elif (hang_timeout_s and failed is None and not stopped and len(progress) == n
+                      and time.monotonic() - max(t for _, t in progress.values()) > hang_timeout_s):
+                    running = [j for j in range(n) if codes[j] is None]
+                    culprits = stopped_hosts(running) or [min(running, key=lambda j: progress[j][0])]
+                    failed = culprits[0]
+                    hung = (f"stopped advancing at {step_of(failed)}: no host reported a new step for "
+                            f"{hang_timeout_s:.0f} s")
+                    say(f"w{failed} {hung}; stopping every host")
+                    stopped = True
+                    stop_all(fail_grace_s, running)
                 continue
             codes[i] = rc
             remaining -= 1
@@ -269,9 +318,16 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
                     say(f"w{i} stopped on a preemption notice; waiting for the other hosts to save")
                     deadline = time.monotonic() + preempt_grace_s
                 elif others:
-                    # A dropped SSH connection may be a preempted VM, not a failure: the caller tells which.
-                    what = "lost its SSH connection" if rc in (255, -1) else f"failed ({_describe(rc)})"
-                    say(f"w{i} {what}: stopping {', '.join(f'w{j}' for j in others)}")
+                    # A host that stops (SIGSTOP, a hung VM) makes the others fail at jax's heartbeat: name it.
+                    stuck = stopped_hosts(others) if rc not in (255, -1) else []
+                    if stuck:
+                        failed = stuck[0]
+                        hung = f"stopped advancing at {step_of(failed)} (its trainer does not run)"
+                        say(f"w{failed} {hung}; w{i} then failed ({_describe(rc)}): stopping every host")
+                    else:
+                        # A dropped SSH connection may be a preempted VM, not a failure: the caller tells which.
+                        what = "lost its SSH connection" if rc in (255, -1) else f"failed ({_describe(rc)})"
+                        say(f"w{i} {what}: stopping {', '.join(f'w{j}' for j in others)}")
                     stopped = True
                     stop_all(fail_grace_s, others)
     except KeyboardInterrupt:
@@ -293,6 +349,8 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
     timings["total_s"] = time.monotonic() - t0
     if interrupted:
         rc_all = 130
+    elif hung:
+        rc_all = HUNG
     elif failed is not None:
         rc_all = codes[failed] or 1
     else:
@@ -308,15 +366,15 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
                           f"resume; logs in {run_dir}")
         elif failed is not None and not interrupted:
             w = hosts.workers[failed]
-            report.append(f"[tpuctl] FAILED: worker {w.name} ({w.address}) {_describe(codes[failed])}; "
-                          f"logs in {run_dir}")
+            report.append(f"[tpuctl] FAILED: worker {w.name} ({w.address}) "
+                          f"{hung or _describe(codes[failed])}; logs in {run_dir}")
         if report_failure:
             with lock:
                 out.writelines(line + "\n" for line in report)
                 out.flush()
     return RunResult(run_id=spec.run_id, run_dir=run_dir, returncode=rc_all, exit_codes=codes,
                      failed_worker=None if interrupted else failed, timings=timings, interrupted=interrupted,
-                     report="\n".join(report))
+                     report="\n".join(report), hung=hung)
 
 
 def _write_json(path: Path, obj: dict) -> None:

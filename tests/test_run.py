@@ -419,3 +419,16 @@ def test_a_taken_coordinator_port_is_a_preflight_error_not_a_crash(sl, tmp_path,
     assert "(python3 -c import socket" in msg and "--coordinator-port" in msg
     assert "w1" not in msg and "w2" not in msg
     assert not list((tmp_path / "run").glob("w*.log"))  # nothing was launched
+
+
+def test_a_host_that_stops_advancing_is_named_and_every_host_is_stopped(sl, tmp_path, clean):
+    """Every host reported steps, then none advances: past --hang-timeout the run stops everywhere, naming the
+    host whose trainer is stopped (here w1 SIGSTOPs itself; the others wait as they would in a collective)."""
+    code = (f"i = {ID}\nfor s in range(1, 4):\n    print('TPUCTL_PROGRESS step=%d' % s, flush=True)\n"
+            "    print('step', s, flush=True)\n    time.sleep(0.2)\n"
+            "if i == 1:\n    import signal; os.kill(os.getpid(), signal.SIGSTOP)\ntime.sleep(600)")
+    e, out = _run(sl, py(code), tmp_path, hang_timeout_s=3)
+    assert isinstance(e, RunFailed) and e.result.returncode == 124, out
+    assert e.result.failed_worker == 1 and "w1" in str(e) and "stopped advancing at step 3" in str(e), str(e)
+    assert "TPUCTL_PROGRESS" not in out  # the markers stay out of the view
+    assert "[tpuctl] w1 stopped advancing at step 3: no host reported a new step for 3 s; stopping every host" in out

@@ -2,6 +2,7 @@
 emulator; the loss curve equals the single-process 8-device run's; a second run resumes and skips the install."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,5 +116,48 @@ def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory,
         ok = run_job(workers(sl), [*args, "--ckpt-dir", f"{sl.shared_dir}/ckpt"], run_dir=tmp_path / "shared", **kw)
         assert ok.ok and "done: step 2" in (tmp_path / "shared" / "w0.log").read_text()
         assert not list(Path(sl.shared_dir, "ckpt").glob(".shared-probe-*"))  # the probe is cleaned up
+    finally:
+        sl.stop()
+
+
+@pytest.mark.e2e
+def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory, tmp_path):
+    """One host's real trainer is SIGSTOPped mid-run: the other fails at jax's heartbeat (tpuctl sets 10 s), or
+    past --hang-timeout (20 s here) no host has advanced; either way the run stops every host naming the stopped
+    one, not the one that noticed, and nothing is left on any host."""
+    import io
+    import signal as sig
+    import threading
+    import time
+    from _local_hosts import host_processes
+    sl = start("hung", 2, tmp_path_factory.mktemp("slices"))
+    try:
+        data = f"{sl.shared_dir}/data"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
+        subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", data], env=env, check=True,
+                       capture_output=True, timeout=300)
+        bundle = B.build(cache_dir=tmp_path / "bundles")
+        install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+        args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
+                "--steps", "100000", "--ckpt-every", "0", "--ckpt-dir", f"{sl.shared_dir}/ckpt"]
+        out = io.StringIO()
+
+        def stop_w1_at_step_5():
+            deadline = time.time() + 300
+            while not re.search(r"step +5/", out.getvalue()) and time.time() < deadline:
+                time.sleep(0.1)
+            for pid, cmd in host_processes(sl, 1):
+                if "trainer pretrain" in cmd and "hostwrap" not in cmd:
+                    os.kill(pid, sig.SIGSTOP)
+        t = threading.Thread(target=stop_w1_at_step_5, daemon=True)
+        t.start()
+        with pytest.raises(RunFailed) as e:
+            run_job(workers(sl), args, run_dir=tmp_path / "run", out=out, ssh=ssh_config(sl), bundle=bundle,
+                    install=install, layout=layout, env={"JAX_PLATFORMS": "cpu"}, hang_timeout_s=20)
+        t.join(5)
+        r = e.value.result
+        assert r.failed_worker == 1 and r.returncode == 124, out.getvalue()[-3000:]
+        assert "worker w1" in str(e.value) and "stopped advancing at step" in str(e.value), str(e.value)
+        assert wait_idle(sl, timeout=30) == {}
     finally:
         sl.stop()

@@ -247,6 +247,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
     peak = metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops)
     tokens_per_step = t.batch_size * m.seq_len
     ckpt.watch_interrupt()  # from here on Ctrl-C would lose steps: save them first
+    report_progress = "TPUCTL_PROCESS_ID" in os.environ
     try:
         last_t, last_step = time.perf_counter(), start
         for step, local in loader.iterate(start + 1):
@@ -263,6 +264,8 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
                 log.log(rec)
                 if primary:
                     metrics.say(metrics.progress(rec, t.steps))
+                if report_progress:  # every process: tpuctl names a host that stops advancing
+                    print(f"TPUCTL_PROGRESS step={step}", flush=True)
                 last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
             preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
             interrupted = ckpt.interrupted and not last
