@@ -405,6 +405,10 @@ from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run doe
 for _cmd in (cli_run.run, cli_run.ssh, cli_run.logs):
     cli.add_command(_cmd)
 
+from orchestrator import cli_plan  # noqa: E402
+
+cli.add_command(cli_plan.plan)
+
 
 def main(argv=None) -> int:
     try:
