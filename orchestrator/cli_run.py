@@ -50,6 +50,7 @@ class Target:
     ssh: SshConfig
     local_slice: object | None = None  # infra.local_slice.LocalSlice for a local slice
     devices_per_host: int | None = None  # from the accelerator type, when the slice is recorded
+    accelerator: str | None = None  # the recorded slice's type (the plan checks the step against it)
 
 
 def _parse_hosts(spec: str) -> list[L.Worker]:
@@ -68,7 +69,7 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
             ssh_user: str | None = None, ssh_key: str | None = None, ssh_port: int | None = None) -> Target:
     """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > local slice > TPU VM defaults)."""
     from infra.local_slice import LocalSlice
-    ls, devices = None, None
+    ls, devices, accelerator = None, None, None
     if hosts:
         workers = _parse_hosts(hosts)
         ls = LocalSlice.load(name) if local else None
@@ -83,6 +84,7 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
             from orchestrator import catalog
             try:
                 devices = catalog.lookup(rec.accelerator).devices_per_host
+                accelerator = rec.accelerator
             except (ValueError, KeyError):
                 devices = None
         workers = [L.Worker(index=w.index, internal_ip=w.internal_ip, external_ip=w.external_ip) for w in ws]
@@ -95,7 +97,8 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
     key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or (ls.ssh_key if ls else None)
     port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or (ls.hosts[0].port if ls else DEFAULT_SSH_PORT)
     ssh = SshConfig(user=user, port=port) if key is None else SshConfig(user=user, key=key, port=port)
-    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls, devices_per_host=devices)
+    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls, devices_per_host=devices,
+                  accelerator=accelerator)
 
 
 def _ssh_options(f):
@@ -154,6 +157,16 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
     return emu.env
 
 
+def plan_gate(argv: list[str], target: Target, out) -> None:
+    """A trainer step on a slice of known type is planned first, and refused when it does not fit."""
+    from orchestrator import plan as P
+    if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator or not P.plannable(argv[3:]):
+        return
+    say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
+    p = P.gate(target.accelerator, argv[3:], local=target.local_slice is not None, progress=say)
+    say(f"plan: {p.verdict()}")
+
+
 # ------------------------------------------------------------------------------ run
 @click.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
@@ -180,10 +193,13 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
                    "same command again (the trainer resumes from the latest step), or stop and say so.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="At most this many recreations per run.")
+@click.option("--no-plan", is_flag=True, help="Launch without first checking the train step against the slice "
+              "(`tpuctl plan`: compiled for its accelerator, refused when it does not fit; cached).")
 @_ssh_options
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
-        init_timeout, as_json, on_preemption, max_restarts, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+        init_timeout, as_json, on_preemption, max_restarts, no_plan, ssh_port, ssh_key, ssh_user, hosts, local,
+        api_endpoint):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -192,7 +208,9 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
       tpuctl run NAME --raw -- nvidia-smi                 (as it is, nothing installed)
 
     Preflight (reachable, Python, disk, accelerator held by a stale process, clock), push (one wheel, installed
-    once per content hash), launch with jax.distributed settings, prefixed output per host. The first host
+    once per content hash), launch with jax.distributed settings, prefixed output per host. A trainer step on a
+    slice of known type is planned first (`tpuctl plan`, cached) and refused if it does not fit (--no-plan
+    skips). The first host
     to fail stops all others; Ctrl-C stops every host. If the slice is preempted, it is recreated and the
     command runs again (--on-preemption, --max-restarts); a crash on a healthy slice is not retried.
     """
@@ -213,8 +231,10 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
                      ssh_key=ssh_key, ssh_port=ssh_port)
     argv = emulate_devices(argv, target)
     check_ckpt_dir(argv, target)
-    env = {**_gcs_env(argv, target), **env}
     out = sys.stderr if as_json else sys.stdout
+    if not no_plan:
+        plan_gate(argv, target, out)
+    env = {**_gcs_env(argv, target), **env}
     bundle = install = layout = None
     if not raw:
         bundle = B.build(workdir=workdir)

@@ -192,7 +192,7 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool 
             return json.loads(path.read_text()), True
         except ValueError:
             pass  # a damaged entry is compiled again
-    what = "CPU compiler" if local or not a.aot_topology else f"TPU compiler, {a.aot_topology}"
+    what = "CPU compiler" if local or not a.aot_topology else a.aot_topology
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")
            and not k.startswith("TPUCTL_COORDINATOR")}
     env["PYTHONUNBUFFERED"] = "1"
@@ -201,11 +201,13 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool 
         proc = subprocess.Popen([*_aot_argv(a, local), "--", *argv], stdout=out, stderr=err, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
+            said = None
             while proc.poll() is None:
-                if progress:  # a new line in logs every 30 s; a terminal's status line shows the seconds
-                    waited = int(time.monotonic() - t0) // 30 * 30
-                    progress(f"compiling the train step for {a.name} ({what})"
-                             + (f", {waited}s so far" if waited else ""))
+                waited = int(time.monotonic() - t0) // 30 * 30  # a new line in logs every 30 s
+                msg = f"compiling the train step for {a.name} ({what})" + (f", {waited}s so far" if waited else "")
+                if progress and msg != said:
+                    progress(msg)
+                    said = msg
                 time.sleep(0.5)
         finally:
             if proc.poll() is None:  # Ctrl-C or an error here: the compile goes with us
@@ -365,6 +367,18 @@ def plan(accelerator: str, argv: list[str], *, local: bool = False, steps: int |
 def plannable(argv: list[str]) -> bool:
     """A trainer argv whose command has a train step (what `tpuctl run` checks before launching)."""
     return bool(argv) and argv[0] in PLANNED
+
+
+def gate(accelerator: str, argv: list[str], *, local: bool, progress: Callable[[str], None] | None = None,
+         skip_flag: str = "--no-plan") -> Plan:
+    """The check before `tpuctl up` / `run` creates or launches anything: the plan, or a UserError with its
+    verdict when the step does not fit (no alternative slice is compiled here: `tpuctl plan` does that)."""
+    p = plan(accelerator, argv, local=local, progress=progress, alternatives=False)
+    if not p.fits:
+        fix = f"; would fit: {p.suggestions[0].change}" if p.suggestions else ""
+        raise PlanError(f"plan: {p.verdict()}{fix}; `tpuctl plan -a {p.accelerator.name} -- ...` shows the whole "
+                        f"plan, {skip_flag} skips this check")
+    return p
 
 
 def render(p: Plan) -> str:
