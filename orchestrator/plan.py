@@ -71,8 +71,13 @@ class Plan:
         return self.hbm_bytes - self.total_bytes
 
     @property
+    def refused(self) -> dict | None:
+        """The TPU compiler's own out-of-memory refusal ({message, available_bytes}), when it gave one."""
+        return self.figures.get("oom")
+
+    @property
     def fits(self) -> bool:
-        return self.headroom_bytes >= 0
+        return self.headroom_bytes >= 0 and not self.refused
 
     @property
     def label(self) -> str:
@@ -84,6 +89,12 @@ class Plan:
         a, f = self.accelerator, self.figures
         word = "fits" if self.fits else "does NOT fit"
         est = " (estimate: CPU compiler)" if self.compiler == ESTIMATE else ""
+        if self.refused:
+            usable = self.refused.get("available_bytes")
+            return (f"{word} on {a.name}: the TPU compiler ran out of HBM, needing about {gib(self.total_bytes)} "
+                    f"per device" + (f" of {gib(usable)} usable" if usable else "")
+                    + f" (temporaries {gib(f['temp_bytes'])}, params + optimizer "
+                      f"{gib(f['params_bytes'] + f['optimizer_bytes'])})")
         return (f"{word} on {a.name}: {gib(self.total_bytes)} of {gib(self.hbm_bytes)} HBM per device{est} "
                 f"(params {gib(f['params_bytes'])}, optimizer {gib(f['optimizer_bytes'])}, "
                 f"temporaries {gib(f['temp_bytes'])})")
@@ -394,21 +405,29 @@ def render(p: Plan) -> str:
              f"    temporaries         {gib(f['temp_bytes']):>12}   (activations, gradients, workspace)",
              f"    program + other     {gib(f['total_bytes'] - f['temp_bytes'] - f['params_bytes'] - f['optimizer_bytes']):>12}",
              f"    total               {gib(f['total_bytes']):>12}",
-             f"    chip HBM            {gib(p.hbm_bytes):>12}",
+             f"    chip HBM            {gib(p.hbm_bytes):>12}"
+             + (f"   (the compiler: {gib(p.refused['available_bytes'])} usable)"
+                if p.refused and p.refused.get("available_bytes") else ""),
              f"    headroom            {gib(p.headroom_bytes):>12}",
-             f"  verdict: {'FITS' if p.fits else 'DOES NOT FIT'}"]
+             f"  verdict: {'FITS' if p.fits else 'DOES NOT FIT'}"
+             + (f": the compiler refused the step ({p.refused['message']})" if p.refused else "")]
     if not p.fits:
         for s in p.suggestions:
             est = f" (about {gib(s.estimate_bytes)} per device, estimated)" if s.estimate_bytes else ""
             lines.append(f"  would fit: {s.change}{est}: {s.note}")
         if p.alternative is not None:
-            lines.append(f"  would fit: -a {p.alternative.accelerator.name} (compiled: "
-                         f"{gib(p.alternative.total_bytes)} of {gib(p.alternative.hbm_bytes)} per device, "
-                         f"${p.alternative.accelerator.price_per_hour():.2f}/hour)")
+            alt = p.alternative
+            t = alt.timing()
+            cost = (f"; {t['steps']:,} steps in {t['wall_s'] / 3600:.2f} h at MFU {alt.mfu:g}: "
+                    f"${t['usd_on_demand']:,.2f} on-demand, ${t['usd_spot']:,.2f} spot") if t else ""
+            lines.append(f"  would fit: -a {alt.accelerator.name} (compiled: {gib(alt.total_bytes)} of "
+                         f"{gib(alt.hbm_bytes)} per device, ${alt.accelerator.price_per_hour():.2f}/hour{cost})")
         if not p.suggestions and p.alternative is None:
             lines.append("  nothing this plan could try fits: shrink the model or pick another generation")
+    model_tflop = f["model_flops_per_token"] * f["tokens_per_step"] / f["devices"] / 1e12
     lines.append(f"  compute: {f['flops'] / 1e12:.3g} TFLOP per device per step (compiler); model arithmetic "
-                 f"{f['model_flops_per_token'] * f['tokens_per_step'] / f['devices'] / 1e12:.3g} TFLOP")
+                 f"{model_tflop:.3g} TFLOP" if f["flops"] else
+                 f"  compute: model arithmetic {model_tflop:.3g} TFLOP per device per step (no compiled step to count)")
     t = p.timing()
     if t:
         lines += [f"  step time: {t['step_s_at_peak'] * 1e3:.3g} ms at peak ({a.generation.peak_bf16_tflops:g} "

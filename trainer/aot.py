@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -100,6 +101,17 @@ def _cost(compiled) -> dict:
     return cost or {}
 
 
+def _about(built: Built, target: Target, compile_s: float) -> dict:
+    """What every plan states besides the compiler's memory and cost figures."""
+    dev = target.devices[0]
+    return {"compiler": dev.platform, "device_kind": dev.device_kind, "devices": len(target.devices),
+            "processes": target.processes, "run_platform": target.run_platform, "mesh": built.mesh,
+            "dtype": built.dtype, "compile_s": round(compile_s, 2),
+            "params_bytes": per_device_bytes(built.params), "optimizer_bytes": per_device_bytes(built.opt_state),
+            "tokens_per_step": built.tokens_per_step, "model_flops_per_token": built.model_flops_per_token,
+            "settings": built.settings, "levers": list(built.levers)}
+
+
 def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
     """The plan's raw figures, per device. total = what the step holds at its peak: arguments + outputs that
     are not donated buffers reused in place + temporaries + the program itself."""
@@ -107,18 +119,10 @@ def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
     cost = _cost(compiled)
     arg, out, alias = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
     temp, code = mem.temp_size_in_bytes, mem.generated_code_size_in_bytes
-    dev = target.devices[0]
-    return {
-        "compiler": dev.platform, "device_kind": dev.device_kind, "devices": len(target.devices),
-        "processes": target.processes, "run_platform": target.run_platform, "mesh": built.mesh,
-        "dtype": built.dtype, "compile_s": round(compile_s, 2),
-        "params_bytes": per_device_bytes(built.params), "optimizer_bytes": per_device_bytes(built.opt_state),
-        "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp, "code_bytes": code,
-        "total_bytes": arg + out - alias + temp + code,
-        "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-        "tokens_per_step": built.tokens_per_step, "model_flops_per_token": built.model_flops_per_token,
-        "settings": built.settings, "levers": list(built.levers),
-    }
+    return {**_about(built, target, compile_s),
+            "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp, "code_bytes": code,
+            "total_bytes": arg + out - alias + temp + code,
+            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
 def plan(trainer_argv: list[str], target: Target) -> dict:
@@ -129,8 +133,39 @@ def plan(trainer_argv: list[str], target: Target) -> dict:
         raise UsageError(f"`{args.cmd}` has no train step to plan; plannable commands: {', '.join(BUILDERS)}")
     built = BUILDERS[args.cmd](args, target)
     t0 = time.perf_counter()
-    compiled = built.compile()
+    try:
+        compiled = built.compile()
+    except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return out_of_memory(built, target, str(e), time.perf_counter() - t0)
     return figures(built, compiled, target, time.perf_counter() - t0)
+
+
+_UNIT = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+# The TPU compiler refuses a program that does not fit its HBM, in one of these words (libtpu 0.0.42):
+_OOM = (re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
+        re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+
+
+def out_of_memory(built: Built, target: Target, message: str, compile_s: float) -> dict:
+    """The figures of a step the compiler refused for lack of HBM: its own numbers where it gives them, the
+    state's bytes from the shardings (there is no memory analysis of a program that was not built)."""
+    first = next((ln for ln in message.splitlines() if "RESOURCE_EXHAUSTED" in ln), message).strip()
+    state = per_device_bytes(built.params) + per_device_bytes(built.opt_state)
+    temp, total, available = 0, state, None
+    for pattern in _OOM:
+        m = pattern.search(message)
+        if m:
+            need = int(float(m.group(1)) * _UNIT[m.group(2)])
+            available = int(float(m.group(3)) * _UNIT[m.group(4)])
+            # "HLO temporaries (N)" counts temporaries only; "Used N of M hbm" counts everything
+            temp, total = (need, need + state) if pattern is _OOM[0] else (max(need - state, 0), need)
+            break
+    return {**_about(built, target, compile_s),
+            "argument_bytes": state, "output_bytes": state, "alias_bytes": state, "temp_bytes": temp,
+            "code_bytes": 0, "total_bytes": total, "flops": 0.0, "bytes_accessed": 0.0,
+            "oom": {"message": first, "available_bytes": available}}
 
 
 def has_libtpu() -> bool:
