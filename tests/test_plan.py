@@ -4,18 +4,31 @@ what would fit, time and cost; bad input."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from flax import nnx
 
-from orchestrator import catalog
+from _local_hosts import TEST_CACHE, needs_hosts
+from infra.local_slice import LocalSlice
+from orchestrator import catalog, cli_run, cloud, state
 from orchestrator import plan as P
 from orchestrator.cli import cli
+from trainer import aot, config, loop
+from trainer import mesh as mesh_lib
+from trainer.__main__ import parser
 from trainer.aot import has_libtpu
+from trainer.models import gpt2
 
 needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
 TINY = ["pretrain", "--preset", "gpt2-tiny", "--ckpt-dir", "/tmp/plan-ckpt"]
@@ -30,15 +43,10 @@ def home(tmp_path, monkeypatch):
 def _arithmetic_state_bytes(argv: list[str], devices: int) -> float:
     """params x 4 bytes x 3 (the params and Adam's two moments, f32), each divided by the shards its logical
     axes get from the rules on the mesh the trainer makes."""
-    from trainer import config, loop, mesh as mesh_lib
-    from trainer.__main__ import parser
-    from trainer.models import gpt2
     cfg = config.resolve(parser().parse_args(argv))
     shape = mesh_lib.parse_mesh(cfg.train.mesh, devices)
     rules = mesh_lib.VOCAB_PARALLEL_RULES if loop.use_vocab_parallel(cfg, devices) else mesh_lib.RULES
     shapes = gpt2.abstract(cfg.model)[1]
-    import jax
-    from flax import nnx
     sizes = nnx.to_pure_dict(shapes, extract_fn=lambda v: math.prod(v.get_value().shape))
     axes = gpt2.param_axes(cfg.model)
     total = 0.0
@@ -54,8 +62,6 @@ def _arithmetic_state_bytes(argv: list[str], devices: int) -> float:
 
 def _state_bytes(p: P.Plan, argv: list[str]) -> int:
     """The compiler's argument bytes less this device's share of the int32 batch and the step counter."""
-    from trainer import config
-    from trainer.__main__ import parser
     cfg = config.resolve(parser().parse_args(argv))
     batch = cfg.train.batch_size // p.figures["mesh"]["data"] * (cfg.model.seq_len + 1) * 4
     return p.figures["argument_bytes"] - batch - 4
@@ -98,10 +104,7 @@ def test_local_plan_matches_the_run_it_plans(tmp_path):
     The CPU runtime has no memory_stats(), so the run is measured by its live arrays on device 0 after the steps
     (params, optimizer state, the last batch): within 2% of the plan's arguments. The run's own compiled step
     reports the same temporaries as the plan's (tolerance 2%: the same program), and its total is the plan's."""
-    import jax
 
-    from trainer import config, loop, mesh as mesh_lib
-    from trainer.__main__ import parser
     p = P.plan("v5litepod-8", TINY, local=True)
     f = p.figures
     assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32"
@@ -205,7 +208,6 @@ def test_without_the_plan_extra_the_cpu_compiler_stands_in_and_says_so(tmp_path,
     assert "ESTIMATE from the CPU compiler" in res.stdout and "pip install 'tpuctl[plan]'" in res.stdout
     assert "bfloat16 compute" in res.stdout  # planned as the TPU run will be, not as this CPU would run it
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--no-cache", "--json", "--", *TINY])
-    import json
     out = json.loads(res.stdout)
     assert out["estimate"] is True and out["compiler"] == P.ESTIMATE and "tpuctl[plan]" in out["label"]
     assert out["fits"] is True and "estimate" in out["verdict"]
@@ -214,7 +216,6 @@ def test_without_the_plan_extra_the_cpu_compiler_stands_in_and_says_so(tmp_path,
 # ---- the gate before `up` creates a slice ---------------------------------------------------------------------
 
 def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, home):
-    from orchestrator import state
     tiny = dataclasses.replace(catalog.GENERATIONS["v4"], hbm_gib_per_chip=0.01)  # 10 MiB of HBM per chip
     monkeypatch.setitem(catalog.GENERATIONS, "v4", tiny)
     res = CliRunner().invoke(cli, ["up", "planned", "--local", "-a", "v4-8", "--plan", "--", *TINY])
@@ -223,3 +224,70 @@ def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monke
     assert "plan: does NOT fit on v4-8" in line and "of 10.2 MiB HBM per device" in line
     assert "leaving out --plan skips this check" in line
     assert state.records() == {} and not (home / "local").exists()  # no slice, not even the stand-in started
+
+
+def test_the_tpu_compilers_out_of_memory_refusal_becomes_a_plan():
+    """libtpu's words when a step does not fit (seen compiling gpt2-350m for v4-8) -> figures plan.py can judge."""
+
+    sds = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)  # 4 MiB, no sharding: all on the one device
+    built = aot.Built(compile=lambda: None, params={"w": sds}, opt_state={"m": sds, "v": sds}, tokens_per_step=8,
+                      model_flops_per_token=1.0, mesh={"data": 1, "model": 1}, dtype="bfloat16",
+                      settings={"batch_size": 8, "grad_accum": 1, "steps": 1, "mesh": "", "n_head": 1}, levers=())
+    target = aot.Target(jax.devices()[:1], 1, "tpu")
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (34.18G) "
+           "exceeds available HBM (30.75G).")
+    f = aot.out_of_memory(built, target, msg, 1.0)
+    assert f["temp_bytes"] == int(34.18 * P.GIB) and f["total_bytes"] == int(34.18 * P.GIB) + 12 * 2 ** 20
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
+    assert not p.fits and "usable" in p.verdict() and "30.75 GiB usable" in P.render(p)
+    f = aot.out_of_memory(built, target, "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 40.5G of "
+                                         "15.48G hbm. Exceeded hbm capacity by 25.02G.", 1.0)
+    assert f["total_bytes"] == int(40.5 * P.GIB) and f["oom"]["available_bytes"] == int(15.48 * P.GIB)
+
+
+# ---- must-show 4: `tpuctl run` on a local slice, refused by the plan; --no-plan overrides ----------------------
+
+@pytest.mark.e2e
+@needs_hosts
+def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path, monkeypatch, home):
+    """A local v4-8 (one real sshd host, 4 emulated devices) whose catalog entry has 1 MiB of HBM per chip: the
+    trainer step is planned for it (the CPU compiler, as the host runs it) and refused before anything reaches
+    the host; with --no-plan the same command runs to the end."""
+    monkeypatch.setenv("TPUCTL_POLL_S", "0.05")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    home.mkdir(parents=True)
+    (TEST_CACHE / "wheelhouse").mkdir(parents=True, exist_ok=True)
+    (home / "wheelhouse").symlink_to(TEST_CACHE / "wheelhouse")  # the machine's dependency wheels, filled once
+    cloud.local_api_url()
+    info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
+    s = None
+    try:
+        up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "planrun", "--local", "-a", "v4-8"],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        assert up.returncode == 0, up.stderr
+        s = LocalSlice.load("planrun")
+        monkeypatch.setitem(catalog.GENERATIONS, "v4",
+                            dataclasses.replace(catalog.GENERATIONS["v4"], hbm_gib_per_chip=1 / 1024))
+        cmd = ["planrun", "--local", "--", "pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
+               "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--warmup-steps", "1", "--decay-steps", "10",
+               "--log-every", "1", "--eval-batches", "1", "--ckpt-dir", "/tmp/planrun"]
+        res = CliRunner().invoke(cli_run.run, cmd)
+        assert res.exit_code == 1, res.output
+        assert "plan: does NOT fit on v4-8" in res.output and "of 1.0 MiB HBM per device" in res.output
+        assert "--no-plan skips this check" in res.output
+        assert not (home / "runs").exists()  # nothing was launched
+        res = CliRunner().invoke(cli_run.run, ["--no-plan", *cmd])
+        assert res.exit_code == 0, res.output
+        assert "done: step 2" in res.output and "plan:" not in res.output
+    finally:
+        if s is not None:
+            subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", "planrun", "--local"],
+                           capture_output=True, text=True, timeout=120, env=dict(os.environ))
+            s.stop()
+        os.kill(info["pid"], signal.SIGKILL)
+        try:
+            os.waitpid(info["pid"], 0)
+        except ChildProcessError:
+            pass
