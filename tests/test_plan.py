@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,8 @@ import pytest
 from click.testing import CliRunner
 from flax import nnx
 
-from _local_hosts import TEST_CACHE, needs_hosts
-from infra.local_slice import LocalSlice
-from orchestrator import catalog, cli_run, cloud, state
+from _local_hosts import TEST_CACHE, local_mode, needs_hosts
+from orchestrator import catalog, cli_run, state
 from orchestrator import plan as P
 from orchestrator.cli import cli
 from trainer import aot, config, loop
@@ -253,21 +251,13 @@ def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path
     """A local v4-8 (one real sshd host, 4 emulated devices) whose catalog entry has 1 MiB of HBM per chip: the
     trainer step is planned for it (the CPU compiler, as the host runs it) and refused before anything reaches
     the host; with --no-plan the same command runs to the end."""
-    monkeypatch.setenv("TPUCTL_POLL_S", "0.05")
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
-    for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
     home.mkdir(parents=True)
     (TEST_CACHE / "wheelhouse").mkdir(parents=True, exist_ok=True)
     (home / "wheelhouse").symlink_to(TEST_CACHE / "wheelhouse")  # the machine's dependency wheels, filled once
-    cloud.local_api_url()
-    info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
-    s = None
-    try:
+    with local_mode(home, monkeypatch) as (environ, _):
         up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "planrun", "--local", "-a", "v4-8"],
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ))
+                            capture_output=True, text=True, timeout=120, env=environ)
         assert up.returncode == 0, up.stderr
-        s = LocalSlice.load("planrun")
         monkeypatch.setitem(catalog.GENERATIONS, "v4",
                             dataclasses.replace(catalog.GENERATIONS["v4"], hbm_gib_per_chip=1 / 1024))
         cmd = ["planrun", "--local", "--", "pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
@@ -281,13 +271,3 @@ def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path
         res = CliRunner().invoke(cli_run.run, ["--no-plan", *cmd])
         assert res.exit_code == 0, res.output
         assert "done: step 2" in res.output and "plan:" not in res.output
-    finally:
-        if s is not None:
-            subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", "planrun", "--local"],
-                           capture_output=True, text=True, timeout=120, env=dict(os.environ))
-            s.stop()
-        os.kill(info["pid"], signal.SIGKILL)
-        try:
-            os.waitpid(info["pid"], 0)
-        except ChildProcessError:
-            pass
