@@ -105,7 +105,9 @@ def test_local_plan_matches_the_run_it_plans(tmp_path):
 
     p = P.plan("v5litepod-8", TINY, local=True)
     f = p.figures
-    assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32"
+    assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32" and not p.cached
+    again = P.plan("v5litepod-8", TINY, local=True)  # the same (accelerator, argv, versions, code): cached
+    assert again.cached and again.figures == f
 
     cfg = config.resolve(parser().parse_args(TINY))
     shape = mesh_lib.parse_mesh(cfg.train.mesh, jax.device_count())
@@ -165,6 +167,16 @@ def test_a_batch_that_does_not_split_is_not_suggested():
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
     assert P.suggest(p) == []
     assert "nothing this plan could try fits" in P.render(p)
+
+
+def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():
+    assert [a.name for a in P._larger(catalog.lookup("v4-256"))] == ["v4-512", "v4-1024", "v4-2048", "v4-4096"]
+    assert P._larger(catalog.lookup("v5litepod-256")) == []
+    f = _figures(mesh={"data": 2, "model": 2})
+    assert P._with_mesh(["pretrain", "--mesh", "data=2,model=2", "--x"], 8, f) == \
+        ["pretrain", "--mesh", "data=4,model=2", "--x"]
+    assert P._with_mesh(["pretrain", "--mesh=data=2,model=2"], 16, f) == ["pretrain", "--mesh=data=8,model=2"]
+    assert P._with_mesh(["pretrain"], 16, f) == ["pretrain"]  # no --mesh: the trainer puts every device on data
 
 
 # ---- must-show 5: bad input ------------------------------------------------------------------------------------
@@ -258,8 +270,8 @@ def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path
         up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "planrun", "--local", "-a", "v4-8"],
                             capture_output=True, text=True, timeout=120, env=environ)
         assert up.returncode == 0, up.stderr
-        monkeypatch.setitem(catalog.GENERATIONS, "v4",
-                            dataclasses.replace(catalog.GENERATIONS["v4"], hbm_gib_per_chip=1 / 1024))
+        real = catalog.GENERATIONS["v4"]
+        monkeypatch.setitem(catalog.GENERATIONS, "v4", dataclasses.replace(real, hbm_gib_per_chip=1 / 1024))
         cmd = ["planrun", "--local", "--", "pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
                "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--warmup-steps", "1", "--decay-steps", "10",
                "--log-every", "1", "--eval-batches", "1", "--ckpt-dir", "/tmp/planrun"]
@@ -271,3 +283,7 @@ def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path
         res = CliRunner().invoke(cli_run.run, ["--no-plan", *cmd])
         assert res.exit_code == 0, res.output
         assert "done: step 2" in res.output and "plan:" not in res.output
+        monkeypatch.setitem(catalog.GENERATIONS, "v4", real)  # 32 GiB again: the same plan (cached) passes
+        res = CliRunner().invoke(cli_run.run, cmd)
+        assert res.exit_code == 0 and "[tpuctl] plan: fits on v4-8" in res.output, res.output
+        assert "already at step 2" in res.output
