@@ -59,8 +59,13 @@ class Plan:
 
     # --- memory -------------------------------------------------------------------------------------------
     @property
+    def devices(self) -> int:
+        return devices_of(self.accelerator)
+
+    @property
     def hbm_bytes(self) -> int:
-        return int(self.accelerator.hbm_gib_per_chip * GIB)
+        """Per device: the slice's HBM over its JAX devices (one per chip on v4/v5p megacore, v5e, v6e)."""
+        return int(self.accelerator.hbm_gib * GIB / self.devices)
 
     @property
     def total_bytes(self) -> int:
@@ -108,7 +113,7 @@ class Plan:
         """Step time from the compiler's FLOPs per device at the chip's bf16 peak x mfu (None on CPU)."""
         if self.compiler == CPU or not self.figures.get("flops"):
             return None
-        return self.figures["flops"] / (self.accelerator.generation.peak_bf16_tflops * 1e12 * mfu)
+        return self.figures["flops"] * self.devices / (self.accelerator.peak_bf16_tflops * 1e12 * mfu)
 
     def timing(self) -> dict:
         peak, at_mfu = self.step_s(), self.step_s(self.mfu)
@@ -134,9 +139,14 @@ class Plan:
                "headroom_bytes": self.headroom_bytes, "devices": f["devices"], "mesh": f["mesh"],
                "dtype": f["dtype"], "compile_s": f["compile_s"], "tokens_per_step": f["tokens_per_step"],
                "model_flops_per_token": f["model_flops_per_token"], "timing": self.timing(),
-               "suggestions": [s.__dict__ for s in self.suggestions],
+               "refused": self.refused, "suggestions": [s.__dict__ for s in self.suggestions],
                "alternative": self.alternative.to_json() if self.alternative else None}
         return out
+
+
+def devices_of(a: catalog.AcceleratorType) -> int:
+    """The JAX devices a run on `a` has: the trainer's mesh is built over all of them."""
+    return a.hosts * a.devices_per_host
 
 
 def gib(b: float) -> str:
@@ -178,8 +188,7 @@ def _cache_dir() -> Path:
 
 
 def _aot_argv(a: catalog.AcceleratorType, local: bool) -> list[str]:
-    devices = a.hosts * a.devices_per_host
-    base = [sys.executable, "-m", "trainer.aot", "--processes", str(a.hosts), "--devices", str(devices)]
+    base = [sys.executable, "-m", "trainer.aot", "--processes", str(a.hosts), "--devices", str(devices_of(a))]
     if local:
         return base
     if not a.aot_topology:  # a generation libtpu has no name for here: the CPU compiler, planned as for TPU
@@ -227,10 +236,10 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool 
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    if proc.returncode == 2:
-        raise PlanError(_trainer_error(stderr) or stderr.strip().splitlines()[-1])
+    if proc.returncode == 2 and _trainer_error(stderr):
+        raise PlanError(_trainer_error(stderr))
     if proc.returncode != 0:
-        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
         raise PlanError(f"the planner's compile failed (exit {proc.returncode}) for {a.name}: {tail}")
     figures = json.loads(stdout.strip().splitlines()[-1])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -334,8 +343,8 @@ def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries:
     for a in _larger(p.accelerator):
         if tries <= 0:
             break
-        devices = a.hosts * a.devices_per_host
-        if fixed + act * p.figures["devices"] // devices > a.hbm_gib_per_chip * GIB:
+        devices = devices_of(a)
+        if fixed + act * p.figures["devices"] // devices > a.hbm_gib * GIB / devices:
             continue  # not even the arithmetic fits: no compile
         tries -= 1
         try:
