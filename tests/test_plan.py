@@ -179,6 +179,15 @@ def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():
     assert P._with_mesh(["pretrain"], 16, f) == ["pretrain"]  # no --mesh: the trainer puts every device on data
 
 
+def test_plan_help_explains_every_flag_and_the_exit_codes():
+    cmd = cli.commands["plan"]
+    text = CliRunner().invoke(cli, ["plan", "--help"]).stdout
+    for p in cmd.params:
+        if p.param_type_name == "option":
+            assert p.help and len(p.help) > 10 and p.opts[-1] in text, p.opts
+    assert "Exit 0: fits; 3: does not fit" in text and "tpuctl[plan]" in text
+
+
 # ---- must-show 5: bad input ------------------------------------------------------------------------------------
 
 def _error_lines(res) -> list[str]:
