@@ -41,9 +41,11 @@ class PlanError(UserError):
 
 @dataclass
 class Suggestion:
-    change: str                   # what to type, e.g. "--grad-accum 4"
+    change: str                   # trainer flags to add, e.g. "--grad-accum 4" (the last of a repeated flag wins)
     estimate_bytes: int | None    # per-device total it would need (arithmetic from this plan's figures)
     note: str
+    compiled_bytes: int | None = None  # the compiler's per-device total for it, when `plan` compiled it
+    compiled_fits: bool | None = None
 
 
 @dataclass
@@ -109,11 +111,23 @@ class Plan:
     def run_steps(self) -> int:
         return int(self.steps or self.figures["settings"].get("steps") or 0)
 
+    @property
+    def model_flops(self) -> float:
+        """Per device per step, from the model's arithmetic (trainer.metrics.flops_per_token)."""
+        f = self.figures
+        return f["model_flops_per_token"] * f["tokens_per_step"] / f["devices"]
+
+    @property
+    def flops(self) -> float:
+        """Per device per step for time: the compiler's count, unless the arithmetic is larger. The compiler counts
+        a loop's body once (--grad-accum's scan) and no Pallas kernel, so it can fall short; never the other way."""
+        return max(self.figures.get("flops") or 0.0, self.model_flops)
+
     def step_s(self, mfu: float = 1.0) -> float | None:
-        """Step time from the compiler's FLOPs per device at the chip's bf16 peak x mfu (None on CPU)."""
-        if self.compiler == CPU or not self.figures.get("flops"):
+        """Step time at the chip's bf16 peak x mfu (None on a local slice's CPU devices)."""
+        if self.compiler == CPU:
             return None
-        return self.figures["flops"] * self.devices / (self.accelerator.peak_bf16_tflops * 1e12 * mfu)
+        return self.flops * self.devices / (self.accelerator.peak_bf16_tflops * 1e12 * mfu)
 
     def timing(self) -> dict:
         peak, at_mfu = self.step_s(), self.step_s(self.mfu)
@@ -273,7 +287,7 @@ def _grad_accum(p: Plan) -> Suggestion | None:
         ga = s["grad_accum"] * k
         if s["batch_size"] % ga or (s["batch_size"] // ga) % f["mesh"]["data"]:
             continue
-        est = fixed + act // k
+        est = fixed + f["params_bytes"] * (s["grad_accum"] == 1) + act // k  # + the f32 gradient accumulator
         if est <= p.hbm_bytes:
             return Suggestion(f"--grad-accum {ga}", est, f"the same batch in {ga} micro-batches: activations "
                                                          f"/{k}, same result, more passes per step")
@@ -379,9 +393,21 @@ def plan(accelerator: str, argv: list[str], *, local: bool = False, steps: int |
     p = Plan(a, _mode(figs, local), figs, mfu=mfu, steps=steps, cached=cached)
     if not p.fits:
         p.suggestions = suggest(p)
+        if alternatives and p.suggestions:
+            _compile_suggestion(p, p.suggestions[0], argv, local=local, progress=progress, use_cache=use_cache)
         if alternatives and not local:
             p.alternative = next_size(p, argv, progress=progress, use_cache=use_cache)
     return p
+
+
+def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
+    """Check an estimated suggestion with the compiler (activations do not shrink exactly with the batch)."""
+    try:
+        figs, _ = compile_figures(p.accelerator, [*argv, *s.change.split()], **kw)
+    except PlanError:
+        return  # the trainer rejects it after all: it stays an estimate
+    checked = Plan(p.accelerator, p.compiler, figs)
+    s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
 
 
 def plannable(argv: list[str]) -> bool:
@@ -422,8 +448,12 @@ def render(p: Plan) -> str:
              + (f": the compiler refused the step ({p.refused['message']})" if p.refused else "")]
     if not p.fits:
         for s in p.suggestions:
-            est = f" (about {gib(s.estimate_bytes)} per device, estimated)" if s.estimate_bytes else ""
-            lines.append(f"  would fit: {s.change}{est}: {s.note}")
+            if s.compiled_bytes is not None:
+                word = "would fit" if s.compiled_fits else "estimated to fit, but compiled it does NOT"
+                est = f" (compiled: {gib(s.compiled_bytes)} per device; estimated {gib(s.estimate_bytes)})"
+            else:
+                word, est = "would fit", f" (about {gib(s.estimate_bytes)} per device, estimated)"
+            lines.append(f"  {word}: {s.change}{est}: {s.note}")
         if p.alternative is not None:
             alt = p.alternative
             t = alt.timing()
@@ -433,10 +463,9 @@ def render(p: Plan) -> str:
                          f"{gib(alt.hbm_bytes)} per device, ${alt.accelerator.price_per_hour():.2f}/hour{cost})")
         if not p.suggestions and p.alternative is None:
             lines.append("  nothing this plan could try fits: shrink the model or pick another generation")
-    model_tflop = f["model_flops_per_token"] * f["tokens_per_step"] / f["devices"] / 1e12
-    lines.append(f"  compute: {f['flops'] / 1e12:.3g} TFLOP per device per step (compiler); model arithmetic "
-                 f"{model_tflop:.3g} TFLOP" if f["flops"] else
-                 f"  compute: model arithmetic {model_tflop:.3g} TFLOP per device per step (no compiled step to count)")
+    used = "compiler" if p.flops == f["flops"] else "arithmetic"
+    lines.append(f"  compute per device per step: {f['flops'] / 1e12:.3g} TFLOP (compiler), {p.model_flops / 1e12:.3g} "
+                 f"TFLOP (model arithmetic); times below use the {used}'s")
     t = p.timing()
     if t:
         lines += [f"  step time: {t['step_s_at_peak'] * 1e3:.3g} ms at peak ({a.generation.peak_bf16_tflops:g} "

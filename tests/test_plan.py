@@ -147,10 +147,12 @@ def test_does_not_fit_names_what_would_and_costs_add_up():
     assert not p.fits and p.headroom_bytes == -8 * P.GIB and "does NOT fit on v4-8" in p.verdict()
     p.suggestions = P.suggest(p)
     by = {s.change.split()[0]: s for s in p.suggestions}
-    # fixed = 40 - (34 - 2) = 8 GiB; activations 32 GiB: /2 gives 24 GiB, which fits 32 GiB
-    assert by["--grad-accum"].change == "--grad-accum 2" and by["--grad-accum"].estimate_bytes == 24 * P.GIB
-    assert by["--batch-size"].change == "--batch-size 32"
+    # fixed = 40 - (34 - 2) = 8 GiB; activations 32 GiB: /2 gives 24 GiB, + a 2 GiB gradient accumulator for
+    # --grad-accum: both fit 32 GiB
+    assert by["--grad-accum"].change == "--grad-accum 2" and by["--grad-accum"].estimate_bytes == 26 * P.GIB
+    assert by["--batch-size"].change == "--batch-size 32" and by["--batch-size"].estimate_bytes == 24 * P.GIB
     assert "--mesh" not in by  # model=2: 8/2 + 32 = 36 GiB, model=4: 34 GiB; neither fits, so neither is named
+    assert p.model_flops < p.figures["flops"] == p.flops  # the compiler's count when it is the larger
     t = p.timing()
     assert t["step_s_at_peak"] == pytest.approx(1.0) and t["step_s_at_mfu"] == pytest.approx(2.0)
     assert t["tokens_per_s_at_mfu"] == pytest.approx(65536 / 2)
@@ -162,11 +164,34 @@ def test_does_not_fit_names_what_would_and_costs_add_up():
     assert fits.fits and P.suggest(fits) and "FITS" in P.render(fits)
 
 
+def test_time_uses_the_arithmetic_when_the_compiler_counts_less():
+    """The compiler counts a scanned loop's body once (--grad-accum) and no Pallas kernel."""
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(flops=1e12, model_flops_per_token=4 * 275e12 / 65536))
+    assert p.model_flops == pytest.approx(275e12) and p.timing()["step_s_at_peak"] == pytest.approx(1.0)
+    assert "times below use the arithmetic's" in P.render(p)
+
+
 def test_a_batch_that_does_not_split_is_not_suggested():
     f = _figures(settings={"batch_size": 4, "grad_accum": 1, "steps": 10, "mesh": "", "n_head": 3})
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
     assert P.suggest(p) == []
     assert "nothing this plan could try fits" in P.render(p)
+
+
+def test_the_first_suggestion_is_compiled_too(monkeypatch):
+    """On a local v4-8 whose chips have 28 MiB: a 1-layer model with batch 16 (~34 MiB per device) does not fit;
+    the plan's first suggestion is compiled with the flags it names, and its compiled total is what it reports."""
+    monkeypatch.setitem(catalog.GENERATIONS, "v4", dataclasses.replace(catalog.GENERATIONS["v4"],
+                                                                       hbm_gib_per_chip=28 / 1024))
+    argv = ["pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
+            "--ckpt-dir", "/tmp/plan-ckpt"]
+    p = P.plan("v4-8", argv, local=True)
+    assert not p.fits and p.suggestions and p.alternative is None  # a local slice is not resized
+    first = p.suggestions[0]
+    assert first.compiled_bytes is not None and first.compiled_bytes < p.total_bytes
+    direct = P.plan("v4-8", [*argv, *first.change.split()], local=True)
+    assert direct.cached and direct.total_bytes == first.compiled_bytes and direct.fits == first.compiled_fits
+    assert "(compiled: " in P.render(p)
 
 
 def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():
