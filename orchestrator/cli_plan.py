@@ -36,9 +36,9 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json):
     (install with `pip install 'tpuctl[plan]'`); without it the CPU compiler's figures are shown, labelled
     as an estimate. Per device: parameters, optimizer state, temporaries, total, the chip's HBM, headroom and
     a verdict; when it does not fit, what would (estimated; the first one compiled to check) and the next
-    slice size that does (compiled).
-    FLOPs per step come from the compiler; step time, tokens/s, wall time and $ (list price, on-demand and
-    spot) at the chip's peak and at --mfu. Exit 0: fits; 3: does not fit; 1: bad input.
+    slice size that does (compiled). FLOPs per step from the compiler and from the model's arithmetic; step
+    time, tokens/s, wall time and $ (list price, on-demand and spot) at the chip's peak and at --mfu.
+    Exit 0: fits; 3: does not fit; 1: bad input.
     """
     from orchestrator import plan as P
     from orchestrator.cli import StatusLine, TpuctlError
