@@ -210,7 +210,8 @@ def test_plan_help_explains_every_flag_and_the_exit_codes():
     for p in cmd.params:
         if p.param_type_name == "option":
             assert p.help and len(p.help) > 10 and p.opts[-1] in text, p.opts
-    assert "Exit 0: fits; 3: does not fit" in text and "tpuctl[plan]" in text
+    flat = " ".join(text.split())
+    assert "Exit 0: fits; 3: does not fit" in flat and "tpuctl[plan]" in flat
 
 
 # ---- must-show 5: bad input ------------------------------------------------------------------------------------
