@@ -257,7 +257,7 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool 
         raise PlanError(f"the planner's compile failed (exit {proc.returncode}) for {a.name}: {tail}")
     figures = json.loads(stdout.strip().splitlines()[-1])
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two plans of the same step may finish at once
     tmp.write_text(json.dumps(figures))
     tmp.replace(path)
     return figures, False

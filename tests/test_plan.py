@@ -7,8 +7,10 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -256,6 +258,27 @@ def test_without_the_plan_extra_the_cpu_compiler_stands_in_and_says_so(tmp_path,
     out = json.loads(res.stdout)
     assert out["estimate"] is True and out["compiler"] == P.ESTIMATE and "tpuctl[plan]" in out["label"]
     assert out["fits"] is True and "estimate" in out["verdict"]
+
+
+def test_ctrl_c_while_compiling_stops_the_compile_too(home):
+    """SIGINT to `tpuctl plan` mid-compile: one line, exit 130, and the trainer's compile process is gone."""
+    env = {**os.environ, "TPUCTL_HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "plan", "-a", "v4-8", "--local", "--", *TINY],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, child = time.monotonic() + 60, None
+    while child is None and time.monotonic() < deadline:  # wait until the compile process runs
+        out = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "trainer.aot"], capture_output=True, text=True)
+        child = int(out.stdout.split()[0]) if out.stdout.split() else None
+        time.sleep(0.1)
+    assert child is not None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "Error: interrupted", err
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}")
+    assert not list(home.glob("plans/*.json"))  # nothing cached from a compile that did not finish
 
 
 # ---- the gate before `up` creates a slice ---------------------------------------------------------------------
