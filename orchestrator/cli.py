@@ -267,7 +267,7 @@ def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> N
                         "pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
     with line:
         p = plan.gate(spec.accelerator, command, local=spec.local, progress=line, skip_flag="leaving out --plan")
-    line.note(f"plan: {p.verdict()}")
+    line.note(f"plan: {p.verdict()}" if p else f"plan: `{command[0]}` has no train step to plan")
 
 
 def _sigterm(signum, frame):

@@ -160,11 +160,12 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
 def plan_gate(argv: list[str], target: Target, out) -> None:
     """A trainer step on a slice of known type is planned first, and refused when it does not fit."""
     from orchestrator import plan as P
-    if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator or not P.plannable(argv[3:]):
+    if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator:
         return
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
     p = P.gate(target.accelerator, argv[3:], local=target.local_slice is not None, progress=say)
-    say(f"plan: {p.verdict()}")
+    if p is not None:
+        say(f"plan: {p.verdict()}")
 
 
 # ------------------------------------------------------------------------------ run

@@ -28,8 +28,7 @@ from orchestrator import catalog
 from orchestrator.spec import UserError
 
 GIB = 2 ** 30
-# Trainer commands that have a train step to plan (each has a builder in trainer/aot.py).
-PLANNED = ("pretrain",)
+NOTHING_TO_PLAN = 4  # trainer.aot's exit code for a command with no train step (prepare, sample, ...)
 TPU, CPU, ESTIMATE = "tpu", "cpu", "cpu-estimate"  # libtpu; a local slice's CPU devices; CPU for a TPU target
 INSTALL_HINT = "pip install 'tpuctl[plan]' (libtpu, ~200 MB) for the TPU compiler's exact figures"
 VERSIONED = ("tpuctl", "jax", "jaxlib", "libtpu", "flax", "optax")
@@ -37,6 +36,10 @@ VERSIONED = ("tpuctl", "jax", "jaxlib", "libtpu", "flax", "optax")
 
 class PlanError(UserError):
     """The planner could not produce a plan (the trainer rejected the arguments, or the compile failed)."""
+
+
+class NotPlannable(PlanError):
+    """The trainer command has no train step to plan (the trainer says which ones have)."""
 
 
 @dataclass
@@ -250,8 +253,8 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool 
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    if proc.returncode == 2 and _trainer_error(stderr):
-        raise PlanError(_trainer_error(stderr))
+    if proc.returncode in (2, NOTHING_TO_PLAN) and _trainer_error(stderr):
+        raise (NotPlannable if proc.returncode == NOTHING_TO_PLAN else PlanError)(_trainer_error(stderr))
     if proc.returncode != 0:
         tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
         raise PlanError(f"the planner's compile failed (exit {proc.returncode}) for {a.name}: {tail}")
@@ -410,16 +413,15 @@ def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
     s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
 
 
-def plannable(argv: list[str]) -> bool:
-    """A trainer argv whose command has a train step (what `tpuctl run` checks before launching)."""
-    return bool(argv) and argv[0] in PLANNED
-
-
 def gate(accelerator: str, argv: list[str], *, local: bool, progress: Callable[[str], None] | None = None,
-         skip_flag: str = "--no-plan") -> Plan:
-    """The check before `tpuctl up` / `run` creates or launches anything: the plan, or a UserError with its
-    verdict when the step does not fit (no alternative slice is compiled here: `tpuctl plan` does that)."""
-    p = plan(accelerator, argv, local=local, progress=progress, alternatives=False)
+         skip_flag: str = "--no-plan") -> Plan | None:
+    """The check before `tpuctl up` / `run` creates or launches anything: the plan (None for a trainer command
+    with no train step), or a PlanError with its verdict when the step does not fit (nothing else is compiled
+    here: `tpuctl plan` does that)."""
+    try:
+        p = plan(accelerator, argv, local=local, progress=progress, alternatives=False)
+    except NotPlannable:
+        return None
     if not p.fits:
         fix = f"; would fit: {p.suggestions[0].change}" if p.suggestions else ""
         raise PlanError(f"plan: {p.verdict()}{fix}; `tpuctl plan -a {p.accelerator.name} -- ...` shows the whole "

@@ -237,6 +237,9 @@ def test_trainer_args_the_trainer_rejects_give_its_own_message_once():
     assert res.exit_code == 1 and _error_lines(res) == ["Error: unrecognized arguments: --no-such-flag"]
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", "prepare", "--out", "/tmp/x"])
     assert res.exit_code == 1 and "`prepare` has no train step to plan" in _error_lines(res)[0]
+    t0 = time.monotonic()
+    assert P.gate("v4-8", ["prepare", "--out", "/tmp/x"], local=False) is None  # run/up launch it unplanned
+    assert time.monotonic() - t0 < 20  # answered before jax or libtpu start
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--mfu", "0", "--", *TINY])
     assert res.exit_code == 1 and "--mfu 0.0: give a fraction in (0, 1]" in _error_lines(res)[0]
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8"])

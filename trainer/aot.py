@@ -11,7 +11,8 @@ slice runs on. With --fallback-cpu a TPU target without libtpu gets the CPU comp
 say compiler "cpu" for run platform "tpu" (an estimate). The trainer arguments go through the trainer's
 own parser and checks: bad ones exit 2 with its one-line `error: ...`, as the run itself would.
 
-A trainer command is planned by one builder in BUILDERS (its parsed args + the target -> Built).
+A trainer command is planned by one builder in BUILDERS (its parsed args + the target -> Built); for any
+other command this exits 4 (nothing to plan) before jax starts.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any, Callable
 from trainer.config import UsageError
 
 COUNT_FLAG = "xla_force_host_platform_device_count"
+NOTHING_TO_PLAN = 4  # exit code: the trainer command has no train step (bad arguments exit 2)
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,21 @@ def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
             "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
-def plan(trainer_argv: list[str], target: Target) -> dict:
-    """Build the command's step for the target, compile it, and return the figures (jax already set up)."""
+class NotPlannable(UsageError):
+    """The trainer command has no train step (prepare, sample, ...)."""
+
+
+def parse(trainer_argv: list[str]) -> argparse.Namespace:
+    """The trainer's own parser (its message for bad arguments); a command with no builder is NotPlannable."""
     from trainer.__main__ import parser
     args = parser().parse_args(trainer_argv)
     if args.cmd not in BUILDERS:
-        raise UsageError(f"`{args.cmd}` has no train step to plan; plannable commands: {', '.join(BUILDERS)}")
+        raise NotPlannable(f"`{args.cmd}` has no train step to plan; plannable commands: {', '.join(BUILDERS)}")
+    return args
+
+
+def plan(args: argparse.Namespace, target: Target) -> dict:
+    """Build the command's step for the target, compile it, and return the figures (jax already set up)."""
     built = BUILDERS[args.cmd](args, target)
     t0 = time.perf_counter()
     try:
@@ -232,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         if not trainer_argv:
             raise UsageError("nothing to plan: put the trainer command after --, e.g. -- pretrain --preset gpt2-124m")
         opts = _options().parse_args(own)
-        out = plan(trainer_argv, _target(opts))
+        args = parse(trainer_argv)  # before jax starts: a command with nothing to plan is answered at once
+        out = plan(args, _target(opts))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return NOTHING_TO_PLAN if isinstance(e, NotPlannable) else 2
     print(json.dumps(out))
     return 0
 
