@@ -257,7 +257,7 @@ def test_without_the_plan_extra_the_cpu_compiler_stands_in_and_says_so(tmp_path,
     assert res.exit_code == 0, res.output
     assert "ESTIMATE from the CPU compiler" in res.stdout and "pip install 'tpuctl[plan]'" in res.stdout
     assert "bfloat16 compute" in res.stdout  # planned as the TPU run will be, not as this CPU would run it
-    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--no-cache", "--json", "--", *TINY])
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--json", "--", *TINY])  # the estimate, from the cache
     out = json.loads(res.stdout)
     assert out["estimate"] is True and out["compiler"] == P.ESTIMATE and "tpuctl[plan]" in out["label"]
     assert out["fits"] is True and "estimate" in out["verdict"]
