@@ -24,6 +24,7 @@ from _local_hosts import TEST_CACHE, local_mode, needs_hosts
 from orchestrator import catalog, cli_run, state
 from orchestrator import plan as P
 from orchestrator.cli import cli
+from orchestrator.cli_plan import render
 from trainer import aot, config, loop
 from trainer import mesh as mesh_lib
 from trainer.__main__ import parser
@@ -160,24 +161,24 @@ def test_does_not_fit_names_what_would_and_costs_add_up():
     assert t["tokens_per_s_at_mfu"] == pytest.approx(65536 / 2)
     assert t["wall_s"] == pytest.approx(7200)  # 3600 steps x 2 s
     assert t["usd_on_demand"] == pytest.approx(2 * 4 * 3.22) and t["usd_spot"] == pytest.approx(2 * 4 * 0.92)
-    text = P.render(p)
+    text = render(p)
     assert "DOES NOT FIT" in text and "--grad-accum 2" in text and "$25.76 on-demand" in text
     fits = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(temp_bytes=10 * P.GIB, total_bytes=16 * P.GIB))
-    assert fits.fits and P.suggest(fits) and "FITS" in P.render(fits)
+    assert fits.fits and P.suggest(fits) and "FITS" in render(fits)
 
 
 def test_time_uses_the_arithmetic_when_the_compiler_counts_less():
     """The compiler counts a scanned loop's body once (--grad-accum) and no Pallas kernel."""
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(flops=1e12, model_flops_per_token=4 * 275e12 / 65536))
     assert p.model_flops == pytest.approx(275e12) and p.timing()["step_s_at_peak"] == pytest.approx(1.0)
-    assert "times below use the arithmetic's" in P.render(p)
+    assert "times below use the arithmetic's" in render(p)
 
 
 def test_a_batch_that_does_not_split_is_not_suggested():
     f = _figures(settings={"batch_size": 4, "grad_accum": 1, "steps": 10, "mesh": "", "n_head": 3})
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
     assert P.suggest(p) == []
-    assert "nothing this plan could try fits" in P.render(p)
+    assert "nothing this plan could try fits" in render(p)
 
 
 def test_the_first_suggestion_is_compiled_too(monkeypatch):
@@ -193,7 +194,7 @@ def test_the_first_suggestion_is_compiled_too(monkeypatch):
     assert first.compiled_bytes is not None and first.compiled_bytes < p.total_bytes
     direct = P.plan("v4-8", [*argv, *first.change.split()], local=True)
     assert direct.cached and direct.total_bytes == first.compiled_bytes and direct.fits == first.compiled_fits
-    assert "(compiled: " in P.render(p)
+    assert "(compiled: " in render(p)
 
 
 def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():
@@ -310,7 +311,7 @@ def test_the_tpu_compilers_out_of_memory_refusal_becomes_a_plan():
     f = aot.out_of_memory(built, target, msg, 1.0)
     assert f["temp_bytes"] == int(34.18 * P.GIB) and f["total_bytes"] == int(34.18 * P.GIB) + 12 * 2 ** 20
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
-    assert not p.fits and "usable" in p.verdict() and "30.75 GiB usable" in P.render(p)
+    assert not p.fits and "usable" in p.verdict() and "30.75 GiB usable" in render(p)
     f = aot.out_of_memory(built, target, "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 40.5G of "
                                          "15.48G hbm. Exceeded hbm capacity by 25.02G.", 1.0)
     assert f["total_bytes"] == int(40.5 * P.GIB) and f["oom"]["available_bytes"] == int(15.48 * P.GIB)
