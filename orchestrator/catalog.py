@@ -24,6 +24,8 @@ from dataclasses import dataclass
 # [12] https://cloud.google.com/tpu/docs/quota (v2-8/v3-8: 4 chips, 8 TensorCores, one host)
 # [16] https://docs.cloud.google.com/tpu/docs/ray-guide (v5p in europe-west4-b)
 # [6e] https://cloud.google.com/tpu/docs/types-zones (an older version: v5e in us-east5-a/b/c)
+# [21] https://github.com/apple/axlearn/blob/c18592d3027fb951bb047728640b80722b3d0159/axlearn/common/aot_compilation.py
+#      (libtpu topology names, chip configs and host bounds for AOT compiles: v4-8 = "v4:2x2x1", megacore)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class Generation:
     zones: tuple[str, ...]        # hints only [6]
     topologies: dict[int, tuple[str, int]]  # size in the name -> (topology, VMs)
     devices_per_chip: int = 1     # JAX devices: one per chip (megacore, v5e, v6e); v2/v3: one per TensorCore
+    # Ahead-of-time compile (orchestrator/plan.py): libtpu's name for the generation ("" = none) and chip
+    # config; megacore makes one device per chip, as the runtime on these VMs has [21].
+    aot_name: str = ""
+    aot_chip_config: str = "default"
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -56,6 +62,7 @@ GENERATIONS: dict[str, Generation] = {
             128: ("4x4x4", 16), 256: ("4x4x8", 32), 512: ("4x8x8", 64), 1024: ("8x8x8", 128),
             2048: ("8x8x16", 256), 4096: ("8x16x16", 512),
         },
+        aot_name="v4", aot_chip_config="megacore",  # [21]
     ),
     "v5p": Generation(
         name="v5p", api_type="V5P",
@@ -72,6 +79,7 @@ GENERATIONS: dict[str, Generation] = {
             2048: ("8x8x16", 256), 4096: ("8x16x16", 512), 8192: ("16x16x16", 1024),
             12288: ("16x16x24", 1536),
         },
+        aot_name="v5p", aot_chip_config="megacore",  # [21]
     ),
     "v5litepod": Generation(
         name="v5litepod", api_type="V5LITE_POD",
@@ -88,6 +96,7 @@ GENERATIONS: dict[str, Generation] = {
             1: ("1x1", 1), 4: ("2x2", 1), 8: ("2x4", 1), 16: ("4x4", 4), 32: ("4x8", 8),
             64: ("8x8", 16), 128: ("8x16", 32), 256: ("16x16", 64),
         },
+        aot_name="v5e", aot_chip_config="default",  # [21]
     ),
     "v6e": Generation(
         name="v6e", api_type="V6E",
@@ -103,6 +112,7 @@ GENERATIONS: dict[str, Generation] = {
             1: ("1x1", 1), 4: ("2x2", 1), 8: ("2x4", 1), 16: ("4x4", 4), 32: ("4x8", 8),
             64: ("8x8", 16), 128: ("8x16", 32), 256: ("16x16", 64),
         },
+        aot_name="v6e", aot_chip_config="default",  # [21]
     ),
     "v2": Generation(
         name="v2", api_type="V2",
@@ -168,6 +178,19 @@ class AcceleratorType:
     @property
     def zone_hints(self) -> tuple[str, ...]:
         return self.generation.zones
+
+    @property
+    def aot_topology(self) -> str:
+        """libtpu's topology name for an ahead-of-time compile, e.g. "v4:2x2x1" ("" when not known)."""
+        return f"{self.generation.aot_name}:{self.topology}" if self.generation.aot_name else ""
+
+    @property
+    def aot_host_bounds(self) -> str:
+        """Chips per host as libtpu's X,Y,Z box: the whole slice on one VM, else 2x2x1 (4-chip VMs)."""
+        if self.hosts > 1:
+            return "2,2,1"
+        dims = [int(x) for x in self.topology.split("x")]
+        return ",".join(str(d) for d in (dims + [1, 1])[:3])
 
     def price_per_chip_hour(self, zone: str | None = None, spot: bool = False) -> float:
         g = self.generation

@@ -133,6 +133,7 @@ def cli():
 
 @cli.command("up")
 @click.argument("name", required=False)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("-a", "--accelerator", metavar="TYPE",
               help="Accelerator type, e.g. v4-16, v5litepod-16 (alias v5e-16), v5p-8, v6e-4. Checked against the "
                    "catalog, then against the API's acceleratorTypes listing for the zone.")
@@ -185,12 +186,15 @@ def cli():
               help="With --local: shape the hosts like fresh TPU VMs: their own homes, the system's python3, no uv "
                    "and no shared wheelhouse, so `run` bootstraps each from the package index as on real VMs "
                    "(slower: every host downloads the dependencies).")
+@click.option("--plan", "plan_run", is_flag=True,
+              help="With the run's trainer command after -- (`--plan -- pretrain ...`): compile its train step for "
+                   "the accelerator first (`tpuctl plan`) and create nothing if it does not fit.")
 @_json_option
 @_api_options
 @_errors
-def up_cmd(name, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, network, subnetwork,
+def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, network, subnetwork,
            service_account, scopes, runtime_version, labels, ttl, no_queue, wait_capacity, capacity_wait, timeout,
-           keep_on_failure, spec_file, dry_run, fresh_vm, as_json, api_endpoint, local, project):
+           keep_on_failure, spec_file, dry_run, fresh_vm, plan_run, as_json, api_endpoint, local, project):
     """Create a TPU slice (queued resource) and wait until it is READY.
 
     Validates everything first, prints the plan (chips, hosts, topology, HBM, list $/hour), creates, waits
@@ -247,6 +251,8 @@ def up_cmd(name, accelerator, zone, zones, spot, reserved, reservation, no_exter
         spec.fresh_hosts = True
 
     line = StatusLine()
+    if plan_run or command:
+        _plan_first(spec, list(command), plan_run, line)
 
     def on_plan(plan):
         line.note(("plan: " if not dry_run else "plan (dry run): ") + plan.summary())
@@ -280,6 +286,20 @@ def up_cmd(name, accelerator, zone, zones, spot, reserved, reservation, no_exter
                f"{_age(res.elapsed_s)}; ${rec.price_per_hour:.2f}/hour list price")
     click.echo(_workers_table(rec.workers))
     click.echo(f"next: tpuctl run {rec.name} -- ...    delete: tpuctl down {rec.name}")
+
+
+def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> None:
+    """`up --plan -- ARGS`: nobody creates a slice for a train step that cannot fit on it."""
+    from orchestrator import plan
+    if not plan_run:
+        raise UserError(f"arguments after NAME ({' '.join(command)}) are the run's command, read only with --plan: "
+                        "`tpuctl up NAME -a TYPE --plan -- pretrain ...`")
+    if not command:
+        raise UserError("--plan needs the run's trainer command after --: `tpuctl up NAME -a TYPE --plan -- "
+                        "pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
+    with line:
+        p = plan.gate(spec.accelerator, command, local=spec.local, progress=line, skip_flag="leaving out --plan")
+    line.note(f"plan: {p.verdict()}" if p else f"plan: `{command[0]}` has no train step to plan")
 
 
 def _sigterm(signum, frame):
@@ -478,6 +498,10 @@ for _cmd in (cli_run.run, cli_run.ssh, cli_run.logs):
 from orchestrator import cli_weights  # noqa: E402
 
 cli.add_command(cli_weights.weights)
+
+from orchestrator import cli_plan  # noqa: E402
+
+cli.add_command(cli_plan.plan)
 
 
 def main(argv=None) -> int:

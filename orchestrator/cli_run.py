@@ -50,6 +50,7 @@ class Target:
     ssh: SshConfig
     local_slice: object | None = None  # infra.local_slice.LocalSlice for a local slice
     devices_per_host: int | None = None  # from the accelerator type, when the slice is recorded
+    accelerator: str | None = None  # the recorded slice's type (the plan checks the step against it)
 
 
 def _parse_hosts(spec: str) -> list[L.Worker]:
@@ -80,7 +81,7 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
             ssh_wait: float | None = None, internal_ip: bool = False) -> Target:
     """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > local slice > TPU VM defaults)."""
     from infra.local_slice import LocalSlice
-    ls, devices, created = None, None, None
+    ls, devices, created, accelerator = None, None, None, None
     if hosts:
         workers = _parse_hosts(hosts)
         ls = LocalSlice.load(name) if local else None
@@ -97,6 +98,7 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
             created = rec.created_at
             try:
                 devices = catalog.lookup(rec.accelerator).devices_per_host
+                accelerator = rec.accelerator
             except (ValueError, KeyError):
                 devices = None
         # A worker without an external IP (--no-external-ips) is reached on its internal one; --internal-ip
@@ -117,7 +119,8 @@ def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = N
     ssh.known_hosts = str(known_hosts_file(name, created))
     if ssh_wait is not None:
         ssh.wait_s = ssh_wait
-    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls, devices_per_host=devices)
+    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls, devices_per_host=devices,
+                  accelerator=accelerator)
 
 
 def _ssh_options(f):
@@ -167,6 +170,17 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
     return emu.env
 
 
+def plan_gate(argv: list[str], target: Target, out) -> None:
+    """A trainer step on a slice of known type is planned first, and refused when it does not fit."""
+    from orchestrator import plan as P
+    if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator:
+        return
+    say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
+    p = P.gate(target.accelerator, argv[3:], local=target.local_slice is not None, progress=say)
+    if p is not None:
+        say(f"plan: {p.verdict()}")
+
+
 # ------------------------------------------------------------------------------ run
 @click.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
@@ -198,11 +212,13 @@ def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
                    "compiles and the first step are not judged), naming the host that stopped advancing. 0: never.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="At most this many recreations per run.")
+@click.option("--no-plan", is_flag=True, help="Launch without first checking the train step against the slice "
+              "(`tpuctl plan`: compiled for its accelerator, refused when it does not fit; cached).")
 @_ssh_options
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
-        init_timeout, as_json, on_preemption, hang_timeout, max_restarts, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts,
-        local, api_endpoint):
+        init_timeout, as_json, on_preemption, hang_timeout, max_restarts, no_plan, internal_ip, ssh_wait, ssh_port,
+        ssh_key, ssh_user, hosts, local, api_endpoint):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -211,7 +227,9 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
       tpuctl run NAME --raw -- nvidia-smi                 (as it is, nothing installed)
 
     Preflight (reachable, Python, disk, accelerator held by a stale process, clock), push (one wheel, installed
-    once per content hash), launch with jax.distributed settings, prefixed output per host. The first host
+    once per content hash), launch with jax.distributed settings, prefixed output per host. A trainer step on a
+    slice of known type is planned first (`tpuctl plan`, cached) and refused if it does not fit (--no-plan
+    skips). The first host
     to fail stops all others; Ctrl-C stops every host. If the slice is preempted, it is recreated and the
     command runs again (--on-preemption, --max-restarts); a crash on a healthy slice is not retried.
     """
@@ -238,6 +256,8 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
                      ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
     argv = emulate_devices(argv, target)
+    if not no_plan:
+        plan_gate(argv, target, out)
     env = {**_gcs_env(argv, target), **env}
     bundle = install = layout = None
     if not raw:

@@ -1,8 +1,12 @@
 """Helpers for tests on a local slice (real sshd hosts): start/stop, SSH, what runs on each host."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +71,32 @@ def wait_idle(s: LocalSlice, timeout: float = 15.0) -> dict[int, list[tuple[int,
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def local_mode(home: Path, mp: pytest.MonkeyPatch):
+    """Local mode in a private TPUCTL_HOME with no ambient project or endpoint: its own TPU API stand-in, started
+    here; on the way out every recorded slice is downed, every local slice stopped and the stand-in killed.
+    Yields the environment a `tpuctl` subprocess should get."""
+    from infra.local_slice import LocalSlice
+    from orchestrator import cloud, state
+    mp.setenv("TPUCTL_HOME", str(home))
+    mp.setenv("TPUCTL_POLL_S", "0.05")
+    mp.setenv("CLOUDSDK_CONFIG", str(home / "gcloud"))
+    for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
+        mp.delenv(var, raising=False)
+    url = cloud.local_api_url()
+    info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
+    try:
+        yield dict(os.environ), url
+    finally:
+        for name in list(state.records()):
+            subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", name, "--local"],
+                           capture_output=True, timeout=120, env=dict(os.environ))
+        for s in LocalSlice.ls():
+            s.stop()
+        os.kill(info["pid"], signal.SIGKILL)
+        try:
+            os.waitpid(info["pid"], 0)
+        except ChildProcessError:
+            pass

@@ -4,7 +4,6 @@ A preemption here is what the cloud does: the node goes PREEMPTED (the stand-in'
 (the test SIGKILLs the hosts' namespaces, or the supervisor's local watcher stops them). The raw command learns
 it is on its second attempt from a marker in a directory every host shares (outside /root and /tmp).
 """
-import json
 import os
 import shutil
 import signal
@@ -15,10 +14,10 @@ import threading
 
 import pytest
 
-from _local_hosts import needs_hosts
+from _local_hosts import local_mode, needs_hosts
 from infra.fake_tpu_api import FakeControl
 from infra.local_slice import LocalSlice
-from orchestrator import cloud, state
+from orchestrator import state
 
 pytestmark = [needs_hosts, pytest.mark.e2e]
 
@@ -27,27 +26,8 @@ pytestmark = [needs_hosts, pytest.mark.e2e]
 def env(tmp_path_factory):
     """A private TPUCTL_HOME with its own stand-in; stopped (and every slice downed) at the end."""
     home = tmp_path_factory.mktemp("suphome")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TPUCTL_HOME", str(home))
-        mp.setenv("TPUCTL_POLL_S", "0.05")
-        mp.setenv("CLOUDSDK_CONFIG", str(home / "gcloud"))
-        for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
-            mp.delenv(var, raising=False)
-        url = cloud.local_api_url()
-        info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
-        try:
-            yield dict(os.environ), FakeControl(url)
-        finally:
-            for name in list(state.records()):
-                subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", name, "--local"],
-                               capture_output=True, timeout=120, env=dict(os.environ))
-            for s in LocalSlice.ls():
-                s.stop()
-            os.kill(info["pid"], signal.SIGKILL)
-            try:
-                os.waitpid(info["pid"], 0)
-            except ChildProcessError:
-                pass
+    with pytest.MonkeyPatch.context() as mp, local_mode(home, mp) as (environ, url):
+        yield environ, FakeControl(url)
 
 
 @pytest.fixture

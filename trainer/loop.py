@@ -40,9 +40,11 @@ def enable_compile_cache() -> None:
     cc.reset_cache()  # in case something compiled earlier in this process with no cache configured
 
 
-def compute_dtype(name: str):
+def compute_dtype(name: str, platform: str | None = None):
+    """platform: of the devices the step runs on (default: this process's backend); an ahead-of-time
+    compile for TPU devices from a CPU-only process decides by the TPU's."""
     if name == "auto":  # bf16 matmuls are native on TPU/GPU; on CPU they are slower than f32
-        return jnp.bfloat16 if jax.default_backend() in ("tpu", "gpu") else jnp.float32
+        return jnp.bfloat16 if (platform or jax.default_backend()) in ("tpu", "gpu") else jnp.float32
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
@@ -83,7 +85,7 @@ class Steps:
     def __init__(self, cfg: Config, mesh):
         m, t = cfg.model, cfg.train
         self.cfg, self.mesh = cfg, mesh
-        self.dtype = compute_dtype(t.dtype)
+        self.dtype = compute_dtype(t.dtype, mesh.devices.flat[0].platform)
         self.graphdef, _ = gpt2.abstract(m)
         self.vocab_parallel = use_vocab_parallel(cfg, mesh.size)
         self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES

@@ -69,9 +69,10 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
     return shape
 
 
-def make_mesh(shape: dict[str, int]) -> Mesh:
+def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
+    """devices: default every device of the job; trainer/aot.py passes a TPU topology's devices instead."""
     # Auto axes: XLA propagates shardings through gathers (the embedding lookup) that Explicit axes reject.
-    return jax.make_mesh((shape["data"], shape["model"]), AXES, axis_types=(AxisType.Auto,) * 2)
+    return jax.make_mesh((shape["data"], shape["model"]), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
 
 
 def spec(axes: tuple[str | None, ...] | None, rules: dict = RULES) -> P:

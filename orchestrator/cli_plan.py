@@ -1,0 +1,108 @@
+"""`tpuctl plan`: a click command over orchestrator/plan.py (registered into the `tpuctl` group by cli.py), and the
+plan as text."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from orchestrator import plan as P
+from orchestrator.spec import UserError
+
+DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1)
+
+
+@click.command("plan", context_settings={"ignore_unknown_options": True})
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("-a", "--accelerator", metavar="TYPE", required=True,
+              help="Accelerator type to plan for, e.g. v4-8, v5litepod-8 (alias v5e-8), v5p-8, v6e-4.")
+@click.option("--steps", type=int, help="Steps for wall time and cost (default: the command's --steps).")
+@click.option("--mfu", type=float, default=0.5, show_default=True,
+              help="Assumed model FLOPs utilisation for step time, tokens/s, wall time and cost (an assumption, "
+                   "stated as one; the compiler's FLOPs at the chip's peak are shown too).")
+@click.option("--local", is_flag=True, help="Plan for a local slice of that type: the CPU compiler on its emulated "
+                                            "devices, what `tpuctl run` on a local slice checks.")
+@click.option("--no-cache", is_flag=True, help="Compile again even when this exact plan is cached "
+                                               "($TPUCTL_HOME/plans).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout (for scripts).")
+def plan(command, accelerator, steps, mfu, local, no_cache, as_json):
+    """Compile the trainer's real train step for ACCELERATOR's TPU topology on this machine (no TPU, no
+    weights, no data) and say whether it fits, what would, and what the run costs.
+
+    \b
+      tpuctl plan -a v4-8 -- pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run
+      tpuctl plan -a v5e-8 --steps 5000 --json -- pretrain --preset gpt2-350m --ckpt-dir gs://BUCKET/run
+
+    The arguments after -- are exactly what `tpuctl run NAME -- ...` would run. The compiler is libtpu
+    (install with `pip install 'tpuctl[plan]'`); without it the CPU compiler's figures are shown, labelled
+    as an estimate. Per device: parameters, optimizer state, temporaries, total, the chip's HBM, headroom and
+    a verdict; when it does not fit, what would (estimated; the first one compiled to check) and the next
+    slice size that does (compiled). FLOPs per step from the compiler and from the model's arithmetic; step
+    time, tokens/s, wall time and $ (list price, on-demand and spot) at the chip's peak and at --mfu.
+    Exit 0: fits; 3: does not fit; 1: bad input.
+    """
+    from orchestrator.cli import StatusLine, TpuctlError
+    try:
+        with StatusLine(quiet=False) as line:
+            p = P.plan(accelerator, list(command), local=local, steps=steps, mfu=mfu, progress=line,
+                       use_cache=not no_cache)
+    except UserError as e:
+        raise TpuctlError(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("Error: interrupted", err=True)
+        sys.exit(130)
+    click.echo(json.dumps(p.to_json(), indent=2) if as_json else render(p))
+    sys.exit(0 if p.fits else DOES_NOT_FIT)
+
+
+def render(p: P.Plan) -> str:
+    """The plan as text, for people."""
+    f, a = p.figures, p.accelerator
+    mesh = ",".join(f"{k}={v}" for k, v in f["mesh"].items())
+    other = f["total_bytes"] - f["temp_bytes"] - f["params_bytes"] - f["optimizer_bytes"]
+    lines = [f"plan for {a.name}: {a.chips} chips, {a.hosts} host(s), {f['devices']} devices, mesh {mesh}, "
+             f"{f['dtype']} compute",
+             f"  compiler: {p.label}" + (" [cached]" if p.cached else f" [compiled in {f['compile_s']:.0f}s]"),
+             "  per device:",
+             f"    parameters          {P.gib(f['params_bytes']):>12}",
+             f"    optimizer state     {P.gib(f['optimizer_bytes']):>12}",
+             f"    temporaries         {P.gib(f['temp_bytes']):>12}   (activations, gradients, workspace)",
+             f"    program + other     {P.gib(other):>12}",
+             f"    total               {P.gib(f['total_bytes']):>12}",
+             f"    chip HBM            {P.gib(p.hbm_bytes):>12}"
+             + (f"   (the compiler: {P.gib(p.refused['available_bytes'])} usable)"
+                if p.refused and p.refused.get("available_bytes") else ""),
+             f"    headroom            {P.gib(p.headroom_bytes):>12}",
+             f"  verdict: {'FITS' if p.fits else 'DOES NOT FIT'}"
+             + (f": the compiler refused the step ({p.refused['message']})" if p.refused else "")]
+    if not p.fits:
+        for s in p.suggestions:
+            if s.compiled_bytes is not None:
+                word = "would fit" if s.compiled_fits else "estimated to fit, but compiled it does NOT"
+                est = f" (compiled: {P.gib(s.compiled_bytes)} per device; estimated {P.gib(s.estimate_bytes)})"
+            else:
+                word, est = "would fit", f" (about {P.gib(s.estimate_bytes)} per device, estimated)"
+            lines.append(f"  {word}: {s.change}{est}: {s.note}")
+        if p.alternative is not None:
+            alt = p.alternative
+            t = alt.timing()
+            cost = (f"; {t['steps']:,} steps in {t['wall_s'] / 3600:.2f} h at MFU {alt.mfu:g}: "
+                    f"${t['usd_on_demand']:,.2f} on-demand, ${t['usd_spot']:,.2f} spot") if t else ""
+            lines.append(f"  would fit: -a {alt.accelerator.name} (compiled: {P.gib(alt.total_bytes)} of "
+                         f"{P.gib(alt.hbm_bytes)} per device, ${alt.accelerator.price_per_hour():.2f}/hour{cost})")
+        if not p.suggestions and p.alternative is None:
+            lines.append("  nothing this plan could try fits: shrink the model or pick another generation")
+    used = "compiler" if p.flops == f["flops"] else "arithmetic"
+    lines.append(f"  compute per device per step: {f['flops'] / 1e12:.3g} TFLOP (compiler), "
+                 f"{p.model_flops / 1e12:.3g} TFLOP (model arithmetic); times below use the {used}'s")
+    t = p.timing()
+    if t:
+        lines += [f"  step time: {t['step_s_at_peak'] * 1e3:.3g} ms at peak ({a.generation.peak_bf16_tflops:g} "
+                  f"TFLOP/s/chip), {t['step_s_at_mfu'] * 1e3:.3g} ms at an assumed MFU of {p.mfu:g}",
+                  f"  tokens/s: {t['tokens_per_s_at_peak']:,.0f} at peak, {t['tokens_per_s_at_mfu']:,.0f} at "
+                  f"MFU {p.mfu:g}",
+                  f"  {t['steps']:,} steps: {t['wall_s'] / 3600:.2f} h at MFU {p.mfu:g}; ${t['usd_on_demand']:,.2f} "
+                  f"on-demand, ${t['usd_spot']:,.2f} spot (list prices ${t['price_per_hour_on_demand']:.2f}/"
+                  f"${t['price_per_hour_spot']:.2f} per hour; estimates)"]
+    return "\n".join(lines)

@@ -1,0 +1,429 @@
+"""`tpuctl plan`: the TPU compiler's verdict on a trainer command, per device, before any slice exists.
+
+The trainer builds and compiles its own train step (`python -m trainer.aot`, run as a process: the
+orchestrator never imports the trainer) for the accelerator's topology with libtpu, on this machine, with
+no TPU. This module turns the compiler's figures into the plan: per-device HBM against the chip's, a
+verdict, what would fit when it does not, FLOPs, step time, tokens/s, wall time and list-price cost.
+Without libtpu the CPU compiler stands in and the plan says it is an estimate; a local slice is planned
+with the CPU compiler because that is what it runs on. Compiler figures are cached by (accelerator, trainer
+argv, compiler, package versions, trainer code); the verdict is recomputed from the catalog every time.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from orchestrator import catalog
+from orchestrator.spec import UserError
+
+GIB = 2 ** 30
+NOTHING_TO_PLAN = 4  # trainer.aot's exit code for a command with no train step (prepare, sample, ...)
+TPU, CPU, ESTIMATE = "tpu", "cpu", "cpu-estimate"  # libtpu; a local slice's CPU devices; CPU for a TPU target
+INSTALL_HINT = "pip install 'tpuctl[plan]' (libtpu, ~200 MB) for the TPU compiler's exact figures"
+VERSIONED = ("tpuctl", "jax", "jaxlib", "libtpu", "flax", "optax")
+
+
+class PlanError(UserError):
+    """The planner could not produce a plan (the trainer rejected the arguments, or the compile failed)."""
+
+
+class NotPlannable(PlanError):
+    """The trainer command has no train step to plan (the trainer says which ones have)."""
+
+
+@dataclass
+class Suggestion:
+    change: str                   # trainer flags to add, e.g. "--grad-accum 4" (the last of a repeated flag wins)
+    estimate_bytes: int | None    # per-device total it would need (arithmetic from this plan's figures)
+    note: str
+    compiled_bytes: int | None = None  # the compiler's per-device total for it, when `plan` compiled it
+    compiled_fits: bool | None = None
+
+
+@dataclass
+class Plan:
+    accelerator: catalog.AcceleratorType
+    compiler: str                 # TPU, CPU or ESTIMATE
+    figures: dict                 # trainer/aot.py's output: per-device bytes, flops, settings
+    mfu: float = 0.5
+    steps: int | None = None      # --steps for time and cost; None: the trainer's --steps
+    cached: bool = False
+    suggestions: list[Suggestion] = field(default_factory=list)
+    alternative: "Plan | None" = None  # the next accelerator size that fits, compiled
+
+    # --- memory -------------------------------------------------------------------------------------------
+    @property
+    def devices(self) -> int:
+        return devices_of(self.accelerator)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Per device: the slice's HBM over its JAX devices (one per chip on v4/v5p megacore, v5e, v6e)."""
+        return int(self.accelerator.hbm_gib * GIB / self.devices)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.figures["total_bytes"])
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.hbm_bytes - self.total_bytes
+
+    @property
+    def refused(self) -> dict | None:
+        """The TPU compiler's own out-of-memory refusal ({message, available_bytes}), when it gave one."""
+        return self.figures.get("oom")
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0 and not self.refused
+
+    @property
+    def label(self) -> str:
+        return {TPU: "TPU compiler (libtpu)",
+                CPU: "CPU compiler (the local slice runs on CPU devices)",
+                ESTIMATE: "ESTIMATE from the CPU compiler, not the TPU's; " + INSTALL_HINT}[self.compiler]
+
+    def verdict(self) -> str:
+        a, f = self.accelerator, self.figures
+        word = "fits" if self.fits else "does NOT fit"
+        est = " (estimate: CPU compiler)" if self.compiler == ESTIMATE else ""
+        if self.refused:
+            usable = self.refused.get("available_bytes")
+            return (f"{word} on {a.name}: the TPU compiler ran out of HBM, needing about {gib(self.total_bytes)} "
+                    f"per device" + (f" of {gib(usable)} usable" if usable else "")
+                    + f" (temporaries {gib(f['temp_bytes'])}, params + optimizer "
+                      f"{gib(f['params_bytes'] + f['optimizer_bytes'])})")
+        return (f"{word} on {a.name}: {gib(self.total_bytes)} of {gib(self.hbm_bytes)} HBM per device{est} "
+                f"(params {gib(f['params_bytes'])}, optimizer {gib(f['optimizer_bytes'])}, "
+                f"temporaries {gib(f['temp_bytes'])})")
+
+    # --- time and cost --------------------------------------------------------------------------------------
+    @property
+    def run_steps(self) -> int:
+        return int(self.steps or self.figures["settings"].get("steps") or 0)
+
+    @property
+    def model_flops(self) -> float:
+        """Per device per step, from the model's arithmetic (trainer.metrics.flops_per_token)."""
+        f = self.figures
+        return f["model_flops_per_token"] * f["tokens_per_step"] / f["devices"]
+
+    @property
+    def flops(self) -> float:
+        """Per device per step for time: the compiler's count, unless the arithmetic is larger. The compiler counts
+        a loop's body once (--grad-accum's scan) and no Pallas kernel, so it can fall short; never the other way."""
+        return max(self.figures.get("flops") or 0.0, self.model_flops)
+
+    def step_s(self, mfu: float = 1.0) -> float | None:
+        """Step time at the chip's bf16 peak x mfu (None on a local slice's CPU devices)."""
+        if self.compiler == CPU:
+            return None
+        return self.flops * self.devices / (self.accelerator.peak_bf16_tflops * 1e12 * mfu)
+
+    def timing(self) -> dict:
+        peak, at_mfu = self.step_s(), self.step_s(self.mfu)
+        if peak is None:
+            return {}
+        tokens = self.figures["tokens_per_step"]
+        wall_h = self.run_steps * at_mfu / 3600
+        a = self.accelerator
+        return {"step_s_at_peak": peak, "step_s_at_mfu": at_mfu, "tokens_per_s_at_peak": tokens / peak,
+                "tokens_per_s_at_mfu": tokens / at_mfu, "mfu_assumed": self.mfu, "steps": self.run_steps,
+                "wall_s": wall_h * 3600, "usd_on_demand": wall_h * a.price_per_hour(),
+                "usd_spot": wall_h * a.price_per_hour(spot=True),
+                "price_per_hour_on_demand": a.price_per_hour(), "price_per_hour_spot": a.price_per_hour(spot=True)}
+
+    def to_json(self) -> dict:
+        f = self.figures
+        out = {"accelerator": self.accelerator.name, "compiler": self.compiler, "label": self.label,
+               "estimate": self.compiler == ESTIMATE, "cached": self.cached, "fits": self.fits,
+               "verdict": self.verdict(), "hbm_bytes_per_device": self.hbm_bytes,
+               "per_device": {k: f[k] for k in ("params_bytes", "optimizer_bytes", "argument_bytes", "output_bytes",
+                                                "alias_bytes", "temp_bytes", "code_bytes", "total_bytes", "flops",
+                                                "bytes_accessed")},
+               "headroom_bytes": self.headroom_bytes, "devices": f["devices"], "mesh": f["mesh"],
+               "dtype": f["dtype"], "compile_s": f["compile_s"], "tokens_per_step": f["tokens_per_step"],
+               "model_flops_per_token": f["model_flops_per_token"], "timing": self.timing(),
+               "refused": self.refused, "suggestions": [s.__dict__ for s in self.suggestions],
+               "alternative": self.alternative.to_json() if self.alternative else None}
+        return out
+
+
+def devices_of(a: catalog.AcceleratorType) -> int:
+    """The JAX devices a run on `a` has: the trainer's mesh is built over all of them."""
+    return a.hosts * a.devices_per_host
+
+
+def gib(b: float) -> str:
+    """Bytes for people: GiB from 1 GiB up (2 decimals), MiB below."""
+    return f"{b / GIB:.2f} GiB" if abs(b) >= GIB else f"{b / 2 ** 20:.1f} MiB"
+
+
+# ---- running the trainer's compile --------------------------------------------------------------------------
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "-"
+    return out
+
+
+def _trainer_code_hash() -> str:
+    """The step is built from the trainer's code: an edited model is a different plan."""
+    spec = importlib.util.find_spec("trainer")
+    h = hashlib.sha256()
+    for root in spec.submodule_search_locations or []:
+        for p in sorted(Path(root).rglob("*.py")):
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(accelerator: str, mode: str, argv: list[str]) -> str:
+    blob = json.dumps({"accelerator": accelerator, "mode": mode, "argv": argv, "versions": _versions(),
+                       "trainer": _trainer_code_hash()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _cache_dir() -> Path:
+    from orchestrator.state import home
+    return home() / "plans"
+
+
+def _aot_argv(a: catalog.AcceleratorType, local: bool) -> list[str]:
+    base = [sys.executable, "-m", "trainer.aot", "--processes", str(a.hosts), "--devices", str(devices_of(a))]
+    if local:
+        return base
+    if not a.aot_topology:  # a generation libtpu has no name for here: the CPU compiler, planned as for TPU
+        return [*base, "--run-platform", "tpu"]
+    return [*base, "--tpu", a.aot_topology, "--chip-config", a.generation.aot_chip_config,
+            "--host-bounds", a.aot_host_bounds, "--fallback-cpu"]
+
+
+def _trainer_error(stderr: str) -> str | None:
+    lines = [ln[len("error: "):] for ln in stderr.splitlines() if ln.startswith("error: ")]
+    return lines[-1] if lines else None
+
+
+def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool = False,
+                    progress: Callable[[str], None] | None = None, use_cache: bool = True) -> tuple[dict, bool]:
+    """Run the trainer's AOT compile of `python -m trainer ARGV` for accelerator `a`; (figures, from cache)."""
+    key = cache_key(a.name, "local" if local else "slice", argv)
+    path = _cache_dir() / f"{key}.json"
+    if use_cache and path.exists():
+        try:
+            return json.loads(path.read_text()), True
+        except ValueError:
+            pass  # a damaged entry is compiled again
+    what = "CPU compiler" if local or not a.aot_topology else a.aot_topology
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")
+           and not k.startswith("TPUCTL_COORDINATOR")}
+    env["PYTHONUNBUFFERED"] = "1"
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([*_aot_argv(a, local), "--", *argv], stdout=out, stderr=err, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            said = None
+            while proc.poll() is None:
+                waited = int(time.monotonic() - t0) // 30 * 30  # a new line in logs every 30 s
+                msg = f"compiling the train step for {a.name} ({what})" + (f", {waited}s so far" if waited else "")
+                if progress and msg != said:
+                    progress(msg)
+                    said = msg
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:  # Ctrl-C or an error here: the compile goes with us
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode in (2, NOTHING_TO_PLAN) and _trainer_error(stderr):
+        raise (NotPlannable if proc.returncode == NOTHING_TO_PLAN else PlanError)(_trainer_error(stderr))
+    if proc.returncode != 0:
+        tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
+        raise PlanError(f"the planner's compile failed (exit {proc.returncode}) for {a.name}: {tail}")
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two plans of the same step may finish at once
+    tmp.write_text(json.dumps(figures))
+    tmp.replace(path)
+    return figures, False
+
+
+def _mode(figures: dict, local: bool) -> str:
+    if local:
+        return CPU
+    return TPU if figures["compiler"] == "tpu" else ESTIMATE
+
+
+# ---- what would fit ----------------------------------------------------------------------------------------
+# One function per lever a trainer command declares (trainer/aot.py Built.levers): plan -> suggestion or None.
+# The estimates split the compiled total into what stays (arguments, outputs, code, f32 gradients the size of
+# the params) and activations (the rest of the temporaries), which scale with the per-device micro-batch.
+
+def _split(f: dict) -> tuple[int, int]:
+    grads = f["params_bytes"]
+    activations = max(f["temp_bytes"] - grads, 0)
+    return f["total_bytes"] - activations, activations
+
+
+def _grad_accum(p: Plan) -> Suggestion | None:
+    f, s = p.figures, p.figures["settings"]
+    fixed, act = _split(f)
+    for k in (2, 4, 8, 16, 32):
+        ga = s["grad_accum"] * k
+        if s["batch_size"] % ga or (s["batch_size"] // ga) % f["mesh"]["data"]:
+            continue
+        est = fixed + f["params_bytes"] * (s["grad_accum"] == 1) + act // k  # + the f32 gradient accumulator
+        if est <= p.hbm_bytes:
+            return Suggestion(f"--grad-accum {ga}", est, f"the same batch in {ga} micro-batches: activations "
+                                                         f"/{k}, same result, more passes per step")
+    return None
+
+
+def _batch_size(p: Plan) -> Suggestion | None:
+    f, s = p.figures, p.figures["settings"]
+    fixed, act = _split(f)
+    for k in (2, 4, 8, 16, 32):
+        b = s["batch_size"] // k
+        if s["batch_size"] % k or b < 1 or b % (f["mesh"]["data"] * s["grad_accum"]):
+            continue
+        est = fixed + act // k
+        if est <= p.hbm_bytes:
+            return Suggestion(f"--batch-size {b}", est, f"a {k}x smaller per-device batch: fewer tokens per step "
+                                                        "(changes the optimisation; --grad-accum keeps it)")
+    return None
+
+
+def _mesh_model(p: Plan) -> Suggestion | None:
+    f, s = p.figures, p.figures["settings"]
+    fixed, act = _split(f)
+    n = f["devices"]
+    for m in (2, 4, 8, 16):
+        if n % m or s.get("n_head", m) % m or m <= f["mesh"]["model"]:
+            continue
+        est = (fixed * f["mesh"]["model"]) // m + act
+        if est <= p.hbm_bytes:
+            return Suggestion(f"--mesh data={n // m},model={m}", est, f"params, optimizer state and gradients "
+                                                                      f"split over {m} devices (tensor parallel)")
+    return None
+
+
+LEVERS: dict[str, Callable[[Plan], Suggestion | None]] = {
+    "grad_accum": _grad_accum, "batch_size": _batch_size, "mesh_model": _mesh_model,
+}
+
+
+def suggest(p: Plan) -> list[Suggestion]:
+    return [s for s in (LEVERS[name](p) for name in p.figures.get("levers", ()) if name in LEVERS) if s]
+
+
+def _larger(a: catalog.AcceleratorType) -> list[catalog.AcceleratorType]:
+    g = a.generation
+    return [catalog.lookup(f"{g.name}-{size}") for size in sorted(g.topologies) if size > int(a.name.rsplit("-", 1)[1])]
+
+
+def _with_mesh(argv: list[str], devices: int, figures: dict) -> list[str]:
+    """An explicit --mesh resized for `devices` (data grows, model stays)."""
+    model = figures["mesh"]["model"]
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--mesh" and i + 1 < len(argv):
+            out += [a, f"data={devices // model},model={model}"]
+            i += 2
+            continue
+        out.append(f"--mesh=data={devices // model},model={model}" if a.startswith("--mesh=") else a)
+        i += 1
+    return out
+
+
+def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries: int = 2) -> Plan | None:
+    """The smallest larger slice of the same generation whose compiled step fits (at most `tries` compiles)."""
+    fixed, act = _split(p.figures)
+    for a in _larger(p.accelerator):
+        if tries <= 0:
+            break
+        devices = devices_of(a)
+        if fixed + act * p.figures["devices"] // devices > a.hbm_gib * GIB / devices:
+            continue  # not even the arithmetic fits: no compile
+        tries -= 1
+        try:
+            figs, cached = compile_figures(a, _with_mesh(argv, devices, p.figures), progress=progress,
+                                           use_cache=use_cache)
+        except PlanError:
+            continue  # e.g. the batch does not split over that many devices
+        alt = Plan(a, _mode(figs, False), figs, mfu=p.mfu, steps=p.steps, cached=cached)
+        if alt.fits:
+            return alt
+    return None
+
+
+# ---- the API ----------------------------------------------------------------------------------------------
+
+def plan(accelerator: str, argv: list[str], *, local: bool = False, steps: int | None = None, mfu: float = 0.5,
+         progress: Callable[[str], None] | None = None, use_cache: bool = True, alternatives: bool = True) -> Plan:
+    """Plan `python -m trainer ARGV` on ACCELERATOR. local: a local slice (the CPU compiler on its devices).
+    alternatives: when it does not fit, also compile the next accelerator size that does."""
+    try:
+        a = catalog.lookup(accelerator)
+    except catalog.UnknownAccelerator as e:
+        raise UserError(str(e)) from None
+    if not argv:
+        raise UserError("nothing to plan: put the trainer command after --, e.g. "
+                        "`tpuctl plan -a v4-8 -- pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
+    if not 0 < mfu <= 1:
+        raise UserError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.5")
+    if steps is not None and steps < 1:
+        raise UserError(f"--steps {steps}: must be at least 1")
+    figs, cached = compile_figures(a, argv, local=local, progress=progress, use_cache=use_cache)
+    p = Plan(a, _mode(figs, local), figs, mfu=mfu, steps=steps, cached=cached)
+    if not p.fits:
+        p.suggestions = suggest(p)
+        if alternatives and p.suggestions:
+            _compile_suggestion(p, p.suggestions[0], argv, local=local, progress=progress, use_cache=use_cache)
+        if alternatives and not local:
+            p.alternative = next_size(p, argv, progress=progress, use_cache=use_cache)
+    return p
+
+
+def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
+    """Check an estimated suggestion with the compiler (activations do not shrink exactly with the batch)."""
+    try:
+        figs, _ = compile_figures(p.accelerator, [*argv, *s.change.split()], **kw)
+    except PlanError:
+        return  # the trainer rejects it after all: it stays an estimate
+    checked = Plan(p.accelerator, p.compiler, figs)
+    s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
+
+
+def gate(accelerator: str, argv: list[str], *, local: bool, progress: Callable[[str], None] | None = None,
+         skip_flag: str = "--no-plan") -> Plan | None:
+    """The check before `tpuctl up` / `run` creates or launches anything: the plan (None for a trainer command
+    with no train step), or a PlanError with its verdict when the step does not fit (nothing else is compiled
+    here: `tpuctl plan` does that)."""
+    try:
+        p = plan(accelerator, argv, local=local, progress=progress, alternatives=False)
+    except NotPlannable:
+        return None
+    if not p.fits:
+        fix = f"; would fit: {p.suggestions[0].change}" if p.suggestions else ""
+        raise PlanError(f"plan: {p.verdict()}{fix}; `tpuctl plan -a {p.accelerator.name} -- ...` shows the whole "
+                        f"plan, {skip_flag} skips this check")
+    return p

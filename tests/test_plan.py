@@ -1,0 +1,351 @@
+"""`tpuctl plan`: the trainer's real step compiled ahead of time for a TPU topology (libtpu, the `plan` extra) or
+for a local slice's CPU devices; its figures against the arithmetic and against a real run; the verdict,
+what would fit, time and cost; bad input."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from flax import nnx
+
+from _local_hosts import TEST_CACHE, local_mode, needs_hosts
+from orchestrator import catalog, cli_run, state
+from orchestrator import plan as P
+from orchestrator.cli import cli
+from orchestrator.cli_plan import render
+from trainer import aot, config, loop
+from trainer import mesh as mesh_lib
+from trainer.__main__ import parser
+from trainer.aot import has_libtpu
+from trainer.models import gpt2
+
+needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
+TINY = ["pretrain", "--preset", "gpt2-tiny", "--ckpt-dir", "/tmp/plan-ckpt"]
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _arithmetic_state_bytes(argv: list[str], devices: int) -> float:
+    """params x 4 bytes x 3 (the params and Adam's two moments, f32), each divided by the shards its logical
+    axes get from the rules on the mesh the trainer makes."""
+    cfg = config.resolve(parser().parse_args(argv))
+    shape = mesh_lib.parse_mesh(cfg.train.mesh, devices)
+    rules = mesh_lib.VOCAB_PARALLEL_RULES if loop.use_vocab_parallel(cfg, devices) else mesh_lib.RULES
+    shapes = gpt2.abstract(cfg.model)[1]
+    sizes = nnx.to_pure_dict(shapes, extract_fn=lambda v: math.prod(v.get_value().shape))
+    axes = gpt2.param_axes(cfg.model)
+    total = 0.0
+    for size, ax in zip(jax.tree.leaves(sizes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        shards = 1
+        for a in ax or ():
+            mapped = rules.get(a) if a else None
+            for m in (mapped if isinstance(mapped, tuple) else (mapped,)):
+                shards *= shape[m] if m else 1
+        total += size * 4 * 3 / shards
+    return total
+
+
+def _state_bytes(p: P.Plan, argv: list[str]) -> int:
+    """The compiler's argument bytes less this device's share of the int32 batch and the step counter."""
+    cfg = config.resolve(parser().parse_args(argv))
+    batch = cfg.train.batch_size // p.figures["mesh"]["data"] * (cfg.model.seq_len + 1) * 4
+    return p.figures["argument_bytes"] - batch - 4
+
+
+# ---- must-show 1: the TPU compiler's parameter and optimizer bytes against the arithmetic ----------------------
+
+@needs_libtpu
+@pytest.mark.slow
+def test_gpt2_124m_on_v4_8_state_bytes_match_the_arithmetic():
+    argv = ["pretrain", "--preset", "gpt2-124m", "--ckpt-dir", "gs://b/run"]
+    p = P.plan("v4-8", argv)
+    f = p.figures
+    assert p.compiler == P.TPU and f["device_kind"] == "TPU v4"
+    assert f["devices"] == 4 == catalog.lookup("v4-8").chips  # megacore: one device per chip, as on the VM
+    assert f["dtype"] == "bfloat16"  # --dtype auto follows the TPU, not this CPU machine
+    want = _arithmetic_state_bytes(argv, 4)
+    assert abs(_state_bytes(p, argv) - want) / want < 0.10, (_state_bytes(p, argv), want)
+    assert abs(f["params_bytes"] + f["optimizer_bytes"] - want) / want < 0.10
+    assert p.fits and 0 < f["temp_bytes"] < p.hbm_bytes and f["flops"] > 1e12
+
+
+@needs_libtpu
+def test_tiny_sharded_over_the_model_axis_state_bytes_match_the_arithmetic():
+    """The same check with most tensors split over model=2 (heads, MLP, vocab): the divisor comes from the rules."""
+    argv = [*TINY, "--mesh", "data=2,model=2", "--vocab-parallel", "off"]
+    p = P.plan("v4-8", argv)
+    want = _arithmetic_state_bytes(argv, 4)
+    replicated = _arithmetic_state_bytes([*TINY, "--mesh", "data=4,model=1", "--vocab-parallel", "off"], 4)
+    assert want < 0.6 * replicated  # the check has teeth: sharding halves most of the state
+    assert abs(_state_bytes(p, argv) - want) / want < 0.10, (_state_bytes(p, argv), want)
+    assert p.figures["mesh"] == {"data": 2, "model": 2}
+
+
+# ---- must-show 3: a local slice's plan (the CPU compiler) against the same step actually run ------------------
+
+def test_local_plan_matches_the_run_it_plans(tmp_path):
+    """gpt2-tiny on a local v5litepod-8 (8 CPU devices, as conftest gives this process). The plan comes from the
+    trainer's AOT process; the run builds the trainer's Steps here, initialises and takes two real steps.
+    The CPU runtime has no memory_stats(), so the run is measured by its live arrays on device 0 after the steps
+    (params, optimizer state, the last batch): within 2% of the plan's arguments. The run's own compiled step
+    reports the same temporaries as the plan's (tolerance 2%: the same program), and its total is the plan's."""
+
+    p = P.plan("v5litepod-8", TINY, local=True)
+    f = p.figures
+    assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32" and not p.cached
+    again = P.plan("v5litepod-8", TINY, local=True)  # the same (accelerator, argv, versions, code): cached
+    assert again.cached and again.figures == f
+
+    cfg = config.resolve(parser().parse_args(TINY))
+    shape = mesh_lib.parse_mesh(cfg.train.mesh, jax.device_count())
+    steps = loop.Steps(cfg, mesh_lib.make_mesh(shape))
+    steps.compile()
+    params, opt = steps.init()
+    rng = np.random.default_rng(0)
+    for step in (1, 2):
+        batch = rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1), dtype=np.int32)
+        params, opt, out = steps.step(params, opt, batch, step)
+    assert np.isfinite(float(out["loss"]))
+    dev = jax.devices()[0]
+    live = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device == dev)
+    assert abs(live - f["argument_bytes"]) / f["argument_bytes"] < 0.02, (live, f["argument_bytes"])
+    run_mem = steps.train_fn.memory_analysis()
+    assert abs(run_mem.temp_size_in_bytes - f["temp_bytes"]) <= 0.02 * f["temp_bytes"]
+    assert p.total_bytes >= live
+
+
+# ---- verdict, suggestions, time and cost (arithmetic on given figures: no compile) ----------------------------
+
+def _figures(**over) -> dict:
+    f = {"compiler": "tpu", "device_kind": "TPU v4", "devices": 4, "processes": 1, "run_platform": "tpu",
+         "mesh": {"data": 4, "model": 1}, "dtype": "bfloat16", "compile_s": 1.0,
+         "params_bytes": 2 * P.GIB, "optimizer_bytes": 4 * P.GIB, "argument_bytes": 6 * P.GIB,
+         "output_bytes": 6 * P.GIB, "alias_bytes": 6 * P.GIB, "temp_bytes": 34 * P.GIB, "code_bytes": 0,
+         "total_bytes": 40 * P.GIB, "flops": 275e12, "bytes_accessed": 1e9, "tokens_per_step": 65536,
+         "model_flops_per_token": 1e9, "settings": {"batch_size": 64, "grad_accum": 1, "steps": 3600, "mesh": "",
+                                                    "n_head": 12},
+         "levers": ["grad_accum", "batch_size", "mesh_model"]}
+    f.update(over)
+    return f
+
+
+def test_does_not_fit_names_what_would_and_costs_add_up():
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(), mfu=0.5)
+    assert not p.fits and p.headroom_bytes == -8 * P.GIB and "does NOT fit on v4-8" in p.verdict()
+    p.suggestions = P.suggest(p)
+    by = {s.change.split()[0]: s for s in p.suggestions}
+    # fixed = 40 - (34 - 2) = 8 GiB; activations 32 GiB: /2 gives 24 GiB, + a 2 GiB gradient accumulator for
+    # --grad-accum: both fit 32 GiB
+    assert by["--grad-accum"].change == "--grad-accum 2" and by["--grad-accum"].estimate_bytes == 26 * P.GIB
+    assert by["--batch-size"].change == "--batch-size 32" and by["--batch-size"].estimate_bytes == 24 * P.GIB
+    assert "--mesh" not in by  # model=2: 8/2 + 32 = 36 GiB, model=4: 34 GiB; neither fits, so neither is named
+    assert p.model_flops < p.figures["flops"] == p.flops  # the compiler's count when it is the larger
+    t = p.timing()
+    assert t["step_s_at_peak"] == pytest.approx(1.0) and t["step_s_at_mfu"] == pytest.approx(2.0)
+    assert t["tokens_per_s_at_mfu"] == pytest.approx(65536 / 2)
+    assert t["wall_s"] == pytest.approx(7200)  # 3600 steps x 2 s
+    assert t["usd_on_demand"] == pytest.approx(2 * 4 * 3.22) and t["usd_spot"] == pytest.approx(2 * 4 * 0.92)
+    text = render(p)
+    assert "DOES NOT FIT" in text and "--grad-accum 2" in text and "$25.76 on-demand" in text
+    fits = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(temp_bytes=10 * P.GIB, total_bytes=16 * P.GIB))
+    assert fits.fits and P.suggest(fits) and "FITS" in render(fits)
+
+
+def test_time_uses_the_arithmetic_when_the_compiler_counts_less():
+    """The compiler counts a scanned loop's body once (--grad-accum) and no Pallas kernel."""
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(flops=1e12, model_flops_per_token=4 * 275e12 / 65536))
+    assert p.model_flops == pytest.approx(275e12) and p.timing()["step_s_at_peak"] == pytest.approx(1.0)
+    assert "times below use the arithmetic's" in render(p)
+
+
+def test_a_batch_that_does_not_split_is_not_suggested():
+    f = _figures(settings={"batch_size": 4, "grad_accum": 1, "steps": 10, "mesh": "", "n_head": 3})
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
+    assert P.suggest(p) == []
+    assert "nothing this plan could try fits" in render(p)
+
+
+def test_the_first_suggestion_is_compiled_too(monkeypatch):
+    """On a local v4-8 whose chips have 28 MiB: a 1-layer model with batch 16 (~34 MiB per device) does not fit;
+    the plan's first suggestion is compiled with the flags it names, and its compiled total is what it reports."""
+    monkeypatch.setitem(catalog.GENERATIONS, "v4", dataclasses.replace(catalog.GENERATIONS["v4"],
+                                                                       hbm_gib_per_chip=28 / 1024))
+    argv = ["pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
+            "--ckpt-dir", "/tmp/plan-ckpt"]
+    p = P.plan("v4-8", argv, local=True)
+    assert not p.fits and p.suggestions and p.alternative is None  # a local slice is not resized
+    first = p.suggestions[0]
+    assert first.compiled_bytes is not None and first.compiled_bytes < p.total_bytes
+    direct = P.plan("v4-8", [*argv, *first.change.split()], local=True)
+    assert direct.cached and direct.total_bytes == first.compiled_bytes and direct.fits == first.compiled_fits
+    assert "(compiled: " in render(p)
+
+
+def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():
+    assert [a.name for a in P._larger(catalog.lookup("v4-256"))] == ["v4-512", "v4-1024", "v4-2048", "v4-4096"]
+    assert P._larger(catalog.lookup("v5litepod-256")) == []
+    f = _figures(mesh={"data": 2, "model": 2})
+    assert P._with_mesh(["pretrain", "--mesh", "data=2,model=2", "--x"], 8, f) == \
+        ["pretrain", "--mesh", "data=4,model=2", "--x"]
+    assert P._with_mesh(["pretrain", "--mesh=data=2,model=2"], 16, f) == ["pretrain", "--mesh=data=8,model=2"]
+    assert P._with_mesh(["pretrain"], 16, f) == ["pretrain"]  # no --mesh: the trainer puts every device on data
+
+
+def test_plan_help_explains_every_flag_and_the_exit_codes():
+    cmd = cli.commands["plan"]
+    text = CliRunner().invoke(cli, ["plan", "--help"]).stdout
+    for p in cmd.params:
+        if p.param_type_name == "option":
+            assert p.help and len(p.help) > 10 and p.opts[-1] in text, p.opts
+    flat = " ".join(text.split())
+    assert "Exit 0: fits; 3: does not fit" in flat and "tpuctl[plan]" in flat
+
+
+# ---- must-show 5: bad input ------------------------------------------------------------------------------------
+
+def _error_lines(res) -> list[str]:
+    return [ln for ln in res.stderr.splitlines() if ln.startswith("Error:")]
+
+
+def test_unknown_accelerator_is_one_line_with_the_closest_names():
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-9", "--", *TINY])
+    assert res.exit_code == 1 and _error_lines(res) == ["Error: unknown accelerator type 'v4-9'; did you mean "
+                                                        "v4-8, v4-4096, v4-64?"]
+
+
+def test_trainer_args_the_trainer_rejects_give_its_own_message_once():
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY, "--n-head", "3"])
+    assert res.exit_code == 1, res.output
+    assert _error_lines(res) == ["Error: --d-model 128 is not divisible by --n-head 3"]
+    assert res.output.count("not divisible by --n-head") == 1 and "Traceback" not in res.output
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", "pretrain", "--no-such-flag"])
+    assert res.exit_code == 1 and _error_lines(res) == ["Error: unrecognized arguments: --no-such-flag"]
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", "prepare", "--out", "/tmp/x"])
+    assert res.exit_code == 1 and "`prepare` has no train step to plan" in _error_lines(res)[0]
+    t0 = time.monotonic()
+    assert P.gate("v4-8", ["prepare", "--out", "/tmp/x"], local=False) is None  # run/up launch it unplanned
+    assert time.monotonic() - t0 < 20  # answered before jax or libtpu start
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--mfu", "0", "--", *TINY])
+    assert res.exit_code == 1 and "--mfu 0.0: give a fraction in (0, 1]" in _error_lines(res)[0]
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8"])
+    assert res.exit_code == 1 and "nothing to plan" in _error_lines(res)[0]
+
+
+def test_without_the_plan_extra_the_cpu_compiler_stands_in_and_says_so(tmp_path, monkeypatch):
+    """libtpu hidden from the planner's process (a package of that name that fails to import, first on its path)."""
+    shim = tmp_path / "no-libtpu" / "libtpu"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('the plan extra is not installed')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim.parent), str(Path(__file__).resolve().parents[1]),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--no-cache", "--", *TINY])
+    assert res.exit_code == 0, res.output
+    assert "ESTIMATE from the CPU compiler" in res.stdout and "pip install 'tpuctl[plan]'" in res.stdout
+    assert "bfloat16 compute" in res.stdout  # planned as the TPU run will be, not as this CPU would run it
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--json", "--", *TINY])  # the estimate, from the cache
+    out = json.loads(res.stdout)
+    assert out["estimate"] is True and out["compiler"] == P.ESTIMATE and "tpuctl[plan]" in out["label"]
+    assert out["fits"] is True and "estimate" in out["verdict"]
+
+
+def test_ctrl_c_while_compiling_stops_the_compile_too(home):
+    """SIGINT to `tpuctl plan` mid-compile: one line, exit 130, and the trainer's compile process is gone."""
+    env = {**os.environ, "TPUCTL_HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "plan", "-a", "v4-8", "--local", "--", *TINY],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, child = time.monotonic() + 60, None
+    while child is None and time.monotonic() < deadline:  # wait until the compile process runs
+        out = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "trainer.aot"], capture_output=True, text=True)
+        child = int(out.stdout.split()[0]) if out.stdout.split() else None
+        time.sleep(0.1)
+    assert child is not None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "Error: interrupted", err
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}")
+    assert not list(home.glob("plans/*.json"))  # nothing cached from a compile that did not finish
+
+
+# ---- the gate before `up` creates a slice ---------------------------------------------------------------------
+
+def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, home):
+    tiny = dataclasses.replace(catalog.GENERATIONS["v4"], hbm_gib_per_chip=0.01)  # 10 MiB of HBM per chip
+    monkeypatch.setitem(catalog.GENERATIONS, "v4", tiny)
+    res = CliRunner().invoke(cli, ["up", "planned", "--local", "-a", "v4-8", "--plan", "--", *TINY])
+    assert res.exit_code == 1, res.output
+    line = _error_lines(res)[0]
+    assert "plan: does NOT fit on v4-8" in line and "of 10.2 MiB HBM per device" in line
+    assert "leaving out --plan skips this check" in line
+    assert state.records() == {} and not (home / "local").exists()  # no slice, not even the stand-in started
+
+
+def test_the_tpu_compilers_out_of_memory_refusal_becomes_a_plan():
+    """libtpu's words when a step does not fit (seen compiling gpt2-350m for v4-8) -> figures plan.py can judge."""
+
+    sds = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)  # 4 MiB, no sharding: all on the one device
+    built = aot.Built(compile=lambda: None, params={"w": sds}, opt_state={"m": sds, "v": sds}, tokens_per_step=8,
+                      model_flops_per_token=1.0, mesh={"data": 1, "model": 1}, dtype="bfloat16",
+                      settings={"batch_size": 8, "grad_accum": 1, "steps": 1, "mesh": "", "n_head": 1}, levers=())
+    target = aot.Target(jax.devices()[:1], 1, "tpu")
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (34.18G) "
+           "exceeds available HBM (30.75G).")
+    f = aot.out_of_memory(built, target, msg, 1.0)
+    assert f["temp_bytes"] == int(34.18 * P.GIB) and f["total_bytes"] == int(34.18 * P.GIB) + 12 * 2 ** 20
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
+    assert not p.fits and "usable" in p.verdict() and "30.75 GiB usable" in render(p)
+    f = aot.out_of_memory(built, target, "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 40.5G of "
+                                         "15.48G hbm. Exceeded hbm capacity by 25.02G.", 1.0)
+    assert f["total_bytes"] == int(40.5 * P.GIB) and f["oom"]["available_bytes"] == int(15.48 * P.GIB)
+
+
+# ---- must-show 4: `tpuctl run` on a local slice, refused by the plan; --no-plan overrides ----------------------
+
+@pytest.mark.e2e
+@needs_hosts
+def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path, monkeypatch, home):
+    """A local v4-8 (one real sshd host, 4 emulated devices) whose catalog entry has 1 MiB of HBM per chip: the
+    trainer step is planned for it (the CPU compiler, as the host runs it) and refused before anything reaches
+    the host; with --no-plan the same command runs to the end."""
+    home.mkdir(parents=True)
+    (TEST_CACHE / "wheelhouse").mkdir(parents=True, exist_ok=True)
+    (home / "wheelhouse").symlink_to(TEST_CACHE / "wheelhouse")  # the machine's dependency wheels, filled once
+    with local_mode(home, monkeypatch) as (environ, _):
+        up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "planrun", "--local", "-a", "v4-8"],
+                            capture_output=True, text=True, timeout=120, env=environ)
+        assert up.returncode == 0, up.stderr
+        real = catalog.GENERATIONS["v4"]
+        monkeypatch.setitem(catalog.GENERATIONS, "v4", dataclasses.replace(real, hbm_gib_per_chip=1 / 1024))
+        cmd = ["planrun", "--local", "--", "pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
+               "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--warmup-steps", "1", "--decay-steps", "10",
+               "--log-every", "1", "--eval-batches", "1", "--ckpt-dir", "/tmp/planrun"]
+        res = CliRunner().invoke(cli_run.run, cmd)
+        assert res.exit_code == 1, res.output
+        assert "plan: does NOT fit on v4-8" in res.output and "of 1.0 MiB HBM per device" in res.output
+        assert "--no-plan skips this check" in res.output
+        assert not (home / "runs").exists()  # nothing was launched
+        res = CliRunner().invoke(cli_run.run, ["--no-plan", *cmd])
+        assert res.exit_code == 0, res.output
+        assert "done: step 2" in res.output and "plan:" not in res.output
+        monkeypatch.setitem(catalog.GENERATIONS, "v4", real)  # 32 GiB again: the same plan (cached) passes
+        res = CliRunner().invoke(cli_run.run, cmd)
+        assert res.exit_code == 0 and "[tpuctl] plan: fits on v4-8" in res.output, res.output
+        assert "already at step 2" in res.output

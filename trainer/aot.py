@@ -1,0 +1,256 @@
+"""Ahead-of-time compile of a trainer command's train step, for devices this machine does not have.
+
+    python -m trainer.aot --devices 4 --tpu v4:2x2x1 --chip-config megacore --host-bounds 2,2,1 \\
+        -- pretrain --preset gpt2-124m --ckpt-dir gs://b/run
+
+builds the step that `python -m trainer pretrain ...` would run, on abstract inputs (shapes and the
+shardings the rules give: no weights, no data), compiles it for the mesh over the TPU topology's devices
+with the TPU compiler (libtpu, no TPU needed) and prints one JSON object on stdout: the compiler's
+per-device memory and cost figures. Without --tpu it compiles for --devices CPU devices: what a local
+slice runs on. With --fallback-cpu a TPU target without libtpu gets the CPU compiler too; the figures then
+say compiler "cpu" for run platform "tpu" (an estimate). The trainer arguments go through the trainer's
+own parser and checks: bad ones exit 2 with its one-line `error: ...`, as the run itself would.
+
+A trainer command is planned by one builder in BUILDERS (its parsed args + the target -> Built); for any
+other command this exits 4 (nothing to plan) before jax starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trainer.config import UsageError
+
+COUNT_FLAG = "xla_force_host_platform_device_count"
+NOTHING_TO_PLAN = 4  # exit code: the trainer command has no train step (bad arguments exit 2)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The devices to compile for, and the platform the step will really run on."""
+    devices: list
+    processes: int
+    run_platform: str  # "tpu" for a TPU target, even when the CPU compiler stands in for it
+
+
+@dataclass(frozen=True)
+class Built:
+    """A command's train step, ready to compile, with what the plan reports beside the compiler's figures."""
+    compile: Callable[[], Any]  # -> the compiled step (jax.stages.Compiled)
+    params: Any                 # abstract params: ShapeDtypeStructs carrying their shardings
+    opt_state: Any              # abstract optimizer state, likewise
+    tokens_per_step: int
+    model_flops_per_token: float
+    mesh: dict[str, int]
+    dtype: str                  # compute dtype the step was built with
+    settings: dict              # the flags the plan's suggestions change, as the run has them
+    levers: tuple[str, ...]     # suggestions this command can take (orchestrator/plan.py knows each kind)
+
+
+def _auto_dtype(cfg, run_platform: str):
+    """--dtype auto resolved for the platform the run will have (not the one compiling)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from trainer import loop
+    if cfg.train.dtype != "auto":
+        return cfg
+    name = "bfloat16" if loop.compute_dtype("auto", run_platform) == jnp.bfloat16 else "float32"
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=name))
+
+
+def _pretrain(args: argparse.Namespace, target: Target) -> Built:
+    from trainer import config, loop, metrics
+    from trainer import mesh as mesh_lib
+    cfg = _auto_dtype(config.resolve(args), target.run_platform)
+    shape = mesh_lib.parse_mesh(cfg.train.mesh, len(target.devices))
+    loop.check_fits(cfg, shape, target.processes)
+    steps = loop.Steps(cfg, mesh_lib.make_mesh(shape, target.devices))
+    t, m = cfg.train, cfg.model
+    return Built(compile=lambda: (steps.compile(), steps.train_fn)[1], params=steps.abstract_params,
+                 opt_state=steps.abstract_opt, tokens_per_step=t.batch_size * m.seq_len,
+                 model_flops_per_token=metrics.flops_per_token(m), mesh=shape, dtype=t.dtype,
+                 settings={"batch_size": t.batch_size, "grad_accum": t.grad_accum, "steps": t.steps,
+                           "mesh": t.mesh, "n_head": m.n_head},
+                 levers=("grad_accum", "batch_size", "mesh_model"))
+
+
+BUILDERS: dict[str, Callable[[argparse.Namespace, Target], Built]] = {"pretrain": _pretrain}
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of an abstract tree: each leaf's shard shape under its sharding."""
+    import jax
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shard) * leaf.dtype.itemsize
+    return total
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return cost or {}
+
+
+def _about(built: Built, target: Target, compile_s: float) -> dict:
+    """What every plan states besides the compiler's memory and cost figures."""
+    dev = target.devices[0]
+    return {"compiler": dev.platform, "device_kind": dev.device_kind, "devices": len(target.devices),
+            "processes": target.processes, "run_platform": target.run_platform, "mesh": built.mesh,
+            "dtype": built.dtype, "compile_s": round(compile_s, 2),
+            "params_bytes": per_device_bytes(built.params), "optimizer_bytes": per_device_bytes(built.opt_state),
+            "tokens_per_step": built.tokens_per_step, "model_flops_per_token": built.model_flops_per_token,
+            "settings": built.settings, "levers": list(built.levers)}
+
+
+def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
+    """The plan's raw figures, per device. total = what the step holds at its peak: arguments + outputs that
+    are not donated buffers reused in place + temporaries + the program itself."""
+    mem = compiled.memory_analysis()
+    cost = _cost(compiled)
+    arg, out, alias = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
+    temp, code = mem.temp_size_in_bytes, mem.generated_code_size_in_bytes
+    return {**_about(built, target, compile_s),
+            "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp, "code_bytes": code,
+            "total_bytes": arg + out - alias + temp + code,
+            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+
+
+class NotPlannable(UsageError):
+    """The trainer command has no train step (prepare, sample, ...)."""
+
+
+def parse(trainer_argv: list[str]) -> argparse.Namespace:
+    """The trainer's own parser (its message for bad arguments); a command with no builder is NotPlannable."""
+    from trainer.__main__ import parser
+    args = parser().parse_args(trainer_argv)
+    if args.cmd not in BUILDERS:
+        raise NotPlannable(f"`{args.cmd}` has no train step to plan; plannable commands: {', '.join(BUILDERS)}")
+    return args
+
+
+def plan(args: argparse.Namespace, target: Target) -> dict:
+    """Build the command's step for the target, compile it, and return the figures (jax already set up)."""
+    built = BUILDERS[args.cmd](args, target)
+    t0 = time.perf_counter()
+    try:
+        compiled = built.compile()
+    except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return out_of_memory(built, target, str(e), time.perf_counter() - t0)
+    return figures(built, compiled, target, time.perf_counter() - t0)
+
+
+_UNIT = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+# The TPU compiler refuses a program that does not fit its HBM, in one of these words (libtpu 0.0.42):
+_OOM = (re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
+        re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+
+
+def out_of_memory(built: Built, target: Target, message: str, compile_s: float) -> dict:
+    """The figures of a step the compiler refused for lack of HBM: its own numbers where it gives them, the
+    state's bytes from the shardings (there is no memory analysis of a program that was not built)."""
+    first = next((ln for ln in message.splitlines() if "RESOURCE_EXHAUSTED" in ln), message).strip()
+    state = per_device_bytes(built.params) + per_device_bytes(built.opt_state)
+    temp, total, available = 0, state, None
+    for pattern in _OOM:
+        m = pattern.search(message)
+        if m:
+            need = int(float(m.group(1)) * _UNIT[m.group(2)])
+            available = int(float(m.group(3)) * _UNIT[m.group(4)])
+            # "HLO temporaries (N)" counts temporaries only; "Used N of M hbm" counts everything
+            temp, total = (need, need + state) if pattern is _OOM[0] else (max(need - state, 0), need)
+            break
+    return {**_about(built, target, compile_s),
+            "argument_bytes": state, "output_bytes": state, "alias_bytes": state, "temp_bytes": temp,
+            "code_bytes": 0, "total_bytes": total, "flops": 0.0, "bytes_accessed": 0.0,
+            "oom": {"message": first, "available_bytes": available}}
+
+
+def has_libtpu() -> bool:
+    """The TPU compiler is libtpu.so, found through the `libtpu` package (the `plan` extra) as jax finds it."""
+    try:
+        import libtpu
+    except ImportError:
+        return False
+    return os.path.exists(libtpu.get_library_path())
+
+
+def _options() -> argparse.ArgumentParser:
+    from trainer.__main__ import _Parser
+    p = _Parser(prog="python -m trainer.aot", description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices the run will have")
+    p.add_argument("--processes", type=int, default=1, help="hosts the run will have (its batch is split over them)")
+    p.add_argument("--tpu", metavar="GEN:TOPOLOGY", help="compile with libtpu for this topology, e.g. v4:2x2x1")
+    p.add_argument("--chip-config", default="default", help="libtpu chip config: megacore (v4, v5p) or default")
+    p.add_argument("--host-bounds", default="2,2,1", metavar="X,Y,Z", help="chips per host, as a box")
+    p.add_argument("--fallback-cpu", action="store_true",
+                   help="with --tpu: without libtpu, compile for N CPU devices instead (flagged as an estimate)")
+    p.add_argument("--run-platform", default="cpu", choices=("cpu", "tpu"),
+                   help="without --tpu: the platform the run will have (its --dtype auto follows it)")
+    return p
+
+
+def _cpu_target(n: int, processes: int, run_platform: str) -> Target:
+    """n CPU devices (set before jax is imported), and no attempt to find an accelerator."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if COUNT_FLAG not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--{COUNT_FLAG}={n}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    return Target(jax.devices("cpu")[:n], processes, run_platform)
+
+
+def _target(opts: argparse.Namespace) -> Target:
+    if opts.devices < 1 or opts.processes < 1:
+        raise UsageError("--devices and --processes must be at least 1")
+    if not opts.tpu:
+        return _cpu_target(opts.devices, opts.processes, opts.run_platform)
+    if not has_libtpu():
+        if not opts.fallback_cpu:
+            raise UsageError("libtpu is not installed: pip install 'tpuctl[plan]' for the TPU compiler")
+        return _cpu_target(opts.devices, opts.processes, "tpu")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the TPU compiler needs no TPU; never look for one
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no GCE metadata server to ask about the host
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for a real TPU's owner; compiling only,
+    # several plans at once are fine.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    bounds = tuple(int(x) for x in opts.host_bounds.split(","))
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=opts.tpu, chip_config_name=opts.chip_config,
+                                        chips_per_host_bounds=bounds, num_slices=1)
+    if len(desc.devices) != opts.devices:
+        raise UsageError(f"topology {opts.tpu} ({opts.chip_config}) has {len(desc.devices)} devices, "
+                         f"not the {opts.devices} the run will have")
+    return Target(list(desc.devices), opts.processes, "tpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, trainer_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    try:
+        if not trainer_argv:
+            raise UsageError("nothing to plan: put the trainer command after --, e.g. -- pretrain --preset gpt2-124m")
+        opts = _options().parse_args(own)
+        args = parse(trainer_argv)  # before jax starts: a command with nothing to plan is answered at once
+        out = plan(args, _target(opts))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return NOTHING_TO_PLAN if isinstance(e, NotPlannable) else 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
