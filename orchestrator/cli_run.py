@@ -302,7 +302,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         click.echo(json.dumps({"name": name, "run_id": res.run_id, "run_dir": str(res.run_dir),
                                "returncode": res.returncode, "exit_codes": res.exit_codes,
                                "failed_worker": res.failed_worker, "push": res.push, "timings": res.timings,
-                               "attempts": res.attempts,
+                               "attempts": res.attempts, "goodput": res.goodput,
                                "steps_redone": sum(a.get("steps_redone", 0) for a in res.attempts)}))
     elif res.ok:
         click.echo(f"[tpuctl] done on {len(target.workers)} host(s) in {res.timings.get('total_s', 0):.1f} s; "

@@ -49,6 +49,7 @@ class RunResult:
     report: str = ""      # each host's last lines and the FAILED line, when the run failed
     hung: str = ""        # why the failed worker is named as the one that stopped advancing
     attempts: list[dict] = field(default_factory=list)  # across preemptions (supervise): one summary each
+    goodput: dict = field(default_factory=dict)          # supervise.goodput: where the wall time went
 
     @property
     def ok(self) -> bool:
@@ -71,6 +72,7 @@ class _HostStream:
         self.buf, self.tail = "", deque(maxlen=tail)
         self.index, self.first_output, self.t0 = index, first_output, t0
         self.progress = progress if progress is not None else {}  # index -> (step, monotonic time)
+        self.first_progress: dict = {}                            # index -> (step, monotonic time)
 
     def write(self, s: str) -> int:
         self.buf += s
@@ -88,6 +90,7 @@ class _HostStream:
             step = line[len(PROGRESS):].strip()
             if step.isdigit():
                 self.progress[self.index] = (int(step), time.monotonic())
+                self.first_progress.setdefault(self.index, self.progress[self.index])
             return
         self.log.write(line + "\n")
         self.log.flush()
@@ -347,6 +350,11 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
         codes[i] = rc
     timings["first_output_s"] = min(first.values()) if first else float("nan")
     timings["total_s"] = time.monotonic() - t0
+    # Steps as process 0 reported them (the goodput accounting of supervise): when the first and the last
+    # reported step completed, counted from the start of the run.
+    if streams and streams[0].first_progress:
+        (s0, f0), (s1, f1) = streams[0].first_progress[0], progress[0]
+        timings.update(first_step=s0, first_step_s=f0 - t0, last_step=s1, last_step_s=f1 - t0)
     if interrupted:
         rc_all = 130
     elif hung:

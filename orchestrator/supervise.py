@@ -93,12 +93,48 @@ def summarize(attempts: list[dict]) -> str:
 
 def _attempt(n: int, result: RunResult | None, outcome: str, before: dict | None) -> dict:
     run_dir = result.run_dir if result else None
+    t = result.timings if result else {}
+    wall = t.get("total_s", 0.0)
     a = {"attempt": n + 1, "run_id": result.run_id if result else None, "outcome": outcome,
-         "resumed_from": resumed_from(run_dir), "last_step": latest_step(run_dir),
-         "wall_s": round(result.timings.get("total_s", 0.0), 3) if result else 0.0}
+         "resumed_from": resumed_from(run_dir), "last_step": latest_step(run_dir), "wall_s": wall,
+         # startup: preflight, push, launch, restore, compile, first step; steps: first to last reported step
+         "startup_s": t.get("first_step_s", wall), "steps_s": 0.0, "tail_s": 0.0, "recover_s": 0.0,
+         "step_s": 0.0}
+    if "last_step_s" in t:
+        a["steps_s"] = t["last_step_s"] - t["first_step_s"]
+        a["tail_s"] = wall - t["last_step_s"]
+        if t["last_step"] > t["first_step"]:
+            a["step_s"] = a["steps_s"] / (t["last_step"] - t["first_step"])
     if before and before["outcome"] == "preempted" and before["last_step"] is not None and a["resumed_from"] is not None:
         a["steps_redone"] = max(0, before["last_step"] - a["resumed_from"])
     return a
+
+
+def goodput(attempts: list[dict], wall_s: float) -> dict:
+    """Where a run's wall time went, across its attempts. The parts add up to the wall time:
+    productive (steps kept) + lost to preemptions (recovering, the later attempts' start-up: push, restore,
+    compile; the redone steps; what a preempted attempt did after its last step) + overhead (the first start-up,
+    the last attempt's end: final save, shutdown) + unaccounted (bookkeeping between attempts)."""
+    redone_s = sum(a.get("steps_redone", 0) * attempts[i - 1]["step_s"] for i, a in enumerate(attempts) if i)
+    steps_s = sum(a["steps_s"] for a in attempts)
+    lost = (sum(a["recover_s"] for a in attempts) + sum(a["startup_s"] for a in attempts[1:]) + redone_s
+            + sum(a["tail_s"] for a in attempts if a["outcome"] == "preempted"))
+    overhead = attempts[0]["startup_s"] + (attempts[-1]["tail_s"] if attempts[-1]["outcome"] != "preempted" else 0)
+    productive = steps_s - redone_s
+    return {"wall_s": wall_s, "productive_s": productive, "time_to_first_step_s": attempts[0]["startup_s"],
+            "lost_to_preemptions_s": lost, "redone_s": redone_s, "overhead_s": overhead,
+            "unaccounted_s": wall_s - productive - lost - overhead,
+            "restarts": len(attempts) - 1, "goodput": productive / wall_s if wall_s > 0 else 0.0}
+
+
+def goodput_table(attempts: list[dict], g: dict) -> str:
+    rows = ["attempt  outcome    start-up  steps      tail     recover  redone",
+            *(f"{a['attempt']:>7}  {a['outcome']:<9}  {a['startup_s']:7.1f}s  {a['steps_s']:7.1f}s  "
+              f"{a['tail_s']:6.1f}s  {a['recover_s']:6.1f}s  {a.get('steps_redone', 0):>6}" for a in attempts)]
+    rows.append(f"goodput {g['goodput']:.1%}: {g['productive_s']:.1f} s of steps kept in {g['wall_s']:.1f} s wall "
+                f"(first step after {g['time_to_first_step_s']:.1f} s; {g['lost_to_preemptions_s']:.1f} s lost to "
+                f"{g['restarts']} preemption(s))")
+    return "\n".join(rows)
 
 
 def recover_before_run(name: str, *, policy: Policy, api_endpoint: str | None = None, local: bool | None = None,
@@ -142,14 +178,22 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
     policy = policy or Policy()
     restarts = restarts_used
     attempts: list[dict] = []
+    t_start = time.monotonic()
+    recover = 0.0  # time from an attempt's end to the next one's start (settling, recreating)
     while True:
         watch = _LocalWatch(name, policy.poll_s, progress) if local else None
         try:
+            t_attempt = time.monotonic()
             result = run_once(restarts)
             attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None))
+            attempts[-1]["recover_s"] = recover
             result.attempts = attempts
+            result.goodput = goodput(attempts, time.monotonic() - t_start)
             if summary := summarize(attempts):
                 progress(summary)
+            table = goodput_table(attempts, result.goodput).splitlines()
+            for line in table if result.goodput["restarts"] else table[-1:] if "first_step_s" in result.timings else []:
+                progress(line)
             return result
         except RunFailed as e:
             if e.result.interrupted:
@@ -158,6 +202,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         except (HostError, UserError) as e:  # hosts unreachable, or the slice is not READY any more
             failure, result = e, None
         finally:
+            t_lost = time.monotonic()
             if watch:
                 watch.stop()
         st = _settled_state(name, result, policy, api_endpoint, local, failure)
@@ -167,6 +212,9 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
                 result.attempts = attempts
             raise failure
         attempts.append(_attempt(len(attempts), result, "preempted", attempts[-1] if attempts else None))
+        attempts[-1]["recover_s"] = recover
+        if result is None:  # preflight or push never got to run: the whole attempt went to recovering
+            attempts[-1]["startup_s"] = attempts[-1]["wall_s"] = t_lost - t_attempt
         step = latest_step(result.run_dir if result else None)
         what = (f"w{result.failed_worker}'s VM was" if result and result.failed_worker is not None
                 else f"{name}'s VMs were") + f" {_verb(st)}" + (f" at step {step}" if step is not None else "")
@@ -182,6 +230,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         progress(f"{what}; recreating {name} ({restarts}/{policy.max_restarts}); the trainer resumes from the "
                  "latest complete checkpoint in --ckpt-dir")
         _recreate(name, st, local, progress)
+        recover = time.monotonic() - t_lost
         progress(f"{name} is READY again; relaunching (attempt {restarts + 1})")
 
 

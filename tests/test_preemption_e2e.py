@@ -98,6 +98,13 @@ def test_a_preempted_run_is_recreated_resumes_and_ends_bit_equal(tmp_path):
         assert (f"1 preemption(s): lost at step {first['last_step']}, resumed from step {second['resumed_from']}; "
                 f"{res['steps_redone']} step(s) redone") in err
 
+        # Goodput: the parts add up to the wall time (within 1%), and the table says where the time went.
+        g = res["goodput"]
+        parts = g["productive_s"] + g["lost_to_preemptions_s"] + g["overhead_s"]
+        assert abs(parts - g["wall_s"]) <= 0.01 * g["wall_s"], g
+        assert g["restarts"] == 1 and 0 < g["goodput"] < 1 and g["redone_s"] > 0 and second["recover_s"] > 0, g
+        assert f"goodput {g['goodput']:.1%}" in err and "attempt  outcome" in err
+
         cmp = subprocess.run([sys.executable, "-c", COMPARE, json.dumps([*ARGS, "--ckpt-dir", "x"]),
                               "gs://preempt-e2e/ref", "gs://preempt-e2e/run"],
                              env={**env, **emu.env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
