@@ -366,8 +366,9 @@ def status_cmd(name, zone, as_json, api_endpoint, local, project):
     """Show one slice: state, health, accelerator, workers (index, internal/external IP), age, $/hour, cost."""
     from orchestrator import slices
     st = slices.status(name, project=project, zone=zone, api_endpoint=api_endpoint, local=local or None)
+    last = _last_goodput(name)
     if as_json:
-        click.echo(json.dumps(_status_json(st), indent=2))
+        click.echo(json.dumps({**_status_json(st), "last_run": last}, indent=2))
         return
     click.echo(_table(["NAME", "STATE", "HEALTH", "ACCELERATOR", "ZONE", "WORKERS", "AGE", "$/HOUR", "COST"],
                       [_ls_row(st)]))
@@ -382,6 +383,21 @@ def status_cmd(name, zone, as_json, api_endpoint, local, project):
         click.echo(f"note: {st.note}")
     if st.workers:
         click.echo(_workers_table(st.workers))
+    if last:
+        g = last["goodput"]
+        click.echo(f"last run {last['run_id']}: goodput {g['goodput']:.1%} ({g['productive_s']:.0f} s of steps kept in "
+                   f"{g['wall_s']:.0f} s; first step after {g['time_to_first_step_s']:.0f} s; "
+                   f"{g['restarts']} restart(s), {g['lost_to_preemptions_s']:.0f} s lost to preemptions)")
+
+
+def _last_goodput(name: str) -> dict | None:
+    """The goodput of NAME's latest supervised run (`run` writes it beside the run's logs), or None."""
+    from orchestrator.state import home
+    runs = sorted((home() / "runs" / name).glob("*/goodput.json"))
+    try:
+        return json.loads(runs[-1].read_text()) if runs else None
+    except (OSError, ValueError):
+        return None
 
 
 def _ls_row(st) -> list:

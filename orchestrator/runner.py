@@ -156,7 +156,7 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
     record = {"run_id": spec.run_id, "argv": spec.argv, "env": env, "secret_env": spec.secret_names,
               "workers": [asdict(w) for w in workers], "bundle": bundle.hash if bundle else None,
               "started": time.time()}
-    _write_json(run_dir / "run.json", record)
+    write_json(run_dir / "run.json", record)
     try:
         probes = hosts.preflight(kill_stale=kill_stale, bundle=bundle, say=say,
                                  coordinator=L.coordinator(workers, coordinator_port)
@@ -185,12 +185,12 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
         result.push = pushed
     except BaseException:
         record["returncode"] = None
-        _write_json(run_dir / "run.json", record)
+        write_json(run_dir / "run.json", record)
         hosts.close()
         raise
     record.update(returncode=result.returncode, exit_codes=result.exit_codes, timings=timings,
                   failed_worker=result.failed_worker, finished=time.time())
-    _write_json(run_dir / "run.json", record)
+    write_json(run_dir / "run.json", record)
     hosts.close()
     if not result.ok:
         raise RunFailed(result_message(result, workers), result)
@@ -385,7 +385,7 @@ def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe
                      report="\n".join(report), hung=hung)
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     """run.json holds --env values: 0600, written whole or not at all."""
     tmp = path.with_suffix(".tmp")
     with private_open(tmp, "w") as f:

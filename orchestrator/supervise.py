@@ -18,7 +18,7 @@ from typing import Callable
 
 from orchestrator import slices
 from orchestrator.hosts import HostError
-from orchestrator.runner import PREEMPTED, RunFailed, RunResult
+from orchestrator.runner import PREEMPTED, RunFailed, RunResult, write_json
 from orchestrator.spec import UserError
 
 # The VMs are gone: recreate. Under a queued resource the service deletes a preempted node, so a node DELETING,
@@ -189,6 +189,8 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             attempts[-1]["recover_s"] = recover
             result.attempts = attempts
             result.goodput = goodput(attempts, time.monotonic() - t_start)
+            write_json(Path(result.run_dir) / "goodput.json",
+                        {"run_id": result.run_id, "attempts": attempts, "goodput": result.goodput})
             if summary := summarize(attempts):
                 progress(summary)
             table = goodput_table(attempts, result.goodput).splitlines()

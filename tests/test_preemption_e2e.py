@@ -104,6 +104,9 @@ def test_a_preempted_run_is_recreated_resumes_and_ends_bit_equal(tmp_path):
         assert abs(parts - g["wall_s"]) <= 0.01 * g["wall_s"], g
         assert g["restarts"] == 1 and 0 < g["goodput"] < 1 and g["redone_s"] > 0 and second["recover_s"] > 0, g
         assert f"goodput {g['goodput']:.1%}" in err and "attempt  outcome" in err
+        status = json.loads(subprocess.run([*tpuctl, "status", "pre", "--local", "--json"], env=env,
+                                           capture_output=True, text=True, timeout=120).stdout)
+        assert status["last_run"]["goodput"] == g and status["last_run"]["run_id"] == res["run_id"]
 
         cmp = subprocess.run([sys.executable, "-c", COMPARE, json.dumps([*ARGS, "--ckpt-dir", "x"]),
                               "gs://preempt-e2e/ref", "gs://preempt-e2e/run"],
