@@ -66,3 +66,32 @@ def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_fac
         assert f"resuming from step {last}" in again.stdout + again.stderr
     finally:
         emu.stop()
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_step(tmp_path_factory, tmp_path):
+    """The checkpoint dir is a small tmpfs that fills up on the third save: one line naming the dir, the host and
+    the full device (exit 3), and the steps saved before it still restore."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    data = shakespeare(tmp_path_factory)
+    ckpt = tmp_path / "small"
+    ckpt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(ckpt)], check=True)
+    try:
+        e = env(session_cache(tmp_path_factory))
+        r = subprocess.run([sys.executable, "-m", "trainer", "pretrain", *TINY, "--ckpt-every", "1", "--log-every", "1",
+                            "--eval-every", "0", "--eval-batches", "1", "--data", data, "--ckpt-dir", str(ckpt),
+                            "--steps", "50", "--keep", "10"], env=e, capture_output=True, text=True, timeout=600)
+        errors = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+        assert r.returncode == 3 and len(errors) == 1, r.stdout[-2000:] + r.stderr[-3000:]
+        assert errors[0].startswith(f"error: {ckpt} on ") and "is full (no space left on the device)" in errors[0]
+        assert errors[0].endswith("resumes from the latest complete step once some space is freed")
+        check = subprocess.run([sys.executable, "-c", "from trainer.checkpoint import Checkpointer as C; "
+                                f"c = C({str(ckpt)!r}, 1, read_only=True); s = c.latest_step(); "
+                                "print(s, sorted(c.saved_config(s).to_dict()['model']))"],
+                               env=e, capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0, check.stderr[-2000:]
+        step = int(check.stdout.split()[0])
+        assert step >= 1 and f"the latest step known saved is {step}," in errors[0], (errors, check.stdout)
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)], check=False)

@@ -7,6 +7,7 @@ count: Orbax ignores a step whose save did not complete, and the next writer del
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -111,13 +112,14 @@ class StorageDeadline:
         self.timer = threading.Timer(self.timeout, self._fire)
         self.timer.daemon = True
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, full: bool = False) -> None:
         where = f"the bucket gs://{self.directory[5:].split('/')[0]}" if self.directory.startswith("gs://") \
-            else self.directory
+            else f"{self.directory} on {socket.gethostname()}"
         kept = f"the latest step known saved is {self.kept}" if self.kept else "no step is known saved yet"
+        then = "some space is freed" if full else "the storage answers again"
         sys.stdout.flush()
         sys.stderr.write(f"error: {where} {why} while {self.what}: stopping; {kept}, and the same command resumes "
-                         "from the latest complete step once the storage answers again\n")
+                         f"from the latest complete step once {then}\n")
         sys.stderr.flush()
         os._exit(EXIT_STORAGE)
 
@@ -133,7 +135,9 @@ class StorageDeadline:
         if exc is not None and isinstance(exc, Exception) and not isinstance(exc, UsageError):
             # The clients' retries are spent (gcsfs, tensorstore): a storage failure, not a bug of the run.
             text = (str(exc).strip().splitlines() or [""])[-1][:200]
-            self._stop(f"failed ({type(exc).__name__}: {text})")
+            full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left" in str(exc)
+            self._stop("is full (no space left on the device)" if full else f"failed ({type(exc).__name__}: {text})",
+                       full)
         return False
 
 
