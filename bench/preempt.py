@@ -1,0 +1,108 @@
+"""A spot run through real preemptions on a local slice, driven as a user drives it (`tpuctl up/run/down`
+subprocesses): the TPU API stand-in preempts the node at chosen steps, the hosts die with their "VMs", `run`
+recreates the slice and the trainer resumes from gs:// (the GCS emulator). Used by the preemption e2e test and
+by `make bench` (steps redone, time to recover, goodput, for one and two preemptions).
+
+    python -m bench.preempt        # one and two preemptions of a 2-host gpt2-tiny-sized run
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BUCKET = "preempt-e2e"
+STEPS = 60
+ARGS = ["pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "8",
+        "--dropout", "0.1", "--warmup-steps", "2", "--decay-steps", "50", "--lr", "1e-2", "--seed", "7",
+        "--mesh", "data=4,model=2", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+        "--steps", str(STEPS), "--ckpt-every", "10", "--data", f"gs://{BUCKET}/data"]
+
+
+class LocalSpot:
+    """A local TPU API stand-in + GCS emulator + a 2-host local slice NAME in a TPUCTL_HOME of its own."""
+
+    def __init__(self, home: Path, name: str = "pre"):
+        self.home, self.name = Path(home), name
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("TPUCTL_", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_")) and k != "XLA_FLAGS"}
+        self.env.update(TPUCTL_HOME=str(self.home), TPUCTL_POLL_S="0.05", CLOUDSDK_CONFIG=str(self.home / "gcloud"),
+                        TPUCTL_SSH_KEY=os.environ.get("TPUCTL_SSH_KEY") or str(self.home / "ssh" / "key"))
+        self.tpuctl = [sys.executable, "-m", "orchestrator.cli"]
+        self.api: dict | None = None
+
+    def __enter__(self) -> "LocalSpot":
+        from infra import gcs
+        self.emu = gcs.start(home=self.home, buckets=(BUCKET,), record=True)
+        prep = subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", f"gs://{BUCKET}/data"],
+                              env={**self.env, **self.emu.env}, capture_output=True, text=True, timeout=300)
+        assert prep.returncode == 0, prep.stderr[-2000:]
+        up = self.cli("up", self.name, "--local", "-a", "v4-16")
+        assert up.returncode == 0, up.stderr
+        self.api = json.loads((self.home / "local" / "fake_tpu_api.json").read_text())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from infra import gcs
+        self.cli("down", self.name, "--local")
+        gcs.stop(self.home)
+        if self.api:
+            os.kill(self.api["pid"], signal.SIGKILL)
+            try:
+                os.waitpid(self.api["pid"], 0)
+            except ChildProcessError:
+                pass
+
+    def cli(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.tpuctl, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def run(self, ckpt: str, preempt_at: tuple[int, ...] = ()) -> tuple[int, dict | None, str]:
+        """`tpuctl run --json` of ARGS into ckpt, preempting the node when attempt k reaches step preempt_at[k].
+        Returns (exit code, the JSON result, stderr)."""
+        from infra.fake_tpu_api import FakeControl
+        before = set((self.home / "runs" / self.name).glob("*"))
+        p = subprocess.Popen([*self.tpuctl, "run", self.name, "--local", "--json", "--", *ARGS, "--ckpt-dir", ckpt],
+                             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        node = json.loads(self.cli("status", self.name, "--local", "--json").stdout)["node"]
+        for k, at in enumerate(preempt_at):
+            deadline = time.time() + 600
+            while True:
+                runs = sorted(set((self.home / "runs" / self.name).glob("*")) - before)
+                text = (runs[k] / "w0.log").read_text(errors="replace") if len(runs) > k and \
+                    (runs[k] / "w0.log").exists() else ""
+                if re.search(rf"step +{at}/{STEPS}", text):
+                    break
+                if p.poll() is not None or time.time() > deadline:
+                    out, err = p.communicate()
+                    raise AssertionError(f"attempt {k + 1} never reached step {at}:\n{err[-3000:]}")
+                time.sleep(0.05)
+            FakeControl(self.api["url"]).preempt(node)
+        out, err = p.communicate(timeout=900)
+        return p.returncode, (json.loads(out) if out.strip() else None), err
+
+
+def main() -> int:
+    print("[preempt] 2-host local run, gpt2-tiny-sized, 60 steps, checkpoint every 10 steps, gs:// (emulator)")
+    with tempfile.TemporaryDirectory(prefix="tpuctl-bench-preempt-") as d, LocalSpot(Path(d) / "home") as spot:
+        for n, at in ((0, ()), (1, (25,)), (2, (25, 45))):
+            rc, res, err = spot.run(f"gs://{BUCKET}/bench{n}", at)
+            if rc != 0 or res is None:
+                print(f"  {n} preemption(s): run failed (exit {rc}): {err[-500:]}")
+                continue
+            g = res["goodput"]
+            rec = " ".join(f"{a['recover_s']:.1f}s" for a in res["attempts"][1:]) or "-"
+            starts = " ".join(f"{a['startup_s']:.1f}s" for a in res["attempts"][1:]) or "-"
+            print(f"  {n} preemption(s) at {list(at) or '-'}: steps redone {res['steps_redone']}, recreate {rec}, "
+                  f"restart (push + restore + compile + first step) {starts}, wall {g['wall_s']:.1f}s, "
+                  f"goodput {g['goodput']:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
