@@ -68,25 +68,39 @@ def _messages(rec, where: str) -> list[dict]:
 
 
 def encode(tok: GemmaTokenizer, messages: list[dict], where: str = "example") -> Example:
-    """Gemma's chat template, piece by piece, so each token knows whether the model must produce it."""
-    from trainer.tokenizer import chat_text
+    """The ids of the whole chat as sampling would feed them (tok.chat), weighted on the model turns.
+
+    The turn markers are single pieces, so the ids between a <start_of_turn> and its <end_of_turn> are
+    exactly one turn's "role\\ncontent"; a model turn learns its content and its <end_of_turn>."""
     try:
-        chat_text(messages, add_generation_prompt=False)  # the template's own checks (roles, order, system)
+        ids = tok.chat(messages, add_generation_prompt=False)
     except UsageError as e:
         raise UsageError(f"{where}: {e}") from None
-    turns = list(messages)
-    if turns[0]["role"] == "system":
-        turns = [{"role": "user", "content": f"{turns[0]['content'].strip()}\n\n{turns[1]['content'].strip()}"},
-                 *turns[2:]]
-    ids, loss = [tok.bos_id], [False]
-    for t in turns:
-        model = t["role"] in ("assistant", "model")
-        for text, learn in ((f"{START}{'model' if model else 'user'}\n", False), (t["content"].strip(), model),
-                            (END, model), ("\n", False)):
-            piece = tok.encode(text, bos=False) if text else []
-            ids += piece
-            loss += [learn] * len(piece)
+    roles = [m["role"] in ("assistant", "model") for m in messages if m["role"] != "system"]
+    start = tok.encode(START, bos=False)
+    if len(start) != 1 or ids.count(start[0]) != len(roles) or ids.count(tok.end_of_turn_id) != len(roles):
+        raise UsageError(f"{where}: a message contains {START} or {END} as text; remove the markers (the chat "
+                         "template adds them)")
+    loss, turn, i = [False] * len(ids), 0, 0
+    while i < len(ids):
+        if ids[i] != start[0]:
+            i += 1
+            continue
+        end = ids.index(tok.end_of_turn_id, i)
+        if roles[turn]:
+            body = ids[i + 1:end]
+            for j in range(i + 1 + _head_tokens(tok, body, "model\n"), end + 1):
+                loss[j] = True
+        turn, i = turn + 1, end + 1
     return Example(ids, loss)
+
+
+def _head_tokens(tok: GemmaTokenizer, ids: list[int], head: str) -> int:
+    """How many leading ids spell a prefix of `head` (a token straddling its end counts as content)."""
+    k = 0
+    while k < len(ids) and head.startswith(tok.decode(ids[:k + 1])):
+        k += 1
+    return k
 
 
 @dataclasses.dataclass(frozen=True)
