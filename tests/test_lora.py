@@ -359,3 +359,81 @@ def test_adapters_from_a_different_base_are_refused(bases, facts, tmp_path):
     # Resuming into the same dir with other LoRA settings is refused too.
     with pytest.raises(UsageError, match="--rank 8, not 4"):
         finetune.finetune(_run(bases["gemma2"], facts, ckpt, steps=2, rank=4))
+
+
+# ---------------------------------------------------------------- must-show 4: merge and export
+
+
+@pytest.fixture(scope="module")
+def trained(bases, facts, tmp_path_factory):
+    """Adapters on every projection after a few steps (B no longer zero), for each base."""
+    out = {}
+    for family in ("gemma2", "gemma3"):
+        ckpt = tmp_path_factory.mktemp(f"trained_{family}")
+        assert finetune.finetune(_run(bases[family], facts, ckpt, steps=3, targets="all", ckpt_every=0)) == 0
+        out[family] = str(ckpt)
+    return out
+
+
+@pytest.mark.parametrize("family,layout", [("gemma2", "transformers"), ("gemma3", "flax")])
+def test_merged_export_gives_the_logits_of_base_plus_adapters(bases, trained, tmp_path, capsys, family, layout):
+    out = str(tmp_path / "merged")
+    assert main(["export", "--weights", bases[family], "--adapters", trained[family], "--out", out, "--merge"]) == 0
+    assert f"exported merged {layout} to {out}" in capsys.readouterr().out
+    mesh = _mesh()
+    ck, base = weights.load(bases[family], mesh)
+    lc, lora = finetune.load_adapters(trained[family], ck.cfg, mesh)
+    ck2, merged = weights.load(out, mesh)  # the same loader reads the export
+    assert ck2.layout == layout and ck2.cfg == ck.cfg
+    assert tok_lib.find(out)  # the tokenizer travels with it
+    x = jnp.asarray(_batch(ck.cfg, t=16)["inputs"])
+    applied = gemma.from_flat(ck.cfg, base)(x, adapter=lora_lib.adapter(lc, lora))[0]
+    plain = gemma.from_flat(ck.cfg, base)(x)[0]
+    again = gemma.from_flat(ck.cfg, merged)(x)[0]
+    assert float(jnp.max(jnp.abs(applied - plain))) > 1e-3
+    np.testing.assert_allclose(np.asarray(again), np.asarray(applied), atol=1e-4, rtol=0)
+    with pytest.raises(UsageError, match="is not empty"):
+        from trainer import export
+        export.export(bases[family], trained[family], out, merge=True)
+
+
+def test_peft_adapters_are_the_merge_in_hugging_face_terms(bases, trained, tmp_path):
+    from safetensors.numpy import load_file
+    from trainer import export
+    out = str(tmp_path / "peft")
+    assert main(["export", "--weights", bases["gemma2"], "--adapters", trained["gemma2"], "--out", out,
+                 "--adapters-only"]) == 0
+    conf = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert conf["peft_type"] == "LORA" and conf["r"] == 8 and conf["lora_alpha"] == 16
+    assert conf["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft = load_file(os.path.join(out, "adapter_model.safetensors"))
+    cfg = gc.TINY["gemma2"]
+    mesh = _mesh()
+    _, base = weights.load(bases["gemma2"], mesh)
+    lc, lora = finetune.load_adapters(trained["gemma2"], cfg, mesh)
+    hb, hm = export.hf_tensors(cfg, base), export.hf_tensors(cfg, lora_lib.merge(cfg, lc, base, lora))
+    assert len(peft) == 2 * cfg.n_layers * 7
+    for name, w in hb.items():
+        stem = name[len("model."):-len(".weight")]
+        a = peft.get(f"base_model.model.model.{stem}.lora_A.weight")
+        if a is None:
+            np.testing.assert_array_equal(hm[name], w)
+            continue
+        b = peft[f"base_model.model.model.{stem}.lora_B.weight"]
+        assert a.shape == (8, w.shape[1]) and b.shape == (w.shape[0], 8)
+        np.testing.assert_allclose(w + conf["lora_alpha"] / conf["r"] * b @ a, hm[name], atol=1e-5)
+
+
+def test_sample_with_adapters_equals_sampling_the_merged_export(bases, trained, tmp_path, capsys):
+    out = str(tmp_path / "merged")
+    assert main(["export", "--weights", bases["gemma2"], "--adapters", trained["gemma2"], "--out", out, "--merge"]) == 0
+    capsys.readouterr()
+    gen = ["--prompt", "to be", "--chat", "--temperature", "0", "--max-new-tokens", "6", "--mesh", MESH]
+    assert main(["sample", "--weights", bases["gemma2"], "--adapters", trained["gemma2"], *gen]) == 0
+    with_adapters = capsys.readouterr().out
+    assert main(["sample", "--weights", out, *gen]) == 0
+    assert capsys.readouterr().out == with_adapters
+    assert main(["sample", "--weights", bases["gemma2"], *gen]) == 0
+    assert capsys.readouterr().out != with_adapters  # the adapters change what is generated
+    assert main(["sample", "--weights", bases["gemma3"], "--adapters", trained["gemma2"], *gen]) == 2
+    assert "they were trained on a different base model" in capsys.readouterr().err

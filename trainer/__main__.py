@@ -89,6 +89,20 @@ def parser() -> argparse.ArgumentParser:
         description="Train LoRA adapters on a frozen Gemma base. Checkpoints hold the adapters and their "
                     "optimizer state only; the same command resumes; SIGTERM saves and exits 42."))
     add_lora_flags(lo)
+    sa.add_argument("--adapters", help="with --weights: a `lora` --ckpt-dir whose adapters are applied (merged in)")
+
+    ex = common(sub.add_parser(
+        "export", help="write fine-tuned adapters: merged into the base (--merge) or PEFT-style (--adapters-only)",
+        description="--merge writes base + adapters in the base's layout (Kaggle flax Orbax, or safetensors with "
+                    "config.json); --adapters-only writes adapter_model.safetensors + adapter_config.json as PEFT does."))
+    ex.add_argument("--weights", required=True, help="the base the adapters were trained on (local or gs://)")
+    ex.add_argument("--adapters", required=True, help="the --ckpt-dir of a `python -m trainer lora` run")
+    ex.add_argument("--out", required=True, help="a new directory, local or gs://")
+    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    ex.add_argument("--mesh", default="", help="data=D,model=M over all devices (default: all on data)")
+    how = ex.add_mutually_exclusive_group(required=True)
+    how.add_argument("--merge", action="store_true", help="base + scale * A @ B, in the base's layout")
+    how.add_argument("--adapters-only", action="store_true", help="PEFT-style adapter_model.safetensors + config")
     return p
 
 
@@ -147,6 +161,16 @@ def run(args: argparse.Namespace) -> int:
         fields = {f.name for f in dataclasses.fields(LoraRun)}
         return finetune.finetune(LoraRun(**{k: v for k, v in vars(args).items() if k in fields}))
     from absl import logging
+    if args.cmd == "export":
+        from trainer import export, mesh as mesh_lib
+        mesh_lib.init_distributed()
+        logging.set_verbosity(logging.ERROR)
+        what = export.export(args.weights, args.adapters, args.out, merge=args.merge, mesh_spec=args.mesh,
+                             step=args.step)
+        print(f"exported {'merged ' + what if args.merge else 'PEFT adapters'} to {args.out}")
+        return 0
+    if args.adapters and not args.weights:
+        raise UsageError("sample: --adapters applies to Gemma --weights only")
     if bool(args.weights) == bool(args.ckpt_dir):
         raise UsageError("sample: pass either --ckpt-dir (a GPT-2 checkpoint) or --weights (a Gemma checkpoint)")
     if args.weights:
