@@ -146,6 +146,7 @@ def test_dropout_scales_kept_inputs_and_is_off_at_eval():
 # ---------------------------------------------------------------- must-show 1: loss falls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_loss_falls_on_a_memorisable_set(bases, facts, tmp_path, family):
     ckpt = tmp_path / "ck"
@@ -375,6 +376,7 @@ def trained(bases, facts, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,layout", [("gemma2", "transformers"), ("gemma3", "flax")])
 def test_merged_export_gives_the_logits_of_base_plus_adapters(bases, trained, tmp_path, capsys, family, layout):
     out = str(tmp_path / "merged")
@@ -397,6 +399,7 @@ def test_merged_export_gives_the_logits_of_base_plus_adapters(bases, trained, tm
         export.export(bases[family], trained[family], out, merge=True)
 
 
+@pytest.mark.slow
 def test_peft_adapters_are_the_merge_in_hugging_face_terms(bases, trained, tmp_path):
     from safetensors.numpy import load_file
     from trainer import export
@@ -424,6 +427,7 @@ def test_peft_adapters_are_the_merge_in_hugging_face_terms(bases, trained, tmp_p
         np.testing.assert_allclose(w + conf["lora_alpha"] / conf["r"] * b @ a, hm[name], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sample_with_adapters_equals_sampling_the_merged_export(bases, trained, tmp_path, capsys):
     out = str(tmp_path / "merged")
     assert main(["export", "--weights", bases["gemma2"], "--adapters", trained["gemma2"], "--out", out, "--merge"]) == 0
