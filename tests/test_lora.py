@@ -7,6 +7,9 @@ import dataclasses
 import json
 import math
 import os
+import re
+import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 
 import _gemma_ckpt as gc
+from _trainer_util import Procs, env, metrics, tail
 from trainer import finetune, sft_data, tokenizer as tok_lib, weights
 from trainer import mesh as mesh_lib
 from trainer.__main__ import main
@@ -217,6 +221,33 @@ def test_exact_resume_and_no_base_state_in_the_checkpoint(bases, facts, tmp_path
     names = {".".join(ast.literal_eval(k)) for k in meta["tree_metadata"]}
     assert names and all(n.endswith((".a", ".b")) for n in names), sorted(names)[:5]
     assert set(la) == {n for n, _ in lora_lib.param_layout(cfg, lc_a).items()}
+
+
+@pytest.mark.slow
+def test_preemption_notice_saves_the_adapters_exits_42_and_the_next_run_resumes(bases, facts, tmp_path):
+    ckpt = tmp_path / "ck"
+    args = ["lora", "--emulate-devices", "8", "--weights", bases["gemma2"], "--data", facts, "--mesh", MESH,
+            "--seq-len", "48", "--batch-size", "4", "--dtype", "float32", "--base-dtype", "float32",
+            "--log-every", "1", "--ckpt-every", "0", "--val-fraction", "0"]
+    procs = Procs()
+    try:
+        p = procs.start([*args, "--steps", "100000", "--ckpt-dir", str(ckpt)],
+                        env(str(tmp_path / "cache"), devices=None), tmp_path / "log")
+        deadline = time.time() + 240
+        while not any(r["step"] >= 2 for r in metrics(ckpt)):
+            assert p.poll() is None and time.time() < deadline, tail(p.log)
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 42, tail(p.log)
+    finally:
+        procs.close()
+    log = p.log.read_text()
+    assert "Traceback" not in log, tail(p.log)
+    saved = int(re.search(r"preemption notice: saved step (\d+)", log).group(1))
+    assert saved >= 2 and (ckpt / str(saved) / "params").is_dir()
+    assert main(["lora", *args[3:], "--steps", str(saved + 1), "--ckpt-dir", str(ckpt)]) == 0
+    steps = [r["step"] for r in metrics(ckpt)]
+    assert steps[-1] == saved + 1 and max(steps[:-1]) == saved
 
 
 # ---------------------------------------------------------------- must-show 5 and 6: masking, packing
