@@ -472,3 +472,16 @@ def test_sample_with_adapters_equals_sampling_the_merged_export(bases, trained, 
     assert capsys.readouterr().out != with_adapters  # the adapters change what is generated
     assert main(["sample", "--weights", bases["gemma3"], "--adapters", trained["gemma2"], *gen]) == 2
     assert "they were trained on a different base model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_runs_ours_and_tunix_lora_steps_side_by_side():
+    import subprocess
+    import sys
+    code = "import bench.gemma_lora as g; g.main(rounds=1, per_round=1)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r"ours +(\d+) tok/s +tunix PeftTrainer\+qwix +(\d+) tok/s +ratio ([\d.]+)x", p.stdout)
+    assert m and float(m.group(3)) > 0, p.stdout
+    assert re.search(r"adapter params: ours 180,224, tunix\+qwix 172,032", p.stdout), p.stdout
