@@ -380,6 +380,17 @@ def test_bad_input_one_line_each(bases, facts, tmp_path, capsys):
     assert not os.path.exists(ck)  # nothing was written for any of them
 
 
+def test_base_held_in_bf16_with_f32_adapters_and_a_validation_loss(bases, facts, tmp_path):
+    f32, bf16 = tmp_path / "f32", tmp_path / "bf16"
+    assert finetune.finetune(_run(bases["gemma2"], facts, f32, steps=2, val_fraction=0.3)) == 0
+    assert finetune.finetune(_run(bases["gemma2"], facts, bf16, steps=2, val_fraction=0.3, base_dtype="bfloat16")) == 0
+    a, b = _metrics(f32), _metrics(bf16)
+    assert a[0]["loss"] != b[0]["loss"] and abs(a[0]["loss"] - b[0]["loss"]) < 2e-2  # the base, rounded to bf16
+    assert math.isfinite(a[-1]["val_loss"]) and "val_loss" not in a[0]  # held-out examples, at the last step
+    _, lora = finetune.load_adapters(str(bf16), gc.TINY["gemma2"], _mesh())
+    assert {str(x.dtype) for x in lora.values()} == {"float32"}
+
+
 def test_adapters_from_a_different_base_are_refused(bases, facts, tmp_path):
     ckpt = tmp_path / "ck"
     assert finetune.finetune(_run(bases["gemma2"], facts, ckpt, steps=1)) == 0
