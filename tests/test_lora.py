@@ -393,7 +393,10 @@ def test_base_held_in_bf16_with_f32_adapters_and_a_validation_loss(bases, facts,
 
 def test_adapters_from_a_different_base_are_refused(bases, facts, tmp_path):
     ckpt = tmp_path / "ck"
-    assert finetune.finetune(_run(bases["gemma2"], facts, ckpt, steps=1)) == 0
+    assert finetune.finetune(_run(bases["gemma2"], facts, ckpt, steps=0, epochs=0.5)) == 0
+    tok = tok_lib.load(bases["gemma2"], 96)
+    rows = sft_data.build_rows([sft_data.encode(tok, m) for m in sft_data.read_jsonl(facts)], 48)
+    assert [m["step"] for m in _metrics(ckpt)] == list(range(1, math.ceil(0.5 * len(rows) / 4) + 1))  # --epochs
     with pytest.raises(UsageError, match="different base model"):
         finetune.load_adapters(str(ckpt), gc.TINY["gemma3"], _mesh())
     other = dataclasses.replace(gc.TINY["gemma2"], d_model=32)
