@@ -357,11 +357,17 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         gemma_sample.main()
     else:
         say("[7] Gemma sampling: skipped" + (" (--quick)" if plan.quick else ""))
+    if "lora" in sections and not plan.quick:
+        say("== [8] Gemma LoRA step: ours vs tunix PeftTrainer + qwix (bench/gemma_lora.py)")
+        from bench import gemma_lora
+        gemma_lora.main()
+    else:
+        say("[8] Gemma LoRA step: skipped" + (" (--quick)" if plan.quick else ""))
     if "preempt" in sections and not plan.quick:
-        say("== [8] spot run through preemptions: steps redone, time to recover, goodput (bench/preempt.py)")
+        say("== [9] spot run through preemptions: steps redone, time to recover, goodput (bench/preempt.py)")
         from bench import preempt
         preempt.main()
     else:
-        say("[8] preemptions: skipped" + (" (--quick)" if plan.quick else ""))
+        say("[9] preemptions: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

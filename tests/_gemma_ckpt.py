@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from trainer.export import flax_tree as kaggle_flax_tree, hf_tensors  # noqa: F401 (tests use both)
 from trainer.models import gemma
 
 # Sliding window shorter than the test sequences; Gemma 3 with 7 layers = one full 5:1 cycle + a local layer.
@@ -20,34 +21,6 @@ TINY = {
 # What the flax layout cannot carry (no config file): the loader takes these as overrides.
 FLAX_OVERRIDES = {f: dict(sliding_window=c.sliding_window, global_rope_scale=c.global_rope_scale)
                   for f, c in TINY.items()}
-
-
-def kaggle_flax_tree(cfg: gemma.GemmaConfig, flat: dict) -> dict:
-    """Our flat params -> the Orbax tree of a Kaggle flax checkpoint (Gemma 2 2b keeps gating [2, D, F])."""
-    a = {k: np.asarray(v) for k, v in flat.items()}
-    t = {"transformer/embedder": {"input_embedding": a["embed"]}, "transformer/final_norm": {"scale": a["final_norm"]}}
-    for i in range(cfg.n_layers):
-        p, s = f"transformer/layer_{i}/", f"layers.{i}."
-        gating = a[s + "gating"]
-        if cfg.family == "gemma2":
-            gating = np.ascontiguousarray(gating.transpose(0, 2, 1))
-        if cfg.n_heads == cfg.n_kv_heads:  # multi-head attention: q, k, v in one [3, H, D, hd] einsum
-            t[p + "attn/qkv_einsum"] = {"w": np.concatenate([a[s + "q"][None], a[s + "kv"]])}
-        else:
-            t[p + "attn/q_einsum"] = {"w": a[s + "q"]}
-            t[p + "attn/kv_einsum"] = {"w": a[s + "kv"]}
-        t.update({
-            p + "attn/attn_vec_einsum": {"w": a[s + "o"]}, p + "mlp/gating_einsum": {"w": gating},
-            p + "mlp/linear": {"w": a[s + "linear"]},
-            p + "pre_attention_norm": {"scale": a[s + "pre_attn_norm"]},
-            p + "post_attention_norm": {"scale": a[s + "post_attn_norm"]},
-            p + "pre_ffw_norm": {"scale": a[s + "pre_ffw_norm"]},
-            p + "post_ffw_norm": {"scale": a[s + "post_ffw_norm"]},
-        })
-        if cfg.fam.qk_norm:
-            t[p + "attn/_query_norm"] = {"scale": a[s + "q_norm"]}
-            t[p + "attn/_key_norm"] = {"scale": a[s + "k_norm"]}
-    return t
 
 
 def write_flax(root: str, cfg: gemma.GemmaConfig, flat: dict, variation: str = "tiny", mesh=None) -> str:
@@ -71,31 +44,6 @@ def write_flax(root: str, cfg: gemma.GemmaConfig, flat: dict, variation: str = "
     ckpt.wait_until_finished()
     ckpt.close()
     return root
-
-
-def hf_tensors(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
-    a = {k: np.asarray(v) for k, v in flat.items()}
-    h, k, d, hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.head_dim
-    out = {"model.embed_tokens.weight": a["embed"], "model.norm.weight": a["final_norm"]}
-    for i in range(cfg.n_layers):
-        p, s = f"model.layers.{i}.", f"layers.{i}."
-        kv = a[s + "kv"]
-        out.update({
-            p + "self_attn.q_proj.weight": a[s + "q"].transpose(0, 2, 1).reshape(h * hd, d),
-            p + "self_attn.k_proj.weight": kv[0].transpose(0, 2, 1).reshape(k * hd, d),
-            p + "self_attn.v_proj.weight": kv[1].transpose(0, 2, 1).reshape(k * hd, d),
-            p + "self_attn.o_proj.weight": a[s + "o"].transpose(2, 0, 1).reshape(d, h * hd),
-            p + "mlp.gate_proj.weight": a[s + "gating"][0], p + "mlp.up_proj.weight": a[s + "gating"][1],
-            p + "mlp.down_proj.weight": a[s + "linear"].T,
-            p + "input_layernorm.weight": a[s + "pre_attn_norm"],
-            p + "post_attention_layernorm.weight": a[s + "post_attn_norm"],
-            p + "pre_feedforward_layernorm.weight": a[s + "pre_ffw_norm"],
-            p + "post_feedforward_layernorm.weight": a[s + "post_ffw_norm"],
-        })
-        if cfg.fam.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = a[s + "q_norm"]
-            out[p + "self_attn.k_norm.weight"] = a[s + "k_norm"]
-    return {n: np.ascontiguousarray(v) for n, v in out.items()}
 
 
 def hf_config(cfg: gemma.GemmaConfig) -> dict:

@@ -183,6 +183,11 @@ def sample_main(args) -> int:
     dt = compute_dtype(args.dtype)
     _, params = weights.load(args.weights, mesh, family=args.model,
                              dtype=jnp.bfloat16 if dt == jnp.bfloat16 else None)
+    if getattr(args, "adapters", None):  # fine-tuned: W + scale * A @ B, the same function as applying them
+        from trainer import finetune
+        from trainer.models import lora
+        lc, adapters = finetune.load_adapters(args.adapters, ck.cfg, mesh)
+        params = lora.merge(ck.cfg, lc, params, adapters)
     ids = tok.chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     streamer = Streamer(tok.decode, tok.stop_ids)
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ a dimension that a mesh axis does not divide (one kv head on model=2) stays whol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -186,10 +187,12 @@ class Layer(nnx.Module):
         self.cfg = cfg
         self.kind = cfg.layer_types[i]
 
-    def attention(self, x, positions, cache, cache_index):
+    def attention(self, x, positions, cache, cache_index, segment_ids=None, adapter=None):
         cfg, fam, dt = self.cfg, self.cfg.fam, x.dtype
-        q = jnp.einsum("btd,ndh->btnh", x, self.q[...].astype(dt))
+        ad = adapter or (lambda name, inp, y: y)
+        q = ad("q", x, jnp.einsum("btd,ndh->btnh", x, self.q[...].astype(dt)))
         k, v = jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...].astype(dt))
+        k, v = ad("k", x, k), ad("v", x, v)
         if fam.qk_norm:
             q, k = rms_norm(q, self.q_norm[...]), rms_norm(k, self.k_norm[...])
         local = self.kind == LOCAL
@@ -217,22 +220,28 @@ class Layer(nnx.Module):
         mask = kp <= qp
         if local:
             mask &= kp > qp - cfg.sliding_window
+        if segment_ids is not None:  # packed rows: a token attends only within its own example
+            mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
         logits = jnp.where(mask[:, :, None, None, :], logits, K_MASK)
         probs = jax.nn.softmax(logits, axis=-1).astype(dt)
         enc = jnp.einsum("btkgs,bskh->btkgh", probs, v).reshape(b, t, h, hd)
-        out = jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt))
+        out = ad("o", enc, jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt)))
         return _constrain(out, ("batch", "seq", "embed")), cache
 
-    def mlp(self, x):
+    def mlp(self, x, adapter=None):
         dt = x.dtype
+        ad = adapter or (lambda name, inp, y: y)
         gate, up = jnp.einsum("btd,cfd->cbtf", x, self.gating[...].astype(dt))
+        gate, up = ad("gate", x, gate), ad("up", x, up)
         hid = _constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
-        return _constrain(hid @ self.linear[...].astype(dt), ("batch", "seq", "embed"))
+        return _constrain(ad("down", hid, hid @ self.linear[...].astype(dt)), ("batch", "seq", "embed"))
 
-    def __call__(self, x, positions, cache=None, cache_index=None):
-        a, cache = self.attention(rms_norm(x, self.pre_attn_norm[...]), positions, cache, cache_index)
+    def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None):
+        a, cache = self.attention(rms_norm(x, self.pre_attn_norm[...]), positions, cache, cache_index,
+                                  segment_ids, adapter)
         x = x + rms_norm(a, self.post_attn_norm[...])
-        return x + rms_norm(self.mlp(rms_norm(x, self.pre_ffw_norm[...])), self.post_ffw_norm[...]), cache
+        h = self.mlp(rms_norm(x, self.pre_ffw_norm[...]), adapter)
+        return x + rms_norm(h, self.post_ffw_norm[...]), cache
 
 
 class Gemma(nnx.Module):
@@ -244,11 +253,15 @@ class Gemma(nnx.Module):
         self.final_norm = _p(rngs, *lay["final_norm"], 0.0)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: list | None = None,
-                 cache_index: jax.Array | int = 0, *, dtype=jnp.float32) -> tuple[jax.Array, list | None]:
+                 cache_index: jax.Array | int = 0, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
+                 adapter=None) -> tuple[jax.Array, list | None]:
         """int tokens [B, T] -> (f32 logits [B, T, V], updated cache or None).
 
         Without a cache the tokens attend to each other (positions default to 0..T-1). With one (from
-        init_cache) they are written at cache_index..cache_index+T-1 and attend to everything before."""
+        init_cache) they are written at cache_index..cache_index+T-1 and attend to everything before.
+        segment_ids [B, T] (no cache): tokens attend only to tokens of the same id (packed examples).
+        adapter(layer, projection, input, output) -> output: a low-rank update (trainer/models/lora.py)
+        added to the projections q, k, v, o, gate, up, down."""
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None] + cache_index, (b, t))
@@ -257,7 +270,8 @@ class Gemma(nnx.Module):
         x = _constrain(x, ("batch", "seq", "embed"))
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
-            x, c = layer(x, positions, None if cache is None else cache[i], cache_index)
+            x, c = layer(x, positions, None if cache is None else cache[i], cache_index, segment_ids,
+                         None if adapter is None else functools.partial(adapter, i))
             if cache is not None:
                 new_cache.append(c)
         x = rms_norm(x, self.final_norm[...])

@@ -1,0 +1,157 @@
+"""`python -m trainer export`: fine-tuned adapters out of a LoRA checkpoint dir, merged or on their own.
+
+--merge: base + scale * A @ B in the layout the base came in, so the same loader (trainer/weights.py) and,
+  for safetensors, Hugging Face tools read it: Kaggle flax (an Orbax params dir under OUT, the source's
+  qkv fusion and gating orientation kept) or transformers (model.safetensors + the source's config.json).
+  The tokenizer files beside the base are copied.
+--adapters-only: adapter_model.safetensors + adapter_config.json as PEFT writes them: per module
+  `base_model.model.model.layers.{i}.{self_attn|mlp}.{x}_proj.lora_A.weight` [r, in] and `lora_B.weight`
+  [out, r] in Hugging Face's flattening of heads, with W' = W + (lora_alpha / r) * B @ A.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import fsspec
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from trainer import finetune, tokenizer as tok_lib, weights
+from trainer import mesh as mesh_lib
+from trainer.config import UsageError
+from trainer.models import gemma, lora as lora_lib
+
+
+def flax_tree(cfg: gemma.GemmaConfig, flat: dict, fused: bool | None = None, gating_df: bool | None = None) -> dict:
+    """Our flat params -> the Orbax tree of a Kaggle flax checkpoint. fused: q, k, v in one [3, H, D, hd]
+    einsum (default when heads == kv heads); gating_df: gating stored [2, D, F] (default for Gemma 2)."""
+    a = {k: np.asarray(v) for k, v in flat.items()}
+    fused = cfg.n_heads == cfg.n_kv_heads if fused is None else fused
+    gating_df = cfg.family == "gemma2" if gating_df is None else gating_df
+    t = {"transformer/embedder": {"input_embedding": a["embed"]}, "transformer/final_norm": {"scale": a["final_norm"]}}
+    for i in range(cfg.n_layers):
+        p, s = f"transformer/layer_{i}/", f"layers.{i}."
+        gating = a[s + "gating"]
+        if gating_df:
+            gating = np.ascontiguousarray(gating.transpose(0, 2, 1))
+        if fused:
+            t[p + "attn/qkv_einsum"] = {"w": np.concatenate([a[s + "q"][None], a[s + "kv"]])}
+        else:
+            t[p + "attn/q_einsum"] = {"w": a[s + "q"]}
+            t[p + "attn/kv_einsum"] = {"w": a[s + "kv"]}
+        t.update({
+            p + "attn/attn_vec_einsum": {"w": a[s + "o"]}, p + "mlp/gating_einsum": {"w": gating},
+            p + "mlp/linear": {"w": a[s + "linear"]},
+            p + "pre_attention_norm": {"scale": a[s + "pre_attn_norm"]},
+            p + "post_attention_norm": {"scale": a[s + "post_attn_norm"]},
+            p + "pre_ffw_norm": {"scale": a[s + "pre_ffw_norm"]},
+            p + "post_ffw_norm": {"scale": a[s + "post_ffw_norm"]},
+        })
+        if cfg.fam.qk_norm:
+            t[p + "attn/_query_norm"] = {"scale": a[s + "q_norm"]}
+            t[p + "attn/_key_norm"] = {"scale": a[s + "k_norm"]}
+    return t
+
+
+def hf_tensors(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
+    """Our flat params -> Hugging Face Gemma tensors (matrices [out, in], heads flattened head-major)."""
+    a = {k: np.asarray(v) for k, v in flat.items()}
+    h, k, d, hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.head_dim
+    out = {"model.embed_tokens.weight": a["embed"], "model.norm.weight": a["final_norm"]}
+    for i in range(cfg.n_layers):
+        p, s = f"model.layers.{i}.", f"layers.{i}."
+        kv = a[s + "kv"]
+        out.update({
+            p + "self_attn.q_proj.weight": a[s + "q"].transpose(0, 2, 1).reshape(h * hd, d),
+            p + "self_attn.k_proj.weight": kv[0].transpose(0, 2, 1).reshape(k * hd, d),
+            p + "self_attn.v_proj.weight": kv[1].transpose(0, 2, 1).reshape(k * hd, d),
+            p + "self_attn.o_proj.weight": a[s + "o"].transpose(2, 0, 1).reshape(d, h * hd),
+            p + "mlp.gate_proj.weight": a[s + "gating"][0], p + "mlp.up_proj.weight": a[s + "gating"][1],
+            p + "mlp.down_proj.weight": a[s + "linear"].T,
+            p + "input_layernorm.weight": a[s + "pre_attn_norm"],
+            p + "post_attention_layernorm.weight": a[s + "post_attn_norm"],
+            p + "pre_feedforward_layernorm.weight": a[s + "pre_ffw_norm"],
+            p + "post_feedforward_layernorm.weight": a[s + "post_ffw_norm"],
+        })
+        if cfg.fam.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = a[s + "q_norm"]
+            out[p + "self_attn.k_norm.weight"] = a[s + "k_norm"]
+    return {n: np.ascontiguousarray(v) for n, v in out.items()}
+
+
+def peft_tensors(lc: lora_lib.LoraConfig, lora: dict) -> dict[str, np.ndarray]:
+    """Our adapters -> PEFT's lora_A [r, in] / lora_B [out, r], in and out flattened as HF flattens heads."""
+    out = {}
+    for name, a in lora.items():
+        _, i, target, which = name.split(".")
+        x = np.asarray(a, np.float32)
+        mat = x.reshape(-1, lc.rank).T if which == "a" else x.reshape(lc.rank, -1).T
+        key = f"base_model.model.model.layers.{i}.{lora_lib.TARGETS[target].hf}.lora_{which.upper()}.weight"
+        out[key] = np.ascontiguousarray(mat)
+    return out
+
+
+def peft_config(lc: lora_lib.LoraConfig, base: str) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lc.rank,
+            "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "bias": "none", "fan_in_fan_out": False,
+            "target_modules": [lora_lib.TARGETS[t].hf.split(".")[-1] for t in lc.targets]}
+
+
+def _gather(tree: dict) -> dict:
+    return {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in tree.items()}
+
+
+def _copy_tokenizer(root: str, out: str) -> None:
+    path = tok_lib.find(root)
+    if path:
+        with fsspec.open(path, "rb") as src, fsspec.open(f"{out.rstrip('/')}/{path.rsplit('/', 1)[-1]}", "wb") as dst:
+            dst.write(src.read())
+
+
+def export(weights_path: str, adapters: str, out: str, *, merge: bool, mesh_spec: str = "", step: int | None = None) -> str:
+    """Write the merged model or the PEFT adapters of `adapters` (on the base at `weights_path`) to `out`."""
+    fs, p = fsspec.core.url_to_fs(out)
+    if fs.exists(p) and fs.ls(p):
+        raise UsageError(f"--out {out} is not empty; pass a new directory (nothing is overwritten)")
+    mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh(mesh_spec, jax.device_count()))
+    ck = weights.inspect(weights_path)
+    lc, lora = finetune.load_adapters(adapters, ck.cfg, mesh, step)
+    primary = jax.process_index() == 0
+    if not merge:
+        host = _gather(lora)  # every process takes part in the gather
+        if primary:
+            from safetensors.numpy import save
+            fs.makedirs(p, exist_ok=True)
+            with fs.open(f"{p}/adapter_model.safetensors", "wb") as f:
+                f.write(save(peft_tensors(lc, host), metadata={"format": "pt"}))
+            with fs.open(f"{p}/adapter_config.json", "w") as f:
+                json.dump(peft_config(lc, weights_path), f, indent=1)
+        return "peft"
+    _, base = weights.load(weights_path, mesh)
+    merged = lora_lib.merge(ck.cfg, lc, base, lora)
+    if ck.layout == "flax":
+        import orbax.checkpoint as ocp
+        meta = weights._flax_meta(ck.path)
+        fused = "transformer/layer_0/attn/qkv_einsum" in meta
+        g = tuple(meta["transformer/layer_0/mlp/gating_einsum"]["w"].shape)
+        tree = flax_tree(ck.cfg, _gather(merged), fused=fused, gating_df=g[1] == ck.cfg.d_model != ck.cfg.ff)
+        target = out.rstrip("/") + "/" + ck.path.rstrip("/").rsplit("/", 1)[-1]
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(target if "://" in target else os.path.abspath(target), tree)
+        ckpt.wait_until_finished()
+        ckpt.close()
+    else:
+        host = _gather(merged)
+        if primary:
+            from safetensors.numpy import save
+            fs.makedirs(p, exist_ok=True)
+            with fs.open(f"{p}/model.safetensors", "wb") as f:
+                f.write(save(hf_tensors(ck.cfg, host), metadata={"format": "pt"}))
+            src_fs, src = fsspec.core.url_to_fs(ck.path)
+            with src_fs.open(f"{src}/config.json", "rb") as a, fs.open(f"{p}/config.json", "wb") as b:
+                b.write(a.read())
+    if primary:
+        _copy_tokenizer(ck.root, out)
+    return ck.layout

@@ -1,0 +1,274 @@
+"""LoRA fine-tuning of a Gemma checkpoint: the frozen base on the mesh, adapters trained, adapters saved.
+
+The base (trainer/weights.py) is loaded once, sharded fsdp-style by the mesh rules, optionally in bf16,
+and is only ever an input of the step: it is neither differentiated, nor updated, nor checkpointed.
+The train state is the adapters (f32) and the optimizer state for them alone; the step is a pure
+jitted function of (adapters, optimizer state, base, batch, step) that donates the first two.
+Checkpoints, preemption (save, exit 42), Ctrl-C and metrics.jsonl work as in pretraining (trainer/loop.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from trainer import checkpoint, metrics, optim, sft_data, tokenizer as tok_lib, weights
+from trainer import mesh as mesh_lib
+from trainer.config import TrainConfig, UsageError
+from trainer.lora_config import LoraRun
+from trainer.loop import INTERRUPTED, PREEMPTED, compute_dtype, enable_compile_cache
+from trainer.models import gemma, lora as lora_lib
+
+
+def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
+                 dtype=jnp.float32, dropout_key=None) -> jax.Array:
+    """f32 next-token cross-entropy [B, T] of packed rows under base + adapters (unweighted)."""
+    model = gemma.from_flat(cfg, base)
+    logits, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
+                      adapter=lora_lib.adapter(lc, lora, dropout_key))
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    return logz - jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+
+
+class Steps:
+    """The compiled train and eval steps of one (base config, LoRA config, mesh)."""
+
+    def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, mesh, total_steps: int, global_batch: int):
+        self.run, self.cfg, self.mesh, self.lc = run, cfg, mesh, run.lora
+        self.dtype = compute_dtype(run.dtype)
+        self.global_batch = global_batch
+        self.base_sh = gemma.shardings(cfg, mesh)
+        self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh)
+        self.rep = mesh_lib.replicated(mesh)
+        self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
+        t = TrainConfig(lr=run.lr, warmup_steps=run.warmup_steps, decay_steps=max(total_steps, run.warmup_steps + 1),
+                        min_lr_ratio=run.min_lr_ratio, weight_decay=run.weight_decay, grad_clip=run.grad_clip,
+                        beta1=0.9, beta2=0.999)
+        self.lr = optim.schedule(t)
+        self.tx = optax.chain(optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
+                              optax.adamw(self.lr, b1=t.beta1, b2=t.beta2, eps=1e-8, weight_decay=t.weight_decay))
+        self.abstract_lora = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=self.lora_sh[n])
+                              for n, (s, _) in lora_lib.param_layout(cfg, self.lc).items()}
+        self.opt_sh = optim.state_shardings(self.tx, self.abstract_lora, self.lora_sh, self.rep)
+        self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                         jax.eval_shape(self.tx.init, self.abstract_lora), self.opt_sh)
+        batch_sh = {f: self.batch_sh for f in sft_data.FIELDS}
+        self._train = jax.jit(self._train_step, in_shardings=(self.lora_sh, self.opt_sh, self.base_sh, batch_sh,
+                                                              self.rep),
+                              out_shardings=(self.lora_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
+        self._eval = jax.jit(self._eval_step, in_shardings=(self.lora_sh, self.base_sh, batch_sh),
+                             out_shardings=self.rep)
+
+    def _sums(self, lora, base, batch, key):
+        ce = token_losses(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key)
+        return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
+
+    def _train_step(self, lora, opt_state, base, batch, step):
+        key = jax.random.fold_in(jax.random.key(self.run.seed), step)  # from (seed, step): any host count
+
+        def loss(lr_params):
+            s, n = self._sums(lr_params, base, batch, key)
+            return s / jnp.maximum(n, 1.0)
+        value, grads = jax.value_and_grad(loss)(lora)
+        updates, opt_state = self.tx.update(grads, opt_state, lora)
+        lora = optax.apply_updates(lora, updates)
+        return lora, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), "lr": self.lr(step - 1)}
+
+    def _eval_step(self, lora, base, batch):
+        return jnp.stack(self._sums(lora, base, batch, None))
+
+    def compile(self, base) -> float:
+        """Ahead-of-time compile of the train step, so no step's time includes compilation."""
+        t0 = time.perf_counter()
+        shape = jax.ShapeDtypeStruct((self.global_batch, self.run.seq_len), jnp.int32, sharding=self.batch_sh)
+        batch = {f: shape if f != "weights" else shape.update(dtype=jnp.float32) for f in sft_data.FIELDS}
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
+        abstract_base = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in base.items()}
+        with jax.set_mesh(self.mesh):
+            self._train = self._train.lower(self.abstract_lora, self.abstract_opt, abstract_base, batch,
+                                            step).compile()
+        return time.perf_counter() - t0
+
+    def global_batch_of(self, local: dict) -> dict:
+        return {f: jax.make_array_from_process_local_data(self.batch_sh, local[f]) for f in sft_data.FIELDS}
+
+    def step(self, lora, opt_state, base, local: dict, step: int):
+        with jax.set_mesh(self.mesh):
+            return self._train(lora, opt_state, base, self.global_batch_of(local), np.int32(step))
+
+    def evaluate(self, lora, base, rows: sft_data.Rows) -> float | None:
+        if rows is None or not len(rows):
+            return None
+        tot = np.zeros(2)
+        with jax.set_mesh(self.mesh):
+            for b in sft_data.eval_batches(rows, self.global_batch, jax.process_index(), jax.process_count()):
+                tot += np.asarray(self._eval(lora, base, self.global_batch_of(b)))
+        return float(tot[0] / max(tot[1], 1.0))
+
+    def init(self):
+        lora = lora_lib.init(self.cfg, self.lc, self.run.seed, self.mesh)
+        return lora, jax.jit(self.tx.init, out_shardings=self.opt_sh)(lora)
+
+
+def load_data(run: LoraRun, tok, pid: int, nproc: int, global_batch: int):
+    """(train batches, val rows, message) from the JSONL files, the same on every process."""
+    train = sft_data.read_jsonl(run.data)
+    if run.val_data:
+        val = sft_data.read_jsonl(run.val_data)
+    else:
+        train, val = sft_data.split(train, run.val_fraction, run.seed)
+    enc = lambda recs, name: [sft_data.encode(tok, m, f"{name} example {i + 1}") for i, m in enumerate(recs)]
+    rows = sft_data.build_rows(enc(train, run.data), run.seq_len, packing=run.packing == "on", long=run.long)
+    val_rows = sft_data.build_rows(enc(val, run.val_data or run.data), run.seq_len,
+                                   packing=run.packing == "on", long=run.long) if val else None
+    msg = (f"data: {len(train)} train examples in {len(rows)} rows of {run.seq_len} (packing {run.packing}), "
+           f"{len(val)} val; longer than --seq-len: {rows.truncated} truncated, {rows.dropped} dropped")
+    return sft_data.Batches(rows, global_batch, run.seed, pid, nproc), val_rows, msg
+
+
+def adapter_meta(ckpt: checkpoint.Checkpointer, step: int) -> dict:
+    return ckpt.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+
+def finetune(run: LoraRun) -> int:
+    """Train adapters to the run's last step, resuming from the latest checkpoint. Returns the exit code."""
+    run.check()
+    distributed = mesh_lib.init_distributed()
+    enable_compile_cache()
+    mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh(run.mesh, jax.device_count()))
+    pid, nproc = jax.process_index(), jax.process_count()
+    global_batch = run.batch_size or 4 * jax.device_count()
+    if global_batch % mesh.shape["data"]:
+        raise UsageError(f"--batch-size {global_batch} is not divisible by the mesh's data axis "
+                         f"({mesh.shape['data']}); use a multiple of it")
+    ck = weights.inspect(run.weights, family=run.model or None)
+    tok = tok_lib.load(ck.path, ck.cfg.vocab, run.tokenizer or None)
+    batches, val_rows, data_msg = load_data(run, tok, pid, nproc, global_batch)
+    total = run.steps or max(1, int(np.ceil(run.epochs * len(batches.rows) / global_batch)))
+
+    checkpoint.check_writable(run.ckpt_dir)
+    ckpt = checkpoint.Checkpointer(run.ckpt_dir, run.keep)
+    ckpt.watch_preemption(distributed)
+    try:
+        start = ckpt.latest_step() or 0
+        if start:
+            check_resumable(ck.cfg, run, adapter_meta(ckpt, start), run.ckpt_dir)
+        base_dt = compute_dtype(run.base_dtype)
+        _, base = weights.load(run.weights, mesh, family=run.model or None,
+                               dtype=None if base_dt == jnp.float32 else base_dt)
+        steps = Steps(run, ck.cfg, mesh, total, global_batch)
+        return _train(run, ck.cfg, steps, ckpt, base, batches, val_rows, start, total, data_msg)
+    finally:
+        ckpt.unwatch()
+        ckpt.close()
+
+
+def check_resumable(cfg: gemma.GemmaConfig, run: LoraRun, meta: dict, where: str) -> None:
+    saved = meta.get("config", {})
+    for key in ("rank", "alpha", "targets"):
+        if key in saved and str(saved[key]) != str(getattr(run, key)):
+            raise UsageError(f"--ckpt-dir {where} holds adapters with --{key} {saved[key]}, not {getattr(run, key)}; "
+                             "use another --ckpt-dir or the same LoRA flags")
+    lora_lib.check_matches(cfg, run.lora, {k: tuple(v) for k, v in saved.get("shapes", {}).items()},
+                           f"--ckpt-dir {where}")
+
+
+class _Meta:
+    """The run's config and adapter shapes, as stored in each checkpoint's `meta` item."""
+
+    def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig):
+        self.run, self.cfg = run, cfg
+
+    def to_dict(self) -> dict:
+        shapes = {n: list(s) for n, (s, _) in lora_lib.param_layout(self.cfg, self.run.lora).items()}
+        return {**self.run.to_dict(), "base": dataclasses.asdict(self.cfg), "shapes": shapes}
+
+
+def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, data_msg) -> int:
+    primary = jax.process_index() == 0
+    lc = steps.lc
+    if start:
+        lora, opt_state = ckpt.restore(start, steps.abstract_lora, steps.abstract_opt)
+    else:
+        lora, opt_state = steps.init()
+    if primary:
+        (epath.Path(run.ckpt_dir) / "config.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
+        n_lora, n_base = lora_lib.count(cfg, lc), gemma.count_params(cfg)
+        metrics.say(data_msg)
+        metrics.say(f"LoRA rank {lc.rank} alpha {lc.alpha:g} on {','.join(lc.targets)}: {n_lora:,} trainable params "
+                    f"({100 * n_lora / n_base:.3f}% of {n_base:,}) | mesh data={steps.mesh.shape['data']},"
+                    f"model={steps.mesh.shape['model']} over {jax.device_count()} devices in {jax.process_count()} "
+                    f"process(es) | " + (f"resuming from step {start}" if start else "starting from the base"))
+    if start >= total:
+        if primary:
+            metrics.say(f"already at step {start} >= {total}: nothing to do")
+        return 0
+    compile_s = steps.compile(base)
+    if primary:
+        metrics.say(f"compiled the train step in {compile_s:.1f} s")
+    meta = _Meta(run, cfg)
+    log = metrics.MetricsLog(run.ckpt_dir, start, enabled=primary)
+    tokens_per_step = batches.global_batch * run.seq_len
+    ckpt.watch_interrupt()
+    try:
+        last_t, last_step = time.perf_counter(), start
+        for step in range(start + 1, total + 1):
+            lora, opt_state, out = steps.step(lora, opt_state, base, batches.local_batch(step), step)
+            last = step == total
+            if step == start + 1 or step % run.log_every == 0 or last:
+                rec = {"step": step, "loss": float(out["loss"])}
+                dt = (time.perf_counter() - last_t) / (step - last_step)
+                rec.update(tokens_per_s=tokens_per_step / dt, step_time_s=dt, lr=float(out["lr"]),
+                           grad_norm=float(out["grad_norm"]))
+                if last or (run.eval_every and step % run.eval_every == 0):
+                    rec["val_loss"] = steps.evaluate(lora, base, val_rows)
+                log.log(rec)
+                if primary:
+                    metrics.say(metrics.progress(rec, total))
+                last_t, last_step = time.perf_counter(), step
+            preempted = ckpt.preempted(step)
+            interrupted = ckpt.interrupted and not last
+            if preempted or interrupted or last or (run.ckpt_every and step % run.ckpt_every == 0):
+                ckpt.save(step, lora, opt_state, meta)
+            if preempted or interrupted:
+                ckpt.wait()
+                if preempted:
+                    if primary:
+                        metrics.say(f"preemption notice: saved step {step} to {run.ckpt_dir}; exiting {PREEMPTED}")
+                    return PREEMPTED
+                metrics.say(f"interrupted: saved step {step} to {run.ckpt_dir}; the same command resumes from it")
+                return INTERRUPTED
+    finally:
+        log.close()
+    if primary:
+        metrics.say(f"done: step {total}, adapters in {run.ckpt_dir}")
+    return 0
+
+
+def load_adapters(directory: str, cfg: gemma.GemmaConfig, mesh, step: int | None = None):
+    """(LoraConfig, adapters on the mesh) from a fine-tuning checkpoint dir, checked against the base `cfg`."""
+    ck = checkpoint.Checkpointer(directory, 1, read_only=True)
+    try:
+        step = step or ck.latest_step()
+        if not step:
+            raise UsageError(f"--adapters {directory}: no finished LoRA checkpoint there; pass the --ckpt-dir "
+                             "of a `python -m trainer lora` run")
+        meta = adapter_meta(ck, step)
+        saved = meta["config"]
+        lc = lora_lib.LoraConfig(saved["rank"], saved["alpha"], 0.0, lora_lib.resolve_targets(saved["targets"]))
+        lora_lib.check_matches(cfg, lc, {k: tuple(v) for k, v in saved.get("shapes", {}).items()},
+                               f"--adapters {directory}")
+        sh = lora_lib.shardings(cfg, lc, mesh)
+        abstract = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
+                    for n, (s, _) in lora_lib.param_layout(cfg, lc).items()}
+        lora, _ = ck.restore(step, abstract)
+        return lc, lora
+    finally:
+        ck.close()

@@ -1,0 +1,70 @@
+"""The flags of `python -m trainer lora` as one frozen config (jax-free: the CLI builds its parser from it
+before jax is imported)."""
+from __future__ import annotations
+
+import dataclasses
+
+from trainer.config import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraRun:
+    weights: str
+    data: str
+    ckpt_dir: str
+    val_data: str = ""
+    val_fraction: float = 0.1
+    tokenizer: str = ""
+    model: str = ""                 # expected family ("" = from the checkpoint)
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "q,v"
+    base_dtype: str = "auto"        # auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16
+    dtype: str = "auto"             # compute dtype, as for pretraining
+    seq_len: int = 512
+    packing: str = "on"
+    long: str = "truncate"
+    batch_size: int = 0             # global, in rows; 0 = 4 per device
+    epochs: float = 3.0
+    steps: int = 0                  # absolute step to train up to; 0 = from --epochs
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    min_lr_ratio: float = 1.0       # 1 = constant after warmup
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    mesh: str = ""
+    ckpt_every: int = 100
+    keep: int = 3
+    log_every: int = 10
+    eval_every: int = 0             # val loss every N steps (and at the last); 0 = only at the last
+
+    @property
+    def lora(self):
+        from trainer.models import lora as lora_lib
+        return lora_lib.LoraConfig(self.rank, self.alpha, self.dropout, lora_lib.resolve_targets(self.targets))
+
+    def check(self) -> None:
+        self.lora.check()
+        for flag, v in {"--seq-len": self.seq_len, "--keep": self.keep, "--log-every": self.log_every}.items():
+            if v < 1:
+                raise UsageError(f"{flag} {v}: must be at least 1")
+        for flag, v in {"--batch-size": self.batch_size, "--steps": self.steps, "--lr": self.lr,
+                        "--warmup-steps": self.warmup_steps, "--ckpt-every": self.ckpt_every,
+                        "--eval-every": self.eval_every, "--weight-decay": self.weight_decay,
+                        "--grad-clip": self.grad_clip}.items():
+            if v < 0:
+                raise UsageError(f"{flag} {v}: must not be negative")
+        if self.epochs <= 0 and not self.steps:
+            raise UsageError(f"--epochs {self.epochs}: must be positive (or pass --steps)")
+        if self.packing not in ("on", "off"):
+            raise UsageError(f"--packing {self.packing}: choose on or off")
+        for flag, v in {"--dtype": self.dtype, "--base-dtype": self.base_dtype}.items():
+            if v not in ("auto", "float32", "bfloat16"):
+                raise UsageError(f"{flag} {v}: choose auto, float32 or bfloat16")
+        if not self.ckpt_dir:
+            raise UsageError("--ckpt-dir is required: a local directory or gs://BUCKET/PATH for the adapters")
+
+    def to_dict(self) -> dict:  # what Checkpointer.save stores as the run's config
+        return dataclasses.asdict(self)

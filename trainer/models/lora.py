@@ -1,0 +1,180 @@
+"""LoRA adapters on Gemma's projections (trainer/models/gemma.py): W x + (alpha / r) * B(A(dropout(x))).
+
+A target is one projection of every layer: q, k, v, o (attention), gate, up, down (MLP). Its adapter is
+A [*in, r] and B [r, *out], where in/out are the projection's input and output dims in the model's own
+layout (q: D -> [H, hd]; o: [H, hd] -> D; down: F -> D), so it adds r * (in + out) parameters per layer.
+As in the LoRA paper (and PEFT): A starts Kaiming-uniform, B at zero (step 0 is the base model), dropout
+drops the adapter's input only, and the update is scaled by alpha / r. LoRA params are f32 whatever the
+base's dtype, and they carry logical axes so the mesh rules shard them like the matrices they adapt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+
+import jax
+import jax.numpy as jnp
+
+from trainer.config import UsageError
+from trainer.mesh import fitted_spec
+from trainer.models import gemma
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    base: str                    # the base parameter (per layer) it adapts
+    index: int | None            # the slice of that parameter (kv: 0 = k, 1 = v; gating: 0 = gate, 1 = up)
+    in_axes: tuple[str, ...]     # the projection's input dims (leading dims of A)
+    out_axes: tuple[str, ...]    # its output dims (trailing dims of B)
+    to_base: tuple[int, ...]     # transposes the [*in, *out] update into the base slice's layout
+    hf: str                      # Hugging Face / PEFT module name
+
+
+TARGETS: dict[str, Target] = {
+    "q": Target("q", None, ("fsdp",), ("heads", "head_dim"), (1, 0, 2), "self_attn.q_proj"),
+    "k": Target("kv", 0, ("fsdp",), ("kv_heads", "head_dim"), (1, 0, 2), "self_attn.k_proj"),
+    "v": Target("kv", 1, ("fsdp",), ("kv_heads", "head_dim"), (1, 0, 2), "self_attn.v_proj"),
+    "o": Target("o", None, ("heads", "head_dim"), ("fsdp",), (0, 1, 2), "self_attn.o_proj"),
+    "gate": Target("gating", 0, ("fsdp",), ("mlp",), (1, 0), "mlp.gate_proj"),
+    "up": Target("gating", 1, ("fsdp",), ("mlp",), (1, 0), "mlp.up_proj"),
+    "down": Target("linear", None, ("mlp",), ("fsdp",), (0, 1), "mlp.down_proj"),
+}
+ALIASES = {"all": ("*",), "attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self) -> None:
+        if self.rank < 1:
+            raise UsageError(f"--rank {self.rank}: must be at least 1 (the adapters' inner width)")
+        if self.alpha <= 0:
+            raise UsageError(f"--alpha {self.alpha}: must be positive (the update is scaled by alpha / rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"--dropout {self.dropout}: must be in [0, 1)")
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets:
+            raise UsageError(f"LoRA targets {','.join(bad) or '(none)'}: choose from {','.join(TARGETS)}")
+
+
+def resolve_targets(spec: str) -> tuple[str, ...]:
+    """'q,v' / 'all' / 'attn' / 'mlp' / globs ('*_proj', 'gate*') over our and Hugging Face's projection
+    names -> our names in model order. Each pattern must match at least one projection."""
+    picked: set[str] = set()
+    for pat in (p.strip() for p in spec.split(",")):
+        if not pat:
+            continue
+        pats = ALIASES.get(pat, (pat,))
+        hits = {n for n, t in TARGETS.items() for p in pats
+                if fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(t.hf.split(".")[-1], p)}
+        if not hits:
+            raise UsageError(f"--targets {pat!r} matches no projection of the model; use names from "
+                             f"{','.join(TARGETS)} (or q_proj... as Hugging Face names them), attn, mlp or all")
+        picked |= hits
+    if not picked:
+        raise UsageError("--targets is empty; name the projections to adapt, e.g. q,v or all")
+    return tuple(n for n in TARGETS if n in picked)
+
+
+def _dims(cfg: gemma.GemmaConfig) -> dict[str, int]:
+    return {"fsdp": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "mlp": cfg.ff}
+
+
+def param_layout(cfg: gemma.GemmaConfig, lc: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """Flat name ('layers.3.q.a') -> (shape, logical axes) of every LoRA parameter."""
+    dims, out = _dims(cfg), {}
+    for i in range(cfg.n_layers):
+        for name in lc.targets:
+            t = TARGETS[name]
+            out[f"layers.{i}.{name}.a"] = (tuple(dims[a] for a in t.in_axes) + (lc.rank,), t.in_axes + (None,))
+            out[f"layers.{i}.{name}.b"] = ((lc.rank,) + tuple(dims[a] for a in t.out_axes), (None,) + t.out_axes)
+    return out
+
+
+def count(cfg: gemma.GemmaConfig, lc: LoraConfig) -> int:
+    return sum(math.prod(s) for s, _ in param_layout(cfg, lc).values())
+
+
+def shardings(cfg: gemma.GemmaConfig, lc: LoraConfig, mesh) -> dict[str, jax.sharding.NamedSharding]:
+    return {n: jax.sharding.NamedSharding(mesh, fitted_spec(axes, shape, dict(mesh.shape)))
+            for n, (shape, axes) in param_layout(cfg, lc).items()}
+
+
+def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None) -> dict[str, jax.Array]:
+    """f32 adapters: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's Kaiming-uniform, a=sqrt(5)), B = 0.
+    Each array comes from (seed, its name) alone, placed by the rules when a mesh is given."""
+    key = jax.random.key(seed)
+    sh = shardings(cfg, lc, mesh) if mesh is not None else {}
+    out = {}
+    for j, (name, (shape, _)) in enumerate(param_layout(cfg, lc).items()):
+        if name.endswith(".b"):
+            make = lambda shape=shape: jnp.zeros(shape, jnp.float32)
+        else:
+            bound = 1.0 / math.sqrt(math.prod(shape[:-1]))
+            make = lambda shape=shape, k=jax.random.fold_in(key, j), b=bound: jax.random.uniform(
+                k, shape, jnp.float32, -b, b)
+        out[name] = jax.jit(make, out_shardings=sh.get(name))() if sh else make()
+    return out
+
+
+def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array | None = None):
+    """The model's adapter hook: (layer, projection, input, output) -> output + scale * B(A(drop(input)))."""
+    def apply(i: int, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+        a = lora.get(f"layers.{i}.{name}.a")
+        if a is None:
+            return y
+        b = lora[f"layers.{i}.{name}.b"]
+        n_in = a.ndim - 1
+        if dropout_key is not None and lc.dropout > 0:
+            k = jax.random.fold_in(jax.random.fold_in(dropout_key, i), list(TARGETS).index(name))
+            keep = jax.random.bernoulli(k, 1.0 - lc.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - lc.dropout), 0).astype(x.dtype)
+        h = jnp.tensordot(x.astype(jnp.float32), a, axes=n_in)
+        return y + (lc.scale * jnp.tensordot(h, b, axes=1)).astype(y.dtype)
+    return apply
+
+
+def delta(lc: LoraConfig, lora: dict[str, jax.Array], i: int, name: str) -> jax.Array:
+    """scale * A @ B of one projection, in the layout of the base slice it adds to."""
+    a, b = lora[f"layers.{i}.{name}.a"], lora[f"layers.{i}.{name}.b"]
+    return (lc.scale * jnp.tensordot(a, b, axes=1)).transpose(TARGETS[name].to_base)
+
+
+def merge(cfg: gemma.GemmaConfig, lc: LoraConfig, base: dict[str, jax.Array],
+          lora: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Base params with every adapter folded in (W + scale * A @ B), each in its base dtype and sharding."""
+    out = dict(base)
+    for i in range(cfg.n_layers):
+        for name in lc.targets:
+            t = TARGETS[name]
+            key = f"layers.{i}.{t.base}"
+            w = out[key]
+            d = delta(lc, lora, i, name)
+            upd = w.astype(jnp.float32)
+            upd = upd.at[t.index].add(d) if t.index is not None else upd + d
+            out[key] = jax.device_put(upd.astype(w.dtype), w.sharding) if hasattr(w, "sharding") else upd.astype(w.dtype)
+    return out
+
+
+def check_matches(cfg: gemma.GemmaConfig, lc: LoraConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Adapters (name -> shape) against the base model they are applied to: one line naming the mismatch."""
+    want = {n: s for n, (s, _) in param_layout(cfg, lc).items()}
+    missing = sorted(set(want) - set(shapes))
+    if missing:
+        raise UsageError(f"{where}: the adapters have no {missing[0]} for this base ({cfg.n_layers} layers); "
+                         "they were trained on a different base model")
+    for n, s in want.items():
+        if tuple(shapes[n]) != tuple(s):
+            raise UsageError(f"{where}: adapter {n} has shape {tuple(shapes[n])} but this base needs {tuple(s)} "
+                             f"(d_model {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads}, ff {cfg.ff}); "
+                             "they were trained on a different base model")
