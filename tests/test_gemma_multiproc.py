@@ -85,4 +85,5 @@ def test_two_processes_each_read_their_half(tmp_path, tmp_path_factory):
         # Orbax reads whole chunks: a checkpoint stored one chunk per shard is read by half per process
         # (plus metadata); one stored one chunk per array is read whole by every process.
         assert r["flax-sharded"]["ts_read"] < 0.6 * r["flax-sharded"]["total"], r
-        assert r["flax"]["ts_read"] > r["flax"]["total"], r
+        # (Whole: about the array bytes; compression and metadata move the count a little either way.)
+        assert r["flax"]["ts_read"] > 0.9 * r["flax"]["total"], r
