@@ -31,9 +31,10 @@ def device_paths():
     return sorted(glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit()])
 
 
-def holders(paths):
-    """{path: [pid, ...]} for the open file descriptors of every process we can inspect."""
-    want = {os.path.realpath(p): p for p in paths}
+def holders(paths, raw=False):
+    """{path: [pid, ...]} for the open file descriptors of every process we can inspect. raw: the paths are
+    link targets as /proc shows them (e.g. "socket:[123]"), not files to resolve."""
+    want = {p if raw else os.path.realpath(p): p for p in paths}
     out = {}
     me = os.getpid()
     for pid in os.listdir("/proc"):
@@ -171,19 +172,8 @@ def port_holder(ip, port):
                         inodes.add("socket:[%s]" % cols[9])
         except (OSError, IndexError, ValueError):
             pass
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fds = os.listdir("/proc/%s/fd" % pid)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink("/proc/%s/fd/%s" % (pid, fd)) in inodes:
-                    return {"pid": int(pid), "cmd": cmdline(int(pid))}
-            except OSError:
-                continue
+    for pids in holders(inodes, raw=True).values():
+        return {"pid": pids[0], "cmd": cmdline(pids[0])}
     return {"pid": None, "cmd": ""}
 
 

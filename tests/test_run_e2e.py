@@ -86,19 +86,24 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
         assert abs(one[s] - multi[s]) <= 1e-5, (s, one[s], multi[s])
 
 
+
+def _ready(sl, tmp_path) -> tuple[str, dict]:
+    """The corpus prepared into the slice's shared dir, and run_job's arguments for the bundle on its hosts."""
+    data = f"{sl.shared_dir}/data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", data], env=env, check=True,
+                   capture_output=True, timeout=300)
+    bundle = B.build(cache_dir=tmp_path / "bundles")
+    install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+    return data, dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout, env={"JAX_PLATFORMS": "cpu"})
+
 @pytest.mark.e2e
 def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory, tmp_path):
     """Process 0 writes a probe in --ckpt-dir and every process must see it: a path each host has its own copy
     of (/tmp) stops the run before step 1 naming the hosts that did not; a path they share passes."""
     sl = start("shared", 2, tmp_path_factory.mktemp("slices"))
     try:
-        data = f"{sl.shared_dir}/data"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
-        subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", data], env=env, check=True,
-                       capture_output=True, timeout=300)
-        bundle = B.build(cache_dir=tmp_path / "bundles")
-        install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
-        kw = dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout, env={"JAX_PLATFORMS": "cpu"})
+        data, kw = _ready(sl, tmp_path)
         args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
                 "--steps", "2", "--ckpt-every", "0"]
         import io
@@ -132,12 +137,7 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
     from _local_hosts import host_processes
     sl = start("hung", 2, tmp_path_factory.mktemp("slices"))
     try:
-        data = f"{sl.shared_dir}/data"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
-        subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", data], env=env, check=True,
-                       capture_output=True, timeout=300)
-        bundle = B.build(cache_dir=tmp_path / "bundles")
-        install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+        data, kw = _ready(sl, tmp_path)
         args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
                 "--steps", "100000", "--ckpt-every", "0", "--ckpt-dir", f"{sl.shared_dir}/ckpt"]
         out = io.StringIO()
@@ -152,8 +152,7 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         t = threading.Thread(target=stop_w1_at_step_5, daemon=True)
         t.start()
         with pytest.raises(RunFailed) as e:
-            run_job(workers(sl), args, run_dir=tmp_path / "run", out=out, ssh=ssh_config(sl), bundle=bundle,
-                    install=install, layout=layout, env={"JAX_PLATFORMS": "cpu"}, hang_timeout_s=20)
+            run_job(workers(sl), args, run_dir=tmp_path / "run", out=out, hang_timeout_s=20, **kw)
         t.join(5)
         r = e.value.result
         assert r.failed_worker == 1 and r.returncode == 124, out.getvalue()[-3000:]
