@@ -64,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--data", nargs="*", default=None, help="text files or dirs (default: Shakespeare's plays)")
     pr.add_argument("--out", required=True, help="output dir, local or gs://")
     pr.add_argument("--val-fraction", type=float, default=0.05)
+    pr.add_argument("--markdown", action="store_true",
+                    help="keep the embedded plays' Markdown (default: plain `NAME:` speaker turns)")
 
     pt = common(sub.add_parser("pretrain", help="train (resumes from the latest checkpoint in --ckpt-dir)"))
     add_config_flags(pt)
@@ -83,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.cmd == "prepare":
         from trainer import data
-        meta = data.prepare(args.data or None, args.out, args.val_fraction)
+        meta = data.prepare(args.data or None, args.out, args.val_fraction, markdown=args.markdown)
         print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens "
               f"from {meta['n_files']} file(s) into {args.out}")
         return 0
