@@ -1,4 +1,4 @@
-"""`python -m trainer prepare|pretrain|sample ...` (the command line is a contract: docs/CONTRACTS.md).
+"""`python -m trainer prepare|pretrain|sample|sweep|report ...` (the command line is a contract: docs/CONTRACTS.md).
 
 --emulate-devices N is handled before jax is imported: it adds N CPU devices to XLA_FLAGS (an
 inherited device-count flag wins). On the CPU backend, freed host memory is kept for reuse
@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     sa.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+
+    from trainer import sweep  # jax-free: `sweep` and `report`
+    sweep.add_parsers(sub)
     return p
 
 
@@ -92,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     if args.cmd == "pretrain":
         from trainer import config, loop
         return loop.pretrain(config.resolve(args))
+    if args.cmd in ("sweep", "report"):
+        from trainer import sweep
+        return sweep.command(args)
     from absl import logging
     from trainer import sample
     logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only checkpoint manager is read-only
