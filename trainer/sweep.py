@@ -341,7 +341,7 @@ def command(args) -> int:
         from trainer import report
         res = report.report(args.ckpt_dir, args.out)
         if args.json:
-            print(json.dumps({k: v for k, v in res.items() if k != "text"}))
+            print(json.dumps(res))
         else:
             print(res["text"])
             for n in res["notes"]:
