@@ -11,12 +11,12 @@ import sys
 import numpy as np
 import pytest
 
+from _sweep_util import BASE, fake_trial, lr_sweep
 from _trainer_util import REPO, env, session_cache, shakespeare
 from trainer import report, sweep
 from trainer.__main__ import main
 from trainer.config import PRESETS, Config, ModelConfig
 
-BASE = ["pretrain", "--preset", "gpt2-tiny", "--steps", "4"]
 
 
 def _err(capsys) -> str:
@@ -138,38 +138,18 @@ def test_the_power_law_fit_recovers_known_parameters(use_scipy):
         report.fit_power_law(C[:3], L[:3])
 
 
+def test_the_fit_takes_the_best_finished_trial_of_each_model_size():
+    rows = [{"params": p, "flops": f, "status": st, "best_val_loss": l, "final_train_loss": l and l + 1}
+            for p, f, st, l in [(10, 1e9, "done", 5.0), (10, 1e9, "done", 4.5), (20, 2e9, "failed", 1.0),
+                                (20, 2e9, "done", 4.2), (30, 3e9, "done", None), (40, 4e9, "pending", 3.0)]]
+    rows[4]["final_train_loss"] = 4.1  # no validation loss: judged by its last training loss
+    assert report.frontier(rows) == [(1e9, 4.5), (2e9, 4.2), (3e9, 4.1)]
+
+
 # --- the report of a sweep ------------------------------------------------------------------------------
 
-def _fake_trial(root, name, n_layer, lr, losses, status="done"):
-    """A trial dir as the trainer leaves it (config.json, metrics.jsonl) plus the sweep's trial.json."""
-    m, t = PRESETS["gpt2-tiny"]
-    import dataclasses
-    cfg = Config("gpt2-tiny", dataclasses.replace(m, n_layer=n_layer),
-                 dataclasses.replace(t, lr=lr, steps=len(losses) * 10, ckpt_dir=str(root / name)))
-    d = root / name
-    d.mkdir(parents=True)
-    (d / "config.json").write_text(cfg.to_json())
-    recs = [{"step": 10 * (i + 1), "loss": l, "tokens_per_s": 1000.0 + i, "mfu": None, "lr": lr,
-             **({"val_loss": l + 0.1} if i == len(losses) - 1 else {})} for i, l in enumerate(losses)]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    sweep.record(str(d), status, 0 if status == "done" else 1, "" if status == "done" else "exit code 1: boom", 12.5)
-    return cfg
-
-
 def test_report_writes_table_charts_and_a_self_contained_html(tmp_path, capsys):
-    root = tmp_path / "lr"
-    axes = {"n_layer": [1, 2], "lr": [0.001, 0.003, 0.01]}
-    sw = sweep.Sweep(str(root), "grid", axes, BASE, [])
-    names = []
-    for nl in axes["n_layer"]:
-        for lr in axes["lr"]:
-            names.append(sweep.trial_name({"n_layer": nl, "lr": lr}))
-            # The larger model reaches a lower loss; lr 0.003 is best for both.
-            final = 6.0 - 0.5 * nl + abs(math.log10(lr / 0.003))
-            _fake_trial(root, names[-1], nl, lr, [9.0, 7.5, final],
-                        status="failed" if (nl, lr) == (2, 0.01) else "done")
-    (root / sweep.SWEEP_JSON).write_text(json.dumps({**sw.record(), "trials": names}))
-
+    root, names = lr_sweep(tmp_path / "lr")
     assert main(["report", "--ckpt-dir", str(root)]) == 0
     out = capsys.readouterr().out
     assert "n_layer-1_lr-0.003" in out and "report.html" in out
@@ -198,12 +178,13 @@ def test_report_writes_table_charts_and_a_self_contained_html(tmp_path, capsys):
     for r in rows:
         assert f"<td>{r['trial']}</td>" in page
         assert f"<td>{float(r['best_val_loss']):.4f}</td>" in page
-    assert "Fit over final loss against training FLOPs: L(C) = a * C^-b + c" in page
+    # Two model sizes: too few for a scaling law (the fit takes the best trial of each size).
+    assert "no power-law fit: it needs finished trials of at least 4 model sizes, this sweep has 2" in page
     assert "failed: n_layer-2_lr-0.01: exit code 1: boom" in page
 
     assert main(["report", "--ckpt-dir", str(root), "--json", "--out", str(tmp_path / "elsewhere")]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["kind"] == "sweep" and len(res["rows"]) == 6 and res["fit"]["n"] == 6
+    assert res["kind"] == "sweep" and len(res["rows"]) == 6 and res["fit"] is None
     assert (tmp_path / "elsewhere" / "report.html").exists()
 
 
@@ -213,7 +194,7 @@ def dataclasses_replace_layers(n):
 
 
 def test_report_of_a_single_run_and_of_nothing(tmp_path, capsys):
-    _fake_trial(tmp_path, "run", 1, 0.003, [9.0, 8.0])
+    fake_trial(tmp_path, "run", 1, 0.003, [9.0, 8.0])
     assert main(["report", "--ckpt-dir", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "report" / "run.png").stat().st_size > 0
     assert "config: " in (tmp_path / "run" / "report" / "report.html").read_text()

@@ -86,6 +86,22 @@ def row(name: str, run: dict) -> dict:
     return out
 
 
+def final_loss(r: dict) -> float | None:
+    """The loss a trial is judged by: its best validation loss, else its last training loss."""
+    return r["best_val_loss"] if r.get("best_val_loss") is not None else r.get("final_train_loss")
+
+
+def frontier(rows: list[dict]) -> list[tuple[float, float]]:
+    """(FLOPs, loss) of the best finished trial of each model size: what a scaling law in compute describes
+    (the other axes of the sweep, such as the learning rate, are tuned away)."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        if r["status"] == "done" and r.get("flops") and final_loss(r) is not None:
+            if r["params"] not in best or final_loss(r) < final_loss(best[r["params"]]):
+                best[r["params"]] = r
+    return sorted((r["flops"], final_loss(r)) for r in best.values())
+
+
 def _flat(cfg: Config) -> dict:
     import dataclasses
     return {**dataclasses.asdict(cfg.model), **dataclasses.asdict(cfg.train)}
@@ -257,6 +273,18 @@ def _plt():
     return plt
 
 
+def _plain_log_ticks(ax) -> None:
+    """Losses span less than a decade: label them 8.2, 8.4 (not 8.4x10^0); minor x labels only where the
+    axis spans too little for major ones."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    if ax.get_yscale() == "log":
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    lo, hi = ax.get_xlim()
+    if ax.get_xscale() == "log" and lo > 0 and hi / lo > 30:  # major labels are enough
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
@@ -281,6 +309,7 @@ def sweep_charts(rows: list[dict], runs: list[dict], axes: dict, fit: PowerLaw |
         ax2.plot([s * per_step for s in steps], [m["loss"] for m in recs], label=r["trial"])
     ax1.set(xlabel="step", ylabel="train loss", title="Loss against steps")
     ax2.set(xlabel="training FLOPs", ylabel="train loss", title="Loss against compute", xscale="log")
+    _plain_log_ticks(ax2)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=7)
@@ -289,7 +318,7 @@ def sweep_charts(rows: list[dict], runs: list[dict], axes: dict, fit: PowerLaw |
     done = [r for r in rows if r.get("final_train_loss") is not None and r.get("params")]
     if done:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        loss = [r["best_val_loss"] if r["best_val_loss"] is not None else r["final_train_loss"] for r in done]
+        loss = [final_loss(r) for r in done]
         ax1.scatter([r["params_non_embedding"] or r["params"] for r in done], loss)
         ax2.scatter([r["flops"] for r in done], loss)
         for r, l in zip(done, loss):
@@ -305,6 +334,7 @@ def sweep_charts(rows: list[dict], runs: list[dict], axes: dict, fit: PowerLaw |
                 xscale="log", yscale="log")
         for ax in (ax1, ax2):
             ax.grid(alpha=0.3, which="both")
+            _plain_log_ticks(ax)
         charts["final_loss"] = _png(fig)
 
     if "lr" in axes and len(axes["lr"]) > 1 and done:
@@ -394,16 +424,17 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True) -> di
     if sweep.load(ckpt_dir) is not None:
         rec, rows, runs = sweep_rows(ckpt_dir)
         fit, notes = None, []
-        pts = [(r["flops"], r["best_val_loss"] if r["best_val_loss"] is not None else r["final_train_loss"])
-               for r in rows if r.get("flops") and r.get("final_train_loss") is not None]
+        pts = frontier(rows)
         if len(pts) >= 4:
             try:
                 fit = fit_power_law(*zip(*pts))
-                notes.append("Fit over final loss against training FLOPs: " + fit.describe())
+                notes.append("Fit over the best final loss of each model size against its training FLOPs: "
+                             + fit.describe())
             except (RuntimeError, ValueError) as e:  # scipy's curve_fit gives up with RuntimeError
                 notes.append(f"no power-law fit: {str(e).splitlines()[0]}")
         else:
-            notes.append(f"no power-law fit: it needs at least 4 trials with a final loss, this sweep has {len(pts)}")
+            notes.append(f"no power-law fit: it needs finished trials of at least 4 model sizes, this sweep has "
+                         f"{len(pts)}")
         failed = [f"{r['trial']}: {r['reason']}" for r in rows if r["status"] == "failed"]
         if failed:
             notes.append("failed: " + "; ".join(failed))
