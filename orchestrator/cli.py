@@ -509,7 +509,7 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
             click.echo(f"report: {rep['html']}")
         return
     command = list(command)
-    if command and command[0] in ("python", "python3") or (command and command[0] != "pretrain"):
+    if command and command[0] != "pretrain":
         raise UserError("a sweep runs the trainer's pretrain: `tpuctl sweep NAME --set K=V1,V2 --out DIR -- pretrain ...`")
     grid_args = (["--grid", grid] if grid else []) + [a for s in sets for a in ("--set", s)] + (["--zip"] if zip_ else [])
     res = sweep.sweep(name, grid_args, out or "", command, local=local)

@@ -43,7 +43,8 @@ def test_an_unknown_grid_key_is_named_before_anything_runs(capsys, tmp_path):
     (["--grid", "EMPTY"], "the grid is empty"),
     (["--grid", "NOVALS"], "n_layer has no values"),
     (["--set", "n_layer=1,2", "--set", "lr=0.1", "--zip"], "--zip needs lists of one length: n_layer has 2, lr has 1"),
-    (["--set", "n_layer=two"], "grid key n_layer: 'two' is not a int"),
+    (["--set", "n_layer=two"], "grid key n_layer: 'two' is not an integer"),
+    (["--set", "lr=fast"], "grid key lr: 'fast' is not a number"),
     (["--set", "n_head=3"], "trial n_head-3: --d-model 128 is not divisible by --n-head 3"),
     (["--set", "ckpt_dir=a,b"], "the sweep sets --ckpt-dir per trial"),
 ])

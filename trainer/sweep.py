@@ -71,8 +71,9 @@ def _field(key: str) -> str:
 
 def _value(name: str, raw) -> int | float | str:
     typ = {int: int, float: float, str: str}[_type(name)]
+    what = {int: "an integer", float: "a number", str: "a string"}[typ]
     if isinstance(raw, bool) or (typ is not str and not isinstance(raw, (int, float, str))):
-        raise UsageError(f"grid key {name}: {raw!r} is not a {typ.__name__}")
+        raise UsageError(f"grid key {name}: {raw!r} is not {what}")
     try:
         v = typ(raw)
         if typ is int and isinstance(raw, float) and raw != int(raw):
@@ -81,7 +82,7 @@ def _value(name: str, raw) -> int | float | str:
             raise ValueError
         return v
     except ValueError:
-        raise UsageError(f"grid key {name}: {raw!r} is not a {typ.__name__}") from None
+        raise UsageError(f"grid key {name}: {raw!r} is not {what}") from None
 
 
 def _type(name: str) -> type:
