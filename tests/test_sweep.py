@@ -13,7 +13,7 @@ import pytest
 
 from _sweep_util import BASE, fake_trial, lr_sweep
 from _trainer_util import REPO, env, session_cache, shakespeare
-from trainer import report, sweep
+from trainer import report, scaling, sweep
 from trainer.__main__ import main
 from trainer.config import PRESETS, Config, ModelConfig
 
@@ -130,13 +130,13 @@ def test_the_power_law_fit_recovers_known_parameters(use_scipy):
     rng = np.random.default_rng(0)
     C = np.geomspace(1e15, 1e22, 16)
     L = (a * C**-b + c) * (1 + 0.002 * rng.standard_normal(C.size))
-    fit = report.fit_power_law(C, L, use_scipy=use_scipy)
+    fit = scaling.fit_power_law(C, L, use_scipy=use_scipy)
     for got, want in ((fit.a, a), (fit.b, b), (fit.c, c)):
         assert abs(got - want) <= 0.05 * want, (fit, a, b, c)
     assert 0 < fit.b_err < 0.05 and 0 < fit.c_err < 0.1 and fit.a_err > 0  # the noise shows in the errors
     assert f"b = {fit.b:.4g} ± {fit.b_err:.2g}" in fit.describe()
     with pytest.raises(ValueError, match="at least 4"):
-        report.fit_power_law(C[:3], L[:3])
+        scaling.fit_power_law(C[:3], L[:3])
 
 
 def test_the_fit_takes_the_best_finished_trial_of_each_model_size():
