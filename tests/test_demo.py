@@ -23,8 +23,8 @@ def test_the_demo_training_ends_with_a_sample_that_has_speaker_turns(tmp_path_fa
     corpus = shakespeare(tmp_path_factory)
     ckpt = tmp_path / "run"
     e = env(session_cache(tmp_path_factory), devices=8)
-    p = subprocess.run([sys.executable, "-m", "trainer", "pretrain", *demo.TRAIN, "--data", corpus,
-                        "--steps", str(demo.STEPS), "--ckpt-dir", str(ckpt)], cwd=REPO, env=e,
+    p = subprocess.run([sys.executable, "-m", "trainer", "pretrain", *demo.train_flags(), "--data", corpus,
+                        "--ckpt-dir", str(ckpt)], cwd=REPO, env=e,
                        stdout=open(tmp_path / "log", "w"), stderr=subprocess.STDOUT, timeout=900)
     assert p.returncode == 0, tail(tmp_path / "log")
     s = subprocess.run([sys.executable, "-m", "trainer", "sample", "--ckpt-dir", str(ckpt), *demo.SAMPLE],
