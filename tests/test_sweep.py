@@ -15,7 +15,7 @@ from _sweep_util import BASE, fake_trial, lr_sweep
 from _trainer_util import REPO, env, session_cache, shakespeare
 from trainer import report, scaling, sweep
 from trainer.__main__ import main
-from trainer.config import PRESETS, Config, ModelConfig
+from trainer.config import PRESETS, ModelConfig
 
 
 
