@@ -482,8 +482,8 @@ def test_sample_with_adapters_equals_sampling_the_merged_export(bases, trained, 
     with_adapters = capsys.readouterr().out
     assert main(["sample", "--weights", out, *gen]) == 0
     assert capsys.readouterr().out == with_adapters
-    assert main(["sample", "--weights", bases["gemma2"], *gen]) == 0
-    assert capsys.readouterr().out != with_adapters  # the adapters change what is generated
+    # (That the adapters change the model is checked on logits in the merge tests: six greedy tokens of a tiny
+    # random model can decode to the same text, even to nothing, with and without them.)
     assert main(["sample", "--weights", bases["gemma3"], "--adapters", trained["gemma2"], *gen]) == 2
     assert "they were trained on a different base model" in capsys.readouterr().err
 
