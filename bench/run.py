@@ -346,11 +346,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         else:
             say("[4b] gpt2-124m: skipped" + (" (--quick)" if not plan.do_124m else ""))
     if "launch" in sections and not plan.quick:
-        say("== [6] tpuctl run on a local slice (issue 4): push+install and run -> first step, 1/4/16 hosts")
+        say("== [6] tpuctl run on a local slice: push+install and run -> first step, 1/4/16 hosts")
         from bench import launch
         launch.bench(say=say)
     else:
-        say("[6] launch bench (issue 4): skipped" + (" (--quick)" if plan.quick else ""))
+        say("[6] launch bench: skipped" + (" (--quick)" if plan.quick else ""))
     if "gemma" in sections and not plan.quick:
         say("== [7] Gemma sampling: KV-cache loop vs full recompute (bench/gemma_sample.py)")
         from bench import gemma_sample

@@ -1,4 +1,4 @@
-"""The seed article's GPT-2 (../shared/seeds/000_*.txt and the notebook it links), rebuilt for comparison only.
+"""The GPT-2 of the article this project started from (and the notebook it links), rebuilt for comparison only.
 
 Same architecture and train step as the article: nnx.MultiHeadAttention with a (T, T) causal mask built on
 every call, LayerNorm(eps=1e-6), Linear+gelu MLP, token+position embeddings, output through the tied token

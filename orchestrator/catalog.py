@@ -1,7 +1,6 @@
 """Cloud TPU accelerator types: chips, VMs (workers), topology, HBM, peak bf16 TFLOP/s, list price.
 
-Figures come from the sources numbered in ../shared/notes/catalog.md; each one carries its source in a
-comment. The zone lists are hints only: the API's own `acceleratorTypes` listing for a zone is the
+Each figure carries its source (numbered in the comments below). The zone lists are hints only: the API's own `acceleratorTypes` listing for a zone is the
 source of truth (cloud.py asks it before creating anything).
 """
 from __future__ import annotations
