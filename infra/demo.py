@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sh(tpuctl + ["down", args.name, "--local", "--yes"], env, check=False)
         gcs.stop()
-        from orchestrator import cloud
-        cloud.stop_local_api()  # the TPU API stand-in: nothing of the demo keeps running
+        from orchestrator.provider import local as local_provider
+        local_provider.stop_api()  # the TPU API stand-in: nothing of the demo keeps running
 
 
 if __name__ == "__main__":

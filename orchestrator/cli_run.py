@@ -2,11 +2,12 @@
 orchestrator/cli.py (`cli.add_command(run)` ...); also runnable alone: `python -m orchestrator.cli_run run ...`.
 
 Workers come from the slice's record and the TPU API (orchestrator.slices.workers), or directly from
-`--hosts ip[:port],...`. For a local slice the SSH user, key and port come from its LocalSlice record.
+`--hosts ip[:port],...`. Where the slice's provider knows better than the TPU VM defaults (its hosts' SSH user,
+key and port, a shared wheelhouse), `HostAccess` says so; what a run needs on the hosts is the provider's
+`run_env`.
 """
 from __future__ import annotations
 
-import functools
 import getpass
 import json
 import os
@@ -18,28 +19,15 @@ from pathlib import Path
 import click
 
 from orchestrator import launch as L
-from orchestrator.bundle import BundleError
-from orchestrator.hosts import HostError, Hosts, SshConfig
+from orchestrator import provider
+from orchestrator.cli_common import errors as _errors
+from orchestrator.cli_common import local_option
+from orchestrator.hosts import Hosts, SshConfig
+from orchestrator.provider import HostAccess, Provider
 from orchestrator.spec import UserError
 from orchestrator.state import home as _home
 
 DEFAULT_SSH_PORT = 22
-
-
-class RunCliError(click.ClickException):
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))  # one line
-
-
-def _errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        from infra.local_slice import LocalSliceError
-        try:
-            return fn(*a, **kw)
-        except (UserError, L.LaunchError, HostError, BundleError, LocalSliceError) as e:
-            raise RunCliError(str(e)) from None
-    return wrapper
 
 
 # ------------------------------------------------------------------------------ workers and SSH
@@ -48,7 +36,8 @@ class Target:
     name: str
     workers: list[L.Worker]
     ssh: SshConfig
-    local_slice: object | None = None  # infra.local_slice.LocalSlice for a local slice
+    where: Provider
+    access: HostAccess = HostAccess()
     devices_per_host: int | None = None  # from the accelerator type, when the slice is recorded
     accelerator: str | None = None  # the recorded slice's type (the plan checks the step against it)
 
@@ -76,50 +65,43 @@ def known_hosts_file(name: str, created_at: float | None) -> Path:
     return d / stem
 
 
-def resolve(name: str, *, hosts: str | None = None, api_endpoint: str | None = None, local: bool | None = None,
-            ssh_user: str | None = None, ssh_key: str | None = None, ssh_port: int | None = None,
-            ssh_wait: float | None = None, internal_ip: bool = False) -> Target:
-    """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > local slice > TPU VM defaults)."""
-    from infra.local_slice import LocalSlice
-    ls, devices, created, accelerator = None, None, None, None
+def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, ssh_user: str | None = None,
+            ssh_key: str | None = None, ssh_port: int | None = None, ssh_wait: float | None = None,
+            internal_ip: bool = False) -> Target:
+    """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > provider > TPU VM defaults)."""
+    from orchestrator import catalog, slices, state
+    devices, created, accelerator = None, None, None
+    rec = state.lookup(name)
     if hosts:
         workers = _parse_hosts(hosts)
-        ls = LocalSlice.load(name) if local else None
+        where = provider.chosen(local)  # no record consulted: the user says where these hosts live
+        access = where.host_access(name)
     else:
-        from orchestrator import slices, state
-        rec = state.lookup(name)
-        is_local = bool(local) or (rec is not None and rec.local)
         if rec is None:  # run takes no --zone/--project to look further: the record is where slices are found
             raise UserError(f"no slice named {name} in the local record: `tpuctl ls` lists them, "
-                            f"`tpuctl up {name} ...{' --local' if local else ''}` creates it, or pass --hosts IP,...")
-        ws = slices.workers(name, api_endpoint=api_endpoint, local=True if is_local else None)
-        if rec is not None:
-            from orchestrator import catalog
-            created = rec.created_at
-            try:
-                devices = catalog.lookup(rec.accelerator).devices_per_host
-                accelerator = rec.accelerator
-            except (ValueError, KeyError):
-                devices = None
+                            f"`{' '.join(['tpuctl up', name, '...', *provider.chosen(local).cli_flags])}` creates it, "
+                            "or pass --hosts IP,...")
+        where = provider.of(rec)
+        ws = slices.workers(name)
+        created = rec.created_at
+        try:
+            devices = catalog.lookup(rec.accelerator).devices_per_host
+            accelerator = rec.accelerator
+        except (ValueError, KeyError):
+            devices = None
         # A worker without an external IP (--no-external-ips) is reached on its internal one; --internal-ip
         # forces that for all, for a machine inside the VPC.
         workers = [L.Worker(index=w.index, internal_ip=w.internal_ip,
                             external_ip=None if internal_ip else w.external_ip) for w in ws]
-        if is_local:
-            ls = LocalSlice.load(name)
-            if ls is None or not all(ls.alive()):
-                raise UserError(f"the local hosts of {name} are not running: "
-                                f"`tpuctl down {name}` then `tpuctl up {name} --local` again")
-    # A fresh-VM local slice is reached like a real VM: your user and key, which `up` put in its metadata.
-    machine = ls if ls is not None and not ls.fresh else None
-    user = ssh_user or os.environ.get("TPUCTL_SSH_USER") or (machine.ssh_user if machine else getpass.getuser())
-    key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or (machine.ssh_key if machine else None)
-    port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or (ls.hosts[0].port if ls else DEFAULT_SSH_PORT)
+        access = where.host_access(name)
+    user = ssh_user or os.environ.get("TPUCTL_SSH_USER") or access.user or getpass.getuser()
+    key = ssh_key or os.environ.get("TPUCTL_SSH_KEY") or access.key
+    port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or access.port or DEFAULT_SSH_PORT
     ssh = SshConfig(user=user, port=port) if key is None else SshConfig(user=user, key=key, port=port)
     ssh.known_hosts = str(known_hosts_file(name, created))
     if ssh_wait is not None:
         ssh.wait_s = ssh_wait
-    return Target(name=name, workers=workers, ssh=ssh, local_slice=ls, devices_per_host=devices,
+    return Target(name=name, workers=workers, ssh=ssh, where=where, access=access, devices_per_host=devices,
                   accelerator=accelerator)
 
 
@@ -130,53 +112,24 @@ def _ssh_options(f):
     f = click.option("--ssh-wait", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
                      help="How long to keep trying to reach a worker that refuses or drops the connection (a new "
                           "VM starts sshd some time after READY). Default 180. A refused key fails at once.")(f)
-    f = click.option("--ssh-port", type=int, help="SSH port (default 22; the local slice's for --local).")(f)
+    f = click.option("--ssh-port", type=int, help="SSH port (default 22, or what the slice's provider says).")(f)
     f = click.option("--ssh-key", type=click.Path(dir_okay=False),
                      help="Private key (default ~/.ssh/google_compute_engine, as gcloud makes; env TPUCTL_SSH_KEY).")(f)
     f = click.option("--ssh-user", help="SSH user (default: your user name; env TPUCTL_SSH_USER).")(f)
     f = click.option("--hosts", metavar="IP[:PORT],...",
                      help="Connect to these hosts (worker order) instead of looking the slice up.")(f)
-    f = click.option("--local", is_flag=True, default=None, help="NAME is a local slice (`tpuctl up --local`).")(f)
-    f = click.option("--api-endpoint", metavar="URL", help="Cloud TPU API endpoint to read the workers from.")(f)
+    f = local_option(f)
     return f
 
 
-# ------------------------------------------------------------------------------ checks on the trainer argv
-def _arg_value(argv: list[str], flag: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def emulate_devices(argv: list[str], target: Target) -> list[str]:
-    """On a local slice each host emulates its accelerator's devices (v4-16: 2 hosts x 4) unless told otherwise."""
-    trainer = argv[:3] == [L.PYTHON, "-m", "trainer"] and len(argv) > 3
-    if (target.local_slice is None or not target.devices_per_host or not trainer
-            or any(a == "--emulate-devices" or a.startswith("--emulate-devices=") for a in argv)):
-        return argv
-    return [*argv[:4], "--emulate-devices", str(target.devices_per_host), *argv[4:]]
-
-
-def _gcs_env(argv: list[str], target: Target) -> dict[str, str]:
-    """Local slice + a gs:// path: point the hosts at the GCS emulator (started if none runs)."""
-    if target.local_slice is None or not any(a.startswith("gs://") or "=gs://" in a for a in argv):
-        return {}
-    from infra import gcs
-    buckets = {a.split("gs://", 1)[1].split("/", 1)[0] for a in argv if "gs://" in a}
-    emu = gcs.start(buckets=tuple(sorted(b for b in buckets if b)))
-    return emu.env
-
-
+# ------------------------------------------------------------------------------ plan
 def plan_gate(argv: list[str], target: Target, out) -> None:
     """A trainer step on a slice of known type is planned first, and refused when it does not fit."""
     from orchestrator import plan as P
     if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator:
         return
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
-    p = P.gate(target.accelerator, argv[3:], local=target.local_slice is not None, progress=say)
+    p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
     if p is not None:
         say(f"plan: {p.verdict()}")
 
@@ -218,7 +171,7 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
         init_timeout, as_json, on_preemption, hang_timeout, max_restarts, no_plan, internal_ip, ssh_wait, ssh_port,
-        ssh_key, ssh_user, hosts, local, api_endpoint):
+        ssh_key, ssh_user, hosts, local):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -234,7 +187,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     command runs again (--on-preemption, --max-restarts); a crash on a healthy slice is not retried.
     """
     from orchestrator import bundle as B
-    from orchestrator.runner import RunFailed, local_install, run_job
+    from orchestrator.runner import RunFailed, shared_install, run_job
     command = list(command)
     if not command:
         raise UserError("nothing to run: `tpuctl run NAME -- pretrain --preset gpt2-tiny ...`")
@@ -251,27 +204,24 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     if not hosts:  # preempted since the last run: the same --on-preemption policy as during a run
         from orchestrator.supervise import Policy, recover_before_run
         restarts_used = recover_before_run(name, policy=Policy(on_preemption=on_preemption, max_restarts=max_restarts),
-                                           api_endpoint=api_endpoint, local=local,
                                            progress=lambda m: print(f"[tpuctl] {m}", file=out, flush=True))
-    target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
-                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
-    argv = emulate_devices(argv, target)
+    target = resolve(name, hosts=hosts, local=local, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port,
+                     ssh_wait=ssh_wait, internal_ip=internal_ip)
     if not no_plan:
         plan_gate(argv, target, out)
-    env = {**_gcs_env(argv, target), **env}
+    env = {**target.where.run_env(name, argv, target.devices_per_host), **env}
     bundle = install = layout = None
     if not raw:
         bundle = B.build(workdir=workdir)
-        if target.local_slice is not None and target.local_slice.wheelhouse:  # not on fresh-VM hosts
-            ls = target.local_slice
-            install, layout = local_install(ls.wheelhouse, bundle, python=ls.python,
+        if target.access.wheelhouse:  # hosts that share this machine's wheelhouse install from it
+            install, layout = shared_install(target.access.wheelhouse, bundle, python=target.access.python,
                                             log=lambda m: print(f"[tpuctl] {m}", file=out))
 
     def attempt(n: int):
         nonlocal target
-        if n:  # a recreated slice: new workers (and, locally, new hosts and keys)
-            target = resolve(name, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user, ssh_key=ssh_key,
-                             ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
+        if n:  # a recreated slice: new workers (and, where the provider says so, new SSH settings)
+            target = resolve(name, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait,
+                             internal_ip=internal_ip)
         run_dir = _home() / "runs" / name / L.new_run_id()
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUNNER_PID).write_text(str(os.getpid()))  # `logs --follow` stops once this process is gone
@@ -287,7 +237,6 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         else:
             from orchestrator.supervise import Policy, supervise
             res = supervise(name, attempt, policy=Policy(on_preemption=on_preemption, max_restarts=max_restarts),
-                            api_endpoint=api_endpoint, local=True if target.local_slice is not None else local,
                             progress=lambda m: (print(f"[tpuctl] {m}", file=out, flush=True)),
                             restarts_used=restarts_used)
     except RunFailed as e:  # not a preemption (that is recreated, or raised as Preempted)
@@ -325,15 +274,15 @@ def _select(workers: list[L.Worker], worker: str) -> list[int]:
 @click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")
 @_ssh_options
 @_errors
-def ssh(name, command, worker, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local, api_endpoint):
+def ssh(name, command, worker, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local):
     """Run COMMAND on one or all workers of NAME (output prefixed [wI]), or open a shell on one.
 
     \b
       tpuctl ssh NAME --worker all -- nproc
       tpuctl ssh NAME --worker 1
     """
-    target = resolve(name, hosts=hosts, api_endpoint=api_endpoint, local=local, ssh_user=ssh_user,
-                     ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait, internal_ip=internal_ip)
+    target = resolve(name, hosts=hosts, local=local, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port,
+                     ssh_wait=ssh_wait, internal_ip=internal_ip)
     idx = _select(target.workers, worker)
     if not command:
         if len(idx) != 1:
@@ -435,8 +384,8 @@ def _finished(d: Path) -> bool:
         pid = int((d / RUNNER_PID).read_text())
     except (OSError, ValueError):
         return False
-    from orchestrator.cloud import _pid_alive
-    if _pid_alive(pid):
+    from orchestrator.procs import pid_alive
+    if pid_alive(pid):
         return False
     click.echo(f"[tpuctl] the tpuctl that ran {d.name} (pid {pid}) is gone without recording the end of the run",
                err=True)

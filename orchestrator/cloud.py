@@ -1,23 +1,17 @@
 """The Cloud TPU v2 API through the official `google-cloud-tpu` client (REST transport).
 
-`connect()` resolves the endpoint (default, `--api-endpoint`/TPUCTL_TPU_API_ENDPOINT, or the local stand-in
-for `--local`), the credentials (anonymous for http://, otherwise Application Default Credentials) and the
-project. `Api` wraps the calls tpuctl makes and turns every google.api_core error into a CloudError: one line
+`connect()` resolves the endpoint (default, or `--api-endpoint`/TPUCTL_TPU_API_ENDPOINT: the local provider
+passes its stand-in's URL), the credentials (anonymous for http://, otherwise Application Default Credentials)
+and the project. `Api` wraps the calls tpuctl makes and turns every google.api_core error into a CloudError: one line
 that says what happened and how to fix it, with a `kind` the caller can branch on.
 """
 from __future__ import annotations
 
 import configparser
 import contextlib
-import fcntl
-import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,8 +19,7 @@ from typing import Callable
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
-from orchestrator import state
-from orchestrator.spec import LOCAL_PROJECT, UserError
+from orchestrator.spec import UserError
 from orchestrator.state import Worker
 
 ENV_ENDPOINT = "TPUCTL_TPU_API_ENDPOINT"
@@ -53,9 +46,7 @@ def _gcloud_project() -> str | None:
     return parser.get("core", "project", fallback=None) or None
 
 
-def resolve_project(project: str | None, *, local: bool = False, adc_project: str | None = None) -> str:
-    if local:  # the stand-in's default, whatever the environment says about real projects
-        project = project or LOCAL_PROJECT
+def resolve_project(project: str | None, *, adc_project: str | None = None) -> str:
     project = (project or os.environ.get("TPUCTL_PROJECT") or os.environ.get("GOOGLE_CLOUD_PROJECT")
                or os.environ.get("CLOUDSDK_CORE_PROJECT") or _gcloud_project() or adc_project)
     if not project:
@@ -67,10 +58,8 @@ def resolve_project(project: str | None, *, local: bool = False, adc_project: st
     return project
 
 
-def resolve_endpoint(api_endpoint: str | None = None, local: bool = False) -> str | None:
+def resolve_endpoint(api_endpoint: str | None = None) -> str | None:
     """The URL the client talks to; None means the default googleapis.com endpoint."""
-    if local:
-        return local_api_url()
     url = api_endpoint or os.environ.get(ENV_ENDPOINT) or None
     if url and not re.match(r"^(https?://)?[A-Za-z0-9.\-\[\]:]+(:\d+)?/?$", url):
         raise UserError(f"invalid --api-endpoint {url!r}: give a host or URL such as "
@@ -94,96 +83,6 @@ def make_client(endpoint: str | None) -> tuple[tpu_v2.TpuClient, str | None]:
                                  "(or set GOOGLE_APPLICATION_CREDENTIALS to a key file), or use --local "
                                  f"to try tpuctl without a cloud account ({first})") from None
     return tpu_v2.TpuClient(transport="rest", credentials=creds, client_options=options), adc_project
-
-
-# ---- the local stand-in (infra/fake_tpu_api.py as a background server) -------------------------------
-
-def _local_dir() -> Path:
-    return state.home() / "local"
-
-
-def _pid_alive(pid: int) -> bool:
-    """True for a running process; a zombie (exited, not yet reaped) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): trust kill(0)
-
-
-def _alive(url: str, pid: int) -> bool:
-    if not _pid_alive(pid):
-        return False
-    try:
-        with urllib.request.urlopen(f"{url}/_fake/health", timeout=2) as r:
-            return json.loads(r.read()).get("pid") == pid
-    except (OSError, ValueError):
-        return False
-
-
-def local_api_url(idle_timeout_s: float = 6 * 3600) -> str:
-    """Start (or reuse) the local Cloud TPU stand-in; its pid and port live in $TPUCTL_HOME/local/fake_tpu_api.json."""
-    d = _local_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    info_path = d / "fake_tpu_api.json"
-    with open(d / "fake_tpu_api.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two tpuctl processes must not start two stand-ins
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            info = json.loads(info_path.read_text())
-            if _alive(info["url"], info["pid"]):
-                return info["url"]
-        with contextlib.suppress(FileNotFoundError):
-            info_path.unlink()
-        log = open(d / "fake_tpu_api.log", "ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.fake_tpu_api", "--port", "0", "--ready-file", str(info_path),
-             "--idle-timeout", str(idle_timeout_s)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)  # outlives this command
-        log.close()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if info_path.exists():
-                return json.loads(info_path.read_text())["url"]
-            if proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        raise UserError(f"could not start the local Cloud TPU stand-in; see {d / 'fake_tpu_api.log'}")
-
-
-def local_api_info() -> dict | None:
-    """{pid, host, port, url} of the running local stand-in, or None."""
-    try:
-        info = json.loads((_local_dir() / "fake_tpu_api.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return info if _alive(info["url"], info["pid"]) else None
-
-
-def stop_local_api() -> bool:
-    """Stop the local stand-in (its state is lost). True if one was running."""
-    info = local_api_info()
-    with contextlib.suppress(FileNotFoundError):
-        (_local_dir() / "fake_tpu_api.json").unlink()
-    if not info:
-        return False
-    pid = info["pid"]
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(250):
-            with contextlib.suppress(ChildProcessError):  # our own child: reap it, or it lingers as a zombie
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return True
-            if not _pid_alive(pid):
-                return True
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
-    return True
 
 
 # ---- what the API returns, as plain dataclasses ---------------------------------------------------------
@@ -465,18 +364,17 @@ class Api:
     client: tpu_v2.TpuClient
     project: str
     endpoint: str | None = None   # None: the default Cloud TPU endpoint
-    local: bool = False
     call_timeout: float = 30.0
     tries: int = 5                                   # per call, for rate limits and transient errors
     on_retry: Callable[[str], None] | None = None    # told once per call that it is being retried
 
     @property
     def poll_s(self) -> float:
-        """How often waits poll: fast against a local stand-in, gently against the real API."""
+        """How often waits poll: fast against a stand-in (http://), gently against the real API."""
         env = os.environ.get("TPUCTL_POLL_S")
         if env:
             return float(env)
-        return 0.1 if (self.local or (self.endpoint or "").startswith("http://")) else 5.0
+        return 0.1 if (self.endpoint or "").startswith("http://") else 5.0
 
     def parent(self, zone: str) -> str:
         return f"projects/{self.project}/locations/{zone}"
@@ -615,32 +513,30 @@ class Api:
         return True, (pb.error.code if pb.HasField("error") else 0), (pb.error.message if pb.HasField("error") else "")
 
 
-def connect(*, api_endpoint: str | None = None, local: bool = False, project: str | None = None) -> Api:
+def connect(*, api_endpoint: str | None = None, project: str | None = None) -> Api:
     """An Api for this endpoint and project (see the module doc for how each is resolved)."""
-    if local and api_endpoint:
-        raise UserError("--local and --api-endpoint exclude each other: --local starts its own stand-in; drop one")
     url = api_endpoint or os.environ.get(ENV_ENDPOINT) or ""
-    if local or url.startswith("http://"):
+    if url.startswith("http://"):
         # No credentials involved: check the project before anything starts or is called.
-        project = resolve_project(project, local=local)
-        endpoint = resolve_endpoint(api_endpoint, local)
+        project = resolve_project(project)
+        endpoint = resolve_endpoint(api_endpoint)
         client, _ = make_client(endpoint)
     else:
-        endpoint = resolve_endpoint(api_endpoint, local)
+        endpoint = resolve_endpoint(api_endpoint)
         client, adc_project = make_client(endpoint)
         project = resolve_project(project, adc_project=adc_project)
-    return Api(client=client, project=project, endpoint=endpoint, local=local)
+    return Api(client=client, project=project, endpoint=endpoint)
 
 
-def get_node(name: str, *, project: str | None = None, zone: str | None = None, api_endpoint: str | None = None,
-             local: bool = False) -> NodeInfo | None:
+def get_node(name: str, *, project: str | None = None, zone: str | None = None,
+             api_endpoint: str | None = None) -> NodeInfo | None:
     """A node's current state (READY, PREEMPTED, ...) and workers, or None when it is gone.
 
     `name` is a full node name (projects/P/locations/Z/nodes/N) or a short one with project and zone."""
     if not name.startswith("projects/"):
         if not zone:
             raise UserError(f"get_node({name!r}) needs a zone (or the full node name)")
-        api = connect(api_endpoint=api_endpoint, local=local, project=project)
+        api = connect(api_endpoint=api_endpoint, project=project)
         return api.get_node(f"{api.parent(zone)}/nodes/{name}")
-    api = connect(api_endpoint=api_endpoint, local=local, project=name.split("/")[1])
+    api = connect(api_endpoint=api_endpoint, project=name.split("/")[1])
     return api.get_node(name)

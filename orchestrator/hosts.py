@@ -28,7 +28,7 @@ from fabric import Config, Connection, ThreadingGroup
 from orchestrator.bundle import Bundle
 from orchestrator.launch import HOSTWRAP, HostLayout, Worker, _home_path
 
-INFRA = Path(__file__).resolve().parents[1] / "infra"
+HOST_DIR = Path(__file__).resolve().parent / "host"  # the files pushed to every host
 MIN_FREE_GB = 2.0
 MAX_SKEW_S = 60.0     # TLS to GCS and the coordinator's deadlines go wrong past this
 WARN_SKEW_S = 2.0
@@ -160,7 +160,7 @@ class Hosts:
         if ssh.key and not Path(ssh.key).expanduser().exists():
             raise HostError(f"SSH key {ssh.key} does not exist: pass --ssh-key PATH")
         self.conns = [self._connect(w) for w in self.workers]
-        self.helpers = {p.name: file_id(p) for p in (INFRA / HOSTWRAP, INFRA / "bootstrap.sh")}
+        self.helpers = {p.name: file_id(p) for p in (HOST_DIR / HOSTWRAP, HOST_DIR / "bootstrap.sh")}
 
     def _connect(self, w: Worker) -> Connection:
         config = Config(overrides={"load_ssh_configs": False,
@@ -284,7 +284,7 @@ class Hosts:
 
         coordinator: IP:PORT where worker 0 will serve jax.distributed; preflight checks it is free."""
         self.wait_reachable(say)
-        src = (INFRA / "hostprobe.py").read_text()
+        src = (HOST_DIR / "hostprobe.py").read_text()
         args = ["--root", self.layout.root]
         if bundle is not None:
             args += ["--app-hash", bundle.short, "--deps-key", bundle.deps_hash[:16]]
@@ -353,7 +353,7 @@ class Hosts:
             home = c.run("echo $HOME", warn=False).stdout.strip()
             for src, name in self.helpers.items():
                 if name not in probes[i].have_files:
-                    _put(c, INFRA / src, f"{home}/{lay.bin(name)}")
+                    _put(c, HOST_DIR / src, f"{home}/{lay.bin(name)}")
             if i in need:
                 _put(c, bundle.wheel, f"{home}/{remote_wheel}")
                 _put(c, reqs_local, f"{home}/{remote_reqs}")

@@ -230,7 +230,7 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool 
         except ValueError:
             pass  # a damaged entry is compiled again
     what = "CPU compiler" if local or not a.aot_topology else a.aot_topology
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TPUCTL_EMULATE_DEVICES")
            and not k.startswith("TPUCTL_COORDINATOR")}
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from infra.hostwrap import mask_variants, private_open
+from orchestrator.host.hostwrap import mask_variants, private_open
 from orchestrator import launch as L
 from orchestrator.bundle import Bundle
 from orchestrator.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig  # noqa: F401 - HostError: raised from here
@@ -197,7 +197,7 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
     return result
 
 
-def local_install(machine_dir: str | Path, bundle: Bundle, python: str | None = None,
+def shared_install(machine_dir: str | Path, bundle: Bundle, python: str | None = None,
                   log=print) -> tuple[InstallOptions, L.HostLayout]:
     """Install options for hosts that share this machine (the local slice): a wheelhouse filled once from
     the package index, one uv cache, and one dependency layer per dependency hash for all of them

@@ -143,8 +143,8 @@ class SliceSpec:
     timeout_s: float = 1800.0                          # total wait for READY
     keep_on_failure: bool = False                      # on timeout/interrupt: keep (recorded) instead of delete
     api_endpoint: str | None = None
-    local: bool = False
-    fresh_hosts: bool = False                          # local mode: hosts as a fresh TPU VM is (no uv, no wheelhouse)
+    provider: str = "gcp"                              # where it lives: gcp | local (orchestrator/provider)
+    provider_options: dict[str, bool] = field(default_factory=dict)  # the provider's own (local: fresh)
     reservation: str | None = None                     # consume this reservation (name or full name); implies reserved
     # The VMs' network and identity (None: the API's / the project's defaults).
     external_ips: bool = True                          # False: workers get internal IPs only (--no-external-ips)
@@ -167,10 +167,6 @@ class SliceSpec:
         self.zones = split_zones(self.zones)
         for z in self.zones:
             check_zone(z, f"zones offering {acc.generation.name} per the catalog: {', '.join(acc.zone_hints)}")
-        if self.fresh_hosts and not self.local:
-            raise UserError("--fresh-vm shapes the hosts of a local slice: add --local (real TPU VMs are fresh anyway)")
-        if self.local and self.api_endpoint:
-            raise UserError("--local and --api-endpoint exclude each other: --local starts its own stand-in; drop one")
         if self.wait_capacity and not self.queued:
             raise UserError("--wait-capacity needs a queued resource; drop --no-queue")
         if self.runtime_version is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.runtime_version):
@@ -217,7 +213,8 @@ class SliceSpec:
         return self.runtime_version or self.accelerator_type.default_runtime_version
 
 
-_FILE_KEYS = {f.name for f in dataclasses.fields(SliceSpec)} | {"zone", "ttl", "timeout", "capacity_wait"}
+_FILE_KEYS = ({f.name for f in dataclasses.fields(SliceSpec)} - {"provider", "provider_options"}
+              | {"zone", "ttl", "timeout", "capacity_wait", "local"})
 # What each key of a spec file must hold (durations are parsed separately; zones may be a list or "a,b").
 _STR_KEYS = ("name", "accelerator", "zone", "project", "runtime_version", "api_endpoint", "reservation", "network",
              "subnetwork", "service_account")
@@ -272,6 +269,8 @@ def slice_spec_from_mapping(data: dict) -> SliceSpec:
         raise UserError("a slice spec needs at least `name` and `accelerator`")
     if "scopes" in d:
         d["scopes"] = expand_scopes(d["scopes"])
+    if d.pop("local", False):
+        d["provider"] = "local"
     return SliceSpec(zones=zones, **d)
 
 

@@ -35,9 +35,9 @@ class SliceRecord:
     accelerator: str
     node: str                          # full node name projects/P/locations/Z/nodes/N
     queued_resource: str | None = None  # full queued resource name, None for --no-queue
-    api_endpoint: str | None = None    # None: the default Cloud TPU endpoint (or local mode)
-    local: bool = False                # local mode: the endpoint is the local stand-in, wherever it runs now
-    fresh_hosts: bool = False          # local mode: the hosts are shaped like fresh TPU VMs (no uv, no wheelhouse)
+    api_endpoint: str | None = None    # None: the default Cloud TPU endpoint (or the provider resolves it)
+    provider: str = "gcp"              # where it lives: gcp | local (orchestrator/provider)
+    provider_options: dict[str, bool] = field(default_factory=dict)  # the provider's own (local: fresh hosts)
     labels: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     price_per_hour: float = 0.0
@@ -66,6 +66,8 @@ class SliceRecord:
         if not isinstance(d, dict):
             raise ValueError("a slice entry is not a mapping")
         known = {f.name: f for f in dataclasses.fields(cls)}
+        if d.get("local") and "provider" not in d:  # written before slices named their provider
+            d = {**d, "provider": "local", "provider_options": {"fresh": True} if d.get("fresh_hosts") else {}}
         d = {k: v for k, v in d.items() if k in known}
         missing = [k for k in ("name", "project", "zone", "accelerator", "node") if not isinstance(d.get(k), str)]
         if missing:

@@ -2,21 +2,18 @@
 
 The trainer resumes from the latest Orbax step in --ckpt-dir by itself, so relaunching the same command is
 the whole recovery. Only a lost slice is retried: a crash on a READY node is the user's bug and fails as before.
-
-Local mode: the stand-in's `preempt` only flips the node's state, while a real preemption also kills the VMs.
-So here the supervisor plays that part: while a run is on, it watches the node, and when the node is no longer
-READY it stops the local slice's hosts (their SSH sessions drop, as a dead VM's would).
+Each attempt runs inside the slice's provider's `while_running` (where a preemption's effect on the VMs is
+played when the place cannot do it by itself).
 """
 from __future__ import annotations
 
 import re
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from orchestrator import slices
+from orchestrator import provider, slices, state
 from orchestrator.hosts import HostError
 from orchestrator.runner import PREEMPTED, RunFailed, RunResult, write_json
 from orchestrator.spec import UserError
@@ -34,7 +31,7 @@ class Policy:
     on_preemption: str = "recreate"   # recreate | fail
     max_restarts: int = 3
     settle_s: float = 60.0            # after exit 42 / a lost host, how long the API may lag behind the VMs
-    poll_s: float = 2.0               # node state polling (settling; the local watcher)
+    poll_s: float = 2.0               # node state polling while settling
 
     def __post_init__(self):
         if self.on_preemption not in ("recreate", "fail"):
@@ -47,10 +44,10 @@ class Preempted(UserError):
     """The slice was preempted and is not recreated (policy fail, or no restarts left)."""
 
 
-def node_state(name: str, *, api_endpoint: str | None = None, local: bool | None = None) -> str:
+def node_state(name: str) -> str:
     """READY / PREEMPTED / TERMINATED / DELETING / ...; when the node no longer exists, its queued resource's
     state (SUSPENDED after a preemption), or GONE."""
-    st = slices.status(name, api_endpoint=api_endpoint, local=local)
+    st = slices.status(name)
     if st.error:
         raise UserError(st.error)
     return st.state
@@ -137,12 +134,11 @@ def goodput_table(attempts: list[dict], g: dict) -> str:
     return "\n".join(rows)
 
 
-def recover_before_run(name: str, *, policy: Policy, api_endpoint: str | None = None, local: bool | None = None,
-                       progress: Callable[[str], None] = print) -> int:
+def recover_before_run(name: str, *, policy: Policy, progress: Callable[[str], None] = print) -> int:
     """A slice preempted *between* runs gets the same policy as one preempted during a run: recreated (returns
     the restarts used, 1) or, with --on-preemption fail, a Preempted error. 0 when it is not lost."""
     try:
-        st = node_state(name, api_endpoint=api_endpoint, local=local)
+        st = node_state(name)
     except UserError:
         return 0  # no record or no answer: resolving the workers says what is wrong
     if st not in LOST:
@@ -153,15 +149,12 @@ def recover_before_run(name: str, *, policy: Policy, api_endpoint: str | None = 
         raise Preempted(f"{what} ({why}): `tpuctl down {name}` and `tpuctl up {name} ...` again, then rerun, or "
                         "pass --on-preemption recreate")
     progress(f"{what}; recreating {name} (1/{policy.max_restarts})")
-    _recreate(name, st, local, progress)
+    _recreate(name, st, progress)
     progress(f"{name} is READY again; running")
     return 1
 
 
-def _recreate(name: str, st: str, local: bool | None, progress: Callable[[str], None]) -> None:
-    if _is_local(name, local):  # a real preemption's VMs are dead: so must the local hosts be
-        from infra.local_slice import LocalSlice
-        LocalSlice.stop_by_name(name)
+def _recreate(name: str, st: str, progress: Callable[[str], None]) -> None:
     try:
         slices.recreate(name, progress=progress)
     except UserError as e:
@@ -169,7 +162,6 @@ def _recreate(name: str, st: str, local: bool | None, progress: Callable[[str], 
 
 
 def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy | None = None,
-              api_endpoint: str | None = None, local: bool | None = None,
               progress: Callable[[str], None] = print, restarts_used: int = 0) -> RunResult:
     """run_once(attempt) runs the command on NAME's current workers (attempt 0 first; later attempts must
     re-read the workers and SSH settings, the slice being new). Returns the successful RunResult; raises
@@ -181,10 +173,13 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
     t_start = time.monotonic()
     recover = 0.0  # time from an attempt's end to the next one's start (settling, recreating)
     while True:
-        watch = _LocalWatch(name, policy.poll_s, progress) if local else None
+        rec = state.lookup(name)
+        if rec is None:
+            raise UserError(f"no slice named {name} in the local record (see `tpuctl ls`)")
         try:
             t_attempt = time.monotonic()
-            result = run_once(restarts)
+            with provider.of(rec).while_running(name, lambda: _lost(name), progress):
+                result = run_once(restarts)
             attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None))
             attempts[-1]["recover_s"] = recover
             result.attempts = attempts
@@ -205,9 +200,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             failure, result = e, None
         finally:
             t_lost = time.monotonic()
-            if watch:
-                watch.stop()
-        st = _settled_state(name, result, policy, api_endpoint, local, failure)
+        st = _settled_state(name, result, policy, failure)
         if st not in LOST:
             if result is not None:
                 attempts.append(_attempt(len(attempts), result, "failed", attempts[-1] if attempts else None))
@@ -231,7 +224,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         restarts += 1
         progress(f"{what}; recreating {name} ({restarts}/{policy.max_restarts}); the trainer resumes from the "
                  "latest complete checkpoint in --ckpt-dir")
-        _recreate(name, st, local, progress)
+        _recreate(name, st, progress)
         recover = time.monotonic() - t_lost
         progress(f"{name} is READY again; relaunching (attempt {restarts + 1})")
 
@@ -241,18 +234,15 @@ def _verb(state: str) -> str:
                                     else state.lower())
 
 
-def _is_local(name: str, local: bool | None) -> bool:
-    if local is not None:
-        return local
-    from orchestrator import state
-    rec = state.lookup(name)
-    return bool(rec and rec.local)
+def _lost(name: str) -> str | None:
+    st = node_state(name)
+    return st if st in LOST else None
 
 
-def _settled_state(name, result, policy, api_endpoint, local, failure) -> str:
+def _settled_state(name, result, policy, failure) -> str:
     """The node's state; after exit 42 or a dropped host, give the API time to notice the VMs' end."""
     try:
-        st = node_state(name, api_endpoint=api_endpoint, local=local)
+        st = node_state(name)
     except UserError:
         raise failure from None  # cannot tell (no record, API down): the run's own error says more
     codes = set(result.exit_codes.values()) if result else set()
@@ -261,32 +251,5 @@ def _settled_state(name, result, policy, api_endpoint, local, failure) -> str:
     deadline = time.monotonic() + policy.settle_s
     while st == "READY" and time.monotonic() < deadline:
         time.sleep(policy.poll_s)
-        st = node_state(name, api_endpoint=api_endpoint, local=local)
+        st = node_state(name)
     return st
-
-
-class _LocalWatch:
-    """Local mode: while the run is on, stop the local hosts once the stand-in says the node is not READY."""
-
-    def __init__(self, name: str, poll_s: float, progress: Callable[[str], None]):
-        self.name, self.poll_s, self.progress = name, poll_s, progress
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"watch-{name}")
-        self.thread.start()
-
-    def _loop(self) -> None:
-        from infra.local_slice import LocalSlice
-        while not self.done.wait(self.poll_s):
-            try:
-                st = node_state(self.name, local=True)
-            except Exception:  # noqa: BLE001 - the stand-in is busy or restarting: ask again next time
-                continue
-            if st in LOST and not self.done.is_set():
-                self.progress(f"{self.name} is {st} in the stand-in: stopping its local hosts, as a real "
-                              "preemption kills the VMs")
-                LocalSlice.stop_by_name(self.name)
-                return
-
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join(timeout=30)

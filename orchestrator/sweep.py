@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from orchestrator.provider import Provider
 from orchestrator.spec import UserError
 from orchestrator.state import home
 
@@ -67,13 +68,9 @@ def _trainer(args: list[str], env: dict[str, str]) -> str:
     return p.stdout
 
 
-def local_env(out: str, local: bool) -> dict[str, str]:
-    """The environment of this machine's trainer calls; a local slice's gs:// is the GCS emulator it uses."""
-    env = {**os.environ}
-    if local and out.startswith("gs://"):
-        from infra import gcs
-        env.update(gcs.start(buckets=(out[5:].split("/", 1)[0],)).env)
-    return env
+def here_env(where: Provider, out: str) -> dict[str, str]:
+    """The environment of this machine's trainer calls: the sweep's dir as the slice's provider serves it."""
+    return {**os.environ, **where.local_env([out])}
 
 
 def report_dir(name: str, out: str) -> str:
@@ -117,20 +114,21 @@ def run_trial_with_tpuctl(name: str, run_flags: list[str]) -> Callable[[list[str
     return run
 
 
-def sweep(name: str, grid_args: list[str], out: str, base: list[str], *, local: bool = False,
+def sweep(name: str, grid_args: list[str], out: str, base: list[str], *,
           run_trial: Callable[[list[str]], tuple[int, dict]] | None = None, report: bool = True,
           say: Callable[[str], None] = lambda m: print(f"[tpuctl] {m}", file=sys.stderr, flush=True)) -> SweepResult:
     """Plan (everything checked, nothing run), then each unfinished trial in turn, then the report."""
     if not out:
         raise UserError("--out DIR is required: the sweep's dir, gs://BUCKET/PATH or a path every host shares")
-    from orchestrator import state
-    if state.lookup(name) is None:
+    from orchestrator import provider, state
+    rec = state.lookup(name)
+    if rec is None:
         raise UserError(f"no slice named {name} in the local record: `tpuctl ls` lists them, "
-                        f"`tpuctl up {name} ...{' --local' if local else ''}` creates it")
-    env = local_env(out, local)
+                        f"`tpuctl up {name} ...` creates it")
+    env = here_env(provider.of(rec), out)
     plan = json.loads(_trainer(["sweep", "--plan", "--json", *grid_args, "--out", out, "--", *base], env))
     out = plan["out"]
-    run_trial = run_trial or run_trial_with_tpuctl(name, ["--local"] if local else [])
+    run_trial = run_trial or run_trial_with_tpuctl(name, [])
     result = SweepResult(name, out)
     todo = [t for t in plan["trials"] if t["status"] != "done"]
     say(f"sweep {out}: {len(plan['trials'])} trial(s), {len(plan['trials']) - len(todo)} done, {len(todo)} to run "

@@ -79,13 +79,14 @@ def local_mode(home: Path, mp: pytest.MonkeyPatch):
     here; on the way out every recorded slice is downed, every local slice stopped and the stand-in killed.
     Yields the environment a `tpuctl` subprocess should get."""
     from infra.local_slice import LocalSlice
-    from orchestrator import cloud, state
+    from orchestrator import state
+    from orchestrator.provider import local as local_provider
     mp.setenv("TPUCTL_HOME", str(home))
     mp.setenv("TPUCTL_POLL_S", "0.05")
     mp.setenv("CLOUDSDK_CONFIG", str(home / "gcloud"))
     for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
         mp.delenv(var, raising=False)
-    url = cloud.local_api_url()
+    url = local_provider.api_url()
     info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
     try:
         yield dict(os.environ), url

@@ -31,9 +31,9 @@ def env(tmp_path, monkeypatch):
                 "CLOUDSDK_COMPUTE_ZONE"):
         monkeypatch.delenv(var, raising=False)
     yield tmp_path
-    from orchestrator import cloud
+    from orchestrator.provider import local as local_provider
     with contextlib.suppress(Exception):
-        cloud.stop_local_api()  # in case a test used --local with this TPUCTL_HOME
+        local_provider.stop_api()  # in case a test used --local with this TPUCTL_HOME
 
 
 @pytest.fixture

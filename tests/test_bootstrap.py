@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-BOOTSTRAP = Path(__file__).resolve().parents[1] / "infra" / "bootstrap.sh"
+BOOTSTRAP = Path(__file__).resolve().parents[1] / "orchestrator" / "host" / "bootstrap.sh"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # what sshd gives a session
 
 

@@ -40,7 +40,9 @@ def test_wheel_carries_the_packages_and_installs_no_deps(tmp_path):
     b = B.build(ROOT, cache_dir=tmp_path / "c")
     names = zipfile.ZipFile(b.wheel).namelist()
     assert "trainer/__main__.py" in names and "orchestrator/launch.py" in names
-    assert "infra/bootstrap.sh" in names and "infra/hostwrap.py" in names  # package data
+    assert "orchestrator/host/bootstrap.sh" in names and "orchestrator/host/hostwrap.py" in names  # package data
+    # The stand-ins and local-mode machinery stay on this machine: nothing of infra/ goes to the hosts.
+    assert not [n for n in names if n.startswith("infra/")], [n for n in names if n.startswith("infra/")]
     assert not any(n.startswith("tests/") or "__pycache__" in n for n in names)
     meta = zipfile.ZipFile(b.wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: jax==0.10.2" in meta

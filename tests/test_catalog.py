@@ -75,7 +75,6 @@ def test_spec_validation():
     for kw, msg in ((dict(spot=True, reserved=True), "exclude each other"),
                     (dict(accelerator="v9-8"), "unknown accelerator"),
                     (dict(zones=["uscentral"]), "invalid zone"),
-                    (dict(local=True, api_endpoint="http://x"), "--local and --api-endpoint"),
                     (dict(wait_capacity=True, queued=False), "--no-queue"),
                     (dict(timeout_s=0), "--timeout")):
         base = dict(name="ok", accelerator="v4-8")

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live  # noqa: F401
 from infra.fake_tpu_api import FakeControl
-from orchestrator import cloud, state
+from orchestrator import state
+from orchestrator.provider import local as local_provider
 from orchestrator.cli import cli
 
 
@@ -253,7 +254,7 @@ def test_local_mode_subprocess_up_ls_down_reuse_restart(sub_env):
 @pytest.mark.e2e
 def test_ctrl_c_while_waiting_leaves_no_orphan(sub_env):
     """Must-show 3 with a real process and a real SIGINT: what was created is deleted, the record is clean."""
-    url = cloud.local_api_url()  # the same background stand-in the subprocess will reuse
+    url = local_provider.api_url()  # the same background stand-in the subprocess will reuse
     ctl = FakeControl(url)
     ctl.inject("never_ready")
     proc = subprocess.Popen(_tpuctl() + ["up", "c-int", "--local", "-a", "v4-8"], env=sub_env, text=True,

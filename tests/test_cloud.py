@@ -61,6 +61,9 @@ def test_worker_ips_from_control_api(fake):
         (0, "127.0.10.1", "127.0.10.1"), (1, "127.0.10.2", "127.0.10.2")]
     fake.control.set_node_workers(res.record.node, ["127.0.10.7", "127.0.10.8"])
     assert [w.internal_ip for w in slices.workers("t-ips")] == ["127.0.10.7", "127.0.10.8"]
+    # Reading has no side effect; refreshing is the explicit call that writes the record.
+    assert [w.internal_ip for w in state.lookup("t-ips").workers] == ["127.0.10.1", "127.0.10.2"]
+    assert slices.refresh("t-ips").state == "READY"
     assert [w.internal_ip for w in state.lookup("t-ips").workers] == ["127.0.10.7", "127.0.10.8"]
 
 
@@ -140,7 +143,9 @@ def test_wait_capacity_timeout_keeps_it_queued_and_recorded(fake):
         time.sleep(0.05)
     st = slices.status("t-q")
     assert st.state == "READY" and len(st.workers) == 2
-    assert state.lookup("t-q").status == "ready"  # status refreshed the record
+    assert state.lookup("t-q").status == "waiting"  # reading has no side effect
+    slices.refresh("t-q")                            # what `tpuctl status` calls
+    assert state.lookup("t-q").status == "ready"
     slices.down("t-q")
     assert live(fake) == ([], [])
 
@@ -450,7 +455,8 @@ def test_a_delayed_second_up_of_the_same_name_leaves_the_winners_record(fake, mo
     must neither create nor touch the first one's record."""
     import threading
     checked, winner_created = threading.Event(), threading.Event()
-    real_check = slices._check_name_free
+    from orchestrator.slices import create
+    real_check = create._check_name_free
 
     def check_then_wait(name):
         real_check(name)
@@ -458,7 +464,7 @@ def test_a_delayed_second_up_of_the_same_name_leaves_the_winners_record(fake, mo
             checked.set()
             assert winner_created.wait(10)
 
-    monkeypatch.setattr(slices, "_check_name_free", check_then_wait)
+    monkeypatch.setattr(create, "_check_name_free", check_then_wait)
     errors = []
     second = threading.Thread(name="second", target=lambda: errors.append(_raises(
         lambda: slices.up(make_spec(fake, "t-race", "v4-8")))))
@@ -584,8 +590,9 @@ def test_zone_fallback_keeps_a_slice_still_being_deleted_recorded(fake, monkeypa
     """Deleting a multi-host slice takes minutes: when the first zone's leftovers outlast tpuctl's wait, the next
     zone's record carries them (never overwrites them), and `down` deletes them too."""
     fake.control.config(deleting_s=0.05, deleting_per_host_s=1.0)      # a 4-VM slice: 4 s to delete
-    monkeypatch.setattr(slices, "DELETE_WAIT_BASE_S", 0.2)
-    monkeypatch.setattr(slices, "DELETE_WAIT_PER_HOST_S", 0.1)         # tpuctl waits 0.6 s for it
+    from orchestrator.slices import delete
+    monkeypatch.setattr(delete, "DELETE_WAIT_BASE_S", 0.2)
+    monkeypatch.setattr(delete, "DELETE_WAIT_PER_HOST_S", 0.1)         # tpuctl waits 0.6 s for it
     fake.control.stockout("us-central1-a")
     res = slices.up(make_spec(fake, "t-left", "v5litepod-16", zones=TWO, capacity_wait_s=0.3))
     first = f"projects/{PROJECT}/locations/us-central1-a/queuedResources/t-left"

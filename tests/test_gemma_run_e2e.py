@@ -12,7 +12,7 @@ from _local_hosts import needs_hosts, ssh_config, start, wait_idle, workers
 from infra import gcs
 from infra.fake_kaggle import FakeKaggle
 from orchestrator import bundle as B, weights as W
-from orchestrator.runner import local_install, run_job
+from orchestrator.runner import shared_install, run_job
 from trainer.models import gemma
 
 pytestmark = needs_hosts
@@ -41,7 +41,7 @@ def test_sample_on_two_ssh_hosts_from_gcs_matches_one_process(tmp_path_factory, 
         genv = {**emu.env, "JAX_PLATFORMS": "cpu"}
         sl = start("gemma-e2e", 2, tmp_path_factory.mktemp("slices"))
         bundle = B.build(cache_dir=tmp_path / "bundles")
-        install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+        install, layout = shared_install(sl.wheelhouse, bundle, python=sl.python)
         r = run_job(workers(sl), ["python", *SAMPLE, "--emulate-devices", "4"], run_dir=tmp_path / "r",
                     ssh=ssh_config(sl), env=genv, bundle=bundle, install=install, layout=layout)
         logs = [(tmp_path / "r" / f"w{i}.log").read_text() for i in range(2)]

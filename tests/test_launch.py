@@ -46,7 +46,7 @@ def test_command_passes_nasty_args_and_env_through_a_real_shell_unchanged(tmp_pa
                          wrap_python=sys.executable, wrap_script="hostwrap.py")
     # Run it with the real hostwrap in place, from a directory where a stray `touch` would be visible.
     (tmp_path / "root" / "bin").mkdir(parents=True)
-    (tmp_path / "root" / "bin" / "hostwrap.py").write_text(open("infra/hostwrap.py").read())
+    (tmp_path / "root" / "bin" / "hostwrap.py").write_text(open("orchestrator/host/hostwrap.py").read())
     p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
                        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stdout + p.stderr
@@ -70,11 +70,12 @@ def test_python_argv0_needs_an_environment():
         L.host_command(spec, WORKERS, 0, layout=L.HostLayout(), wrap_python="python3")
 
 
-def test_a_local_slice_emulates_its_accelerators_devices_per_host():
-    from orchestrator.cli_run import Target, emulate_devices
-    t = Target(name="x", workers=WORKERS, ssh=None, local_slice=object(), devices_per_host=4)
+def test_a_local_slice_emulates_its_accelerators_devices_per_host_through_the_environment():
+    """The command is not rewritten: the local provider's run environment carries the device count (the trainer
+    reads it when --emulate-devices is not given); real hosts get nothing of the kind."""
+    from orchestrator import provider
     argv = ["python", "-m", "trainer", "pretrain", "--steps", "3"]
-    assert emulate_devices(argv, t) == ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--steps", "3"]
-    assert emulate_devices([*argv, "--emulate-devices=2"], t) == [*argv, "--emulate-devices=2"]  # the user's wins
-    assert emulate_devices(argv, Target(name="x", workers=WORKERS, ssh=None, devices_per_host=4)) == argv  # real hosts
-    assert emulate_devices(["sh", "-c", "true"], t) == ["sh", "-c", "true"]
+    assert provider.get("local").run_env("x", argv, 4) == {"TPUCTL_EMULATE_DEVICES": "4"}
+    assert provider.get("gcp").run_env("x", argv, 4) == {}
+
+

@@ -25,8 +25,9 @@ from _local_hosts import cmdline, host_processes, ssh, ssh_config, start, wait_i
 from infra import gcs
 from orchestrator import bundle as B
 from orchestrator import cli_run
+from orchestrator.hosts import HostError
 from orchestrator.cli import cli as cli_main
-from orchestrator.runner import RunFailed, local_install, run_job
+from orchestrator.runner import RunFailed, shared_install, run_job
 
 pytestmark = needs_hosts
 
@@ -196,7 +197,7 @@ def test_push_installs_once_per_hash_and_a_code_change_keeps_the_dependency_laye
     # An empty dependency list keeps this test fast; the e2e test installs the real jax stack the same way.
     small = lambda: dataclasses.replace(B.build(proj, cache_dir=tmp_path / "bundles"), requirements=[], no_deps=[])  # noqa: E731
     b1 = small()
-    install, layout = local_install(sl.wheelhouse, b1, python=sl.python)
+    install, layout = shared_install(sl.wheelhouse, b1, python=sl.python)
     argv = ["python", "-c", "import orchestrator.launch as m, sys; print('FROM', m.__file__, sys.version_info[:2])"]
     r1, out1 = _run(sl, argv, tmp_path / "1", bundle=b1, install=install, layout=layout)
     assert r1.ok and all("app=installed" in v for v in r1.push.values()), r1.push
@@ -218,7 +219,7 @@ def test_workdir_ships_with_the_bundle_and_the_command_runs_in_it(sl, tmp_path, 
     (wd / "pkg" / "__init__.py").write_text("GREETING = 'hi from my package'\n")
     (wd / "main.py").write_text("import os, pkg\nprint(pkg.GREETING, os.getcwd().endswith('tpuctl_workdir'))\n")
     b = dataclasses.replace(B.build(workdir=wd, cache_dir=tmp_path / "bundles"), requirements=[], no_deps=[])
-    install, layout = local_install(sl.wheelhouse, b, python=sl.python)
+    install, layout = shared_install(sl.wheelhouse, b, python=sl.python)
     r, out = _run(sl, ["python", "main.py"], tmp_path, bundle=b, install=install, layout=layout)
     assert r.ok and out.count("hi from my package True") == 3, out
 
@@ -309,14 +310,14 @@ def test_run_refuses_bad_input_before_touching_a_host(sl, tmp_path, monkeypatch)
 @pytest.fixture
 def api_home(tmp_path, monkeypatch):
     """A TPUCTL_HOME of its own with the local TPU API stand-in running (stopped, with the GCS emulator, after)."""
-    from orchestrator import cloud
+    from orchestrator.provider import local as local_provider
     home = tmp_path / "home"
     monkeypatch.setenv("TPUCTL_HOME", str(home))
     monkeypatch.setenv("TPUCTL_POLL_S", "0.05")
     monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
     for var in ("GOOGLE_CLOUD_PROJECT", "TPUCTL_PROJECT", "CLOUDSDK_CORE_PROJECT", "TPUCTL_TPU_API_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
-    cloud.local_api_url()
+    local_provider.api_url()
     info = json.loads((home / "local" / "fake_tpu_api.json").read_text())
     yield home, info["url"]
     gcs.stop(home)
@@ -410,7 +411,7 @@ def test_a_taken_coordinator_port_is_a_preflight_error_not_a_crash(sl, tmp_path,
         while ssh(sl, 0, f"grep -q ':{port:04X} .* 0A ' /proc/net/tcp", check=False).returncode != 0:
             assert time.time() < deadline
             time.sleep(0.1)
-        with pytest.raises(cli_run.HostError) as e:
+        with pytest.raises(HostError) as e:
             _run(sl, py("print('ran')"), tmp_path, coordinator_port=port)
     finally:
         ssh(sl, 0, "pkill -f '[p]ort-squatter'", check=False)

@@ -12,7 +12,7 @@ import pytest
 from _local_hosts import start, ssh_config, wait_idle, workers, needs_hosts
 from infra import gcs
 from orchestrator import bundle as B
-from orchestrator.runner import RunFailed, local_install, run_job
+from orchestrator.runner import RunFailed, shared_install, run_job
 
 pytestmark = needs_hosts
 
@@ -40,7 +40,7 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
 
         sl = start("e2e", 2, tmp_path_factory.mktemp("slices"))
         bundle = B.build(cache_dir=tmp_path / "bundles")
-        install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+        install, layout = shared_install(sl.wheelhouse, bundle, python=sl.python)
         args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", "gs://e2e/data", *TINY,
                 "--ckpt-dir", "gs://e2e/run", "--ckpt-every", "4"]
         kw = dict(ssh=ssh_config(sl), env=genv, bundle=bundle, install=install, layout=layout)
@@ -94,7 +94,7 @@ def _ready(sl, tmp_path) -> tuple[str, dict]:
     subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", data], env=env, check=True,
                    capture_output=True, timeout=300)
     bundle = B.build(cache_dir=tmp_path / "bundles")
-    install, layout = local_install(sl.wheelhouse, bundle, python=sl.python)
+    install, layout = shared_install(sl.wheelhouse, bundle, python=sl.python)
     return data, dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout, env={"JAX_PLATFORMS": "cpu"})
 
 @pytest.mark.e2e

@@ -91,6 +91,11 @@ def test_emulate_devices_sets_the_count_and_an_inherited_flag_wins(corpus, tmp_p
     out = run_cli(args, env(cache, devices=8))  # XLA_FLAGS already has a device count: it wins
     assert out.returncode == 2 and "there are 8 devices" in out.stderr, out.stderr
     assert not (tmp_path / "c").exists()
+    no_flag = [a for a in args if a not in ("--emulate-devices", "4")]
+    out = run_cli(no_flag, {**env(cache, devices=None), "TPUCTL_EMULATE_DEVICES": "2"})  # what a local slice's hosts get
+    assert out.returncode == 2 and "there are 2 devices" in out.stderr, out.stderr
+    out = run_cli(args, {**env(cache, devices=None), "TPUCTL_EMULATE_DEVICES": "2"})  # the flag wins over it
+    assert out.returncode == 2 and "there are 4 devices" in out.stderr, out.stderr
 
 
 def _copy_data(corpus: str, dst) -> str:

@@ -1,7 +1,7 @@
 """`python -m trainer prepare|pretrain|sample|sweep|report ...` (the command line is a contract: docs/CONTRACTS.md).
 
---emulate-devices N is handled before jax is imported: it adds N CPU devices to XLA_FLAGS (an
-inherited device-count flag wins). On the CPU backend, freed host memory is kept for reuse
+--emulate-devices N (default $TPUCTL_EMULATE_DEVICES) is handled before jax is imported: it adds N CPU
+devices to XLA_FLAGS (an inherited device-count flag wins). On the CPU backend, freed host memory is kept for reuse
 (trainer/hostmem.py; TPUCTL_KEEP_FREED_MEMORY=0 leaves glibc's defaults). Exit codes: 0 done, 2 bad input
 (`error: ...` on stderr), 42 stopped by a preemption notice after saving, 130 interrupted by Ctrl-C.
 """
@@ -21,18 +21,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+EMULATE_ENV = "TPUCTL_EMULATE_DEVICES"
+
+
 def emulate_devices(argv: list[str]) -> None:
-    """Read --emulate-devices from raw argv and set XLA_FLAGS, before anything imports jax."""
-    value = None
+    """Read --emulate-devices from raw argv (else $TPUCTL_EMULATE_DEVICES, which a local slice's hosts get)
+    and set XLA_FLAGS, before anything imports jax."""
+    value, what = None, "--emulate-devices"
     for i, a in enumerate(argv):
         if a == "--emulate-devices" and i + 1 < len(argv):
             value = argv[i + 1]
         elif a.startswith("--emulate-devices="):
             value = a.split("=", 1)[1]
+    if value is None and os.environ.get(EMULATE_ENV):
+        value, what = os.environ[EMULATE_ENV], EMULATE_ENV
     if value is None:
         return
     if not value.isdigit() or int(value) < 1:
-        raise UsageError(f"--emulate-devices {value}: expected a positive integer")
+        raise UsageError(f"{what} {value}: expected a positive integer")
     if "jax" in sys.modules:  # called in-process after jax started (tests): the devices are what they are
         return
     flags = os.environ.get("XLA_FLAGS", "")
@@ -57,7 +63,8 @@ def parser() -> argparse.ArgumentParser:
 
     def common(sp):
         sp.add_argument("--emulate-devices", type=int, default=None, metavar="N",
-                        help="N CPU devices per process (set before jax starts; an inherited XLA flag wins)")
+                        help="N CPU devices per process (set before jax starts; default $TPUCTL_EMULATE_DEVICES, "
+                             "which a local slice's hosts get; an inherited XLA flag wins)")
         return sp
 
     pr = common(sub.add_parser("prepare", help="tokenise a corpus once into train.bin/val.bin/meta.json"))

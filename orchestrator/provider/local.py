@@ -1,0 +1,258 @@
+"""Local mode: slices on this machine, with no cloud account.
+
+The Cloud TPU API is the stand-in (infra/fake_tpu_api.py, a background server this provider starts and reuses),
+talked to by the same client as the real one. What the stand-in cannot be, this provider owns:
+- hosts: each worker is an sshd in its own namespaces on a loopback address (infra/local_slice.py), started
+  when the node is READY and stopped when it is deleted or preempted;
+- storage: a gs:// path is the GCS emulator (infra/gcs.py), whose endpoint the hosts get in their environment;
+- devices: every host emulates its accelerator's device count on CPU (TPUCTL_EMULATE_DEVICES);
+- a preemption: the stand-in only flips the node's state, while real VMs die with it; while a run is on, this
+  provider stops the hosts once the node is no longer READY.
+It is the only module above infra/ that imports a stand-in.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator
+
+from orchestrator import cloud, state
+from orchestrator.procs import pid_alive
+from orchestrator.cloud import Api
+from orchestrator.provider import LOCAL, HostAccess, Progress, Provider
+from orchestrator.spec import LOCAL_PROJECT, SliceSpec, UserError
+from orchestrator.state import SliceRecord, Worker
+
+MAX_HOSTS = 16  # a local slice is sshd processes on this machine: v4-4096 stays addresses only
+OPTIONS = {"fresh": "hosts shaped like fresh TPU VMs: no uv, no wheelhouse, only the system's python3"}
+
+
+class LocalProvider(Provider):
+    kind = LOCAL
+    cli_flags = ("--local",)
+    cpu_devices = True
+
+    default_project = LOCAL_PROJECT
+
+    # ---- the TPU API: the stand-in
+    def endpoint(self, api_endpoint: str | None = None) -> str | None:
+        if api_endpoint:
+            raise UserError("--local and --api-endpoint exclude each other: --local starts its own stand-in; drop one")
+        return api_url()
+
+    def connect(self, *, project: str | None = None, api_endpoint: str | None = None) -> Api:
+        if api_endpoint:
+            raise UserError("--local and --api-endpoint exclude each other: --local starts its own stand-in; drop one")
+        return cloud.connect(api_endpoint=api_url(), project=project or LOCAL_PROJECT)
+
+    def api_for(self, rec: SliceRecord, api_endpoint: str | None = None) -> Api:
+        return self.connect(project=rec.project)  # the stand-in may have restarted on another port
+
+    def endpoint_of(self, api: Api) -> str | None:
+        return None
+
+    def owns(self, rec: SliceRecord, api: Api) -> bool:
+        return rec.provider == self.kind and rec.project == api.project
+
+    # ---- creating
+    def check(self, spec: SliceSpec) -> None:
+        if spec.api_endpoint:
+            raise UserError("--local and --api-endpoint exclude each other: --local starts its own stand-in; drop one")
+        unknown = sorted(set(spec.provider_options) - set(OPTIONS))
+        if unknown:
+            raise UserError(f"unknown local slice option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}")
+
+    def default_zones(self, spec: SliceSpec) -> list[str]:
+        return [spec.accelerator_type.zone_hints[0]]  # the stand-in offers the catalog's zones
+
+    def attach(self, api: Api, rec: SliceRecord, progress: Progress) -> list[Worker]:
+        """Give the stand-in's node real hosts (sshd on loopback) so `tpuctl run` can reach them.
+
+        Without root or sshd (or for a huge slice) the node keeps the stand-in's made-up addresses: `up`,
+        `status` and `down` still work, and `run` says why it cannot connect."""
+        from infra.fake_tpu_api import FakeControl
+        from infra.local_slice import LocalSlice, LocalSliceError
+        from orchestrator.sshkeys import parse_metadata
+
+        n = len(rec.workers)
+        if n > MAX_HOSTS:
+            progress(f"note: {n} workers is more than the {MAX_HOSTS} local hosts tpuctl starts; no SSH hosts")
+            return rec.workers
+        # Like a VM's guest agent, the hosts let in the keys of the node's ssh-keys metadata. A local host has
+        # only root: keys for other users are not installed.
+        meta = api.get_node(rec.node)
+        keys = parse_metadata((meta.metadata if meta else {}).get("ssh-keys", ""))
+        others = sorted({u for u, _ in keys if u != "root"})
+        if others:
+            progress(f"note: the local hosts have only root; ssh-keys for {', '.join(others)} are not installed")
+        try:
+            hosts = LocalSlice.start(rec.name, n, fresh=bool(rec.provider_options.get("fresh")),
+                                     authorized_keys=tuple(k for u, k in keys if u == "root"))
+        except (LocalSliceError, OSError) as e:
+            progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
+            return rec.workers
+        try:
+            FakeControl(api_url()).set_node_workers(rec.node, [h.ip for h in hosts.hosts])
+            node = api.get_node(rec.node)
+        except BaseException:
+            hosts.stop()
+            raise
+        progress(f"{rec.name}: {n} local host(s) up (sshd on {', '.join(h.ip for h in hosts.hosts)})")
+        return node.workers
+
+    # ---- the VMs' end
+    def release(self, name: str, progress: Progress) -> None:
+        from infra.local_slice import LocalSlice
+        if LocalSlice.stop_by_name(name):
+            progress(f"stopped the local hosts of {name}")
+
+    @contextlib.contextmanager
+    def while_running(self, name: str, lost: Callable[[], str | None], progress: Progress) -> Iterator[None]:
+        watch = _PreemptionPlayer(name, lost, progress)
+        try:
+            yield
+        finally:
+            watch.stop()
+
+    def orphans(self, recorded: set[str]) -> list[str]:
+        from infra.local_slice import LocalSlice
+        return [n for n in LocalSlice.names() if n not in recorded]
+
+    # ---- running on the hosts
+    def host_access(self, name: str) -> HostAccess:
+        from infra.local_slice import LocalSlice
+        ls = LocalSlice.load(name)
+        if ls is None or not all(ls.alive()):
+            raise UserError(f"the local hosts of {name} are not running: "
+                            f"`tpuctl down {name}` then `tpuctl up {name} --local` again")
+        if ls.fresh:  # reached like a real VM: your user and key, which `up` put in its metadata
+            return HostAccess(port=ls.hosts[0].port)
+        return HostAccess(user=ls.ssh_user, key=ls.ssh_key, port=ls.hosts[0].port, python=ls.python or None,
+                          wheelhouse=ls.wheelhouse or None)
+
+    def run_env(self, name: str, command: list[str], devices_per_host: int | None) -> dict[str, str]:
+        env = {"TPUCTL_EMULATE_DEVICES": str(devices_per_host)} if devices_per_host else {}
+        return {**env, **self.local_env(command)}
+
+    def local_env(self, paths: list[str]) -> dict[str, str]:
+        """gs:// is the GCS emulator (started if none runs). A bucket the command names exists, as the user's own
+        bucket would in the cloud."""
+        buckets = sorted({a.split("gs://", 1)[1].split("/", 1)[0] for a in paths if "gs://" in a} - {""})
+        if not buckets:
+            return {}
+        from infra import gcs
+        return gcs.start(buckets=tuple(buckets)).env
+
+
+class _PreemptionPlayer:
+    """While a run is on, stop the local hosts once the stand-in says the node is not READY: a real
+    preemption kills the VMs, and their SSH sessions drop with them."""
+
+    def __init__(self, name: str, lost: Callable[[], str | None], progress: Progress, poll_s: float = 2.0):
+        self.name, self.lost, self.progress, self.poll_s = name, lost, progress, poll_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"watch-{name}")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        from infra.local_slice import LocalSlice
+        while not self.done.wait(self.poll_s):
+            try:
+                st = self.lost()
+            except Exception:  # noqa: BLE001 - the stand-in is busy or restarting: ask again next time
+                continue
+            if st and not self.done.is_set():
+                self.progress(f"{self.name} is {st} in the stand-in: stopping its local hosts, as a real "
+                              "preemption kills the VMs")
+                LocalSlice.stop_by_name(self.name)
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=30)
+
+
+# ---- the TPU API stand-in as a background server --------------------------------------------------------
+
+def _dir() -> Path:
+    return state.home() / "local"
+
+
+def _alive(url: str, pid: int) -> bool:
+    if not pid_alive(pid):
+        return False
+    try:
+        with urllib.request.urlopen(f"{url}/_fake/health", timeout=2) as r:
+            return json.loads(r.read()).get("pid") == pid
+    except (OSError, ValueError):
+        return False
+
+
+def api_url(idle_timeout_s: float = 6 * 3600) -> str:
+    """Start (or reuse) the local Cloud TPU stand-in; its pid and port live in $TPUCTL_HOME/local/fake_tpu_api.json."""
+    d = _dir()
+    d.mkdir(parents=True, exist_ok=True)
+    info_path = d / "fake_tpu_api.json"
+    with open(d / "fake_tpu_api.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two tpuctl processes must not start two stand-ins
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(info_path.read_text())
+            if _alive(info["url"], info["pid"]):
+                return info["url"]
+        with contextlib.suppress(FileNotFoundError):
+            info_path.unlink()
+        log = open(d / "fake_tpu_api.log", "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.fake_tpu_api", "--port", "0", "--ready-file", str(info_path),
+             "--idle-timeout", str(idle_timeout_s)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)  # outlives this command
+        log.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if info_path.exists():
+                return json.loads(info_path.read_text())["url"]
+            if proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise UserError(f"could not start the local Cloud TPU stand-in; see {d / 'fake_tpu_api.log'}")
+
+
+def api_info() -> dict | None:
+    """{pid, host, port, url} of the running local stand-in, or None."""
+    try:
+        info = json.loads((_dir() / "fake_tpu_api.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if _alive(info["url"], info["pid"]) else None
+
+
+def stop_api() -> bool:
+    """Stop the local stand-in (its state is lost). True if one was running."""
+    info = api_info()
+    with contextlib.suppress(FileNotFoundError):
+        (_dir() / "fake_tpu_api.json").unlink()
+    if not info:
+        return False
+    pid = info["pid"]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(250):
+            with contextlib.suppress(ChildProcessError):  # our own child: reap it, or it lingers as a zombie
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return True
+            if not pid_alive(pid):
+                return True
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+    return True
