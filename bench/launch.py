@@ -107,8 +107,9 @@ def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None
                     t1 = time.monotonic()
                     out = _Clock(pattern, t1)
                     try:
-                        r = run_job(workers, argv, ssh=ssh, run_dir=tmp / f"run-{n}-{len(rows)}", bundle=bundle,
-                                    install=install, layout=layout, out=out, distributed=trainer)
+                        r = run_job(workers, L.LaunchSpec(argv, distributed=trainer), ssh=ssh,
+                                    run_dir=tmp / f"run-{n}-{len(rows)}", bundle=bundle, install=install,
+                                    layout=layout, out=out)
                     except RunFailed as e:
                         tail = "\n".join(out.text().splitlines()[-15:])
                         say(f"[6] {n} host(s): the run failed ({e}); last lines:\n{tail}")

@@ -125,53 +125,15 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
     create call never leaves an orphan: it is deleted, or kept in the local record for `tpuctl down`.
     """
     from orchestrator import slices
-    from orchestrator.spec import (SliceSpec, expand_scopes, load_slice_spec, parse_duration, parse_labels,
-                                   split_zones)
+    from orchestrator.spec import SliceSpec, load_slice_spec
 
-    spec = load_slice_spec(spec_file) if spec_file else SliceSpec(name="", accelerator="")
-    if name:
-        spec.name = name
-    if accelerator:
-        spec.accelerator = accelerator
-    if not spec.name:
-        raise UserError("missing NAME: `tpuctl up NAME --accelerator v4-16 --zone us-central2-b`")
-    if not spec.accelerator:
-        raise UserError("missing --accelerator: e.g. --accelerator v4-16 (see `tpuctl up --help`)")
-    if zone or zones:
-        spec.zones = split_zones(([zone] if zone else []) + ([zones] if zones else []))
-    # Flags default to None (not False) so that an unset flag leaves the spec file's value alone.
-    for attr, value in (("spot", spot), ("reserved", reserved), ("wait_capacity", wait_capacity),
-                        ("keep_on_failure", keep_on_failure)):
-        if value:
-            setattr(spec, attr, True)
-    if no_queue:
-        spec.queued = False
-    if no_external_ips:
-        spec.external_ips = False
-    for attr, value in (("reservation", reservation), ("network", network), ("subnetwork", subnetwork),
-                        ("service_account", service_account)):
-        if value:
-            setattr(spec, attr, value)
-    if scopes:
-        spec.scopes = expand_scopes([scopes])
-    if runtime_version:
-        spec.runtime_version = runtime_version
-    if labels:
-        spec.labels = {**spec.labels, **parse_labels(labels)}
-    if ttl:
-        spec.ttl_s = parse_duration(ttl, "--ttl")
-    if capacity_wait:
-        spec.capacity_wait_s = parse_duration(capacity_wait, "--capacity-wait")
-    if timeout:
-        spec.timeout_s = parse_duration(timeout, "--timeout")
-    if project:
-        spec.project = project
-    if api_endpoint:
-        spec.api_endpoint = api_endpoint
-    if local:
-        spec.provider = "local"
-    if fresh_vm:
-        spec.provider_options = {**spec.provider_options, "fresh": True}
+    spec = (load_slice_spec(spec_file) if spec_file else SliceSpec(name="", accelerator="")).with_flags(
+        name=name, accelerator=accelerator, zone=zone, zones=zones, spot=spot, reserved=reserved,
+        wait_capacity=wait_capacity, keep_on_failure=keep_on_failure, no_queue=no_queue,
+        no_external_ips=no_external_ips, reservation=reservation, network=network, subnetwork=subnetwork,
+        service_account=service_account, scopes=scopes, runtime_version=runtime_version, labels=labels, ttl=ttl,
+        capacity_wait=capacity_wait, timeout=timeout, project=project, api_endpoint=api_endpoint, local=local,
+        fresh_vm=fresh_vm)
 
     line = StatusLine()
     if plan_run or command:

@@ -187,7 +187,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     command runs again (--on-preemption, --max-restarts); a crash on a healthy slice is not retried.
     """
     from orchestrator import bundle as B
-    from orchestrator.runner import RunFailed, shared_install, run_job
+    from orchestrator.runner import RunFailed, Watch, run_job, shared_install
     command = list(command)
     if not command:
         raise UserError("nothing to run: `tpuctl run NAME -- pretrain --preset gpt2-tiny ...`")
@@ -225,11 +225,11 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         run_dir = _home() / "runs" / name / L.new_run_id()
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUNNER_PID).write_text(str(os.getpid()))  # `logs --follow` stops once this process is gone
-        return run_job(target.workers, argv, ssh=target.ssh, run_dir=run_dir, env=env, secret_env=secrets,
-                       kill_stale=kill_stale, bundle=bundle, install=install, layout=layout,
-                       coordinator_port=coordinator_port, heartbeat_timeout_s=heartbeat_timeout,
-                       init_timeout_s=init_timeout, run_id=run_dir.name, out=out, report_failure=bool(hosts),
-                       hang_timeout_s=hang_timeout or None)
+        spec = L.LaunchSpec(argv=argv, env=env, run_id=run_dir.name, coordinator_port=coordinator_port,
+                            heartbeat_timeout_s=heartbeat_timeout, init_timeout_s=init_timeout)
+        return run_job(target.workers, spec, ssh=target.ssh, run_dir=run_dir, secret_env=secrets, bundle=bundle,
+                       install=install, layout=layout, kill_stale=kill_stale, out=out,
+                       watch=Watch(report_failure=bool(hosts), hang_timeout_s=hang_timeout or None))
 
     try:
         if hosts:  # no slice to ask about or recreate

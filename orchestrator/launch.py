@@ -14,6 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from orchestrator.state import Worker  # noqa: F401 - the one worker type, used here and by callers as L.Worker
+
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED = ("TPUCTL_COORDINATOR", "TPUCTL_NUM_PROCESSES", "TPUCTL_PROCESS_ID")
 DEFAULT_COORDINATOR_PORT = 8476
@@ -24,23 +26,6 @@ PYTHON = "python"           # argv[0] == "python" means the host's environment f
 
 class LaunchError(ValueError):
     """One clear line about a bad --env / --secret-env / command."""
-
-
-@dataclass(frozen=True)
-class Worker:
-    index: int
-    internal_ip: str
-    external_ip: str | None = None
-    port: int | None = None  # SSH port, when this worker's differs from the run's
-
-    @property
-    def address(self) -> str:
-        """Where SSH connects: the external IP when the slice has one, else the internal IP."""
-        return self.external_ip or self.internal_ip
-
-    @property
-    def name(self) -> str:
-        return f"w{self.index}"
 
 
 @dataclass

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -119,30 +119,34 @@ def _describe(rc: int | None) -> str:
     return f"exit {rc}"
 
 
-def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir: Path | str,
-            env: dict[str, str] | None = None, secret_env: dict[str, str] | None = None,
-            kill_stale: bool = False, bundle: Bundle | None = None, install: InstallOptions | None = None,
-            coordinator_port: int = L.DEFAULT_COORDINATOR_PORT, heartbeat_timeout_s: int = 10,
-            init_timeout_s: int = 60, distributed: bool = True, run_id: str | None = None,
-            out: TextIO | None = None, tail_lines: int = 30, stop_grace_s: float = 10.0,
-            fail_grace_s: float = 2.0, preempt_grace_s: float = 120.0,
-            layout: L.HostLayout | None = None, report_failure: bool = True,
-            hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S) -> RunResult:
-    """Run argv on every worker at once; argv[0] == "python" is the bundle's Python (needs `bundle`).
+@dataclass(frozen=True)
+class Watch:
+    """How a run is watched once it runs: how long the others get after the first failure, how long hosts may
+    take to save on a preemption notice, when a silent run counts as hung, and whether a failure's host tails
+    are printed (False: the caller prints them only if the VMs were not preempted)."""
+    tail_lines: int = 30
+    fail_grace_s: float = 2.0
+    preempt_grace_s: float = 120.0
+    hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S
+    report_failure: bool = True
+
+
+def run_job(workers: list[L.Worker], spec: L.LaunchSpec, *, ssh: SshConfig, run_dir: Path | str,
+            secret_env: dict[str, str] | None = None, bundle: Bundle | None = None,
+            install: InstallOptions | None = None, layout: L.HostLayout | None = None, kill_stale: bool = False,
+            watch: Watch = Watch(), out: TextIO | None = None) -> RunResult:
+    """Run spec.argv on every worker at once; argv[0] == "python" is the bundle's Python (needs `bundle`).
 
     secret_env holds values (read from the user's environment by the caller); they reach the hosts only
-    through stdin and are masked in the output. report_failure=False keeps a failed run's host tails out of
-    `out` (in RunResult.report): a caller that may find the VMs were preempted prints them only if not. Raises RunFailed (with .result) when a host fails or the
-    run is interrupted, HostError when preflight or push fails (nothing was started then).
+    through stdin and are masked in the output. Raises RunFailed (with .result) when a host fails or the run
+    is interrupted, HostError when preflight or push fails (nothing was started then).
     """
     out = out or sys.stdout
-    env, secret_env = dict(env or {}), dict(secret_env or {})
-    for k in env:
+    secret_env = dict(secret_env or {})
+    for k in spec.env:
         L.check_env_name(k, "--env")
-    spec = L.LaunchSpec(argv=list(argv), env=env, secret_names=sorted(secret_env),
-                        run_id=run_id or L.new_run_id(), coordinator_port=coordinator_port,
-                        heartbeat_timeout_s=heartbeat_timeout_s, init_timeout_s=init_timeout_s,
-                        distributed=distributed, stop_grace_s=stop_grace_s)
+    spec = replace(spec, secret_names=sorted(secret_env))
+    argv, env = spec.argv, spec.env
     if argv and argv[0] == L.PYTHON and bundle is None:
         raise L.LaunchError("the command runs `python` from the bundle, but no bundle was given")
     run_dir = Path(run_dir)
@@ -159,8 +163,8 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
     write_json(run_dir / "run.json", record)
     try:
         probes = hosts.preflight(kill_stale=kill_stale, bundle=bundle, say=say,
-                                 coordinator=L.coordinator(workers, coordinator_port)
-                                 if distributed and len(workers) > 1 else None)
+                                 coordinator=L.coordinator(workers, spec.coordinator_port)
+                                 if spec.distributed and len(workers) > 1 else None)
         timings["preflight_s"] = time.monotonic() - t0
         for p in probes:
             for c in p.cleared:
@@ -180,8 +184,7 @@ def run_job(workers: list[L.Worker], argv: list[str], *, ssh: SshConfig, run_dir
             hosts.upload_secrets(L.secrets_upload_command(lay, spec.run_id), L.secrets_payload(secret_env))
         wrap = hosts.helpers[L.HOSTWRAP]
         cmds = [_command(spec, workers, i, lay, probes[i], bundle, wrap) for i in range(len(workers))]
-        result = _watch(hosts, spec, cmds, probes, run_dir, out, secret_env, tail_lines, fail_grace_s,
-                        preempt_grace_s, t0, timings, say, report_failure, hang_timeout_s)
+        result = _Watcher(hosts, spec, cmds, run_dir, out, secret_env, watch, t0, timings, say).run()
         result.push = pushed
     except BaseException:
         record["returncode"] = None
@@ -239,150 +242,177 @@ def _command(spec: L.LaunchSpec, workers: list[L.Worker], i: int, lay: L.HostLay
                           cwd=f"{app}/tpuctl_workdir" if bundle.has_workdir else None, wrap_script=wrap)
 
 
-def _watch(hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], probes: list[Probe], run_dir: Path,
-           out: TextIO, secret_env: dict, tail_lines: int, fail_grace_s: float, preempt_grace_s: float,
-           t0: float, timings: dict, say, report_failure: bool = True,
-           hang_timeout_s: float | None = None) -> RunResult:
-    n = len(cmds)
-    lock = threading.Lock()
-    first: dict[int, float] = {}
-    progress: dict[int, tuple[int, float]] = {}
-    secrets = mask_variants(secret_env.values())
-    streams = [_HostStream(i, out, run_dir / f"w{i}.log", lock, secrets, first, t0, tail_lines, progress)
-               for i in range(n)]
-    hung = ""
+class _Watcher:
+    """One launched run, watched until every host has ended: the first failure stops the others (naming a host
+    that stopped advancing rather than the one that noticed), a preemption notice gives the others time to save,
+    a run where no host advances is stopped as hung, Ctrl-C stops every host. Ends in a RunResult."""
 
-    def stopped_hosts(indices: list[int]) -> list[int]:
+    def __init__(self, hosts: Hosts, spec: L.LaunchSpec, cmds: list[str], run_dir: Path, out: TextIO,
+                 secret_env: dict, watch: Watch, t0: float, timings: dict, say):
+        self.hosts, self.spec, self.cmds, self.run_dir, self.out = hosts, spec, cmds, run_dir, out
+        self.watch, self.t0, self.timings, self.say = watch, t0, timings, say
+        self.n = n = len(cmds)
+        self.lock = threading.Lock()
+        self.first: dict[int, float] = {}                   # index -> first output (s since t0)
+        self.progress: dict[int, tuple[int, float]] = {}   # index -> (last reported step, monotonic time)
+        secrets = mask_variants(secret_env.values())
+        self.streams = [_HostStream(i, out, run_dir / f"w{i}.log", self.lock, secrets, self.first, t0,
+                                    watch.tail_lines, self.progress) for i in range(n)]
+        self.done: queue.Queue = queue.Queue()
+        self.codes: dict[int, int | None] = {i: None for i in range(n)}
+        self.failed: int | None = None
+        self.hung = ""
+        self.stopped = self.interrupted = False
+        self.deadline: float | None = None   # set by a preemption notice: when the others must have saved
+
+    # ---- the hosts
+    def _host(self, i: int) -> None:
+        try:
+            r = self.hosts.conns[i].run(self.cmds[i], out_stream=self.streams[i], err_stream=self.streams[i],
+                                        hide=False, warn=True, pty=False)
+            rc = r.exited
+        except Exception as e:  # noqa: BLE001 - the connection dropped: that host failed
+            self.streams[i].write(f"tpuctl: lost the SSH connection: {e}\n")
+            rc = 255
+        finally:
+            self.streams[i].close()
+        self.done.put((i, rc))
+
+    def _running(self) -> list[int]:
+        return [j for j in range(self.n) if self.codes[j] is None]
+
+    def _stop_all(self, grace: float, indices: list[int]) -> None:
+        cmd = L.stop_command(self.hosts.layout, self.spec.run_id, wrap_python="python3", grace=grace,
+                             wrap_script=self.hosts.helpers[L.HOSTWRAP])
+        self.hosts.stop(cmd, indices)
+
+    def _stopped_hosts(self, indices: list[int]) -> list[int]:
         """Hosts whose trainer is stopped (state T) or that do not answer: the ones that stopped advancing."""
-        cmd = L.state_command(hosts.layout, spec.run_id, wrap_python="python3", wrap_script=hosts.helpers[L.HOSTWRAP])
-        out_ = hosts.stop(cmd, indices, timeout=10)
+        cmd = L.state_command(self.hosts.layout, self.spec.run_id, wrap_python="python3",
+                              wrap_script=self.hosts.helpers[L.HOSTWRAP])
         bad = []
-        for i, r in out_.items():
-            line = next((l for l in getattr(r, "stdout", "").splitlines() if l.startswith("TPUCTL_STATE ")), None)
+        for i, r in self.hosts.stop(cmd, indices, timeout=10).items():
+            line = next((ln for ln in getattr(r, "stdout", "").splitlines() if ln.startswith("TPUCTL_STATE ")), None)
             if line is None or any(p["state"] == "T" for p in json.loads(line[len("TPUCTL_STATE "):])["procs"]):
                 bad.append(i)
         return bad
 
-    def step_of(i: int) -> str:
-        return f"step {progress[i][0]}" if i in progress else "its first step"
-    done: queue.Queue = queue.Queue()
-    codes: dict[int, int | None] = {i: None for i in range(n)}
+    def _step_of(self, i: int) -> str:
+        return f"step {self.progress[i][0]}" if i in self.progress else "its first step"
 
-    def host(i: int) -> None:
+    # ---- what happens while waiting
+    def _idle(self) -> None:
+        """Nothing ended for a moment: the preemption grace may be over, or the run may be hung."""
+        if self.deadline is not None and time.monotonic() >= self.deadline and not self.stopped:
+            self.stopped = True
+            self._stop_all(self.watch.fail_grace_s, self._running())
+        elif (self.watch.hang_timeout_s and self.failed is None and not self.stopped and len(self.progress) == self.n
+              and time.monotonic() - max(t for _, t in self.progress.values()) > self.watch.hang_timeout_s):
+            running = self._running()
+            culprits = self._stopped_hosts(running) or [min(running, key=lambda j: self.progress[j][0])]
+            self.failed = culprits[0]
+            self.hung = (f"stopped advancing at {self._step_of(self.failed)}: no host reported a new step for "
+                         f"{self.watch.hang_timeout_s:.0f} s")
+            self.say(f"w{self.failed} {self.hung}; stopping every host")
+            self.stopped = True
+            self._stop_all(self.watch.fail_grace_s, running)
+
+    def _ended(self, i: int, rc: int | None) -> None:
+        self.codes[i] = rc
+        if rc == 0 or self.failed is not None:
+            return
+        self.failed = i
+        others = self._running()
+        if not others:
+            return
+        if rc == PREEMPTED:  # the others are saving the same step: let them finish
+            self.say(f"w{i} stopped on a preemption notice; waiting for the other hosts to save")
+            self.deadline = time.monotonic() + self.watch.preempt_grace_s
+            return
+        # A host that stops (SIGSTOP, a hung VM) makes the others fail at jax's heartbeat: name it.
+        stuck = self._stopped_hosts(others) if rc not in (255, -1) else []
+        if stuck:
+            self.failed = stuck[0]
+            self.hung = f"stopped advancing at {self._step_of(self.failed)} (its trainer does not run)"
+            self.say(f"w{self.failed} {self.hung}; w{i} then failed ({_describe(rc)}): stopping every host")
+        else:
+            # A dropped SSH connection may be a preempted VM, not a failure: the caller tells which.
+            what = "lost its SSH connection" if rc in (255, -1) else f"failed ({_describe(rc)})"
+            self.say(f"w{i} {what}: stopping {', '.join(f'w{j}' for j in others)}")
+        self.stopped = True
+        self._stop_all(self.watch.fail_grace_s, others)
+
+    # ---- the whole run
+    def run(self) -> RunResult:
+        threads = [threading.Thread(target=self._host, args=(i,), daemon=True, name=f"w{i}") for i in range(self.n)]
+        self.timings["launch_s"] = time.monotonic() - self.t0
+        for t in threads:
+            t.start()
         try:
-            r = hosts.conns[i].run(cmds[i], out_stream=streams[i], err_stream=streams[i], hide=False,
-                                   warn=True, pty=False)
-            rc = r.exited
-        except Exception as e:  # noqa: BLE001 - the connection dropped: that host failed
-            streams[i].write(f"tpuctl: lost the SSH connection: {e}\n")
-            rc = 255
-        finally:
-            streams[i].close()
-        done.put((i, rc))
-
-    threads = [threading.Thread(target=host, args=(i,), daemon=True, name=f"w{i}") for i in range(n)]
-    timings["launch_s"] = time.monotonic() - t0
-    for t in threads:
-        t.start()
-    failed, interrupted, stopped = None, False, False
-
-    def stop_all(grace: float, indices: list[int]) -> None:
-        cmd = L.stop_command(hosts.layout, spec.run_id, wrap_python="python3", grace=grace,
-                             wrap_script=hosts.helpers[L.HOSTWRAP])
-        hosts.stop(cmd, indices)
-
-    try:
-        remaining = n
-        deadline = None
-        while remaining:
-            try:
-                i, rc = done.get(timeout=0.2 if deadline is None else max(0.05, deadline - time.monotonic()))
-            except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline and not stopped:
-                    stopped = True
-                    stop_all(fail_grace_s, [j for j in range(n) if codes[j] is None])
-                elif (hang_timeout_s and failed is None and not stopped and len(progress) == n
-                      and time.monotonic() - max(t for _, t in progress.values()) > hang_timeout_s):
-                    running = [j for j in range(n) if codes[j] is None]
-                    culprits = stopped_hosts(running) or [min(running, key=lambda j: progress[j][0])]
-                    failed = culprits[0]
-                    hung = (f"stopped advancing at {step_of(failed)}: no host reported a new step for "
-                            f"{hang_timeout_s:.0f} s")
-                    say(f"w{failed} {hung}; stopping every host")
-                    stopped = True
-                    stop_all(fail_grace_s, running)
-                continue
-            codes[i] = rc
-            remaining -= 1
-            if rc != 0 and failed is None:
-                failed = i
-                others = [j for j in range(n) if codes[j] is None]
-                if rc == PREEMPTED and others:  # the others are saving the same step: let them finish
-                    say(f"w{i} stopped on a preemption notice; waiting for the other hosts to save")
-                    deadline = time.monotonic() + preempt_grace_s
-                elif others:
-                    # A host that stops (SIGSTOP, a hung VM) makes the others fail at jax's heartbeat: name it.
-                    stuck = stopped_hosts(others) if rc not in (255, -1) else []
-                    if stuck:
-                        failed = stuck[0]
-                        hung = f"stopped advancing at {step_of(failed)} (its trainer does not run)"
-                        say(f"w{failed} {hung}; w{i} then failed ({_describe(rc)}): stopping every host")
-                    else:
-                        # A dropped SSH connection may be a preempted VM, not a failure: the caller tells which.
-                        what = "lost its SSH connection" if rc in (255, -1) else f"failed ({_describe(rc)})"
-                        say(f"w{i} {what}: stopping {', '.join(f'w{j}' for j in others)}")
-                    stopped = True
-                    stop_all(fail_grace_s, others)
-    except KeyboardInterrupt:
-        interrupted = True
-        say("interrupted: stopping every host (Ctrl-C again to stop waiting)")
-        try:
-            stop_all(spec.stop_grace_s, [j for j in range(n) if codes[j] is None])
+            remaining = self.n
+            while remaining:
+                wait = 0.2 if self.deadline is None else max(0.05, self.deadline - time.monotonic())
+                try:
+                    i, rc = self.done.get(timeout=wait)
+                except queue.Empty:
+                    self._idle()
+                    continue
+                remaining -= 1
+                self._ended(i, rc)
         except KeyboardInterrupt:
-            stop_all(0, list(range(n)))
-    for t in threads:
-        t.join(timeout=30)
-    for i in range(n):
-        if threads[i].is_alive():  # SSH hung: close it so the thread ends
-            hosts.conns[i].close()
-    while not done.empty():
-        i, rc = done.get()
-        codes[i] = rc
-    timings["first_output_s"] = min(first.values()) if first else float("nan")
-    timings["total_s"] = time.monotonic() - t0
-    # Steps as process 0 reported them (the goodput accounting of supervise): when the first and the last
-    # reported step completed, counted from the start of the run.
-    if streams and streams[0].first_progress:
-        (s0, f0), (s1, f1) = streams[0].first_progress[0], progress[0]
-        timings.update(first_step=s0, first_step_s=f0 - t0, last_step=s1, last_step_s=f1 - t0)
-    if interrupted:
-        rc_all = 130
-    elif hung:
-        rc_all = HUNG
-    elif failed is not None:
-        rc_all = codes[failed] or 1
-    else:
-        rc_all = 0
-    report = []
-    if rc_all != 0:
-        for i, s in enumerate(streams):
-            report.append(f"---- w{i} ({hosts.workers[i].address}): {_describe(codes[i])}, "
-                          f"last {len(s.tail)} lines ----")
-            report += [f"[w{i}] {line}" for line in s.tail]
-        if all_preempted(codes):
-            report.append(f"[tpuctl] preempted: every host saved a checkpoint (exit {PREEMPTED}); run again to "
-                          f"resume; logs in {run_dir}")
-        elif failed is not None and not interrupted:
-            w = hosts.workers[failed]
-            report.append(f"[tpuctl] FAILED: worker {w.name} ({w.address}) "
-                          f"{hung or _describe(codes[failed])}; logs in {run_dir}")
-        if report_failure:
-            with lock:
-                out.writelines(line + "\n" for line in report)
-                out.flush()
-    return RunResult(run_id=spec.run_id, run_dir=run_dir, returncode=rc_all, exit_codes=codes,
-                     failed_worker=None if interrupted else failed, timings=timings, interrupted=interrupted,
-                     report="\n".join(report), hung=hung)
+            self.interrupted = True
+            self.say("interrupted: stopping every host (Ctrl-C again to stop waiting)")
+            try:
+                self._stop_all(self.spec.stop_grace_s, self._running())
+            except KeyboardInterrupt:
+                self._stop_all(0, list(range(self.n)))
+        for t in threads:
+            t.join(timeout=30)
+        for i in range(self.n):
+            if threads[i].is_alive():  # SSH hung: close it so the thread ends
+                self.hosts.conns[i].close()
+        while not self.done.empty():
+            i, rc = self.done.get()
+            self.codes[i] = rc
+        return self._result()
+
+    def _result(self) -> RunResult:
+        timings, codes, failed = self.timings, self.codes, self.failed
+        timings["first_output_s"] = min(self.first.values()) if self.first else float("nan")
+        timings["total_s"] = time.monotonic() - self.t0
+        # Steps as process 0 reported them (the goodput accounting of supervise): when the first and the last
+        # reported step completed, counted from the start of the run.
+        if self.streams and self.streams[0].first_progress:
+            (s0, f0), (s1, f1) = self.streams[0].first_progress[0], self.progress[0]
+            timings.update(first_step=s0, first_step_s=f0 - self.t0, last_step=s1, last_step_s=f1 - self.t0)
+        if self.interrupted:
+            rc_all = 130
+        elif self.hung:
+            rc_all = HUNG
+        elif failed is not None:
+            rc_all = codes[failed] or 1
+        else:
+            rc_all = 0
+        report = []
+        if rc_all != 0:
+            for i, s in enumerate(self.streams):
+                report.append(f"---- w{i} ({self.hosts.workers[i].address}): {_describe(codes[i])}, "
+                              f"last {len(s.tail)} lines ----")
+                report += [f"[w{i}] {line}" for line in s.tail]
+            if all_preempted(codes):
+                report.append(f"[tpuctl] preempted: every host saved a checkpoint (exit {PREEMPTED}); run again "
+                              f"to resume; logs in {self.run_dir}")
+            elif failed is not None and not self.interrupted:
+                w = self.hosts.workers[failed]
+                report.append(f"[tpuctl] FAILED: worker {w.name} ({w.address}) "
+                              f"{self.hung or _describe(codes[failed])}; logs in {self.run_dir}")
+            if self.watch.report_failure:
+                with self.lock:
+                    self.out.writelines(line + "\n" for line in report)
+                    self.out.flush()
+        return RunResult(run_id=self.spec.run_id, run_dir=self.run_dir, returncode=rc_all, exit_codes=codes,
+                         failed_worker=None if self.interrupted else failed, timings=timings,
+                         interrupted=self.interrupted, report="\n".join(report), hung=self.hung)
 
 
 def write_json(path: Path, obj: dict) -> None:

@@ -204,6 +204,47 @@ class SliceSpec:
                                 "values are strings")
         return self
 
+    def with_flags(self, *, name=None, accelerator=None, zone=None, zones=None, spot=None, reserved=None,
+                   wait_capacity=None, keep_on_failure=None, no_queue=None, no_external_ips=None, reservation=None,
+                   network=None, subnetwork=None, service_account=None, scopes=None, runtime_version=None,
+                   labels=(), ttl=None, capacity_wait=None, timeout=None, project=None, api_endpoint=None,
+                   local=None, fresh_vm=None) -> "SliceSpec":
+        """`tpuctl up`'s flags over this spec (a spec file's, or an empty one). A flag not given (None or empty)
+        leaves the spec's value alone; durations are parsed here, naming the flag when they are bad."""
+        for attr, value in (("name", name), ("accelerator", accelerator), ("reservation", reservation),
+                            ("network", network), ("subnetwork", subnetwork), ("service_account", service_account),
+                            ("runtime_version", runtime_version), ("project", project),
+                            ("api_endpoint", api_endpoint)):
+            if value:
+                setattr(self, attr, value)
+        if not self.name:
+            raise UserError("missing NAME: `tpuctl up NAME --accelerator v4-16 --zone us-central2-b`")
+        if not self.accelerator:
+            raise UserError("missing --accelerator: e.g. --accelerator v4-16 (see `tpuctl up --help`)")
+        if zone or zones:
+            self.zones = split_zones(([zone] if zone else []) + ([zones] if zones else []))
+        for attr, value in (("spot", spot), ("reserved", reserved), ("wait_capacity", wait_capacity),
+                            ("keep_on_failure", keep_on_failure)):
+            if value:
+                setattr(self, attr, True)
+        if no_queue:
+            self.queued = False
+        if no_external_ips:
+            self.external_ips = False
+        if scopes:
+            self.scopes = expand_scopes([scopes])
+        if labels:
+            self.labels = {**self.labels, **parse_labels(labels)}
+        for flag, attr, value in (("--ttl", "ttl_s", ttl), ("--capacity-wait", "capacity_wait_s", capacity_wait),
+                                  ("--timeout", "timeout_s", timeout)):
+            if value:
+                setattr(self, attr, parse_duration(value, flag))
+        if local:
+            self.provider = "local"
+        if fresh_vm:
+            self.provider_options = {**self.provider_options, "fresh": True}
+        return self
+
     @property
     def accelerator_type(self) -> catalog.AcceleratorType:
         return catalog.lookup(self.accelerator)

@@ -20,11 +20,22 @@ from typing import Callable, Iterator
 VERSION = 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class Worker:
+    """One VM of a slice, as the TPU API lists it and as SSH reaches it (the one worker type of tpuctl)."""
     index: int
     internal_ip: str
     external_ip: str | None = None
+    port: int | None = None  # SSH port, when this worker's differs from the run's (--hosts ip:port)
+
+    @property
+    def address(self) -> str:
+        """Where SSH connects: the external IP when the slice has one, else the internal IP."""
+        return self.external_ip or self.internal_ip
+
+    @property
+    def name(self) -> str:
+        return f"w{self.index}"
 
 
 @dataclass

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live  # noqa: F401
+from _local_hosts import needs_hosts
 from infra.fake_tpu_api import FakeControl
 from orchestrator import state
 from orchestrator.provider import local as local_provider
@@ -339,3 +340,54 @@ def test_run_on_a_missing_slice_suggests_nothing_run_does_not_take(env):
     line = error_line(res)
     assert res.exit_code == 1 and "no slice named adv-x in the local record" in line
     assert "--zone" not in line and "--project" not in line and "tpuctl up adv-x ... --local" in line
+
+
+def _procs_naming(path: Path) -> list[str]:
+    """Processes whose command line names a path under `path` (a local slice's hosts: unshare, sshd)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if p.name.isdigit() and f"{path}/" in cmd:
+            out.append(f"{p.name}: {cmd[:120]}")
+    return out
+
+
+@pytest.mark.e2e
+@needs_hosts
+def test_up_local_killed_at_any_moment_leaves_nothing_down_or_gc_cannot_find(sub_env):
+    """SIGKILL of `tpuctl up --local` while it records the slice, while it starts the hosts' sshd, and once they
+    run: `down` (or `gc --yes`, when the record is gone too) stops every host process and removes its folder."""
+    slices_dir = Path(os.environ["TPUCTL_HOME"]) / "local" / "slices"
+    moments = {
+        "recorded": lambda n: n in (json.loads(state.state_path().read_text()).get("slices", {})
+                                    if state.state_path().exists() else {}),
+        "first host starting": lambda n: (slices_dir / n / "w0" / "host.log").exists(),
+        "second host starting": lambda n: (slices_dir / n / "w1" / "host.log").exists(),
+    }
+    local_provider.api_url()  # started once: the moments below are tpuctl's own
+    for i, (moment, reached) in enumerate(moments.items()):
+        name = f"k{i}"
+        proc = subprocess.Popen(_tpuctl() + ["up", name, "--local", "-a", "v4-16"], env=sub_env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not reached(name):
+                assert proc.poll() is None and time.monotonic() < deadline, (moment, proc.communicate())
+                time.sleep(0.002)
+            proc.kill()
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == -signal.SIGKILL, moment
+        if i == len(moments) - 1:  # the record lost as well: gc finds the hosts by their folder
+            state.remove(name)
+            out = sh(sub_env, "gc", "--local", "--yes", "--zones", ZONE).stdout
+            assert "hosts" in out and name in out, out
+        else:
+            sh(sub_env, "down", name, "--local")
+        left = _procs_naming(slices_dir / name)
+        assert left == [] and not (slices_dir / name).exists(), (moment, left)

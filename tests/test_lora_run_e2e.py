@@ -13,7 +13,8 @@ from _local_hosts import needs_hosts, ssh_config, start, wait_idle, workers
 from infra import gcs
 from infra.fake_kaggle import FakeKaggle
 from orchestrator import bundle as B, weights as W
-from orchestrator.runner import shared_install, run_job
+from orchestrator.launch import LaunchSpec
+from orchestrator.runner import run_job, shared_install
 from trainer.models import gemma
 
 pytestmark = needs_hosts
@@ -56,9 +57,9 @@ def test_lora_on_two_ssh_hosts_matches_one_process(tmp_path_factory, tmp_path, m
         sl = start("lora-e2e", 2, tmp_path_factory.mktemp("slices"))
         bundle = B.build(cache_dir=tmp_path / "bundles")
         install, layout = shared_install(sl.wheelhouse, bundle, python=sl.python)
-        r = run_job(workers(sl), ["python", *LORA, "--ckpt-dir", "gs://e2e/multi", "--emulate-devices", "4"],
-                    run_dir=tmp_path / "r", ssh=ssh_config(sl), env=genv, bundle=bundle, install=install,
-                    layout=layout)
+        r = run_job(workers(sl), LaunchSpec(["python", *LORA, "--ckpt-dir", "gs://e2e/multi", "--emulate-devices",
+                                             "4"], env=genv),
+                    run_dir=tmp_path / "r", ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout)
         logs = [(tmp_path / "r" / f"w{i}.log").read_text() for i in range(2)]
         assert r.ok and r.exit_codes == {0: 0, 1: 0}, logs[0][-3000:]
         assert "in 2 process(es)" in logs[0], logs[0][-3000:]

@@ -27,7 +27,8 @@ from orchestrator import bundle as B
 from orchestrator import cli_run
 from orchestrator.hosts import HostError
 from orchestrator.cli import cli as cli_main
-from orchestrator.runner import RunFailed, shared_install, run_job
+from orchestrator.launch import LaunchSpec
+from orchestrator.runner import RunFailed, Watch, run_job, shared_install
 
 pytestmark = needs_hosts
 
@@ -53,9 +54,12 @@ def py(code: str) -> list[str]:
 
 
 def _run(sl, argv, tmp_path, **kw):
+    """run_job with LaunchSpec's and Watch's fields given as keywords too."""
     out = io.StringIO()
+    spec = LaunchSpec(argv, **{k: kw.pop(k) for k in list(kw) if k in LaunchSpec.__dataclass_fields__})
+    watch = Watch(**{k: kw.pop(k) for k in list(kw) if k in Watch.__dataclass_fields__})
     try:
-        r = run_job(workers(sl), argv, ssh=ssh_config(sl), run_dir=tmp_path / "run", out=out, **kw)
+        r = run_job(workers(sl), spec, ssh=ssh_config(sl), run_dir=tmp_path / "run", out=out, watch=watch, **kw)
     except RunFailed as e:
         return e, out.getvalue()
     return r, out.getvalue()
@@ -154,9 +158,9 @@ def test_a_multi_line_secret_is_masked_as_is_and_escaped_and_run_files_are_priva
     secret = '{\n  "type": "service_account",\n  "private_key": "-----BEGIN-' + tag + '-----"\n}'
     run_dir = tmp_path / "runs" / "sl" / "r1"
     out = io.StringIO()
-    r = run_job(workers(sl), py("v = os.environ['MULTI']\nprint(v)\nprint(json.dumps(v))\nprint(repr(v))\n"
-                                "print(json.dumps({'key': v}))"), ssh=ssh_config(sl), run_dir=run_dir, out=out,
-                secret_env={"MULTI": secret})
+    r = run_job(workers(sl), LaunchSpec(py("v = os.environ['MULTI']\nprint(v)\nprint(json.dumps(v))\n"
+                                           "print(repr(v))\nprint(json.dumps({'key': v}))")),
+                ssh=ssh_config(sl), run_dir=run_dir, out=out, secret_env={"MULTI": secret})
     assert r.ok
     text = out.getvalue()
     assert tag not in text and '"service_account"' not in text and "***" in text, text

@@ -3,8 +3,10 @@ emulator; the loss curve equals the single-process 8-device run's; a second run 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ import pytest
 from _local_hosts import start, ssh_config, wait_idle, workers, needs_hosts
 from infra import gcs
 from orchestrator import bundle as B
-from orchestrator.runner import RunFailed, shared_install, run_job
+from orchestrator.launch import LaunchSpec
+from orchestrator.runner import RunFailed, Watch, run_job, shared_install
 
 pytestmark = needs_hosts
 
@@ -43,8 +46,8 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
         install, layout = shared_install(sl.wheelhouse, bundle, python=sl.python)
         args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", "gs://e2e/data", *TINY,
                 "--ckpt-dir", "gs://e2e/run", "--ckpt-every", "4"]
-        kw = dict(ssh=ssh_config(sl), env=genv, bundle=bundle, install=install, layout=layout)
-        r1 = run_job(workers(sl), [*args, "--steps", "8"], run_dir=tmp_path / "r1", **kw)
+        kw = dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout)
+        r1 = run_job(workers(sl), LaunchSpec([*args, "--steps", "8"], env=genv), run_dir=tmp_path / "r1", **kw)
         assert r1.ok and r1.exit_codes == {0: 0, 1: 0}
         log0 = (tmp_path / "r1" / "w0.log").read_text()
         assert "in 2 process(es)" in log0, log0[-2000:]
@@ -60,7 +63,7 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
         assert {"4", "8"} <= saved, saved
 
         # A second run to step 12: same bundle (install skipped everywhere), resumes from step 8.
-        r2 = run_job(workers(sl), [*args, "--steps", "12"], run_dir=tmp_path / "r2", **kw)
+        r2 = run_job(workers(sl), LaunchSpec([*args, "--steps", "12"], env=genv), run_dir=tmp_path / "r2", **kw)
         assert r2.ok and r2.push == {0: "cached", 1: "cached"}
         after = _metrics(client, "e2e", "run/metrics.jsonl")
         assert sorted(after) == list(range(1, 13)) and after[12] < multi[1] - 1.0
@@ -95,13 +98,17 @@ def _ready(sl, tmp_path) -> tuple[str, dict]:
                    capture_output=True, timeout=300)
     bundle = B.build(cache_dir=tmp_path / "bundles")
     install, layout = shared_install(sl.wheelhouse, bundle, python=sl.python)
-    return data, dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout, env={"JAX_PLATFORMS": "cpu"})
+    return data, dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout)
+
+
+CPU = {"JAX_PLATFORMS": "cpu"}
 
 @pytest.mark.e2e
 def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory, tmp_path):
     """Process 0 writes a probe in --ckpt-dir and every process must see it: a path each host has its own copy
     of (/tmp) stops the run before step 1 naming the hosts that did not; a path they share passes."""
     sl = start("shared", 2, tmp_path_factory.mktemp("slices"))
+    shared = None
     try:
         data, kw = _ready(sl, tmp_path)
         args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
@@ -109,7 +116,8 @@ def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory,
         import io
         out = io.StringIO()
         with pytest.raises(RunFailed) as e:
-            run_job(workers(sl), [*args, "--ckpt-dir", "/tmp/ckpt"], run_dir=tmp_path / "private", out=out, **kw)
+            run_job(workers(sl), LaunchSpec([*args, "--ckpt-dir", "/tmp/ckpt"], env=CPU), run_dir=tmp_path / "private",
+                    out=out, **kw)
         assert e.value.result.exit_codes == {0: 2, 1: 2}, out.getvalue()[-3000:]
         w0 = (tmp_path / "private" / "w0.log").read_text()
         errors = [l for l in w0.splitlines() if l.startswith("error: ")]
@@ -118,11 +126,18 @@ def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory,
                           "mounts at the same path (NFS, Filestore, gcsfuse)"], w0[-3000:]
         assert "step 1/" not in w0 and "Traceback" not in w0
 
-        ok = run_job(workers(sl), [*args, "--ckpt-dir", f"{sl.shared_dir}/ckpt"], run_dir=tmp_path / "shared", **kw)
+        # Any filesystem every host mounts at the same path works, here one outside the hosts' private /root
+        # and /tmp (as an NFS or gcsfuse mount would be): nothing in tpuctl knows about it.
+        shared = Path(tempfile.mkdtemp(prefix="tpuctl-shared-", dir="/var/tmp"))
+        ok = run_job(workers(sl), LaunchSpec([*args, "--ckpt-dir", f"{shared}/ckpt"], env=CPU),
+                     run_dir=tmp_path / "shared", **kw)
         assert ok.ok and "done: step 2" in (tmp_path / "shared" / "w0.log").read_text()
-        assert not list(Path(sl.shared_dir, "ckpt").glob(".shared-probe-*"))  # the probe is cleaned up
+        assert not list((shared / "ckpt").glob(".shared-probe-*"))  # the probe is cleaned up
+        assert (shared / "ckpt" / "2").is_dir()                     # the step everyone saved, seen from here
     finally:
         sl.stop()
+        if shared is not None:
+            shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.mark.e2e
@@ -152,7 +167,8 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         t = threading.Thread(target=stop_w1_at_step_5, daemon=True)
         t.start()
         with pytest.raises(RunFailed) as e:
-            run_job(workers(sl), args, run_dir=tmp_path / "run", out=out, hang_timeout_s=20, **kw)
+            run_job(workers(sl), LaunchSpec(args, env=CPU), run_dir=tmp_path / "run", out=out,
+                    watch=Watch(hang_timeout_s=20), **kw)
         t.join(5)
         r = e.value.result
         assert r.failed_worker == 1 and r.returncode == 124, out.getvalue()[-3000:]

@@ -201,8 +201,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _in_a_multi_process_job() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed
+    return distributed.global_state.client is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except BaseException as e:
+        if isinstance(e, SystemExit) or not _in_a_multi_process_job():
+            raise
+        # One process of a multi-process job failed on its own (a collective that timed out, a bug, an error
+        # only it met): the others wait in a collective for it. A normal exit would now wait at jax.distributed's
+        # shutdown barrier, which they never reach, and the whole job would hang. Exit at once instead: the
+        # others' heartbeat notices, and `tpuctl run` stops every host and names this one.
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _main(argv: list[str]) -> int:
     try:
         emulate_devices(argv)
         keep_freed_memory()
