@@ -1,4 +1,4 @@
-"""`python -m bench` (what `make bench` runs): our trainer's step side by side with the seed article's.
+"""`python -m bench` (what `make bench` runs): our trainer's step side by side with bench/seed_gpt2.py's.
 
 Prints, from one run on this machine: the seed's and our tokens/s and step time on the seed's config
 (L4 D256 H4 T256 B16, 8 emulated CPU devices, mesh 8x1, f32) and their ratios (the seed as it ships, and the
@@ -12,19 +12,11 @@ shared machine are noisy: read the ratios, not the absolute values.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-COUNT_FLAG = "xla_force_host_platform_device_count"
+from bench.devices import emulate
+
 SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt")
-
-
-def emulate(n: int) -> None:
-    """n CPU devices, set before jax is imported; an inherited device-count flag wins."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if COUNT_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --{COUNT_FLAG}={n}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def parse(argv):

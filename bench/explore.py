@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from bench.__main__ import emulate
+from bench.devices import emulate
 
 VARIANTS = ("seed", "ours", "dp", "nopad", "foldmask", "nodropout", "noclip", "shardmap", "shardmap_fold", "zero1",
             "zero1_fold", "wte_t", "wte_t_fold", "best")

@@ -127,7 +127,7 @@ def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None
 
 
 if __name__ == "__main__":
-    from bench.__main__ import emulate
+    from bench.devices import emulate
     emulate(8)
     counts = tuple(int(a) for a in sys.argv[1:]) or (1, 4, 16)
     bench(counts)

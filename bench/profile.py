@@ -13,7 +13,7 @@ import re
 import sys
 import tempfile
 
-from bench.__main__ import emulate
+from bench.devices import emulate
 
 
 def aggregate(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:

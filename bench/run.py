@@ -161,7 +161,7 @@ def fmt_times(ts: list[float]) -> str:
 def section_seed_vs_ours(plan: Plan) -> dict:
     p = plan
     cfg_txt = f"L{p.n_layer} D{p.d_model} H{p.n_head} T{p.seq_len} B{p.batch} vocab {p.vocab}, mesh 8x1, f32"
-    say(f"== [1-3] seed article vs ours, same config: {cfg_txt}")
+    say(f"== [1-3] seed (bench/seed_gpt2.py) vs ours, same config: {cfg_txt}")
     say("   each in its own process (bench/worker.py), steps alternated: the seed's code as it ships; the seed's "
         "code with the host-allocator setting our trainer applies at start (trainer/hostmem.py); ours; then ours "
         "against ours with --vocab-parallel off")

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     if kind not in KINDS:
         print(f"error: unknown contender {kind!r}; one of {', '.join(KINDS)}", file=sys.stderr)
         return 2
-    from bench.__main__ import emulate
+    from bench.devices import emulate
     emulate(8)
     kept = False
     if kind != "seed":  # before jax starts its threads, as `python -m trainer` does

@@ -100,14 +100,12 @@ class Probe:
     free_gb: float = 0.0
     skew_s: float = 0.0
     flavour: str = "cpu"
-    devices: list[str] = field(default_factory=list)
     stale: list[dict] = field(default_factory=list)
     cleared: list[dict] = field(default_factory=list)
     deps_key: str = ""
     have_deps: bool = False
     have_app: bool = False
     have_files: list[str] = field(default_factory=list)
-    seconds: float = 0.0
     coordinator: str = ""                  # IP:PORT checked for the coordinator (worker 0)
     coordinator_taken: dict | None = None  # who already listens there
 
@@ -253,12 +251,6 @@ class Hosts:
         with ThreadPoolExecutor(max_workers=min(32, len(idx))) as ex:
             return list(ex.map(call, idx))
 
-    def run_all(self, command: str, indices: list[int] | None = None, timeout: float | None = None):
-        """Run a command on the workers; {index: invoke Result or exception}."""
-        res = self.each(lambda i, c: c.run(command, timeout=timeout), indices)
-        idx = list(range(len(self.conns))) if indices is None else list(indices)
-        return dict(zip(idx, res))
-
     def stream(self, command: str, indices: list[int] | None = None, out=None, prefix: bool = True,
                timeout: float | None = None) -> dict[int, int]:
         """Run a command on the workers at once, output line by line with a [wI] prefix; {index: exit}."""
@@ -311,12 +303,16 @@ class Hosts:
                 err = (r.stderr.strip().splitlines() or ["no output"])[-1]
                 p.error = ("python3 not found on the host" if r.exited == 127 else f"preflight failed: {err}")
                 return p
-            d = json.loads(line[len("TPUCTL_PROBE "):])
-            p.hostname, p.python, p.free_gb = d["hostname"], d["python"], d["free_gb"]
-            p.skew_s = d["time"] - (t0 + t1) / 2  # against the midpoint of the round trip
-            p.flavour, p.devices, p.stale, p.cleared = d["flavour"], d["devices"], d["stale"], d["cleared"]
-            p.deps_key, p.have_deps, p.have_app = d["deps_key"], d["have_deps"], d["have_app"]
-            p.have_files, p.seconds = d["have_files"], t1 - t0
+            try:
+                d = json.loads(line[len("TPUCTL_PROBE "):])
+                p.hostname, p.python, p.free_gb = d["hostname"], d["python"], d["free_gb"]
+                p.skew_s = d["time"] - (t0 + t1) / 2  # against the midpoint of the round trip
+                p.flavour, p.stale, p.cleared = d["flavour"], d["stale"], d["cleared"]
+                p.deps_key, p.have_deps, p.have_app = d["deps_key"], d["have_deps"], d["have_app"]
+                p.have_files = d["have_files"]
+            except (ValueError, KeyError, TypeError) as e:  # not the probe this tpuctl pushed: say so, never crash
+                p.error = f"preflight answered in an unknown form ({type(e).__name__}: {e}): {line[:200]}"
+                return p
             p.coordinator, p.coordinator_taken = (coordinator or "") if check else "", d.get("coordinator_taken")
             return p
 

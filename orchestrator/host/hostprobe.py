@@ -21,7 +21,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 LOCKFILE = "/tmp/libtpu_lockfile"
@@ -200,12 +199,9 @@ def main():
     print("TPUCTL_PROBE " + json.dumps({
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
-        "python_path": sys.executable,
         "free_gb": round(disk.free / 2**30, 2),
         "time": time.time(),
-        "root": root,
         "flavour": flavour,
-        "devices": device_paths(),
         "stale": stale,
         "cleared": cleared,
         "deps_key": key,
