@@ -8,7 +8,7 @@ import threading
 
 import click
 
-from orchestrator.cli_common import StatusLine, TpuctlError  # noqa: F401 - TpuctlError: part of this module's API
+from orchestrator.cli_common import StatusLine
 from orchestrator.cli_common import api_options as _api_options
 from orchestrator.cli_common import errors as _errors
 from orchestrator.cli_common import json_option as _json_option

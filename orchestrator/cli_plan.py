@@ -42,7 +42,7 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json):
     time, tokens/s, wall time and $ (list price, on-demand and spot) at the chip's peak and at --mfu.
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
-    from orchestrator.cli import StatusLine, TpuctlError
+    from orchestrator.cli_common import StatusLine, TpuctlError
     try:
         with StatusLine(quiet=False) as line:
             p = P.plan(accelerator, list(command), local=local, steps=steps, mfu=mfu, progress=line,
