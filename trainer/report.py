@@ -355,9 +355,10 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodp
         title = f"Sweep {ckpt_dir}"
         files["report.html"] = html_page(title, rows, pngs, notes)
         written = write(out_dir, files)
-        return {"kind": "sweep", "dir": ckpt_dir, "rows": _json_rows(rows), "notes": notes,
-                "fit": None if fit is None else fit.__dict__, "files": written,
-                "html": f"{out_dir}/report.html", "text": to_text(rows)}
+        res = {"kind": "sweep", "dir": ckpt_dir, "rows": _json_rows(rows), "notes": notes,
+               "fit": None if fit is None else fit.__dict__, "files": written,
+               "html": f"{out_dir}/report.html", "text": to_text(rows)}
+        return {**res, "printed": printed(res)}
     run = read_run(ckpt_dir)
     if run["config"] is None and not run["metrics"]:
         from etils import epath
@@ -373,8 +374,9 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodp
              **{f"{k}.png": v for k, v in pngs.items()}}
     files["report.html"] = html_page(f"Run {ckpt_dir}", [r], pngs, [], sections)
     written = write(out_dir, files)
-    return {"kind": "run", "dir": ckpt_dir, "rows": _json_rows([r]), "notes": [], "fit": None, **facts,
-            "summary": sections, "files": written, "html": f"{out_dir}/report.html", "text": to_text([r])}
+    res = {"kind": "run", "dir": ckpt_dir, "rows": _json_rows([r]), "notes": [], "fit": None, **facts,
+           "summary": sections, "files": written, "html": f"{out_dir}/report.html", "text": to_text([r])}
+    return {**res, "printed": printed(res)}
 
 
 # --- one run's summary ---------------------------------------------------------------------------------
@@ -434,6 +436,14 @@ def summary(run: dict, r: dict, facts: dict) -> dict[str, str]:
     else:
         out["final sample"] = "none recorded: `python -m trainer sample --ckpt-dir DIR` records each sample it prints"
     return out
+
+
+def printed(res: dict) -> str:
+    """What `python -m trainer report` prints (and `tpuctl report`, from the JSON): the table, the notes, a
+    run's summary, where the files are."""
+    lines = [res["text"], *res["notes"]]
+    lines += [f"{title}: " + text.replace("\n", "\n  ") for title, text in (res.get("summary") or {}).items()]
+    return "\n".join(lines + [f"report: {res['html']}", f"files: {', '.join(res['files'])}"])
 
 
 def _json_rows(rows: list[dict]) -> list[dict]:

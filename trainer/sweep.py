@@ -346,16 +346,7 @@ def command(args) -> int:
     if args.cmd == "report":
         from trainer import report
         res = report.report(args.ckpt_dir, args.out, goodput=args.goodput)
-        if args.json:
-            print(json.dumps(res))
-        else:
-            print(res["text"])
-            for n in res["notes"]:
-                print(n)
-            for title, text in (res.get("summary") or {}).items():
-                print(f"{title}: " + text.replace("\n", "\n  "))
-            print(f"report: {res['html']}")
-            print(f"files: {', '.join(res['files'])}")
+        print(json.dumps(res) if args.json else res["printed"])
         return 0
     if args.record:
         if args.status is None:
