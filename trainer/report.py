@@ -51,8 +51,11 @@ def read_run(run_dir: str) -> dict:
         except ValueError:
             continue
     trial = _read(d / "trial.json")
-    return {"dir": run_dir, "config": Config.from_dict(json.loads(cfg_text)) if cfg_text else None,
-            "metrics": recs, "trial": json.loads(trial) if trial else None}
+    try:
+        cfg = Config.from_dict(json.loads(cfg_text)) if cfg_text else None
+    except (KeyError, TypeError, AttributeError):  # not a pretrain config (a `lora` run's): charts only
+        cfg = None
+    return {"dir": run_dir, "config": cfg, "metrics": recs, "trial": json.loads(trial) if trial else None}
 
 
 def row(name: str, run: dict) -> dict:
