@@ -260,8 +260,8 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
     compile_s = steps.compile()
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
+    wandb = wandb_log.WandbLog(cfg, enabled=primary)  # first: a failing wandb.init leaves nothing else open
     log = metrics.MetricsLog(t.ckpt_dir, start, enabled=primary)
-    wandb = wandb_log.WandbLog(cfg, enabled=primary)
     fpt = metrics.flops_per_token(m)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops)
     tokens_per_step = t.batch_size * m.seq_len
