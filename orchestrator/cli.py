@@ -45,6 +45,7 @@ def cli():
     \b
       tpuctl up NAME --accelerator v4-16 --zone us-central2-b   create a slice
       tpuctl run NAME -- pretrain --preset gpt2-124m ...         run the trainer on every host
+      tpuctl report NAME                                         charts and summary of NAME's latest run
       tpuctl down NAME                                           delete everything it created
 
     Add --local to any verb to use the local stand-ins (no cloud account needed).
@@ -463,6 +464,10 @@ cli.add_command(cli_weights.weights)
 from orchestrator import cli_plan  # noqa: E402
 
 cli.add_command(cli_plan.plan)
+
+from orchestrator import cli_report  # noqa: E402
+
+cli.add_command(cli_report.report_cmd)
 
 
 def main(argv=None) -> int:

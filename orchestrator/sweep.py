@@ -59,7 +59,7 @@ class SweepResult:
                 "trials": [asdict(t) for t in self.trials], "report": self.report}
 
 
-def _trainer(args: list[str], env: dict[str, str]) -> str:
+def run_trainer(args: list[str], env: dict[str, str]) -> str:
     """Run `python -m trainer ARGS` here (jax-free subcommands); its stdout, or its one error line raised."""
     p = subprocess.run([*TRAINER, *args], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     if p.returncode != 0:
@@ -126,7 +126,7 @@ def sweep(name: str, grid_args: list[str], out: str, base: list[str], *,
         raise UserError(f"no slice named {name} in the local record: `tpuctl ls` lists them, "
                         f"`tpuctl up {name} ...` creates it")
     env = here_env(provider.of(rec), out)
-    plan = json.loads(_trainer(["sweep", "--plan", "--json", *grid_args, "--out", out, "--", *base], env))
+    plan = json.loads(run_trainer(["sweep", "--plan", "--json", *grid_args, "--out", out, "--", *base], env))
     out = plan["out"]
     run_trial = run_trial or run_trial_with_tpuctl(name, [])
     result = SweepResult(name, out)
@@ -147,7 +147,7 @@ def sweep(name: str, grid_args: list[str], out: str, base: list[str], *,
         else:
             tr = TrialResult(t["name"], "failed", rc, _reason(res) if res else f"tpuctl run exited {rc}", wall,
                              res.get("run_dir"))
-        _trainer(["sweep", "--out", out, "--record", tr.name, "--status", tr.status, "--exit-code", str(rc),
+        run_trainer(["sweep", "--out", out, "--record", tr.name, "--status", tr.status, "--exit-code", str(rc),
                   "--reason", tr.reason, "--wall-s", f"{wall:.3f}"], env)
         result.trials.append(tr)
         if tr.status == "interrupted":
@@ -162,7 +162,7 @@ def sweep(name: str, grid_args: list[str], out: str, base: list[str], *,
 
 
 def make_report(name: str, out: str, env: dict[str, str] | None = None) -> dict:
-    return json.loads(_trainer(["report", "--json", "--ckpt-dir", out, "--out", report_dir(name, out)],
+    return json.loads(run_trainer(["report", "--json", "--ckpt-dir", out, "--out", report_dir(name, out)],
                                env or {**os.environ}))
 
 

@@ -198,9 +198,13 @@ def test_report_of_a_single_run_and_of_nothing(tmp_path, capsys):
     fake_trial(tmp_path, "run", 1, 0.003, [9.0, 8.0])
     assert main(["report", "--ckpt-dir", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "report" / "run.png").stat().st_size > 0
-    assert "config: " in (tmp_path / "run" / "report" / "report.html").read_text()
+    page = (tmp_path / "run" / "report" / "report.html").read_text()
+    assert "<h2>config</h2>" in page and "n_layer=1" in page
     capsys.readouterr()
     assert main(["report", "--ckpt-dir", str(tmp_path / "nothing")]) == 2
+    assert "--ckpt-dir " + str(tmp_path / "nothing") + " does not exist" in _err(capsys)
+    (tmp_path / "empty").mkdir()
+    assert main(["report", "--ckpt-dir", str(tmp_path / "empty")]) == 2
     assert "no config.json or metrics.jsonl there" in _err(capsys)
 
 

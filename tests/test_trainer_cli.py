@@ -47,6 +47,16 @@ def test_bad_flags_are_refused_before_anything_is_written(capsys, corpus, tmp_pa
     assert not ckpt.exists()
 
 
+def test_wandb_without_a_key_or_offline_mode_is_refused_before_anything_is_written(capsys, corpus, tmp_path,
+                                                                                    monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    ckpt = tmp_path / "ckpt"
+    fails(capsys, ["pretrain", "--data", corpus, *TINY, "--ckpt-dir", str(ckpt), "--wandb", "proj"],
+          "--wandb proj", "WANDB_API_KEY is not set", "--secret-env WANDB_API_KEY", "WANDB_MODE=offline")
+    assert not ckpt.exists()
+
+
 def test_empty_corpus(capsys, corpus, tmp_path):
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "empty.txt").write_text("")

@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only checkpoint manager is read-only
     print(sample.generate(args.ckpt_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, seed=args.seed, step=args.step,
-                          dtype=args.dtype))
+                          dtype=args.dtype, record=True))
     return 0
 
 

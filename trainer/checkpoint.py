@@ -55,15 +55,15 @@ def vm_identity(timeout: float = 1.0) -> str | None:
         return None
 
 
-def check_shared(directory: str) -> None:
+def check_shared(directory: str) -> list[str]:
     """Every process must see the same --ckpt-dir (they write one checkpoint together): process 0 writes a
     probe, each process looks for it. Raises a one-line UsageError on every process naming those that could
-    not see it (a per-host local disk, a mount missing on some hosts)."""
+    not see it (a per-host local disk, a mount missing on some hosts). Returns each process's host name."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils as mh
     if jax.process_count() == 1:
-        return
+        return [socket.gethostname()]
     nonce = int(mh.broadcast_one_to_all(np.array(uuid.uuid4().int % 2**31, dtype=np.int32)))
     probe = epath.Path(directory) / f".shared-probe-{nonce}"
     if jax.process_index() == 0:
@@ -81,6 +81,7 @@ def check_shared(directory: str) -> None:
         raise UsageError(f"--ckpt-dir {directory} is not shared by all {jax.process_count()} processes: "
                          f"{', '.join(missing)} did not see the file process 0 wrote there; use gs://BUCKET/PATH "
                          "or a filesystem every host mounts at the same path (NFS, Filestore, gcsfuse)")
+    return names
 
 
 EXIT_STORAGE = 3  # the checkpoint storage did not answer in time (docs/CONTRACTS.md)

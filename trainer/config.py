@@ -69,6 +69,7 @@ class TrainConfig:
     eval_every: int = 50  # val loss at these steps (and the last); 0 = only at the last step
     eval_batches: int = 4
     peak_flops: float = 0.0  # peak FLOP/s of ONE device for MFU; 0 = the trainer's table (None on CPU)
+    wandb: str = ""  # Weights & Biases project that process 0 logs to (trainer/wandb_log.py); empty = off
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,9 @@ HELP = {
     "eval_every": "validation loss every N steps (0 = only at the last step)",
     "eval_batches": "validation batches per evaluation",
     "peak_flops": "peak FLOP/s of ONE device for MFU (default: the trainer's table; none on CPU)",
+    "wandb": "also log the metrics to this Weights & Biases project (process 0 only; needs tpuctl[wandb]; "
+             "WANDB_API_KEY via `tpuctl run --secret-env WANDB_API_KEY`, or WANDB_MODE=offline: files under "
+             "<ckpt-dir>/wandb/)",
 }
 
 

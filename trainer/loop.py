@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
 
-from trainer import checkpoint, data, metrics, optim
+from trainer import checkpoint, data, metrics, optim, wandb_log
 from trainer import mesh as mesh_lib
 from trainer.config import Config, UsageError
 from trainer.models import gpt2
@@ -182,6 +183,7 @@ def setup_mesh(cfg: Config):
 def pretrain(cfg: Config) -> int:
     """Train to cfg.train.steps, resuming from the latest checkpoint. Returns the exit code."""
     t, m = cfg.train, cfg.model
+    wandb_log.check(t.wandb)
     distributed = mesh_lib.init_distributed()
     enable_compile_cache()
     mesh = setup_mesh(cfg)
@@ -195,11 +197,11 @@ def pretrain(cfg: Config) -> int:
                            vocab_size=m.vocab_size)
 
     checkpoint.check_writable(t.ckpt_dir)
-    checkpoint.check_shared(t.ckpt_dir)
+    hosts = checkpoint.check_shared(t.ckpt_dir)
     ckpt = checkpoint.Checkpointer(t.ckpt_dir, t.keep)
     ckpt.watch_preemption(distributed)  # a notice during setup stops the run after its first step
     try:
-        return _train(cfg, mesh, ckpt, loader, val)
+        return _train(cfg, mesh, ckpt, loader, val, hosts)
     finally:
         ckpt.unwatch()
         ckpt.close()
@@ -216,7 +218,20 @@ def _finite(loss: float, step: int, ckpt: checkpoint.Checkpointer) -> float:
                      + " (nothing diverged was saved): lower --lr, or check the data")
 
 
-def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchLoader, val: data.BatchLoader) -> int:
+RUN_INFO = "run_info.json"  # in --ckpt-dir: where the latest start of the run ran (read by trainer/report.py)
+
+
+def write_run_info(cfg: Config, mesh, steps: "Steps", hosts: list[str], start: int) -> None:
+    """The mesh, devices and hosts of this start of the run (a resume after a preemption may have new ones)."""
+    info = {"mesh": dict(mesh.shape), "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+            "platform": jax.devices()[0].platform, "processes": jax.process_count(), "hosts": hosts,
+            "dtype": jnp.dtype(steps.dtype).name, "vocab_parallel": steps.vocab_parallel, "started_at_step": start,
+            "started": time.time()}
+    (epath.Path(cfg.train.ckpt_dir) / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchLoader, val: data.BatchLoader,
+           hosts: list[str]) -> int:
     t, m = cfg.train, cfg.model
     primary = jax.process_index() == 0
     start = ckpt.latest_step() or 0
@@ -236,6 +251,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
                     f" over {jax.device_count()} {jax.devices()[0].device_kind} devices in {jax.process_count()}"
                     f" process(es) | dtype {jnp.dtype(steps.dtype).name} | "
                     + (f"resuming from step {start}" if start else "starting from scratch"))
+        write_run_info(cfg, mesh, steps, hosts, start)
     if start >= t.steps:
         if primary:
             metrics.say(f"already at step {start} >= --steps {t.steps}: nothing to do")
@@ -244,6 +260,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
     compile_s = steps.compile()
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
+    wandb = wandb_log.WandbLog(cfg, enabled=primary)  # first: a failing wandb.init leaves nothing else open
     log = metrics.MetricsLog(t.ckpt_dir, start, enabled=primary)
     fpt = metrics.flops_per_token(m)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops)
@@ -264,6 +281,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
                 if last or (t.eval_every and step % t.eval_every == 0):
                     rec["val_loss"] = steps.evaluate(params, val, t.eval_batches)
                 log.log(rec)
+                wandb.log(rec)
                 if primary:
                     metrics.say(metrics.progress(rec, t.steps))
                 if report_progress:  # every process: tpuctl names a host that stops advancing
@@ -286,6 +304,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
                 break
     finally:
         log.close()
+        wandb.close()
     if primary:
         metrics.say(f"done: step {t.steps}, checkpoint in {t.ckpt_dir}")
     return 0

@@ -51,8 +51,11 @@ def read_run(run_dir: str) -> dict:
         except ValueError:
             continue
     trial = _read(d / "trial.json")
-    return {"dir": run_dir, "config": Config.from_dict(json.loads(cfg_text)) if cfg_text else None,
-            "metrics": recs, "trial": json.loads(trial) if trial else None}
+    try:
+        cfg = Config.from_dict(json.loads(cfg_text)) if cfg_text else None
+    except (KeyError, TypeError, AttributeError):  # not a pretrain config (a `lora` run's): charts only
+        cfg = None
+    return {"dir": run_dir, "config": cfg, "metrics": recs, "trial": json.loads(trial) if trial else None}
 
 
 def row(name: str, run: dict) -> dict:
@@ -275,19 +278,23 @@ def run_chart(run: dict) -> bytes:
     axs[1, 1].set(title="gradient norm", xlabel="step")
     for ax in axs.flat:
         ax.grid(alpha=0.3)
+    fig.tight_layout()  # the lower charts' titles clear the upper charts' axis labels
     return _png(fig)
 
 
 # --- the HTML page ----------------------------------------------------------------------------------
 
-def html_page(title: str, rows: list[dict], charts: dict[str, bytes], notes: list[str]) -> str:
-    """One file: the table and the charts embedded as data: URLs (nothing to fetch, no script)."""
+def html_page(title: str, rows: list[dict], charts: dict[str, bytes], notes: list[str],
+              sections: dict[str, str] | None = None) -> str:
+    """One file: the table, `sections` (title -> preformatted text) and the charts embedded as data: URLs
+    (nothing to fetch, no script)."""
     esc = html.escape
     head = "".join(f"<th>{esc(c)}</th>" for c in COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{esc(_cell(c, r.get(c)))}</td>" for c in COLUMNS) + "</tr>" for r in rows)
     imgs = "".join(f'<figure><img alt="{esc(k)}" src="data:image/png;base64,{base64.b64encode(v).decode()}">'
                    f"<figcaption>{esc(k)}</figcaption></figure>" for k, v in charts.items())
     note = "".join(f"<p>{esc(n)}</p>" for n in notes)
+    secs = "".join(f'<h2>{esc(k)}</h2><pre class="summary">{esc(v)}</pre>' for k, v in (sections or {}).items())
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
 <style>
@@ -296,10 +303,11 @@ table {{ border-collapse: collapse; font-size: 0.85em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
 th {{ background: #f3f3f3; }} td:first-child, td:nth-child(2) {{ text-align: left; }}
 figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
+pre.summary {{ white-space: pre-wrap; background: #f8f8f8; padding: 0.6em; }}
 </style></head>
 <body><h1>{esc(title)}</h1>{note}
 <table id="results"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
-{imgs}
+{secs}{imgs}
 </body></html>
 """
 
@@ -318,12 +326,15 @@ def write(out_dir: str, files: dict[str, bytes | str]) -> list[str]:
     return paths
 
 
-def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True) -> dict:
-    """Write the report of a sweep or a single run; returns what was written and the table."""
+def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodput: str | None = None) -> dict:
+    """Write the report of a sweep or a single run; returns what was written and the table (and for a run,
+    its summary: trainer/report.py `summary`; goodput: a goodput.json of `tpuctl run` for it)."""
     from trainer import sweep
     ckpt_dir = ckpt_dir.rstrip("/")
     out_dir = out_dir or f"{ckpt_dir}/report"
     if sweep.load(ckpt_dir) is not None:
+        if goodput:
+            raise UsageError(f"--goodput applies to one run's --ckpt-dir; {ckpt_dir} is a sweep dir")
         rec, rows, runs = sweep_rows(ckpt_dir)
         fit, notes = None, []
         pts = frontier(rows)
@@ -347,20 +358,95 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True) -> di
         title = f"Sweep {ckpt_dir}"
         files["report.html"] = html_page(title, rows, pngs, notes)
         written = write(out_dir, files)
-        return {"kind": "sweep", "dir": ckpt_dir, "rows": _json_rows(rows), "notes": notes,
-                "fit": None if fit is None else fit.__dict__, "files": written,
-                "html": f"{out_dir}/report.html", "text": to_text(rows)}
+        res = {"kind": "sweep", "dir": ckpt_dir, "rows": _json_rows(rows), "notes": notes,
+               "fit": None if fit is None else fit.__dict__, "files": written,
+               "html": f"{out_dir}/report.html", "text": to_text(rows)}
+        return {**res, "printed": printed(res)}
     run = read_run(ckpt_dir)
     if run["config"] is None and not run["metrics"]:
+        from etils import epath
+        if not epath.Path(ckpt_dir).exists():
+            raise UsageError(f"--ckpt-dir {ckpt_dir} does not exist (deleted, or never written)")
         raise UsageError(f"--ckpt-dir {ckpt_dir}: no config.json or metrics.jsonl there (not a run or sweep dir)")
     r = row(ckpt_dir.rsplit("/", 1)[-1], run)
-    notes = [f"config: {json.dumps(run['config'].to_dict(), separators=(',', ':'))}"] if run["config"] else []
+    facts = run_facts(ckpt_dir, goodput)
+    sections = summary(run, r, facts)
     pngs = {"run": run_chart(run)} if charts and run["metrics"] else {}
-    files = {"results.json": json.dumps(_json_rows([r]), indent=1) + "\n", **{f"{k}.png": v for k, v in pngs.items()}}
-    files["report.html"] = html_page(f"Run {ckpt_dir}", [r], pngs, notes)
+    files = {"results.json": json.dumps(_json_rows([r]), indent=1) + "\n",
+             "summary.json": json.dumps({**facts, "summary": sections}, indent=1) + "\n",
+             **{f"{k}.png": v for k, v in pngs.items()}}
+    files["report.html"] = html_page(f"Run {ckpt_dir}", [r], pngs, [], sections)
     written = write(out_dir, files)
-    return {"kind": "run", "dir": ckpt_dir, "rows": _json_rows([r]), "notes": notes, "fit": None,
-            "files": written, "html": f"{out_dir}/report.html", "text": to_text([r])}
+    res = {"kind": "run", "dir": ckpt_dir, "rows": _json_rows([r]), "notes": [], "fit": None, **facts,
+           "summary": sections, "files": written, "html": f"{out_dir}/report.html", "text": to_text([r])}
+    return {**res, "printed": printed(res)}
+
+
+# --- one run's summary ---------------------------------------------------------------------------------
+
+def run_facts(ckpt_dir: str, goodput: str | None = None) -> dict:
+    """What the trainer recorded beside the run (run_info.json: mesh, devices, hosts; the last line of
+    samples.jsonl) and, from `goodput` (a goodput.json as `tpuctl run` writes it, local or gs://), where the
+    run's wall time went. Missing parts are None."""
+    from etils import epath
+    d = epath.Path(ckpt_dir)
+    info = _read(d / "run_info.json")
+    samples = [ln for ln in (_read(d / "samples.jsonl") or "").splitlines() if ln.strip()]
+    g = None
+    if goodput:
+        p = epath.Path(goodput)
+        if not p.exists():
+            raise UsageError(f"--goodput {goodput} does not exist (`tpuctl run` writes goodput.json beside the "
+                             "run's logs, $TPUCTL_HOME/runs/NAME/<run id>/)")
+        g = json.loads(p.read_text())
+        g = g.get("goodput", g)
+    return {"run_info": json.loads(info) if info else None, "sample": json.loads(samples[-1]) if samples else None,
+            "goodput": g}
+
+
+def summary(run: dict, r: dict, facts: dict) -> dict[str, str]:
+    """Section title -> text: the config, the mesh, the hosts, goodput, the final sample, the results."""
+    cfg, info, g, smp = run["config"], facts["run_info"], facts["goodput"], facts["sample"]
+    out = {}
+    if cfg is not None:
+        import dataclasses
+        out["config"] = "\n".join([f"preset {cfg.preset}"] + [
+            f"{part}: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(getattr(cfg, part)).items())
+            for part in ("model", "train")])
+    if info:
+        mesh = ",".join(f"{k}={v}" for k, v in info["mesh"].items())
+        out["mesh"] = (f"{mesh} over {info['devices']} {info['device_kind']} device(s); dtype {info['dtype']}; "
+                       f"vocab-parallel {'on' if info.get('vocab_parallel') else 'off'}")
+        out["hosts"] = f"{info['processes']} process(es): " + ", ".join(
+            f"{i}: {h}" for i, h in enumerate(info["hosts"]))
+        if info.get("started_at_step"):
+            out["hosts"] += f" (this start resumed from step {info['started_at_step']})"
+    else:
+        out["mesh"] = out["hosts"] = "not recorded (the trainer writes run_info.json into --ckpt-dir at each start)"
+    if g:
+        out["goodput"] = (f"{g['goodput']:.1%} of {g['wall_s']:.0f} s wall went to kept steps "
+                          f"({g['productive_s']:.0f} s); first step after {g['time_to_first_step_s']:.0f} s; "
+                          f"{g['restarts']} restart(s), {g['lost_to_preemptions_s']:.0f} s lost to preemptions")
+    else:
+        out["goodput"] = ("not known here: `tpuctl run` measures it; `tpuctl report NAME` includes it "
+                          "(or --goodput $TPUCTL_HOME/runs/NAME/<run id>/goodput.json)")
+    out["results"] = (f"final train loss {_cell('final_train_loss', r.get('final_train_loss'))}, best val loss "
+                      f"{_cell('best_val_loss', r.get('best_val_loss'))} (perplexity {_cell('val_ppl', r.get('val_ppl'))}), "
+                      f"{_cell('tokens', r.get('tokens'))} tokens at {_cell('tokens_per_s', r.get('tokens_per_s'))} tokens/s")
+    if smp:
+        opts = ", ".join(f"{k} {smp[k]}" for k in ("temperature", "top_k", "seed") if k in smp)
+        out["final sample"] = f"step {smp.get('step')}, prompt {smp.get('prompt')!r}, {opts}:\n{smp.get('text', '')}"
+    else:
+        out["final sample"] = "none recorded: `python -m trainer sample --ckpt-dir DIR` records each sample it prints"
+    return out
+
+
+def printed(res: dict) -> str:
+    """What `python -m trainer report` prints (and `tpuctl report`, from the JSON): the table, the notes, a
+    run's summary, where the files are."""
+    lines = [res["text"], *res["notes"]]
+    lines += [f"{title}: " + text.replace("\n", "\n  ") for title, text in (res.get("summary") or {}).items()]
+    return "\n".join(lines + [f"report: {res['html']}", f"files: {', '.join(res['files'])}"])
 
 
 def _json_rows(rows: list[dict]) -> list[dict]:

@@ -2,10 +2,15 @@
 
 No KV cache: each new token re-runs the model over the last seq_len tokens (fixed shape, one compile).
 The logits at the last real position are the same as with a cache because attention is causal.
+Each sample is recorded with the run (`<ckpt-dir>/samples.jsonl`: step, prompt, options, text), where the
+run's report (trainer/report.py) finds its final sample.
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +25,16 @@ from trainer.loop import compute_dtype
 from trainer.models import gpt2
 
 
+SAMPLES = "samples.jsonl"
+
+
 def load(ckpt_dir: str, step: int | None = None):
     """(config, params on one device) of `step` (default: the latest finished step)."""
+    cfg, params, _ = _load(ckpt_dir, step)
+    return cfg, params
+
+
+def _load(ckpt_dir: str, step: int | None):
     if "://" not in ckpt_dir:
         ckpt_dir = os.path.abspath(ckpt_dir)  # Orbax wants absolute local paths
     if not epath.Path(ckpt_dir).exists():
@@ -41,21 +54,44 @@ def load(ckpt_dir: str, step: int | None = None):
         params, _ = ckpt.restore(step, target)
     finally:
         ckpt.close()
-    return cfg, params
+    return cfg, params, step
 
 
-def generate(ckpt_dir: str, prompt: str, **kw) -> str:
-    """Prompt + continuation, decoded (see generate_ids for the options)."""
-    ids = generate_ids(ckpt_dir, data.tokenizer().encode_ordinary(prompt), **kw)
-    return data.tokenizer().decode(ids)
+def generate(ckpt_dir: str, prompt: str, *, record: bool = False, step: int | None = None, **kw) -> str:
+    """Prompt + continuation, decoded (see generate_ids for the options); record: add it to samples.jsonl."""
+    _check(**kw)
+    cfg, params, step = _load(ckpt_dir, step)
+    text = data.tokenizer().decode(_sample(cfg, params, data.tokenizer().encode_ordinary(prompt), **kw))
+    if record:
+        _record(ckpt_dir, {"step": step, "prompt": prompt, **kw, "text": text, "time": time.time()})
+    return text
 
 
-def generate_ids(ckpt_dir: str, ids: list[int], *, max_new_tokens: int = 200, temperature: float = 0.8,
-                 top_k: int = 40, seed: int = 0, step: int | None = None, dtype: str = "auto") -> list[int]:
-    """Prompt ids + up to max_new_tokens sampled ids (stops at <|endoftext|>). temperature 0 = greedy."""
+def _record(ckpt_dir: str, rec: dict) -> None:
+    """Append to <ckpt-dir>/samples.jsonl (rewritten whole on gs://, which cannot append). A dir this process
+    may read but not write keeps no record: the sample itself is still printed."""
+    path = epath.Path(ckpt_dir) / SAMPLES
+    try:
+        old = path.read_text() if path.exists() else ""
+        path.write_text(old + json.dumps(rec) + "\n")
+    except Exception as e:  # noqa: BLE001 - OSError locally, gcsfs's HttpError on gs://: the sample still prints
+        print(f"note: the sample was not recorded in {path} ({e})", file=sys.stderr)
+
+
+def _check(max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, **_) -> None:
     if max_new_tokens < 0 or temperature < 0 or top_k < 0:
         raise UsageError("--max-new-tokens, --temperature and --top-k must not be negative")
+
+
+def generate_ids(ckpt_dir: str, ids: list[int], *, step: int | None = None, **kw) -> list[int]:
+    """Prompt ids + up to max_new_tokens sampled ids (stops at <|endoftext|>). temperature 0 = greedy."""
+    _check(**kw)
     cfg, params = load(ckpt_dir, step)
+    return _sample(cfg, params, ids, **kw)
+
+
+def _sample(cfg, params, ids: list[int], *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
+            seed: int = 0, dtype: str = "auto") -> list[int]:
     m = cfg.model
     graphdef, _ = gpt2.abstract(m)
     dt = compute_dtype(dtype)

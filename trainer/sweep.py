@@ -331,24 +331,22 @@ def add_parsers(sub) -> None:
     rp = sub.add_parser("report", help="table, charts and an HTML page of a run or a sweep",
                         description="Write the results table (CSV, Markdown, JSON), PNG charts and one "
                                     "self-contained report.html for a sweep dir (it holds sweep.json) or a run's "
-                                    "--ckpt-dir, and print the table.")
+                                    "--ckpt-dir, and print the table. A run's report also charts loss, validation "
+                                    "loss, LR and tokens/s, and summarises its config, mesh, hosts, goodput and "
+                                    "final sample (summary.json).")
     rp.add_argument("--ckpt-dir", required=True, help="a sweep's --out or a run's --ckpt-dir (local or gs://)")
     rp.add_argument("--out", default=None, help="where to write the report (default: <ckpt-dir>/report)")
     rp.add_argument("--json", action="store_true", help="print the table and the fit as JSON")
+    rp.add_argument("--goodput", default=None, metavar="FILE",
+                    help="a run's goodput.json as `tpuctl run` writes it ($TPUCTL_HOME/runs/NAME/<run id>/; "
+                         "`tpuctl report NAME` passes it)")
 
 
 def command(args) -> int:
     if args.cmd == "report":
         from trainer import report
-        res = report.report(args.ckpt_dir, args.out)
-        if args.json:
-            print(json.dumps(res))
-        else:
-            print(res["text"])
-            for n in res["notes"]:
-                print(n)
-            print(f"report: {res['html']}")
-            print(f"files: {', '.join(res['files'])}")
+        res = report.report(args.ckpt_dir, args.out, goodput=args.goodput)
+        print(json.dumps(res) if args.json else res["printed"])
         return 0
     if args.record:
         if args.status is None:
