@@ -298,8 +298,10 @@ def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> N
         raise UserError("--plan needs the run's trainer command after --: `tpuctl up NAME -a TYPE --plan -- "
                         "pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
     with line:
-        p = plan.gate(spec.accelerator, command, local=spec.local, progress=line, skip_flag="leaving out --plan")
-    line.note(f"plan: {p.verdict()}" if p else f"plan: `{command[0]}` has no train step to plan")
+        p = plan.gate(spec.accelerator, command, local=spec.local, progress=line, skip_flag="leaving out --plan",
+                      on_skip=lambda why: line.note(f"plan: {why}"))
+    if p:
+        line.note(f"plan: {p.verdict()}")
 
 
 def _sigterm(signum, frame):

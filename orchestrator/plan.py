@@ -278,9 +278,19 @@ def _mode(figures: dict, local: bool) -> str:
 # the params) and activations (the rest of the temporaries), which scale with the per-device micro-batch.
 
 def _split(f: dict) -> tuple[int, int]:
-    grads = f["params_bytes"]
+    grads = f.get("grad_bytes", f["params_bytes"])  # LoRA: only the adapters get gradients
     activations = max(f["temp_bytes"] - grads, 0)
     return f["total_bytes"] - activations, activations
+
+
+def _on_devices(p: Plan, devices: int) -> int:
+    """The per-device total on `devices` devices, by arithmetic. A command that shards its state over every
+    device (settings fsdp: the Gemma base) holds less of it per device; one whose batch is per device
+    (settings batch_per_device: `lora` without --batch-size) keeps its activations, others split them."""
+    fixed, act = _split(p.figures)
+    s, n = p.figures["settings"], p.figures["devices"]
+    return (fixed * n // devices if s.get("fsdp") else fixed) + (act if s.get("batch_per_device") else
+                                                                  act * n // devices)
 
 
 def _grad_accum(p: Plan) -> Suggestion | None:
@@ -325,8 +335,20 @@ def _mesh_model(p: Plan) -> Suggestion | None:
     return None
 
 
+def _base_dtype(p: Plan) -> Suggestion | None:
+    """A frozen base held in f32 (LoRA's --base-dtype): bf16 halves it."""
+    f, s = p.figures, p.figures["settings"]
+    if s.get("base_dtype") != "float32":
+        return None
+    est = f["total_bytes"] - (f["params_bytes"] - f["grad_bytes"]) // 2  # the base is params less the adapters
+    if est > p.hbm_bytes:
+        return None
+    return Suggestion("--base-dtype bfloat16", est, "the frozen base in bf16: half its bytes (the adapters and "
+                                                    "their optimizer state stay f32)")
+
+
 LEVERS: dict[str, Callable[[Plan], Suggestion | None]] = {
-    "grad_accum": _grad_accum, "batch_size": _batch_size, "mesh_model": _mesh_model,
+    "grad_accum": _grad_accum, "batch_size": _batch_size, "mesh_model": _mesh_model, "base_dtype": _base_dtype,
 }
 
 
@@ -356,12 +378,11 @@ def _with_mesh(argv: list[str], devices: int, figures: dict) -> list[str]:
 
 def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries: int = 2) -> Plan | None:
     """The smallest larger slice of the same generation whose compiled step fits (at most `tries` compiles)."""
-    fixed, act = _split(p.figures)
     for a in _larger(p.accelerator):
         if tries <= 0:
             break
         devices = devices_of(a)
-        if fixed + act * p.figures["devices"] // devices > a.hbm_gib * GIB / devices:
+        if _on_devices(p, devices) > a.hbm_gib * GIB / devices:
             continue  # not even the arithmetic fits: no compile
         tries -= 1
         try:
@@ -414,13 +435,16 @@ def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
 
 
 def gate(accelerator: str, argv: list[str], *, local: bool, progress: Callable[[str], None] | None = None,
-         skip_flag: str = "--no-plan") -> Plan | None:
+         skip_flag: str = "--no-plan", on_skip: Callable[[str], None] | None = None) -> Plan | None:
     """The check before `tpuctl up` / `run` creates or launches anything: the plan (None for a trainer command
-    with no train step), or a PlanError with its verdict when the step does not fit (nothing else is compiled
-    here: `tpuctl plan` does that)."""
+    the planner cannot build, e.g. one with no train step: on_skip, else progress, gets the reason), or a
+    PlanError with its verdict when the step does not fit (nothing else is compiled here: `tpuctl plan` does
+    that)."""
     try:
         p = plan(accelerator, argv, local=local, progress=progress, alternatives=False)
-    except NotPlannable:
+    except NotPlannable as e:
+        if on_skip or progress:
+            (on_skip or progress)(f"not planned: {e}")
         return None
     if not p.fits:
         fix = f"; would fit: {p.suggestions[0].change}" if p.suggestions else ""
