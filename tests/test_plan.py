@@ -239,16 +239,23 @@ def test_the_run_checks_the_checkpoint_is_the_size_model_names():
 
 # ---- must-show 3: a local slice's plan (the CPU compiler) against the same step actually run ------------------
 
-def test_local_plan_matches_the_run_it_plans(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_plans(tmp_path_factory):
+    """One plan cache for the tests that plan TINY on a local v5litepod-8: compiled once, by whichever runs first."""
+    return tmp_path_factory.mktemp("tiny-plans")
+
+
+def test_local_plan_matches_the_run_it_plans(monkeypatch, tiny_plans):
     """gpt2-tiny on a local v5litepod-8 (8 CPU devices, as conftest gives this process). The plan comes from the
     trainer's AOT process; the run builds the trainer's Steps here, initialises and takes two real steps.
     The CPU runtime has no memory_stats(), so the run is measured by its live arrays on device 0 after the steps
     (params, optimizer state, the last batch): within 2% of the plan's arguments. The run's own compiled step
     reports the same temporaries as the plan's (tolerance 2%: the same program), and its total is the plan's."""
 
+    monkeypatch.setenv("TPUCTL_HOME", str(tiny_plans))
     p = P.plan("v5litepod-8", TINY, local=True)
     f = p.figures
-    assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32" and not p.cached
+    assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32"
     again = P.plan("v5litepod-8", TINY, local=True)  # the same (accelerator, argv, versions, code): cached
     assert again.cached and again.figures == f
 
@@ -427,13 +434,16 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home):
 
 # ---- the gate before `up` creates a slice ---------------------------------------------------------------------
 
-def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, home):
-    tiny = dataclasses.replace(catalog.GENERATIONS["v4"], hbm_gib_per_chip=0.01)  # 10 MiB of HBM per chip
-    monkeypatch.setitem(catalog.GENERATIONS, "v4", tiny)
-    res = CliRunner().invoke(cli, ["up", "planned", "--local", "-a", "v4-8", "--plan", "--", *TINY])
+def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, tiny_plans):
+    """The step's figures are the local plan's above (cached); the verdict is against the catalog, 10 MiB a chip."""
+    home = tiny_plans
+    monkeypatch.setenv("TPUCTL_HOME", str(home))
+    tiny = dataclasses.replace(catalog.GENERATIONS["v5litepod"], hbm_gib_per_chip=0.01)
+    monkeypatch.setitem(catalog.GENERATIONS, "v5litepod", tiny)
+    res = CliRunner().invoke(cli, ["up", "planned", "--local", "-a", "v5litepod-8", "--plan", "--", *TINY])
     assert res.exit_code == 1, res.output
     line = _error_lines(res)[0]
-    assert "plan: does NOT fit on v4-8" in line and "of 10.2 MiB HBM per device" in line
+    assert "plan: does NOT fit on v5litepod-8" in line and "of 10.2 MiB HBM per device" in line
     assert "leaving out --plan skips this check" in line
     assert state.records() == {} and not (home / "local").exists()  # no slice, not even the stand-in started
 
