@@ -274,23 +274,40 @@ def _mode(figures: dict, local: bool) -> str:
 
 # ---- what would fit ----------------------------------------------------------------------------------------
 # One function per lever a trainer command declares (trainer/aot.py Built.levers): plan -> suggestion or None.
-# The estimates split the compiled total into what stays (arguments, outputs, code, f32 gradients the size of
-# the params) and activations (the rest of the temporaries), which scale with the per-device micro-batch.
+# The estimates split the compiled total into what stays (arguments, outputs, code, f32 gradients of the trained
+# params, and for an fsdp-sharded base the copy each device gathers of the other devices' shards) and
+# activations (the rest of the temporaries), which scale with the per-device micro-batch.
+
+def _base(f: dict) -> int:
+    """Per device: the params that get no gradient (LoRA's frozen base; 0 for pretraining)."""
+    return f["params_bytes"] - f.get("grad_bytes", f["params_bytes"])
+
+
+def _gathered(f: dict, data: int | None = None, scale: float = 1.0) -> int:
+    """An fsdp base (settings fsdp) is all-gathered over `data` for the matmuls, and the compiler keeps the
+    gathered layers for the backward pass: each device holds the shards of the other data-1 devices besides
+    its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded."""
+    if not f["settings"].get("fsdp"):
+        return 0
+    return int(_base(f) * scale * ((data or f["mesh"]["data"]) - 1))
+
 
 def _split(f: dict) -> tuple[int, int]:
     grads = f.get("grad_bytes", f["params_bytes"])  # LoRA: only the adapters get gradients
-    activations = max(f["temp_bytes"] - grads, 0)
+    activations = max(f["temp_bytes"] - grads - _gathered(f), 0)
     return f["total_bytes"] - activations, activations
 
 
 def _on_devices(p: Plan, devices: int) -> int:
-    """The per-device total on `devices` devices, by arithmetic. A command that shards its state over every
-    device (settings fsdp: the Gemma base) holds less of it per device; one whose batch is per device
-    (settings batch_per_device: `lora` without --batch-size) keeps its activations, others split them."""
-    fixed, act = _split(p.figures)
-    s, n = p.figures["settings"], p.figures["devices"]
-    return (fixed * n // devices if s.get("fsdp") else fixed) + (act if s.get("batch_per_device") else
-                                                                  act * n // devices)
+    """The per-device total on `devices` devices (the model axis kept), by arithmetic. Sharded over every device
+    (settings fsdp: the Gemma base), the state shrinks per device but the gathered base does not; a batch
+    that is per device (settings batch_per_device: `lora` without --batch-size) keeps its activations."""
+    f = p.figures
+    fixed, act = _split(f)
+    s, n = f["settings"], f["devices"]
+    if s.get("fsdp"):
+        fixed = (fixed - _gathered(f)) * n // devices + _gathered(f, devices // f["mesh"]["model"], n / devices)
+    return fixed + (act if s.get("batch_per_device") else act * n // devices)
 
 
 def _grad_accum(p: Plan) -> Suggestion | None:
@@ -328,10 +345,14 @@ def _mesh_model(p: Plan) -> Suggestion | None:
     for m in (2, 4, 8, 16):
         if n % m or s.get("n_head", m) % m or m <= f["mesh"]["model"]:
             continue
-        est = (fixed * f["mesh"]["model"]) // m + act
+        if s.get("fsdp"):  # the state is split over every device either way; less of the base is gathered
+            est = fixed - _gathered(f) + _gathered(f, n // m) + act
+            note = f"the base's heads and MLP split over {m} devices (tensor parallel): less of it gathered"
+        else:
+            est = (fixed * f["mesh"]["model"]) // m + act
+            note = f"params, optimizer state and gradients split over {m} devices (tensor parallel)"
         if est <= p.hbm_bytes:
-            return Suggestion(f"--mesh data={n // m},model={m}", est, f"params, optimizer state and gradients "
-                                                                      f"split over {m} devices (tensor parallel)")
+            return Suggestion(f"--mesh data={n // m},model={m}", est, note)
     return None
 
 
@@ -340,7 +361,7 @@ def _base_dtype(p: Plan) -> Suggestion | None:
     f, s = p.figures, p.figures["settings"]
     if s.get("base_dtype") != "float32":
         return None
-    est = f["total_bytes"] - (f["params_bytes"] - f["grad_bytes"]) // 2  # the base is params less the adapters
+    est = f["total_bytes"] - (_base(f) + _gathered(f)) // 2  # its shard and the gathered copy
     if est > p.hbm_bytes:
         return None
     return Suggestion("--base-dtype bfloat16", est, "the frozen base in bf16: half its bytes (the adapters and "

@@ -132,7 +132,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads,
                            "fsdp": True, "batch_per_device": not run.batch_size},
-                 levers=("base_dtype", "batch_size"))
+                 levers=("base_dtype", "batch_size", "mesh_model"))
 
 
 def _needs_size(args: argparse.Namespace) -> None:
