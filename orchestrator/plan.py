@@ -345,8 +345,10 @@ def _mesh_model(p: Plan) -> Suggestion | None:
     for m in (2, 4, 8, 16):
         if n % m or s.get("n_head", m) % m or m <= f["mesh"]["model"]:
             continue
-        if s.get("fsdp"):  # the state is split over every device either way; less of the base is gathered
-            est = fixed - _gathered(f) + _gathered(f, n // m) + act
+        if s.get("fsdp"):
+            # The state is split over every device either way; less of the base is gathered, but each device has
+            # m / model times the rows (counted whole: their heads and MLP split over model shrink, the rest not).
+            est = fixed - _gathered(f) + _gathered(f, n // m) + act * m // f["mesh"]["model"]
             note = f"the base's heads and MLP split over {m} devices (tensor parallel): less of it gathered"
         else:
             est = (fixed * f["mesh"]["model"]) // m + act

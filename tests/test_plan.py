@@ -172,7 +172,8 @@ def test_gemma2_27b_lora_on_v5litepod_8_does_not_fit_and_the_plan_names_what_wou
     The TPU compiler refuses it for lack of HBM, quickly (it stops at memory assignment): each device gathers
     the whole base over the fsdp axis and keeps it for the backward pass, 44 of the 45 GiB of temporaries. So
     neither a smaller batch nor a larger v5litepod helps (each device still gathers all of it); the plan names
-    tensor parallelism, which gathers a quarter (an estimate here: `tpuctl plan` compiles it to check)."""
+    tensor parallelism over all 8, which gathers nothing but gives each device all 8 rows (model=4 still gathers
+    6 GiB and has 4 rows: over 16 GiB). An estimate: `tpuctl plan` compiles it to check."""
     argv = [*LORA, "--model", "gemma2-27b", "--batch-size", "8"]
     p = P.plan("v5litepod-8", argv, alternatives=False)
     f = p.figures
@@ -182,11 +183,11 @@ def test_gemma2_27b_lora_on_v5litepod_8_does_not_fit_and_the_plan_names_what_wou
     gathered = P._gathered(f)
     assert gathered == pytest.approx(7 * (params - f["grad_bytes"]), rel=0.01)
     assert gathered < f["temp_bytes"] > p.refused["available_bytes"]
-    assert [s.change for s in p.suggestions] == ["--mesh data=2,model=4"]
+    assert [s.change for s in p.suggestions] == ["--mesh data=1,model=8"]
     assert p.suggestions[0].estimate_bytes <= p.hbm_bytes < p.total_bytes
     assert P.next_size(p, argv) is None  # by arithmetic: nothing compiled
     text = render(p)
-    assert "DOES NOT FIT" in text and "would fit: --mesh data=2,model=4 (about " in text and "estimated" in text
+    assert "DOES NOT FIT" in text and "would fit: --mesh data=1,model=8 (about " in text and "estimated" in text
 
 
 def test_lora_levers_and_sizes_from_given_figures():
@@ -206,7 +207,7 @@ def test_lora_levers_and_sizes_from_given_figures():
     assert list(by) == ["--base-dtype bfloat16", "--batch-size 16", "--mesh data=4,model=2"]  # the first is compiled
     assert by["--base-dtype bfloat16"].estimate_bytes == 17 * gib - 8 * gib // 2
     assert by["--batch-size 16"].estimate_bytes == 16 * gib  # 15 GiB stays, activations / 2
-    assert by["--mesh data=4,model=2"].estimate_bytes == 17 * gib - 4 * gib
+    assert by["--mesh data=4,model=2"].estimate_bytes == 17 * gib - 4 * gib + 2 * gib  # twice the rows
     state = 15 * gib - 7 * gib  # on 16 devices: half of it, and 15 shards of half the size gathered
     assert P._on_devices(p, 16) == state // 2 + int(gib * 0.5 * 15) + 2 * gib
     bf16 = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, {**f, "settings": {**f["settings"], "base_dtype": "bfloat16"}})
