@@ -186,8 +186,9 @@ def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> N
     with line:
         from orchestrator import provider
         p = plan.gate(spec.accelerator, command, local=provider.get(spec.provider).cpu_devices, progress=line,
-                      skip_flag="leaving out --plan")
-    line.note(f"plan: {p.verdict()}" if p else f"plan: `{command[0]}` has no train step to plan")
+                      skip_flag="leaving out --plan", on_skip=lambda why: line.note(f"plan: {why}"))
+    if p:
+        line.note(f"plan: {p.verdict()}")
 
 
 def _sigterm(signum, frame):

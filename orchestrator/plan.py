@@ -274,13 +274,40 @@ def _mode(figures: dict, local: bool) -> str:
 
 # ---- what would fit ----------------------------------------------------------------------------------------
 # One function per lever a trainer command declares (trainer/aot.py Built.levers): plan -> suggestion or None.
-# The estimates split the compiled total into what stays (arguments, outputs, code, f32 gradients the size of
-# the params) and activations (the rest of the temporaries), which scale with the per-device micro-batch.
+# The estimates split the compiled total into what stays (arguments, outputs, code, f32 gradients of the trained
+# params, and for an fsdp-sharded base the copy each device gathers of the other devices' shards) and
+# activations (the rest of the temporaries), which scale with the per-device micro-batch.
+
+def _base(f: dict) -> int:
+    """Per device: the params that get no gradient (LoRA's frozen base; 0 for pretraining)."""
+    return f["params_bytes"] - f.get("grad_bytes", f["params_bytes"])
+
+
+def _gathered(f: dict, data: int | None = None, scale: float = 1.0) -> int:
+    """An fsdp base (settings fsdp) is all-gathered over `data` for the matmuls, and the compiler keeps the
+    gathered layers for the backward pass: each device holds the shards of the other data-1 devices besides
+    its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded."""
+    if not f["settings"].get("fsdp"):
+        return 0
+    return int(_base(f) * scale * ((data or f["mesh"]["data"]) - 1))
+
 
 def _split(f: dict) -> tuple[int, int]:
-    grads = f["params_bytes"]
-    activations = max(f["temp_bytes"] - grads, 0)
+    grads = f.get("grad_bytes", f["params_bytes"])  # LoRA: only the adapters get gradients
+    activations = max(f["temp_bytes"] - grads - _gathered(f), 0)
     return f["total_bytes"] - activations, activations
+
+
+def _on_devices(p: Plan, devices: int) -> int:
+    """The per-device total on `devices` devices (the model axis kept), by arithmetic. Sharded over every device
+    (settings fsdp: the Gemma base), the state shrinks per device but the gathered base does not; a batch
+    that is per device (settings batch_per_device: `lora` without --batch-size) keeps its activations."""
+    f = p.figures
+    fixed, act = _split(f)
+    s, n = f["settings"], f["devices"]
+    if s.get("fsdp"):
+        fixed = (fixed - _gathered(f)) * n // devices + _gathered(f, devices // f["mesh"]["model"], n / devices)
+    return fixed + (act if s.get("batch_per_device") else act * n // devices)
 
 
 def _grad_accum(p: Plan) -> Suggestion | None:
@@ -318,15 +345,33 @@ def _mesh_model(p: Plan) -> Suggestion | None:
     for m in (2, 4, 8, 16):
         if n % m or s.get("n_head", m) % m or m <= f["mesh"]["model"]:
             continue
-        est = (fixed * f["mesh"]["model"]) // m + act
+        if s.get("fsdp"):
+            # The state is split over every device either way; less of the base is gathered, but each device has
+            # m / model times the rows (counted whole: their heads and MLP split over model shrink, the rest not).
+            est = fixed - _gathered(f) + _gathered(f, n // m) + act * m // f["mesh"]["model"]
+            note = f"the base's heads and MLP split over {m} devices (tensor parallel): less of it gathered"
+        else:
+            est = (fixed * f["mesh"]["model"]) // m + act
+            note = f"params, optimizer state and gradients split over {m} devices (tensor parallel)"
         if est <= p.hbm_bytes:
-            return Suggestion(f"--mesh data={n // m},model={m}", est, f"params, optimizer state and gradients "
-                                                                      f"split over {m} devices (tensor parallel)")
+            return Suggestion(f"--mesh data={n // m},model={m}", est, note)
     return None
 
 
+def _base_dtype(p: Plan) -> Suggestion | None:
+    """A frozen base held in f32 (LoRA's --base-dtype): bf16 halves it."""
+    f, s = p.figures, p.figures["settings"]
+    if s.get("base_dtype") != "float32":
+        return None
+    est = f["total_bytes"] - (_base(f) + _gathered(f)) // 2  # its shard and the gathered copy
+    if est > p.hbm_bytes:
+        return None
+    return Suggestion("--base-dtype bfloat16", est, "the frozen base in bf16: half its bytes (the adapters and "
+                                                    "their optimizer state stay f32)")
+
+
 LEVERS: dict[str, Callable[[Plan], Suggestion | None]] = {
-    "grad_accum": _grad_accum, "batch_size": _batch_size, "mesh_model": _mesh_model,
+    "grad_accum": _grad_accum, "batch_size": _batch_size, "mesh_model": _mesh_model, "base_dtype": _base_dtype,
 }
 
 
@@ -356,12 +401,11 @@ def _with_mesh(argv: list[str], devices: int, figures: dict) -> list[str]:
 
 def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries: int = 2) -> Plan | None:
     """The smallest larger slice of the same generation whose compiled step fits (at most `tries` compiles)."""
-    fixed, act = _split(p.figures)
     for a in _larger(p.accelerator):
         if tries <= 0:
             break
         devices = devices_of(a)
-        if fixed + act * p.figures["devices"] // devices > a.hbm_gib * GIB / devices:
+        if _on_devices(p, devices) > a.hbm_gib * GIB / devices:
             continue  # not even the arithmetic fits: no compile
         tries -= 1
         try:
@@ -414,13 +458,16 @@ def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
 
 
 def gate(accelerator: str, argv: list[str], *, local: bool, progress: Callable[[str], None] | None = None,
-         skip_flag: str = "--no-plan") -> Plan | None:
+         skip_flag: str = "--no-plan", on_skip: Callable[[str], None] | None = None) -> Plan | None:
     """The check before `tpuctl up` / `run` creates or launches anything: the plan (None for a trainer command
-    with no train step), or a PlanError with its verdict when the step does not fit (nothing else is compiled
-    here: `tpuctl plan` does that)."""
+    the planner cannot build, e.g. one with no train step: on_skip, else progress, gets the reason), or a
+    PlanError with its verdict when the step does not fit (nothing else is compiled here: `tpuctl plan` does
+    that)."""
     try:
         p = plan(accelerator, argv, local=local, progress=progress, alternatives=False)
-    except NotPlannable:
+    except NotPlannable as e:
+        if on_skip or progress:
+            (on_skip or progress)(f"not planned: {e}")
         return None
     if not p.fits:
         fix = f"; would fit: {p.suggestions[0].change}" if p.suggestions else ""

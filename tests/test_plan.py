@@ -29,10 +29,15 @@ from trainer import aot, config, loop
 from trainer import mesh as mesh_lib
 from trainer.__main__ import parser
 from trainer.aot import has_libtpu
-from trainer.models import gpt2
+from trainer import finetune, sft_data
+from trainer.lora_config import LoraRun
+from trainer.models import gemma, gpt2
+from trainer.models import lora as lora_lib
 
 needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
 TINY = ["pretrain", "--preset", "gpt2-tiny", "--ckpt-dir", "/tmp/plan-ckpt"]
+# --weights need not exist: a plan takes the model's size from --model and never reads them
+LORA = ["lora", "--weights", "gs://b/gemma", "--data", "gs://b/train.jsonl", "--ckpt-dir", "gs://b/lora", "--rank", "8"]
 
 
 @pytest.fixture(autouse=True)
@@ -73,16 +78,19 @@ def _state_bytes(p: P.Plan, argv: list[str]) -> int:
 @needs_libtpu
 @pytest.mark.slow
 def test_gpt2_124m_on_v4_8_state_bytes_match_the_arithmetic():
-    argv = ["pretrain", "--preset", "gpt2-124m", "--ckpt-dir", "gs://b/run"]
+    """The preset's parameters and Adam state do not depend on the batch: one row per device keeps the check
+    whole and the compile short (the preset's 64 x 1024 is in the README's table)."""
+    argv = ["pretrain", "--preset", "gpt2-124m", "--batch-size", "4", "--ckpt-dir", "gs://b/run"]
     p = P.plan("v4-8", argv)
     f = p.figures
     assert p.compiler == P.TPU and f["device_kind"] == "TPU v4"
     assert f["devices"] == 4 == catalog.lookup("v4-8").chips  # megacore: one device per chip, as on the VM
     assert f["dtype"] == "bfloat16"  # --dtype auto follows the TPU, not this CPU machine
     want = _arithmetic_state_bytes(argv, 4)
+    assert want > 1.1e9  # 124M params x 12 bytes: the tied embedding split over the vocab, the rest whole
     assert abs(_state_bytes(p, argv) - want) / want < 0.10, (_state_bytes(p, argv), want)
     assert abs(f["params_bytes"] + f["optimizer_bytes"] - want) / want < 0.10
-    assert p.fits and 0 < f["temp_bytes"] < p.hbm_bytes and f["flops"] > 1e12
+    assert p.fits and 0 < f["temp_bytes"] < p.hbm_bytes and 0.5 < f["flops"] / p.model_flops < 2
 
 
 @needs_libtpu
@@ -97,18 +105,165 @@ def test_tiny_sharded_over_the_model_axis_state_bytes_match_the_arithmetic():
     assert p.figures["mesh"] == {"data": 2, "model": 2}
 
 
+# ---- must-show 2: Gemma LoRA from the size's real shapes, no weights -----------------------------------------
+
+def _gemma_state(size: str, base_bytes: int, devices: int, rank: int = 8) -> tuple[float, float]:
+    """(params, optimizer) bytes per device by arithmetic: the base split fsdp-style over every device (its
+    [D] norms whole), the f32 adapters on q and v (A split like the base, B whole), Adam's two moments."""
+    cfg = gemma.SIZES[size]
+    lay = gemma.param_layout(cfg)
+    base = sum(math.prod(s) * base_bytes / (devices if len(s) > 1 else 1) for s, _ in lay.values())
+    lc = lora_lib.LoraConfig(rank, 16.0, 0.0, ("q", "v"))
+    adapters = sum(math.prod(s) * 4 / (devices if n.endswith(".a") else 1)
+                   for n, (s, _) in lora_lib.param_layout(cfg, lc).items())
+    return base + adapters, 2 * adapters
+
+
+@pytest.fixture(scope="module")
+def gemma_plans(tmp_path_factory):
+    """One plan cache for the Gemma tests: the gate below reads the plan the test before it compiled."""
+    return tmp_path_factory.mktemp("gemma-plans")
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_gemma2_2b_lora_rank_8_fits_on_v5litepod_8(monkeypatch, gemma_plans):
+    """The real gemma2-2b shapes (2.6B params) from --model; --weights is a gs:// path nobody reads. A row of 128
+    tokens per device keeps the compile short: the base and adapter bytes do not depend on the batch."""
+    monkeypatch.setenv("TPUCTL_HOME", str(gemma_plans))
+    argv = [*LORA, "--model", "gemma2-2b", "--batch-size", "8", "--seq-len", "128"]
+    p = P.plan("v5litepod-8", argv)
+    f = p.figures
+    assert p.compiler == P.TPU and f["device_kind"] == "TPU v5 lite" and f["devices"] == 8
+    assert f["dtype"] == "bfloat16" and f["settings"]["base_dtype"] == "bfloat16"  # auto, as on the TPU
+    params, opt = _gemma_state("gemma2-2b", 2, 8)
+    assert params > 0.6e9  # 2.6B params in bf16 over 8 devices
+    assert abs(f["params_bytes"] - params) / params < 0.01 and abs(f["optimizer_bytes"] - opt) / opt < 0.01
+    assert abs(_lora_state_args(f) - params - opt) / (params + opt) < 0.02  # the compiler's arguments agree
+    assert p.fits and 0 < f["temp_bytes"] < p.hbm_bytes, p.verdict()
+    assert 0.5 < f["flops"] / p.model_flops < 2
+
+
+def _lora_state_args(f: dict) -> int:
+    """The compiler's argument bytes less this device's share of the batch (int32/f32 [rows, seq] fields)
+    and the step counter."""
+    return f["argument_bytes"] - len(sft_data.FIELDS) * f["tokens_per_step"] // f["devices"] * 4 - 4
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
+    """`run` / `up --plan` call the gate: the same lora command is planned (cached, from the test above), passes
+    on the real chip and is refused with the verdict on one with too little HBM (the verdict is the catalog's)."""
+    monkeypatch.setenv("TPUCTL_HOME", str(gemma_plans))
+    argv = [*LORA, "--model", "gemma2-2b", "--batch-size", "8", "--seq-len", "128"]
+    p = P.gate("v5litepod-8", argv, local=False)
+    assert p is not None and p.cached and p.fits
+    monkeypatch.setitem(catalog.GENERATIONS, "v5litepod", dataclasses.replace(
+        catalog.GENERATIONS["v5litepod"], hbm_gib_per_chip=p.total_bytes / P.GIB / 2))
+    with pytest.raises(P.PlanError, match="plan: does NOT fit on v5litepod-8.*--no-plan skips this check"):
+        P.gate("v5litepod-8", argv, local=False)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_gemma2_27b_lora_on_v5litepod_8_does_not_fit_and_the_plan_names_what_would():
+    """The trainer has no full fine-tuning of Gemma, so the 27B case is its LoRA run, one row of 512 per device.
+    The TPU compiler refuses it for lack of HBM, quickly (it stops at memory assignment): each device gathers
+    the whole base over the fsdp axis and keeps it for the backward pass, 44 of the 45 GiB of temporaries. So
+    neither a smaller batch nor a larger v5litepod helps (each device still gathers all of it); the plan names
+    tensor parallelism over all 8, which gathers nothing but gives each device all 8 rows (model=4 still gathers
+    6 GiB and has 4 rows: over 16 GiB). An estimate: `tpuctl plan` compiles it to check."""
+    argv = [*LORA, "--model", "gemma2-27b", "--batch-size", "8"]
+    p = P.plan("v5litepod-8", argv, alternatives=False)
+    f = p.figures
+    assert not p.fits and p.refused and "RESOURCE_EXHAUSTED" in p.refused["message"], p.verdict()
+    params, opt = _gemma_state("gemma2-27b", 2, 8)
+    assert params > 6e9 and abs(f["params_bytes"] - params) / params < 0.01
+    gathered = P._gathered(f)
+    assert gathered == pytest.approx(7 * (params - f["grad_bytes"]), rel=0.01)
+    assert gathered < f["temp_bytes"] > p.refused["available_bytes"]
+    assert [s.change for s in p.suggestions] == ["--mesh data=1,model=8"]
+    assert p.suggestions[0].estimate_bytes <= p.hbm_bytes < p.total_bytes
+    assert P.next_size(p, argv) is None  # by arithmetic: nothing compiled
+    text = render(p)
+    assert "DOES NOT FIT" in text and "would fit: --mesh data=1,model=8 (about " in text and "estimated" in text
+
+
+def test_lora_levers_and_sizes_from_given_figures():
+    """The arithmetic of the LoRA levers (no compile). 1 GiB of f32 base per device on data=8: each device also
+    holds the 7 GiB it gathers; bf16 halves both; model=2 gathers 3 GiB; a larger slice splits the base further
+    but each device still gathers all of it, and keeps its 4 rows (no --batch-size)."""
+    gib = P.GIB
+    grads = gib // 32
+    f = _figures(params_bytes=gib + grads, optimizer_bytes=2 * grads, grad_bytes=grads,
+                 temp_bytes=grads + 7 * gib + 2 * gib, total_bytes=17 * gib, mesh={"data": 8, "model": 1}, devices=8,
+                 settings={"batch_size": 32, "grad_accum": 1, "steps": 10, "mesh": "", "n_head": 32,
+                           "base_dtype": "float32", "fsdp": True, "batch_per_device": True},
+                 levers=["base_dtype", "batch_size", "mesh_model"])
+    p = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, f)
+    assert not p.fits and P._gathered(f) == 7 * gib and P._split(f) == (15 * gib, 2 * gib)
+    by = {s.change: s for s in P.suggest(p)}
+    assert list(by) == ["--base-dtype bfloat16", "--batch-size 16", "--mesh data=4,model=2"]  # the first is compiled
+    assert by["--base-dtype bfloat16"].estimate_bytes == 17 * gib - 8 * gib // 2
+    assert by["--batch-size 16"].estimate_bytes == 16 * gib  # 15 GiB stays, activations / 2
+    assert by["--mesh data=4,model=2"].estimate_bytes == 17 * gib - 4 * gib + 2 * gib  # twice the rows
+    state = 15 * gib - 7 * gib  # on 16 devices: half of it, and 15 shards of half the size gathered
+    assert P._on_devices(p, 16) == state // 2 + int(gib * 0.5 * 15) + 2 * gib
+    bf16 = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, {**f, "settings": {**f["settings"], "base_dtype": "bfloat16"}})
+    assert "--base-dtype bfloat16" not in {s.change for s in P.suggest(bf16)}
+    per_batch = P.Plan(catalog.lookup("v5litepod-8"), P.TPU,
+                       {**f, "settings": {**f["settings"], "batch_per_device": False}})
+    assert P._on_devices(per_batch, 16) == state // 2 + int(gib * 0.5 * 15) + gib
+
+
+def test_lora_without_a_model_size_is_not_planned_and_runs_unplanned():
+    """A plan never reads --weights: without --model SIZE it says how to plan it (before jax starts); the gate
+    lets `run` launch unplanned with that reason. A size the trainer does not know is its own one-line error."""
+    res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--", *LORA, "--model", "gemma2"])
+    assert res.exit_code == 1
+    assert _error_lines(res) == ["Error: `lora` is planned from its model size, without reading --weights: add "
+                                 "--model SIZE (e.g. --model gemma2-2b; the run checks the checkpoint is that size); "
+                                 "--model gemma2 names a family only"]
+    said = []
+    t0 = time.monotonic()
+    assert P.gate("v5litepod-8", LORA, local=False, on_skip=said.append) is None
+    assert time.monotonic() - t0 < 20 and said[0].startswith("not planned: `lora` is planned from its model size")
+    res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--local", "--", *LORA, "--model", "gemma2-3b"])
+    assert res.exit_code == 1 and _error_lines(res)[0].startswith("Error: --model gemma2-3b: choose a family "
+                                                                  "(gemma2, gemma3) or a size (gemma2-2b, ")
+
+
+def test_the_run_checks_the_checkpoint_is_the_size_model_names():
+    cfg = gemma.SIZES["gemma2-9b"]
+    run = LoraRun(weights="gs://b/w", data="d.jsonl", ckpt_dir="/tmp/c", model="gemma2-2b")
+    assert (run.family, run.size) == ("gemma2", "gemma2-2b")
+    with pytest.raises(config.UsageError, match=r"--model gemma2-2b: --weights gs://b/w holds a gemma2-9b checkpoint "
+                                                r"\(42 layers, width 3584\); pass --model gemma2-9b"):
+        finetune.check_size(run, cfg)
+    finetune.check_size(dataclasses.replace(run, model="gemma2-9b"), dataclasses.replace(cfg, vocab=256000))
+    finetune.check_size(dataclasses.replace(run, model="gemma2"), cfg)  # a family: the checkpoint's size
+
+
 # ---- must-show 3: a local slice's plan (the CPU compiler) against the same step actually run ------------------
 
-def test_local_plan_matches_the_run_it_plans(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_plans(tmp_path_factory):
+    """One plan cache for the tests that plan TINY on a local v5litepod-8: compiled once, by whichever runs first."""
+    return tmp_path_factory.mktemp("tiny-plans")
+
+
+def test_local_plan_matches_the_run_it_plans(monkeypatch, tiny_plans):
     """gpt2-tiny on a local v5litepod-8 (8 CPU devices, as conftest gives this process). The plan comes from the
     trainer's AOT process; the run builds the trainer's Steps here, initialises and takes two real steps.
     The CPU runtime has no memory_stats(), so the run is measured by its live arrays on device 0 after the steps
     (params, optimizer state, the last batch): within 2% of the plan's arguments. The run's own compiled step
     reports the same temporaries as the plan's (tolerance 2%: the same program), and its total is the plan's."""
 
+    monkeypatch.setenv("TPUCTL_HOME", str(tiny_plans))
     p = P.plan("v5litepod-8", TINY, local=True)
     f = p.figures
-    assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32" and not p.cached
+    assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32"
     again = P.plan("v5litepod-8", TINY, local=True)  # the same (accelerator, argv, versions, code): cached
     assert again.cached and again.figures == f
 
@@ -287,13 +442,16 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home):
 
 # ---- the gate before `up` creates a slice ---------------------------------------------------------------------
 
-def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, home):
-    tiny = dataclasses.replace(catalog.GENERATIONS["v4"], hbm_gib_per_chip=0.01)  # 10 MiB of HBM per chip
-    monkeypatch.setitem(catalog.GENERATIONS, "v4", tiny)
-    res = CliRunner().invoke(cli, ["up", "planned", "--local", "-a", "v4-8", "--plan", "--", *TINY])
+def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, tiny_plans):
+    """The step's figures are the local plan's above (cached); the verdict is against the catalog, 10 MiB a chip."""
+    home = tiny_plans
+    monkeypatch.setenv("TPUCTL_HOME", str(home))
+    tiny = dataclasses.replace(catalog.GENERATIONS["v5litepod"], hbm_gib_per_chip=0.01)
+    monkeypatch.setitem(catalog.GENERATIONS, "v5litepod", tiny)
+    res = CliRunner().invoke(cli, ["up", "planned", "--local", "-a", "v5litepod-8", "--plan", "--", *TINY])
     assert res.exit_code == 1, res.output
     line = _error_lines(res)[0]
-    assert "plan: does NOT fit on v4-8" in line and "of 10.2 MiB HBM per device" in line
+    assert "plan: does NOT fit on v5litepod-8" in line and "of 10.2 MiB HBM per device" in line
     assert "leaving out --plan skips this check" in line
     assert state.records() == {} and not (home / "local").exists()  # no slice, not even the stand-in started
 

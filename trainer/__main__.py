@@ -125,7 +125,9 @@ LORA_HELP = {
     "val_data": "validation JSONL (default: --val-fraction of --data)",
     "val_fraction": "share of --data held out for the validation loss when there is no --val-data",
     "tokenizer": "tokenizer.model / tokenizer.json (default: the one beside --weights)",
-    "model": "expected family, gemma2 or gemma3 (default: from the checkpoint)",
+    "model": "expected family (gemma2, gemma3) or size (gemma2-2b, gemma2-27b, gemma3-1b, ...; the checkpoint "
+             "must be that size): a size lets `tpuctl plan` build the step without reading --weights "
+             "(default: from the checkpoint)",
     "rank": "r: the adapters' inner width",
     "alpha": "the update is scaled by alpha / rank",
     "dropout": "dropout on the adapters' input (the base path is never dropped)",

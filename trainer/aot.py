@@ -52,6 +52,7 @@ class Built:
     dtype: str                  # compute dtype the step was built with
     settings: dict              # the flags the plan's suggestions change, as the run has them
     levers: tuple[str, ...]     # suggestions this command can take (orchestrator/plan.py knows each kind)
+    trained: Any = None         # the abstract params that get gradients, when not all of them do (LoRA)
 
 
 def _auto_dtype(cfg, run_platform: str):
@@ -83,7 +84,69 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                  levers=("grad_accum", "batch_size", "mesh_model"))
 
 
-BUILDERS: dict[str, Callable[[argparse.Namespace, Target], Built]] = {"pretrain": _pretrain}
+def _lora_run(args: argparse.Namespace, run_platform: str):
+    """The command's LoraRun, with --dtype / --base-dtype auto resolved for the platform the run will have."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from trainer import loop
+    from trainer.lora_config import LoraRun
+    run = LoraRun(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoraRun)})
+    run.check()
+    name = lambda d: "bfloat16" if loop.compute_dtype(d, run_platform) == jnp.bfloat16 else "float32"  # noqa: E731
+    return dataclasses.replace(run, dtype=name(run.dtype), base_dtype=name(run.base_dtype))
+
+
+def lora_flops_per_token(cfg, n_adapter: int, seq_len: int) -> float:
+    """Training FLOPs per token of LoRA on a frozen base: the base's matmuls forward and back to their inputs
+    (2 + 2 per weight; no weight gradient), the adapters' 6 per weight, and attention's scores and mixing
+    (forward 4 x T x heads x head_dim per layer, backward twice that)."""
+    from trainer.models import gemma
+    matmul = sum(math.prod(s) for n, (s, _) in gemma.param_layout(cfg).items() if len(s) > 1)  # embed = output
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 4.0 * matmul + 6.0 * n_adapter + attention
+
+
+def _lora(args: argparse.Namespace, target: Target) -> Built:
+    """`lora`: the frozen base held as the run holds it (fsdp over data, its --base-dtype), the adapters and
+    their optimizer state; the base's size is --model SIZE (checked before jax starts: `_needs_size`)."""
+    import jax
+
+    from trainer import finetune, loop
+    from trainer import mesh as mesh_lib
+    from trainer.models import gemma, lora as lora_lib
+    run = _lora_run(args, target.run_platform)
+    cfg = gemma.SIZES[run.size]
+    shape = mesh_lib.parse_mesh(run.mesh, len(target.devices))
+    batch = finetune.batch_of(run, len(target.devices), shape["data"])
+    steps = finetune.Steps(run, cfg, mesh_lib.make_mesh(shape, target.devices), max(run.steps, 1), batch)
+    base_dtype = loop.compute_dtype(run.base_dtype)
+    base = {n: jax.ShapeDtypeStruct(s, base_dtype, sharding=steps.base_sh[n])
+            for n, (s, _) in gemma.param_layout(cfg).items()}
+    return Built(compile=lambda: (steps.compile(base), steps.train_fn)[1],
+                 params={"base": base, "adapters": steps.abstract_lora}, opt_state=steps.abstract_opt,
+                 trained=steps.abstract_lora, tokens_per_step=batch * run.seq_len,
+                 model_flops_per_token=lora_flops_per_token(cfg, lora_lib.count(cfg, run.lora), run.seq_len),
+                 mesh=shape, dtype=run.dtype,
+                 settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
+                           "base_dtype": run.base_dtype, "n_head": cfg.n_heads,
+                           "fsdp": True, "batch_per_device": not run.batch_size},
+                 levers=("base_dtype", "batch_size", "mesh_model"))
+
+
+def _needs_size(args: argparse.Namespace) -> None:
+    """A plan never reads --weights (it may be a gs:// path, or not there yet): the size is --model SIZE."""
+    from trainer.lora_config import size_of
+    if not size_of(args.model):
+        raise NotPlannable(f"`lora` is planned from its model size, without reading --weights: add --model SIZE "
+                           "(e.g. --model gemma2-2b; the run checks the checkpoint is that size)"
+                           + (f"; --model {args.model} names a family only" if args.model else ""))
+
+
+BUILDERS: dict[str, Callable[[argparse.Namespace, Target], Built]] = {"pretrain": _pretrain, "lora": _lora}
+# Checks of a command's arguments that need no jax: answered before jax (and libtpu) start.
+PRECHECKS: dict[str, Callable[[argparse.Namespace], None]] = {"lora": _needs_size}
 
 
 def per_device_bytes(tree) -> int:
@@ -110,6 +173,7 @@ def _about(built: Built, target: Target, compile_s: float) -> dict:
             "processes": target.processes, "run_platform": target.run_platform, "mesh": built.mesh,
             "dtype": built.dtype, "compile_s": round(compile_s, 2),
             "params_bytes": per_device_bytes(built.params), "optimizer_bytes": per_device_bytes(built.opt_state),
+            "grad_bytes": per_device_bytes(built.params if built.trained is None else built.trained),
             "tokens_per_step": built.tokens_per_step, "model_flops_per_token": built.model_flops_per_token,
             "settings": built.settings, "levers": list(built.levers)}
 
@@ -137,6 +201,7 @@ def parse(trainer_argv: list[str]) -> argparse.Namespace:
     args = parser().parse_args(trainer_argv)
     if args.cmd not in BUILDERS:
         raise NotPlannable(f"`{args.cmd}` has no train step to plan; plannable commands: {', '.join(BUILDERS)}")
+    PRECHECKS.get(args.cmd, lambda a: None)(args)
     return args
 
 

@@ -96,6 +96,11 @@ class Steps:
                                             step).compile()
         return time.perf_counter() - t0
 
+    @property
+    def train_fn(self):
+        """The train step: the compiled one once compile() ran (its memory and cost analyses)."""
+        return self._train
+
     def global_batch_of(self, local: dict) -> dict:
         return {f: jax.make_array_from_process_local_data(self.batch_sh, local[f]) for f in sft_data.FIELDS}
 
@@ -144,11 +149,9 @@ def finetune(run: LoraRun) -> int:
     enable_compile_cache()
     mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh(run.mesh, jax.device_count()))
     pid, nproc = jax.process_index(), jax.process_count()
-    global_batch = run.batch_size or 4 * jax.device_count()
-    if global_batch % mesh.shape["data"]:
-        raise UsageError(f"--batch-size {global_batch} is not divisible by the mesh's data axis "
-                         f"({mesh.shape['data']}); use a multiple of it")
-    ck = weights.inspect(run.weights, family=run.model or None)
+    global_batch = batch_of(run, jax.device_count(), mesh.shape["data"])
+    ck = weights.inspect(run.weights, family=run.family)
+    check_size(run, ck.cfg)
     tok = tok_lib.load(ck.path, ck.cfg.vocab, run.tokenizer or None)
     batches, val_rows, data_msg = load_data(run, tok, pid, nproc, global_batch)
     total = run.steps or max(1, int(np.ceil(run.epochs * len(batches.rows) / global_batch)))
@@ -161,13 +164,33 @@ def finetune(run: LoraRun) -> int:
         if start:
             check_resumable(ck.cfg, run, adapter_meta(ckpt, start), run.ckpt_dir)
         base_dt = compute_dtype(run.base_dtype)
-        _, base = weights.load(run.weights, mesh, family=run.model or None,
-                               dtype=None if base_dt == jnp.float32 else base_dt)
+        _, base = weights.load(run.weights, mesh, family=run.family, dtype=base_dt)
         steps = Steps(run, ck.cfg, mesh, total, global_batch)
         return _train(run, ck.cfg, steps, ckpt, base, batches, val_rows, start, total, data_msg)
     finally:
         ckpt.unwatch()
         ckpt.close()
+
+
+def batch_of(run: LoraRun, devices: int, data: int) -> int:
+    """The global batch in rows: --batch-size, or 4 per device; the mesh's data axis must divide it."""
+    global_batch = run.batch_size or 4 * devices
+    if global_batch % data:
+        raise UsageError(f"--batch-size {global_batch} is not divisible by the mesh's data axis ({data}); "
+                         "use a multiple of it")
+    return global_batch
+
+
+def check_size(run: LoraRun, cfg: gemma.GemmaConfig) -> None:
+    """--model SIZE against the checkpoint's shapes (the vocab aside: Hugging Face copies drop its padding)."""
+    if not run.size:
+        return
+    dims = ("family", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ff")
+    same = lambda c: all(getattr(c, k) == getattr(cfg, k) for k in dims)  # noqa: E731
+    if not same(gemma.SIZES[run.size]):
+        found = next((n for n, c in gemma.SIZES.items() if same(c)), cfg.family)
+        raise UsageError(f"--model {run.model}: --weights {run.weights} holds a {found} checkpoint ({cfg.n_layers} "
+                         f"layers, width {cfg.d_model}); pass --model {found} or leave --model out")
 
 
 def check_resumable(cfg: gemma.GemmaConfig, run: LoraRun, meta: dict, where: str) -> None:

@@ -7,6 +7,11 @@ import dataclasses
 from trainer.config import UsageError
 
 
+def size_of(model: str) -> str | None:
+    """--model names a size ("gemma2-2b") or a family ("gemma2"): the size, or None."""
+    return model if "-" in (model or "") else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraRun:
     weights: str
@@ -15,7 +20,7 @@ class LoraRun:
     val_data: str = ""
     val_fraction: float = 0.1
     tokenizer: str = ""
-    model: str = ""                 # expected family ("" = from the checkpoint)
+    model: str = ""                 # expected family or named size ("" = from the checkpoint)
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
@@ -41,12 +46,27 @@ class LoraRun:
     eval_every: int = 0             # val loss every N steps (and at the last); 0 = only at the last
 
     @property
+    def family(self) -> str | None:
+        """The family --model names ("gemma2-2b" -> "gemma2"), or None: whatever the checkpoint is."""
+        return self.model.split("-", 1)[0] if self.model else None
+
+    @property
+    def size(self) -> str | None:
+        """The named size --model gives (trainer/models/gemma.py SIZES), if it names one: the step can be built
+        from it without reading --weights (`tpuctl plan`), and the run checks the checkpoint is that size."""
+        return size_of(self.model)
+
+    @property
     def lora(self):
         from trainer.models import lora as lora_lib
         return lora_lib.LoraConfig(self.rank, self.alpha, self.dropout, lora_lib.resolve_targets(self.targets))
 
     def check(self) -> None:
+        from trainer.models import gemma
         self.lora.check()
+        if self.model and self.model not in gemma.FAMILIES and self.model not in gemma.SIZES:
+            raise UsageError(f"--model {self.model}: choose a family ({', '.join(gemma.FAMILIES)}) or a size "
+                             f"({', '.join(gemma.SIZES)})")
         for flag, v in {"--seq-len": self.seq_len, "--keep": self.keep, "--log-every": self.log_every}.items():
             if v < 1:
                 raise UsageError(f"{flag} {v}: must be at least 1")
