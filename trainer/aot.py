@@ -139,7 +139,7 @@ def _needs_size(args: argparse.Namespace) -> None:
     """A plan never reads --weights (it may be a gs:// path, or not there yet): the size is --model SIZE."""
     from trainer.lora_config import size_of
     if not size_of(args.model):
-        raise NotPlannable(f"`lora` is planned from its model size, without reading --weights: add --model SIZE "
+        raise NotPlannable("`lora` is planned from its model size, without reading --weights: add --model SIZE "
                            "(e.g. --model gemma2-2b; the run checks the checkpoint is that size)"
                            + (f"; --model {args.model} names a family only" if args.model else ""))
 
