@@ -123,8 +123,10 @@ def content_hash(root: Path, workdir: Path | None = None) -> str:
 
 
 def build(root: Path | str | None = None, *, workdir: Path | str | None = None,
-          cache_dir: Path | str | None = None) -> Bundle:
-    """The bundle of `root` (default: this checkout), built once per content hash."""
+          cache_dir: Path | str | None = None, extras: tuple[str, ...] | list[str] = ()) -> Bundle:
+    """The bundle of `root` (default: this checkout), built once per content hash. extras: optional dependency
+    groups of pyproject.toml the hosts need too (the trainer says which a command needs: `python -m trainer
+    extras`); they join the dependency layer, not the wheel."""
     root = Path(root or project_root()).resolve()
     wd = Path(workdir).resolve() if workdir else None
     if wd is not None and not wd.is_dir():
@@ -132,6 +134,12 @@ def build(root: Path | str | None = None, *, workdir: Path | str | None = None,
     meta = _pyproject(root)["project"]
     name, version = meta["name"], meta["version"]
     reqs, no_deps = dependency_list(root)
+    optional = meta.get("optional-dependencies", {})
+    unknown = sorted(set(extras) - set(optional))
+    if unknown:
+        raise BundleError(f"the command needs the extra(s) {', '.join(unknown)}, which pyproject.toml does not "
+                          f"define (it has: {', '.join(sorted(optional))})")
+    host_reqs = reqs + [r for e in sorted(set(extras)) for r in optional[e] if r not in reqs]
     digest = content_hash(root, wd)
     cache = Path(cache_dir or _home() / "bundles") / digest[:16]
     norm = re.sub(r"[-_.]+", "_", name).lower()
@@ -141,7 +149,7 @@ def build(root: Path | str | None = None, *, workdir: Path | str | None = None,
         tmp = wheel.with_name(wheel.name + f".{os.getpid()}.tmp")
         tmp.write_bytes(_wheel_bytes(root, wd, norm, name, f"{version}+b{digest[:12]}", meta, reqs))
         os.replace(tmp, wheel)  # atomic: a concurrent build writes the same bytes
-    return Bundle(hash=digest, wheel=wheel, requirements=reqs, no_deps=no_deps, has_workdir=wd is not None)
+    return Bundle(hash=digest, wheel=wheel, requirements=host_reqs, no_deps=no_deps, has_workdir=wd is not None)
 
 
 def _wheel_bytes(root: Path, wd: Path | None, norm: str, name: str, version: str, meta: dict,

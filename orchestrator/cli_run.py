@@ -122,6 +122,22 @@ def _ssh_options(f):
     return f
 
 
+# ------------------------------------------------------------------------------ the trainer's own answers
+def trainer_extras(argv: list[str]) -> list[str]:
+    """The optional dependency groups a trainer command needs on the hosts (e.g. wandb for --wandb), as the
+    trainer itself reads its flags (`python -m trainer extras`, jax-free). A command it refuses stops here,
+    with its message, before anything is pushed."""
+    if argv[:3] != [L.PYTHON, "-m", "trainer"]:
+        return []
+    import subprocess
+    p = subprocess.run([sys.executable, "-m", "trainer", "extras", "--", *argv[3:]], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        err = [ln[len("error: "):] for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+        raise UserError(f"the trainer refuses the command: {err[-1] if err else p.stderr.strip()[-300:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------------------ plan
 def plan_gate(argv: list[str], target: Target, out) -> None:
     """A trainer step on a slice of known type is planned first, and refused when it does not fit."""
@@ -212,7 +228,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
     env = {**target.where.run_env(name, argv, target.devices_per_host), **env}
     bundle = install = layout = None
     if not raw:
-        bundle = B.build(workdir=workdir)
+        bundle = B.build(workdir=workdir, extras=trainer_extras(argv))
         if target.access.wheelhouse:  # hosts that share this machine's wheelhouse install from it
             install, layout = shared_install(target.access.wheelhouse, bundle, python=target.access.python,
                                             log=lambda m: print(f"[tpuctl] {m}", file=out))

@@ -67,3 +67,24 @@ def test_dependency_list_and_workdir(tmp_path):
     assert b.has_workdir and b.hash != B.build(ROOT, cache_dir=tmp_path / "c").hash
     with pytest.raises(B.BundleError, match="not a directory"):
         B.build(ROOT, workdir=tmp_path / "nope")
+
+
+def test_extras_a_command_needs_join_the_dependency_layer_not_the_wheel(tmp_path):
+    """`--wandb` needs the wandb extra on the hosts: it joins the requirements (a dependency layer of its own),
+    the wheel stays the same; an extra pyproject.toml lacks is refused by name."""
+    plain = B.build(ROOT, cache_dir=tmp_path / "c")
+    with_wandb = B.build(ROOT, cache_dir=tmp_path / "c", extras=["wandb"])
+    assert with_wandb.wheel == plain.wheel and with_wandb.hash == plain.hash
+    assert [r for r in with_wandb.requirements if r not in plain.requirements] == ["wandb==0.31.0"]
+    assert with_wandb.deps_hash != plain.deps_hash
+    with pytest.raises(B.BundleError, match="extra.*nope.*does not define"):
+        B.build(ROOT, cache_dir=tmp_path / "c", extras=["nope"])
+
+
+def test_the_trainer_names_the_extras_of_its_own_flags():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "trainer", "extras", "--", *a], capture_output=True,  # noqa: E731
+                                    text=True, cwd=ROOT)
+    assert run("pretrain", "--preset", "gpt2-tiny", "--wandb", "proj").stdout.strip() == '["wandb"]'
+    assert run("pretrain", "--preset", "gpt2-tiny").stdout.strip() == "[]"
+    bad = run("pretrain", "--no-such-flag")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: unrecognized arguments: --no-such-flag"

@@ -115,7 +115,16 @@ def parser() -> argparse.ArgumentParser:
 
     from trainer import sweep  # jax-free: `sweep` and `report`
     sweep.add_parsers(sub)
+    xs = sub.add_parser("extras", help="print (JSON) the optional dependency groups of this package that a "
+                                       "trainer command needs installed, e.g. wandb for --wandb")
+    xs.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS, as `python -m trainer` takes them")
     return p
+
+
+def extras_of(args: argparse.Namespace) -> list[str]:
+    """The optional dependency groups (pyproject.toml) a parsed command needs where it runs: `tpuctl run` adds
+    them to the hosts' environment (the orchestrator never reads the trainer's flags itself)."""
+    return ["wandb"] if getattr(args, "wandb", "") else []
 
 
 LORA_HELP = {
@@ -174,6 +183,13 @@ def run(args: argparse.Namespace) -> int:
         from trainer.lora_config import LoraRun
         fields = {f.name for f in dataclasses.fields(LoraRun)}
         return finetune.finetune(LoraRun(**{k: v for k, v in vars(args).items() if k in fields}))
+    if args.cmd == "extras":
+        import json
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            raise UsageError("extras: give the command after --: `python -m trainer extras -- pretrain ...`")
+        print(json.dumps(extras_of(parser().parse_args(command))))
+        return 0
     if args.cmd in ("sweep", "report"):
         from trainer import sweep
         return sweep.command(args)
