@@ -69,6 +69,19 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
     return shape
 
 
+def one_step_in_flight(mesh: Mesh) -> bool:
+    """Whether the host must wait for each step before dispatching the next: a multi-process job on CPU.
+
+    XLA:CPU launches each device's share of a program on a small shared thread pool, and a launch holds its
+    thread until the program's cross-process collectives complete. With steps queued ahead (the host only waits
+    at logged steps), the pool can fill with launches of later steps or of devices whose in-flight budget is
+    spent, while a launch their collectives wait for has no thread left: every process then sleeps at 0% CPU,
+    all but one device of one process inside a gloo all-gather. One program in flight at a time leaves every
+    launch a thread. TPU and GPU runtimes queue per device stream without that pool: they keep the queue ahead
+    that hides the host's time."""
+    return jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
     """devices: default every device of the job; trainer/aot.py passes a TPU topology's devices instead."""
     # Auto axes: XLA propagates shardings through gathers (the embedding lookup) that Explicit axes reject.
