@@ -153,9 +153,7 @@ class Steps:
         return time.perf_counter() - t0
 
     def init(self):
-        params = gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules)
-        if self.wait_each_step:
-            jax.block_until_ready(params)
+        params = self._settled(gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules))
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(params)
         return params, self._settled(opt_state)
 
