@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import time
+from collections import deque
 
 import pytest
 
@@ -70,3 +71,53 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     assert sorted(a) == list(range(1, CURVE + 1)) and sorted(b) == list(range(1, saved + 1))
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-5, (s, a[s], b[s])
+
+
+def byte_corpus(root) -> str:
+    """A prepared corpus of random bytes (vocab 256): a step is then mostly its collectives, so the host
+    can queue steps far ahead of the devices, as the demo's 50k-vocab steps do between its logged steps."""
+    import json
+
+    import numpy as np
+    out = root / "bytes"
+    out.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20000), ("val", 2000)):
+        rng.integers(0, 256, n, dtype=np.uint16).tofile(out / f"{split}.bin")
+    (out / "meta.json").write_text(json.dumps({"tokenizer": "bytes", "vocab_size": 256, "eot": 0, "dtype": "uint16"}))
+    return str(out)
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process (0 once it is gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_two_cpu_processes_that_log_only_at_the_end_do_not_stall(tmp_path_factory, tmp_path, procs):
+    # Nothing waits for a step's result until the last one: with steps queued ahead, XLA:CPU's launch pool
+    # filled up and both processes slept at 0% CPU within a few hundred steps (trainer/mesh.one_step_in_flight).
+    cache, data, port, steps = session_cache(tmp_path_factory), byte_corpus(tmp_path), free_port(), 80
+    pair = [procs.start(["pretrain", "--data", data, "--vocab-size", "256", "--n-layer", "1", "--n-head", "2",
+                         "--d-model", "32", "--seq-len", "16", "--batch-size", "8", "--emulate-devices", "4",
+                         "--steps", str(steps), "--log-every", str(steps), "--ckpt-every", "0", "--eval-every", "0",
+                         "--eval-batches", "1", "--ckpt-dir", str(tmp_path / "run")],
+                        env(cache, devices=None, TPUCTL_COORDINATOR=f"127.0.0.1:{port}", TPUCTL_NUM_PROCESSES="2",
+                            TPUCTL_PROCESS_ID=str(i), TPUCTL_HEARTBEAT_TIMEOUT_S="20", TPUCTL_INIT_TIMEOUT_S="120"),
+                        tmp_path / f"w{i}.log") for i in range(2)]
+    logs = lambda: "\n".join(tail(p.log) for p in pair)
+    seen, last = deque(maxlen=10), {}  # CPU ticks of both processes, every 2 s
+    while any(p.poll() is None for p in pair):
+        time.sleep(2)
+        last.update({p.pid: cpu_ticks(p.pid) for p in pair if p.poll() is None})
+        seen.append(sum(last.values()))
+        # Under 1 s of CPU in 20 s: stalled (a training process uses a whole core, or its share of a busy one;
+        # a stalled one only wakes for its heartbeats).
+        assert len(seen) < seen.maxlen or seen[-1] - seen[0] >= 100, "the trainers stalled at 0% CPU:\n" + logs()
+    assert [p.returncode for p in pair] == [0, 0], logs()
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, steps]

@@ -42,6 +42,7 @@ class Steps:
 
     def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, mesh, total_steps: int, global_batch: int):
         self.run, self.cfg, self.mesh, self.lc = run, cfg, mesh, run.lora
+        self.wait_each_step = mesh_lib.one_step_in_flight(mesh)
         self.dtype = compute_dtype(run.dtype)
         self.global_batch = global_batch
         self.base_sh = gemma.shardings(cfg, mesh)
@@ -106,7 +107,8 @@ class Steps:
 
     def step(self, lora, opt_state, base, local: dict, step: int):
         with jax.set_mesh(self.mesh):
-            return self._train(lora, opt_state, base, self.global_batch_of(local), np.int32(step))
+            out = self._train(lora, opt_state, base, self.global_batch_of(local), np.int32(step))
+        return jax.block_until_ready(out) if self.wait_each_step else out  # mesh.one_step_in_flight
 
     def evaluate(self, lora, base, rows: sft_data.Rows) -> float | None:
         if rows is None or not len(rows):
@@ -118,8 +120,8 @@ class Steps:
         return float(tot[0] / max(tot[1], 1.0))
 
     def init(self):
-        lora = lora_lib.init(self.cfg, self.lc, self.run.seed, self.mesh)
-        return lora, jax.jit(self.tx.init, out_shardings=self.opt_sh)(lora)
+        lora = jax.block_until_ready(lora_lib.init(self.cfg, self.lc, self.run.seed, self.mesh))
+        return lora, jax.block_until_ready(jax.jit(self.tx.init, out_shardings=self.opt_sh)(lora))
 
 
 def load_data(run: LoraRun, tok, pid: int, nproc: int, global_batch: int):

@@ -105,6 +105,7 @@ class Steps:
                               out_shardings=(self.param_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
         self._eval = jax.jit(self._eval_step, in_shardings=(self.param_sh, self.batch_sh), out_shardings=self.rep)
         self.train_fn = self.eval_fn = None
+        self.wait_each_step = mesh_lib.one_step_in_flight(mesh)
 
     # --- pure functions ---------------------------------------------------------------------------
 
@@ -153,15 +154,19 @@ class Steps:
         return time.perf_counter() - t0
 
     def init(self):
-        params = gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules)
+        params = self._settled(gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules))
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(params)
-        return params, opt_state
+        return params, self._settled(opt_state)
 
     def global_batch(self, local: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.batch_sh, local)
 
     def step(self, params, opt_state, local: np.ndarray, step: int):
-        return self.train_fn(params, opt_state, self.global_batch(local), np.int32(step))
+        return self._settled(self.train_fn(params, opt_state, self.global_batch(local), np.int32(step)))
+
+    def _settled(self, out):
+        """out, after it is computed when the mesh needs one program in flight (mesh.one_step_in_flight)."""
+        return jax.block_until_ready(out) if self.wait_each_step else out
 
     def evaluate(self, params, val: data.BatchLoader, n: int) -> float:
         if self.eval_fn is None:  # compiled at the first evaluation, outside any timed step
@@ -170,8 +175,8 @@ class Steps:
                                          sharding=self.batch_sh)
             with jax.set_mesh(self.mesh):
                 self.eval_fn = self._eval.lower(self.abstract_params, shape).compile()
-        losses = [self.eval_fn(params, self.global_batch(val.local_batch(i))) for i in range(n)]
-        return float(np.mean([float(x) for x in losses]))
+        # One batch at a time: each float() waits for its batch (mesh.one_step_in_flight).
+        return float(np.mean([float(self.eval_fn(params, self.global_batch(val.local_batch(i)))) for i in range(n)]))
 
 
 def setup_mesh(cfg: Config):

@@ -69,6 +69,19 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
     return shape
 
 
+def one_step_in_flight(mesh: Mesh) -> bool:
+    """Whether the host must wait for each step before dispatching the next: a CPU mesh of several devices.
+
+    XLA:CPU launches each device's share of a program on a small shared thread pool, and a launch holds its
+    thread while it waits for the device's in-flight budget or for the program's collectives. With steps queued
+    ahead (the host only waits at logged steps), the pool can fill with such launches while a launch their
+    collectives wait for has no thread left: all but one device sit in an all-gather. Across processes (gloo)
+    every process then sleeps at 0% CPU; within one process XLA aborts after 40 s ("only 7 of 8 threads
+    arrived"). One program in flight at a time leaves every launch a thread. TPU and GPU runtimes queue per
+    device stream without that pool: they keep the queue ahead that hides the host's time."""
+    return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
     """devices: default every device of the job; trainer/aot.py passes a TPU topology's devices instead."""
     # Auto axes: XLA propagates shardings through gathers (the embedding lookup) that Explicit axes reject.
