@@ -21,7 +21,7 @@ from flax import nnx
 from trainer import checkpoint, data, metrics, optim
 from trainer import mesh as mesh_lib
 from trainer.config import Config, UsageError
-from trainer.models import gpt2
+from trainer.models import attention, gpt2
 
 PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
 INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT, as shells report it)
@@ -85,7 +85,9 @@ class Steps:
     def __init__(self, cfg: Config, mesh):
         m, t = cfg.model, cfg.train
         self.cfg, self.mesh = cfg, mesh
-        self.dtype = compute_dtype(t.dtype, mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform  # of the devices compiled for: a TPU plan from a CPU host
+        self.dtype = compute_dtype(t.dtype, platform)
+        self.attention = attention.resolve(t.attention, platform, m.seq_len)
         self.graphdef, _ = gpt2.abstract(m)
         self.vocab_parallel = use_vocab_parallel(cfg, mesh.size)
         self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES
@@ -109,7 +111,9 @@ class Steps:
 
     def _loss(self, params, tokens, key):
         model = nnx.merge(self.graphdef, params)
-        return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel)
+        t = self.cfg.train
+        return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel,
+                          loss_chunk=t.loss_chunk, attention=self.attention, remat=t.remat)
 
     def _train_step(self, params, opt_state, batch, step):
         t = self.cfg.train
