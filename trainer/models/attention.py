@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from trainer.config import UsageError
 from trainer.mesh import fitted_spec
 
 CHOICES = ("auto", "xla", "splash")
@@ -31,10 +32,13 @@ def resolve(name: str, platform: str, seq_len: int) -> str:
     splash-interpret (the kernel through Pallas' interpreter, off TPU). auto: splash on TPU when the
     sequence is a whole number of kernel blocks, else xla."""
     if name not in CHOICES:
-        raise ValueError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
+        raise UsageError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
     if name == "auto":
         return SPLASH if platform == "tpu" and seq_len % LANES == 0 else XLA
     if name == "splash":
+        if seq_len % LANES:
+            raise UsageError(f"--attention splash: the kernel works on blocks of {LANES} positions; --seq-len "
+                             f"{seq_len} is not a multiple of {LANES} (use --attention xla, or such a length)")
         return SPLASH if platform == "tpu" else INTERPRET
     return XLA
 
