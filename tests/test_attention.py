@@ -151,3 +151,34 @@ def test_auto_follows_the_devices_compiled_for():
     assert attention.resolve("xla", "tpu", 1024) == attention.XLA
     with pytest.raises(UsageError, match="multiple of 128"):
         attention.resolve("splash", "tpu", 100)
+
+
+# ---- the TPU compiler's view (libtpu, the `plan` extra): the kernel is in the step and its scores are not ------
+
+def _compile_for_v5e(attn: str):
+    """A one-layer GPT-2 step (T=1024, 2 sequences per device, a 1k vocabulary so the output layer stays small)
+    compiled for v5e:2x4 as `python -m trainer.aot` does: (figures, compiled HLO text)."""
+    import argparse
+    from trainer import aot
+    from trainer.__main__ import parser
+    opts = argparse.Namespace(devices=8, processes=1, tpu="v5e:2x4", chip_config="default", host_bounds="2,2,1",
+                              fallback_cpu=False, run_platform="cpu")
+    target = aot._target(opts)
+    args = parser().parse_args(["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", "4",
+                                "--d-model", "256", "--seq-len", "1024", "--batch-size", "16", "--vocab-size", "1024",
+                                "--dropout", "0", "--attention", attn])
+    built = aot.BUILDERS["pretrain"](args, target)
+    compiled = built.compile()
+    return aot.figures(built, compiled, target, 0.0), compiled.as_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("trainer.aot").aot.has_libtpu(), reason="libtpu not installed (the `plan` extra)")
+def test_splash_step_for_v5e_has_the_kernel_and_fewer_temporaries_than_xla():
+    splash, hlo = _compile_for_v5e("splash")
+    xla, xla_hlo = _compile_for_v5e("xla")
+    assert splash["settings"]["attention"] == attention.SPLASH and xla["settings"]["attention"] == attention.XLA
+    assert 'custom_call_target="tpu_custom_call"' in hlo  # the Mosaic kernel, compiled for the TPU
+    assert "tpu_custom_call" not in xla_hlo
+    assert 0 < splash["temp_bytes"] < 0.5 * xla["temp_bytes"], (splash["temp_bytes"], xla["temp_bytes"])
+    assert splash["bytes_accessed"] < xla["bytes_accessed"]
