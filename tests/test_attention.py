@@ -156,7 +156,7 @@ def test_auto_follows_the_devices_compiled_for():
 # ---- the TPU compiler's view (libtpu, the `plan` extra): the kernel is in the step and its scores are not ------
 
 def _compile_for_v5e(attn: str):
-    """A one-layer GPT-2 step (T=1024, 2 sequences per device, a 1k vocabulary so the output layer stays small)
+    """A one-layer GPT-2 step (T=1024, 4 sequences per device, a 1k vocabulary so the output layer stays small)
     compiled for v5e:2x4 as `python -m trainer.aot` does: (figures, compiled HLO text)."""
     import argparse
     from trainer import aot
@@ -165,7 +165,7 @@ def _compile_for_v5e(attn: str):
                               fallback_cpu=False, run_platform="cpu")
     target = aot._target(opts)
     args = parser().parse_args(["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", "4",
-                                "--d-model", "256", "--seq-len", "1024", "--batch-size", "16", "--vocab-size", "1024",
+                                "--d-model", "256", "--seq-len", "1024", "--batch-size", "32", "--vocab-size", "1024",
                                 "--dropout", "0", "--attention", attn])
     built = aot.BUILDERS["pretrain"](args, target)
     compiled = built.compile()

@@ -83,3 +83,21 @@ def test_gpt2_tiny_trains_as_with_the_full_logits():
     new = _run(_tiny(loss_chunk=32, remat="full", vocab_parallel=vocab_parallel), batches, devices)
     assert today[-1] < today[0] - 0.5  # it trains (the comparison is not between two flat lines)
     np.testing.assert_allclose(new, today, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["dots", "full"])
+def test_remat_policies_give_the_same_loss_and_gradients(policy):
+    """What the backward pass recomputes changes memory, not the numbers (no mesh, f32, one tiny block)."""
+    from flax import nnx
+    from trainer.config import ModelConfig
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=256, dropout=0.1)
+    graphdef, params = nnx.split(gpt2.GPT2(cfg, nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 17)), jnp.int32)
+
+    def loss(params, remat):
+        return nnx.merge(graphdef, params).loss(tokens, dropout_key=jax.random.key(1), remat=remat)
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (want, wg), (got, g) = grad(params, "none"), grad(params, policy)
+    assert float(got) == pytest.approx(float(want), abs=1e-6)
+    for a, w in zip(jax.tree.leaves(g), jax.tree.leaves(wg)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-6)
