@@ -43,10 +43,14 @@ def test_chunked_loss_and_gradients_equal_the_full_logits(shape, chunk):
     assert not np.asarray(g[1])[vocab:].any()  # padding rows never learn
 
 
-def test_a_chunk_that_does_not_divide_the_sequence_is_refused():
-    x = jnp.zeros((2, 12, 8))
-    with pytest.raises(ValueError, match="does not divide"):
-        xent.chunked(x, jnp.zeros((16, 8)), jnp.zeros((2, 12), jnp.int32), 5)
+def test_a_chunk_that_does_not_divide_the_sequence_takes_the_largest_divisor_below_it():
+    assert [xent.chunk_of(c, 12) for c in (0, 5, 6, 7, 12, 100)] == [12, 4, 6, 6, 12, 12]
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 12, 8)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 16, (2, 12)), jnp.int32)
+    np.testing.assert_allclose(float(xent.chunked(x, table, targets, 5)), float(full(x, table, targets, 16)),
+                               rtol=1e-6)
 
 
 VOCAB = 2048  # gpt2-tiny's layers with a smaller vocabulary: the 50k output layer would be most of the test's time

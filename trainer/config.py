@@ -131,7 +131,7 @@ HELP = {
                  "(off TPU it runs interpreted: slow, for checks); auto = splash when the step is compiled for TPU "
                  "devices and --seq-len is a multiple of 128, else xla",
     "loss_chunk": "sequence positions whose output-layer logits are computed at once, forward and backward "
-                  "(must divide --seq-len; 0 = the whole [batch, seq, vocab] f32 logits at once)",
+                  "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
              "outputs; full: only its input) and so recomputes; trades compute for memory",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
@@ -208,8 +208,8 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
-    if t.loss_chunk < 0 or (0 < t.loss_chunk < m.seq_len and m.seq_len % t.loss_chunk):
-        raise UsageError(f"--loss-chunk {t.loss_chunk}: must divide --seq-len {m.seq_len} (or be 0 for no chunks)")
+    if t.loss_chunk < 0:
+        raise UsageError(f"--loss-chunk {t.loss_chunk}: must not be negative (0 = no chunks)")
     if t.dtype not in ("auto", "float32", "bfloat16"):
         raise UsageError(f"--dtype {t.dtype}: choose auto, float32 or bfloat16")
     if not t.ckpt_dir:

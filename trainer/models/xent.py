@@ -45,18 +45,19 @@ def token_xent(lg: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def chunk_of(chunk: int, seq_len: int) -> int:
-    """The chunk length used for sequences of seq_len: the whole sequence when chunk is 0 or >= seq_len."""
-    return seq_len if chunk <= 0 or chunk >= seq_len else chunk
+    """The chunk length used for sequences of seq_len: the whole sequence when chunk is 0 or >= seq_len, else
+    the largest divisor of seq_len not above chunk (chunks are equal: one scan body)."""
+    if chunk <= 0 or chunk >= seq_len:
+        return seq_len
+    return max(c for c in range(1, chunk + 1) if seq_len % c == 0)
 
 
 def chunked(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int, vocab_size: int | None = None,
             softcap: float | None = None) -> jax.Array:
     """Mean cross-entropy (f32) of hidden states x [B, T, D] against int targets [B, T], never holding more
-    than one chunk of positions' logits. chunk must divide T (trainer.config checks the flag)."""
+    than one chunk of positions' logits (chunk_of(chunk, T) of them)."""
     b, t, d = x.shape
     c = chunk_of(chunk, t)
-    if t % c:
-        raise ValueError(f"loss chunk {c} does not divide the sequence length {t}")
     n = t // c
     # [n, B, c, D]: the batch stays on its devices, each scan step takes one block of positions.
     xs = _constrain(x.reshape(b, n, c, d).swapaxes(0, 1), (None, "batch", "seq", "embed"))
