@@ -48,6 +48,7 @@ VARIANTS = {
     "new": ("new: splash, chunked loss (default)", ["--attention", "auto"]),
     "dots": ("new + remat dots", ["--attention", "auto", "--remat", "dots"]),
     "full": ("new + remat full", ["--attention", "auto", "--remat", "full"]),
+    "chunk512": ("new, loss chunks of 512", ["--attention", "auto", "--loss-chunk", "512"]),
 }
 
 
@@ -102,7 +103,7 @@ def main(chips: list[str] | None = None, variants: list[str] | None = None, say=
                 continue
             results.setdefault(name, {})[label] = v
             say(row(label, v) + f"   (compiled in {time.perf_counter() - t0:.0f} s)")
-    say("  gemma2-2b LoRA: not in this section (trainer.aot plans `pretrain` only)")
+    say("  gemma2-2b LoRA: not in this section yet (its rows need trainer.aot's `lora` builder)")
     return results
 
 

@@ -62,7 +62,9 @@ class TrainConfig:
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
     attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
-    loss_chunk: int = 256  # sequence positions whose output logits exist at once; 0 = all [B, T, V]
+    # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. 128: the least HBM traffic of
+    # 128/256/512 for gpt2-124m on v5e-8 in the TPU compiler's estimate (make bench, section [10]).
+    loss_chunk: int = 128
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
