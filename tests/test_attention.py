@@ -58,12 +58,12 @@ CASES = {
 }
 
 
+F32, BF16 = (jnp.float32, (1e-5, 1e-4)), (jnp.bfloat16, (1e-2, 2e-2))  # (forward, gradients)
+
+
 # f32: absolute. bf16 (8 mantissa bits): relative to the largest magnitude of each reference tensor.
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, (1e-5, 1e-4)), (jnp.bfloat16, (1e-2, 2e-2))])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype,tol", [(c, *F32) for c in CASES] + [("causal", *BF16)])
 def test_splash_matches_xla_attention_forward_and_gradients(case, dtype, tol):
-    if dtype == jnp.bfloat16 and case != "causal":
-        pytest.skip("bf16: one case states the tolerance")
     kw = dict(CASES[case])
     q, k, v = _qkv(dtype, kw.pop("kv_heads"))
     seg = None  # packed rows: the Gemma layer test below
