@@ -6,7 +6,9 @@ seed given our trainer's host-allocator setting; each contender in its own proce
 "peak" and each model's achieved FLOP/s against it; gpt2-tiny and a gpt2-124m step; the step-time cost of
 async Orbax saves; `tpuctl run` on a local slice of 1, 4 and 16 hosts (push+install, run -> first step); and Gemma
 greedy sampling with the KV-cache loop vs full recompute; a Gemma LoRA step against tunix's PeftTrainer +
-qwix; a 2-host spot run through 0, 1 and 2 preemptions (steps redone, time to recover, goodput). Numbers on a
+qwix; a 2-host spot run through 0, 1 and 2 preemptions (steps redone, time to recover, goodput); and the TPU
+compiler's verdict on a gpt2-124m step for v5e-8 and v4-8 (XLA vs splash attention, full vs chunked loss,
+remat policies: bytes accessed, temporaries, memory vs compute time; needs libtpu, the `plan` extra). Numbers on a
 shared machine are noisy: read the ratios, not the absolute values.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 from bench.devices import emulate
 
-SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt")
+SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt", "tpu")
 
 
 def parse(argv):

@@ -369,5 +369,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         preempt.main()
     else:
         say("[9] preemptions: skipped" + (" (--quick)" if plan.quick else ""))
+    if "tpu" in sections and not plan.quick:
+        say("== [10] the TPU compiler's verdict on a gpt2-124m step: attention, loss, remat (bench/tpu_compile.py)")
+        from bench import tpu_compile
+        tpu_compile.main(say=say)
+    else:
+        say("[10] TPU compile: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

@@ -9,6 +9,8 @@ import difflib
 import re
 from dataclasses import dataclass
 
+from trainer.chips import PEAK_FLOPS
+
 # Sources (see catalog.md for the full list):
 # [1] https://docs.cloud.google.com/tpu/docs/v6e
 # [2] https://cloud.google.com/tpu/docs/v5e
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 class Generation:
     name: str                     # "v4", "v5p", "v5litepod", "v6e"
     api_type: str                 # AcceleratorConfig.Type in the v2 API
-    peak_bf16_tflops: float       # per chip
+    device_kind: str              # jax's device_kind on these chips: the key of the peak FLOP/s table
     hbm_gib_per_chip: float
     chips_per_vm: int             # multi-host slices use 4-chip VMs on every generation [7]
     name_counts_cores: bool       # v4/v5p-N: N = TensorCores (2 per chip); v5e/v6e-N: N = chips
@@ -46,11 +48,16 @@ class Generation:
     aot_name: str = ""
     aot_chip_config: str = "default"
 
+    @property
+    def peak_bf16_tflops(self) -> float:
+        """Per chip, from the one table (trainer/chips.py)."""
+        return PEAK_FLOPS[self.device_kind] / 1e12
+
 
 GENERATIONS: dict[str, Generation] = {
     "v4": Generation(
         name="v4", api_type="V4",
-        peak_bf16_tflops=275.0,   # [4]
+        device_kind="TPU v4",     # peak bf16 FLOP/s per chip: trainer/chips.py
         hbm_gib_per_chip=32.0,    # 32 GiB [4]
         chips_per_vm=4, name_counts_cores=True,  # megacore: 1 JAX device per chip
         price_on_demand=3.22, price_spot={"us-central2": 0.92},    # [10]
@@ -65,7 +72,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v5p": Generation(
         name="v5p", api_type="V5P",
-        peak_bf16_tflops=459.0,   # [3]
+        device_kind="TPU v5p",     # peak bf16 FLOP/s per chip: trainer/chips.py
         hbm_gib_per_chip=95.0,    # "95GB" on the v5p page, "95 GiB" on v5p-training [3]
         chips_per_vm=4, name_counts_cores=True,
         price_on_demand=4.20,                                       # [10]
@@ -82,7 +89,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v5litepod": Generation(
         name="v5litepod", api_type="V5LITE_POD",
-        peak_bf16_tflops=197.0,   # [2]
+        device_kind="TPU v5 lite",     # peak bf16 FLOP/s per chip: trainer/chips.py
         hbm_gib_per_chip=16.0,    # [2]
         chips_per_vm=4, name_counts_cores=False,
         price_on_demand=1.20,                                       # [10]
@@ -99,7 +106,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v6e": Generation(
         name="v6e", api_type="V6E",
-        peak_bf16_tflops=918.0,   # [1]
+        device_kind="TPU v6 lite",     # peak bf16 FLOP/s per chip: trainer/chips.py
         hbm_gib_per_chip=32.0,    # 32 GB [1]
         chips_per_vm=4, name_counts_cores=False,
         price_on_demand=2.70,                                       # [10]
@@ -115,7 +122,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v2": Generation(
         name="v2", api_type="V2",
-        peak_bf16_tflops=45.0,    # 180 per 4-chip board; not in the current docs (unverified)
+        device_kind="TPU v2",     # peak bf16 FLOP/s per chip: trainer/chips.py
         hbm_gib_per_chip=16.0,    # v2-8 = 64 GiB [6b]
         chips_per_vm=4, name_counts_cores=True,
         price_on_demand=1.125, price_spot={"us-central1": 0.3375},  # [10]
@@ -126,7 +133,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v3": Generation(
         name="v3", api_type="V3",
-        peak_bf16_tflops=123.0,   # [5]
+        device_kind="TPU v3",     # peak bf16 FLOP/s per chip: trainer/chips.py
         hbm_gib_per_chip=32.0,    # [5]
         chips_per_vm=4, name_counts_cores=True,
         price_on_demand=2.00, price_spot={"us-central1": 0.51},     # [10]

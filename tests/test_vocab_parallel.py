@@ -1,6 +1,6 @@
 """The vocab-parallel embedding lookup and output layer + loss against the plain full-logits math.
 
-On 8 emulated devices: the loss and both gradients of vocab_parallel.xent equal jax.grad of
+On 8 emulated devices: the loss and both gradients of vocab_parallel.xent, whole or a chunk of positions at a time, equal jax.grad of
 gpt2.loss_fn on full logits (padding masked), on meshes 8x1 and 4x2, with padding inside one slice and a
 slice made of padding only; the lookup and its gradient equal jnp.take; --vocab-parallel resolution.
 """
@@ -27,8 +27,9 @@ def reference(x, table, targets, vocab_size):
 
 
 @pytest.mark.parametrize("shape", [(8, 1), (4, 2)])
-@pytest.mark.parametrize("vocab_size,padded", [(1000, 1024), (100, 128), (512, 512)])
-def test_xent_and_its_gradients_equal_the_full_logits_loss(shape, vocab_size, padded):
+@pytest.mark.parametrize("vocab_size,padded,chunk", [(1000, 1024, 0), (100, 128, 0), (512, 512, 0), (1000, 1024, 4),
+                                                     (100, 128, 8)])
+def test_xent_and_its_gradients_equal_the_full_logits_loss(shape, vocab_size, padded, chunk):
     # (100, 128) over 8 slices of 16 rows: slice 6 is part padding, slice 7 is padding only.
     mesh = mesh_lib.make_mesh({"data": shape[0], "model": shape[1]})
     rng = np.random.default_rng(0)
@@ -41,8 +42,9 @@ def test_xent_and_its_gradients_equal_the_full_logits_loss(shape, vocab_size, pa
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     args = (put(x, vp.ACTS), put(table, vp.TABLE), put(targets, vp.IDS))
     with jax.set_mesh(mesh):
-        loss = jax.jit(vp.xent, static_argnums=3)(*args, vocab_size)  # the forward-only (eval) path
-        got, (dx, dt) = jax.jit(jax.value_and_grad(lambda *a: 3.0 * vp.xent(*a, vocab_size), argnums=(0, 1)))(*args)
+        loss = jax.jit(vp.xent, static_argnums=(3, 4))(*args, vocab_size, chunk)  # the forward-only (eval) path
+        got, (dx, dt) = jax.jit(jax.value_and_grad(lambda *a: 3.0 * vp.xent(*a, vocab_size, chunk),
+                                                   argnums=(0, 1)))(*args)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
     np.testing.assert_allclose(float(got), 3.0 * float(want), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(dx), 3.0 * np.asarray(wdx), atol=1e-6)  # upstream cotangent applied

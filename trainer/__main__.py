@@ -153,6 +153,11 @@ LORA_HELP = {
     "mesh": "data=D,model=M (default: every device on data)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
     "eval_every": "validation loss every N steps (0 = only at the last step)",
+    "attention": "auto, xla or splash: splash is the Pallas TPU kernel (sliding windows, soft-capping and packed "
+                 "examples in-kernel; interpreted off TPU: slow, for checks); auto = splash on TPU when --seq-len is "
+                 "a multiple of 128",
+    "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' outputs; "
+             "full: only its input); trades compute for memory",
 }
 
 

@@ -80,7 +80,8 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                  opt_state=steps.abstract_opt, tokens_per_step=t.batch_size * m.seq_len,
                  model_flops_per_token=metrics.flops_per_token(m), mesh=shape, dtype=t.dtype,
                  settings={"batch_size": t.batch_size, "grad_accum": t.grad_accum, "steps": t.steps,
-                           "mesh": t.mesh, "n_head": m.n_head},
+                           "mesh": t.mesh, "n_head": m.n_head, "attention": steps.attention, "remat": t.remat,
+                           "loss_chunk": t.loss_chunk},
                  levers=("grad_accum", "batch_size", "mesh_model"))
 
 

@@ -61,6 +61,11 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
+    attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
+    # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. 128: the least HBM traffic of
+    # 128/256/512 for gpt2-124m on v5e-8 in the TPU compiler's estimate (make bench, section [10]).
+    loss_chunk: int = 128
+    remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
     ckpt_every: int = 100
@@ -125,6 +130,13 @@ HELP = {
     "vocab_parallel": "auto, on or off: shard the tied embedding's vocab rows over every device and compute the "
                       "output layer + loss per vocab slice (moves hidden states instead of the [V, D] gradient; "
                       "auto = on when a step's tokens are fewer than the vocab)",
+    "attention": "auto, xla or splash: splash is the Pallas TPU kernel that never writes the [T, T] scores to HBM "
+                 "(off TPU it runs interpreted: slow, for checks); auto = splash when the step is compiled for TPU "
+                 "devices and --seq-len is a multiple of 128, else xla",
+    "loss_chunk": "sequence positions whose output-layer logits are computed at once, forward and backward "
+                  "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
+    "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
+             "outputs; full: only its input) and so recomputes; trades compute for memory",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
     "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
@@ -198,6 +210,12 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
     if t.vocab_parallel not in ("auto", "on", "off"):
         raise UsageError(f"--vocab-parallel {t.vocab_parallel}: choose auto, on or off")
+    if t.attention not in ("auto", "xla", "splash"):
+        raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
+    if t.remat not in ("none", "dots", "full"):
+        raise UsageError(f"--remat {t.remat}: choose none, dots or full")
+    if t.loss_chunk < 0:
+        raise UsageError(f"--loss-chunk {t.loss_chunk}: must not be negative (0 = no chunks)")
     if t.dtype not in ("auto", "float32", "bfloat16"):
         raise UsageError(f"--dtype {t.dtype}: choose auto, float32 or bfloat16")
     if not t.ckpt_dir:

@@ -23,16 +23,18 @@ from trainer import checkpoint, metrics, optim, sft_data, tokenizer as tok_lib, 
 from trainer import mesh as mesh_lib
 from trainer.config import TrainConfig, UsageError
 from trainer.lora_config import LoraRun
-from trainer.loop import INTERRUPTED, PREEMPTED, compute_dtype, enable_compile_cache
-from trainer.models import gemma, lora as lora_lib
+from trainer.loop import INTERRUPTED, PREEMPTED, enable_compile_cache
+from trainer.mesh import compute_dtype
+from trainer.models import attention, gemma, lora as lora_lib
 
 
 def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
-                 dtype=jnp.float32, dropout_key=None) -> jax.Array:
-    """f32 next-token cross-entropy [B, T] of packed rows under base + adapters (unweighted)."""
+                 dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none") -> jax.Array:
+    """f32 next-token cross-entropy [B, T] of packed rows under base + adapters (unweighted).
+    attention: resolved (trainer/models/attention.py); remat: a policy of trainer/models/remat.py."""
     model = gemma.from_flat(cfg, base)
     logits, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
-                      adapter=lora_lib.adapter(lc, lora, dropout_key))
+                      adapter=lora_lib.adapter(lc, lora, dropout_key), attention=attention, remat=remat)
     logz = jax.nn.logsumexp(logits, axis=-1)
     return logz - jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
 
@@ -43,7 +45,9 @@ class Steps:
     def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, mesh, total_steps: int, global_batch: int):
         self.run, self.cfg, self.mesh, self.lc = run, cfg, mesh, run.lora
         self.wait_each_step = mesh_lib.one_step_in_flight(mesh)
-        self.dtype = compute_dtype(run.dtype)
+        platform = mesh.devices.flat[0].platform  # of the devices compiled for (a TPU plan from a CPU host)
+        self.dtype = compute_dtype(run.dtype, platform)
+        self.attention = attention.resolve(run.attention, platform, run.seq_len)
         self.global_batch = global_batch
         self.base_sh = gemma.shardings(cfg, mesh)
         self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh)
@@ -68,7 +72,8 @@ class Steps:
                              out_shardings=self.rep)
 
     def _sums(self, lora, base, batch, key):
-        ce = token_losses(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key)
+        ce = token_losses(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
+                          attention=self.attention, remat=self.run.remat)
         return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
 
     def _train_step(self, lora, opt_state, base, batch, step):

@@ -173,7 +173,7 @@ class Streamer:
 def sample_main(args) -> int:
     """`python -m trainer sample --weights ...`: load onto the mesh, tokenize, stream the continuation."""
     from trainer import mesh as mesh_lib, tokenizer as tok_lib, weights
-    from trainer.loop import compute_dtype
+    from trainer.mesh import compute_dtype
     sc = SampleConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     sc.check()
     mesh_lib.init_distributed()

@@ -21,8 +21,9 @@ from flax import nnx
 
 from trainer import checkpoint, data, metrics, optim, wandb_log
 from trainer import mesh as mesh_lib
+from trainer.mesh import compute_dtype
 from trainer.config import Config, UsageError
-from trainer.models import gpt2
+from trainer.models import attention, gpt2
 
 PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
 INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT, as shells report it)
@@ -39,14 +40,6 @@ def enable_compile_cache() -> None:
     root = Path(os.environ.get("TPUCTL_CACHE", Path.home() / ".cache" / "tpuctl"))
     cc.set_cache_dir(str(root / "jax"))
     cc.reset_cache()  # in case something compiled earlier in this process with no cache configured
-
-
-def compute_dtype(name: str, platform: str | None = None):
-    """platform: of the devices the step runs on (default: this process's backend); an ahead-of-time
-    compile for TPU devices from a CPU-only process decides by the TPU's."""
-    if name == "auto":  # bf16 matmuls are native on TPU/GPU; on CPU they are slower than f32
-        return jnp.bfloat16 if (platform or jax.default_backend()) in ("tpu", "gpu") else jnp.float32
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
@@ -86,7 +79,9 @@ class Steps:
     def __init__(self, cfg: Config, mesh):
         m, t = cfg.model, cfg.train
         self.cfg, self.mesh = cfg, mesh
-        self.dtype = compute_dtype(t.dtype, mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform  # of the devices compiled for: a TPU plan from a CPU host
+        self.dtype = compute_dtype(t.dtype, platform)
+        self.attention = attention.resolve(t.attention, platform, m.seq_len)
         self.graphdef, _ = gpt2.abstract(m)
         self.vocab_parallel = use_vocab_parallel(cfg, mesh.size)
         self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES
@@ -111,7 +106,9 @@ class Steps:
 
     def _loss(self, params, tokens, key):
         model = nnx.merge(self.graphdef, params)
-        return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel)
+        t = self.cfg.train
+        return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel,
+                          loss_chunk=t.loss_chunk, attention=self.attention, remat=t.remat)
 
     def _train_step(self, params, opt_state, batch, step):
         t = self.cfg.train

@@ -44,6 +44,8 @@ class LoraRun:
     keep: int = 3
     log_every: int = 10
     eval_every: int = 0             # val loss every N steps (and at the last); 0 = only at the last
+    attention: str = "auto"         # auto (splash kernel on TPU, XLA elsewhere), xla, splash
+    remat: str = "none"             # what each layer recomputes in the backward pass: none, dots, full
 
     @property
     def family(self) -> str | None:
@@ -83,6 +85,10 @@ class LoraRun:
         for flag, v in {"--dtype": self.dtype, "--base-dtype": self.base_dtype}.items():
             if v not in ("auto", "float32", "bfloat16"):
                 raise UsageError(f"{flag} {v}: choose auto, float32 or bfloat16")
+        if self.attention not in ("auto", "xla", "splash"):
+            raise UsageError(f"--attention {self.attention}: choose auto, xla or splash")
+        if self.remat not in ("none", "dots", "full"):
+            raise UsageError(f"--remat {self.remat}: choose none, dots or full")
         if not self.ckpt_dir:
             raise UsageError("--ckpt-dir is required: a local directory or gs://BUCKET/PATH for the adapters")
 

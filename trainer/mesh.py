@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from trainer.config import UsageError
@@ -128,3 +129,11 @@ def fitted_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape
         used |= set(names)
         out.append(m)
     return P(*out)
+
+
+def compute_dtype(name: str, platform: str | None = None):
+    """platform: of the devices the step runs on (default: this process's backend); an ahead-of-time
+    compile for TPU devices from a CPU-only process decides by the TPU's."""
+    if name == "auto":  # bf16 matmuls are native on TPU/GPU; on CPU they are slower than f32
+        return jnp.bfloat16 if (platform or jax.default_backend()) in ("tpu", "gpu") else jnp.float32
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]

@@ -17,24 +17,8 @@ from pathlib import Path
 
 from etils import epath
 
+from trainer.chips import PEAK_FLOPS
 from trainer.config import ModelConfig
-
-# Peak dense bf16 FLOP/s per chip, by jax `device_kind`.
-PEAK_FLOPS = {
-    "TPU v2": 45e12,
-    "TPU v3": 123e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5": 459e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-}
-
 
 def flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token: 6 x matmul params (output projection included) + causal-free attention."""

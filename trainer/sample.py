@@ -21,7 +21,7 @@ from flax import nnx
 from trainer import data
 from trainer.checkpoint import Checkpointer
 from trainer.config import UsageError
-from trainer.loop import compute_dtype
+from trainer.mesh import compute_dtype
 from trainer.models import gpt2
 
 

@@ -22,6 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.mesh import RULES, fitted_spec
+from trainer.models import attention as attention_lib
+from trainer.models import remat as remat_lib
+from trainer.models import xent
 from trainer.models.gpt2 import loss_fn
 
 K_MASK = -2.3819763e38  # what Google's implementation writes into masked attention logits
@@ -187,7 +190,7 @@ class Layer(nnx.Module):
         self.cfg = cfg
         self.kind = cfg.layer_types[i]
 
-    def attention(self, x, positions, cache, cache_index, segment_ids=None, adapter=None):
+    def attention(self, x, positions, cache, cache_index, segment_ids=None, adapter=None, impl=attention_lib.XLA):
         cfg, fam, dt = self.cfg, self.cfg.fam, x.dtype
         ad = adapter or (lambda name, inp, y: y)
         q = ad("q", x, jnp.einsum("btd,ndh->btnh", x, self.q[...].astype(dt)))
@@ -211,6 +214,12 @@ class Layer(nnx.Module):
             key_pos = positions
         k = _constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = _constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        if cache is None and impl != attention_lib.XLA:  # training: positions 0..T-1 (or per packed example)
+            enc = attention_lib.splash(q, k, v, window=cfg.sliding_window if local else None,
+                                       softcap=fam.attn_softcap, segment_ids=segment_ids,
+                                       interpret=impl == attention_lib.INTERPRET)
+            out = ad("o", enc, jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt)))
+            return _constrain(out, ("batch", "seq", "embed")), cache
         b, t, h, hd = q.shape
         groups = h // cfg.n_kv_heads
         qg = q.reshape(b, t, cfg.n_kv_heads, groups, hd)
@@ -236,9 +245,10 @@ class Layer(nnx.Module):
         hid = _constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
         return _constrain(ad("down", hid, hid @ self.linear[...].astype(dt)), ("batch", "seq", "embed"))
 
-    def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None):
+    def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None,
+                 attention=attention_lib.XLA):
         a, cache = self.attention(rms_norm(x, self.pre_attn_norm[...]), positions, cache, cache_index,
-                                  segment_ids, adapter)
+                                  segment_ids, adapter, attention)
         x = x + rms_norm(a, self.post_attn_norm[...])
         h = self.mlp(rms_norm(x, self.pre_ffw_norm[...]), adapter)
         return x + rms_norm(h, self.post_ffw_norm[...]), cache
@@ -254,14 +264,19 @@ class Gemma(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: list | None = None,
                  cache_index: jax.Array | int = 0, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
-                 adapter=None) -> tuple[jax.Array, list | None]:
+                 adapter=None, attention: str = attention_lib.XLA, remat: str = "none",
+                 logits: bool = True) -> tuple[jax.Array, list | None]:
         """int tokens [B, T] -> (f32 logits [B, T, V], updated cache or None).
 
         Without a cache the tokens attend to each other (positions default to 0..T-1). With one (from
         init_cache) they are written at cache_index..cache_index+T-1 and attend to everything before.
         segment_ids [B, T] (no cache): tokens attend only to tokens of the same id (packed examples).
         adapter(layer, projection, input, output) -> output: a low-rank update (trainer/models/lora.py)
-        added to the projections q, k, v, o, gate, up, down."""
+        added to the projections q, k, v, o, gate, up, down.
+        attention (no cache): a resolved implementation (attention.resolve); the splash kernel masks by
+        index (causal, the local layers' window, segment_ids), which is what positions 0..T-1 per example mean.
+        remat (no cache): a policy of trainer/models/remat.py for each layer.
+        logits=False: the final hidden states [B, T, D] instead of logits (a chunked loss computes those)."""
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None] + cache_index, (b, t))
@@ -270,21 +285,40 @@ class Gemma(nnx.Module):
         x = _constrain(x, ("batch", "seq", "embed"))
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
-            x, c = layer(x, positions, None if cache is None else cache[i], cache_index, segment_ids,
-                         None if adapter is None else functools.partial(adapter, i))
-            if cache is not None:
-                new_cache.append(c)
+            ad = None if adapter is None else functools.partial(adapter, i)
+            if cache is None:
+                x = _remat_layer(layer, remat, positions, segment_ids, ad, attention)(x)
+                continue
+            x, c = layer(x, positions, cache[i], cache_index, segment_ids, ad)
+            new_cache.append(c)
         x = rms_norm(x, self.final_norm[...])
-        logits = jnp.einsum("btd,vd->btv", x, emb.astype(dtype), preferred_element_type=jnp.float32)
-        logits = softcap(_constrain(logits, ("batch", "seq", "vocab")), self.cfg.fam.final_softcap)
-        return logits, new_cache
+        if not logits:
+            return x, new_cache
+        return xent.logits(x, emb, softcap=self.cfg.fam.final_softcap), new_cache
 
 
-def loss(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
+def _remat_layer(layer: Layer, policy: str, positions, segment_ids, adapter, attention: str):
+    """x -> the layer's output (no cache), under the remat policy; the other inputs are closed over."""
+    if policy == "none":
+        return lambda x: layer(x, positions, None, None, segment_ids, adapter, attention)[0]
+    remat_lib.check(policy)
+    graphdef, state = nnx.split(layer)
+    call = jax.checkpoint(lambda state, x: nnx.merge(graphdef, state)(x, positions, None, None, segment_ids, adapter,
+                                                                      attention)[0],
+                          policy=remat_lib.POLICIES[policy])
+    return lambda x: call(state, x)
+
+
+def loss(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, dtype=jnp.float32, *,
+         attention: str = attention_lib.XLA, remat: str = "none", loss_chunk: int = 0) -> jax.Array:
     """Mean next-token cross-entropy (f32) of int tokens [B, T+1] under flat params: what a train step
-    differentiates (also on abstract shapes, e.g. to compile a step for a slice ahead of time)."""
-    logits, _ = from_flat(cfg, params)(tokens[:, :-1], dtype=dtype)
-    return loss_fn(logits, tokens[:, 1:])
+    differentiates (also on abstract shapes, e.g. to compile a step for a slice ahead of time).
+    loss_chunk: sequence positions whose logits exist at once (0: all [B, T, V])."""
+    model = from_flat(cfg, params)
+    x, _ = model(tokens[:, :-1], dtype=dtype, attention=attention, remat=remat, logits=False)
+    if loss_chunk:
+        return xent.chunked(x, params["embed"], tokens[:, 1:], loss_chunk, softcap=cfg.fam.final_softcap)
+    return loss_fn(xent.logits(x, params["embed"], softcap=cfg.fam.final_softcap), tokens[:, 1:])
 
 
 def init_cache(cfg: GemmaConfig, batch: int, length: int, dtype=jnp.float32) -> list[dict[str, jax.Array]]:

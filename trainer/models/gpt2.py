@@ -15,7 +15,10 @@ from flax import nnx
 
 from trainer.config import ModelConfig
 from trainer.mesh import RULES, constrain, sharding
+from trainer.models import attention as attention_lib
+from trainer.models import remat as remat_lib
 from trainer.models import vocab_parallel as vocab_parallel_lib
+from trainer.models import xent
 
 normal = jax.nn.initializers.normal
 
@@ -74,12 +77,16 @@ class Attention(nnx.Module):
         self.out_kernel = _param(rngs, normal(out_std), (h, hd, d), ("heads", "head_dim", "embed"))
         self.out_bias = _param(rngs, jax.nn.initializers.zeros, (d,), ("embed",))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, attention: str = attention_lib.XLA) -> jax.Array:
         dt = x.dtype
         qkv = jnp.einsum("btd,dkhe->kbthe", x, self.qkv_kernel[...].astype(dt))
         qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
         q, k, v = (constrain(t, ("batch", "seq", "heads", "head_dim")) for t in qkv)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        if attention == attention_lib.XLA:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:  # the kernel does not scale q itself
+            y = attention_lib.splash(q * jnp.asarray(q.shape[-1] ** -0.5, dt), k, v,
+                                     interpret=attention == attention_lib.INTERPRET)
         y = constrain(y, ("batch", "seq", "heads", "head_dim"))
         out = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt)) + self.out_bias[...].astype(dt)
         return constrain(out, ("batch", "seq", "embed"))
@@ -109,8 +116,9 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(cfg.d_model, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, keep: tuple[jax.Array | None, jax.Array | None]) -> jax.Array:
-        x = x + dropout(self.attn(self.ln1(x)), self.rate, keep[0])
+    def __call__(self, x: jax.Array, keep: tuple[jax.Array | None, jax.Array | None],
+                 attention: str = attention_lib.XLA) -> jax.Array:
+        x = x + dropout(self.attn(self.ln1(x), attention), self.rate, keep[0])
         return x + dropout(self.mlp(self.ln2(x)), self.rate, keep[1])
 
 
@@ -123,10 +131,11 @@ class GPT2(nnx.Module):
         self.ln_f = LayerNorm(cfg.d_model, rngs)
 
     def hidden(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
-               vocab_parallel: bool = False) -> jax.Array:
+               vocab_parallel: bool = False, attention: str = attention_lib.XLA, remat: str = "none") -> jax.Array:
         """int tokens [B, T] -> final hidden states [B, T, D] (after ln_f), in the compute dtype.
 
         vocab_parallel: the table is sharded as vocab_parallel.TABLE (look up by its shard_map).
+        attention: a resolved implementation (attention.resolve); remat: a policy of trainer/models/remat.py.
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -140,30 +149,31 @@ class GPT2(nnx.Module):
         x = x + self.wpe[...][:t]
         x = constrain(dropout(x, cfg.dropout, keep[-1]).astype(dtype), ("batch", "seq", "embed"))
         for i, block in enumerate(self.blocks):
-            x = block(x, (keep[2 * i], keep[2 * i + 1]))
+            x = remat_lib.layer(block, remat, attention=attention)(x, (keep[2 * i], keep[2 * i + 1]))
         return self.ln_f(x)
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
                  dtype=jnp.float32) -> jax.Array:
         """int tokens [B, T] -> f32 logits [B, T, padded_vocab], padded entries at -inf-ish."""
-        cfg = self.cfg
+        # Tied embeddings; f32 logits whatever the compute dtype (the loss is f32); padding rows exist for
+        # speed only and are never predicted.
         x = self.hidden(tokens, dropout_key=dropout_key, dtype=dtype)
-        # Tied embeddings; f32 logits whatever the compute dtype (the loss is f32).
-        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype), preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", "seq", "vocab"))
-        if cfg.padded_vocab != cfg.vocab_size:  # padding rows exist for speed only: never predicted
-            valid = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
-            logits = jnp.where(valid, logits, -1e9)
-        return logits
+        return xent.logits(x, self.wte[...], self.cfg.vocab_size)
 
     def loss(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
-             vocab_parallel: bool = False) -> jax.Array:
-        """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:]."""
+             vocab_parallel: bool = False, loss_chunk: int = 0, attention: str = attention_lib.XLA,
+             remat: str = "none") -> jax.Array:
+        """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:].
+
+        loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V])."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=vocab_parallel,
+                        attention=attention, remat=remat)
         if vocab_parallel:
-            x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=True)
-            return vocab_parallel_lib.xent(x, self.wte[...], targets, self.cfg.vocab_size)
-        return loss_fn(self(inputs, dropout_key=dropout_key, dtype=dtype), targets)
+            return vocab_parallel_lib.xent(x, self.wte[...], targets, self.cfg.vocab_size, loss_chunk)
+        if loss_chunk:
+            return xent.chunked(x, self.wte[...], targets, loss_chunk, self.cfg.vocab_size)
+        return loss_fn(xent.logits(x, self.wte[...], self.cfg.vocab_size), targets)
 
 
 def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -22,8 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-DATA, MODEL = "data", "model"
-ALL = (DATA, MODEL)  # vocab rows are sharded over both axes, data-major
+from trainer.mesh import VOCAB_PARALLEL_RULES
+from trainer.models.xent import chunk_of
+
+# The axes come from the sharding rules (trainer/mesh.py), written once there: the batch's axis, and the vocab
+# rows over every axis, the batch's first (data-major).
+DATA = VOCAB_PARALLEL_RULES["batch"]
+ALL = tuple(VOCAB_PARALLEL_RULES["vocab"])
+MODEL = next(a for a in ALL if a != DATA)
+assert ALL == (DATA, MODEL), ALL
 TABLE = P(ALL, None)
 ACTS = P(DATA, None, None)
 IDS = P(DATA, None)
@@ -52,8 +59,33 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     return jax.shard_map(local, in_specs=(TABLE, IDS), out_specs=ACTS)(table, ids)
 
 
-def _local_xent(x, table, targets, vocab_size: int, with_grads: bool):
-    """Inside shard_map: mean cross-entropy of the global batch, and optionally (dx, dtable) for it.
+def _local_xent(x, table, targets, vocab_size: int, with_grads: bool, chunk: int):
+    """Inside shard_map: mean cross-entropy of the global batch, and optionally (dx, dtable) for it, a chunk
+    of sequence positions at a time (0: all at once): [V/n_dev, tokens] logits of one chunk at a time."""
+    b, t, d = x.shape
+    c = chunk_of(chunk, t)
+    n_total = b * t * jax.lax.axis_size(DATA)
+    if c == t:
+        return _chunk_xent(x, table, targets, vocab_size, with_grads, n_total)
+    xs = x.reshape(b, t // c, c, d).swapaxes(0, 1)
+    ts = targets.reshape(b, t // c, c).swapaxes(0, 1)
+    if not with_grads:
+        def loss_only(acc, xt):
+            return acc + _chunk_xent(xt[0], table, xt[1], vocab_size, False, n_total), None
+        return jax.lax.scan(loss_only, jnp.zeros((), jnp.float32), (xs, ts))[0]
+
+    def body(carry, xt):  # the table's gradient accumulates; each chunk's dx is its own
+        loss, dtable = carry
+        lc, dx, dtc = _chunk_xent(xt[0], table, xt[1], vocab_size, True, n_total)
+        return (loss + lc, dtable + dtc), dx
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros(table.shape, jnp.float32))
+    (loss, dtable), dxs = jax.lax.scan(body, zero, (xs, ts))
+    return loss, dxs.swapaxes(0, 1).reshape(b, t, d), dtable
+
+
+def _chunk_xent(x, table, targets, vocab_size: int, with_grads: bool, n_total: int):
+    """Inside shard_map: the summed cross-entropy of the global batch's tokens at these positions, divided by
+    n_total (the whole batch's tokens), and optionally (dx, dtable) of that.
 
     Layouts are chosen for the matmuls (measured, bench/explore.py): logits [vocab slice, tokens] from
     table @ x^T with x^T materialised (an [N, D] operand read transposed is ~1.4x slower on XLA:CPU), the
@@ -68,7 +100,7 @@ def _local_xent(x, table, targets, vocab_size: int, with_grads: bool):
     xs_t = jax.lax.all_gather(x.reshape(b * t, d).T, DATA, axis=1, tiled=True)
     xs = xs_t.T  # [N, D]
     ts = jax.lax.all_gather(targets, DATA, tiled=True).reshape(-1)
-    n = ts.shape[0]
+    n = n_total
     w = table.astype(dt)
     start = _shard_start(rows_here)
     # Padding rows of the table exist for speed only. Their logits get a -1e30 bias through an extra
@@ -76,7 +108,7 @@ def _local_xent(x, table, targets, vocab_size: int, with_grads: bool):
     # materialises a [V/n_dev, N] broadcast for a masked reduction. 8 rows keep K a multiple of 8.
     bias = jnp.where(start + jnp.arange(rows_here) < vocab_size, 0.0, NEG).astype(dt)
     w_aug = jnp.concatenate([w, bias[:, None], jnp.zeros((rows_here, 7), dt)], axis=1)
-    x_aug = jnp.concatenate([xs_t, jnp.ones((1, n), dt), jnp.zeros((7, n), dt)], axis=0)
+    x_aug = jnp.concatenate([xs_t, jnp.ones((1, ts.shape[0]), dt), jnp.zeros((7, ts.shape[0]), dt)], axis=0)
     logits = jnp.einsum("vd,dn->vn", w_aug, x_aug, preferred_element_type=jnp.float32)  # [V/n_dev, N]
     m = jnp.max(logits, axis=0)  # a slice of padding only: ~NEG, and exp(m - top) = 0 drops it below
     e = jnp.exp(logits - m)
@@ -117,23 +149,24 @@ def _specs(with_grads: bool):
                 check_vma=False)  # the loss is computed identically on every device
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def xent(x: jax.Array, table: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def xent(x: jax.Array, table: jax.Array, targets: jax.Array, vocab_size: int, chunk: int = 0) -> jax.Array:
     """Mean next-token cross-entropy (f32) of logits x @ table.T, vocab columns >= vocab_size excluded.
 
     x [B, T, D] sharded over data, table [V, D] sharded as TABLE, targets int [B, T] sharded over data.
+    chunk: sequence positions whose logits are computed at once (0: all of them).
     """
-    f = partial(_local_xent, vocab_size=vocab_size, with_grads=False)
+    f = partial(_local_xent, vocab_size=vocab_size, with_grads=False, chunk=chunk)
     return jax.shard_map(f, **_specs(False))(x, table, targets)
 
 
-def _xent_fwd(x, table, targets, vocab_size):
-    f = partial(_local_xent, vocab_size=vocab_size, with_grads=True)
+def _xent_fwd(x, table, targets, vocab_size, chunk):
+    f = partial(_local_xent, vocab_size=vocab_size, with_grads=True, chunk=chunk)
     loss, dx, dtable = jax.shard_map(f, **_specs(True))(x, table, targets)
     return loss, (dx, dtable)
 
 
-def _xent_bwd(vocab_size, res, g):
+def _xent_bwd(vocab_size, chunk, res, g):
     dx, dtable = res
     return (dx * g.astype(dx.dtype), dtable * g, None)
 

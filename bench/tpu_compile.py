@@ -1,0 +1,127 @@
+"""What the TPU compiler says about our train step: compiled ahead of time on this machine (libtpu, the
+`plan` extra; no TPU needed) for v5e-8 and v4-8, one variant of the step per row.
+
+    python -m bench.tpu_compile [--chips v5e-8,v4-8] [--json OUT]
+
+Per device and step: FLOPs from the model's arithmetic (the compiler does not count a Pallas kernel's),
+the compiler's bytes accessed (its post-fusion estimate of HBM traffic) and temporaries, the time the
+FLOPs take at the chip's bf16 peak and the bytes at its HBM bandwidth, which one bounds the step, and the
+MFU ceiling that follows (model FLOPs at peak over the larger of the two). A variant that recomputes
+(--remat) runs more FLOPs than the arithmetic counts: its compute time takes the compiler's count when
+that is larger.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Chip:
+    devices: int
+    tpu: str
+    chip_config: str
+    peak_flops: float     # bf16 FLOP/s per device
+    hbm_bytes_s: float    # HBM bandwidth per device
+
+
+# Google's published per-chip figures: v5e 197 TFLOP/s bf16, 819 GB/s HBM; v4 275 TFLOP/s, 1,200 GB/s
+# (one JAX device per chip: megacore on v4).
+CHIPS = {
+    "v5e-8": Chip(8, "v5e:2x4", "default", 197e12, 819e9),
+    "v4-8": Chip(4, "v4:2x2x1", "megacore", 275e12, 1200e9),
+}
+STEP = ["pretrain", "--preset", "gpt2-124m", "--batch-size", "64", "--ckpt-dir", "gs://bench/run"]
+# key -> (label, trainer flags): today's step first, then each change alone, then both (today's defaults),
+# then the remat policies on top.
+VARIANTS = {
+    "old": ("old: xla attention, full logits", ["--attention", "xla", "--loss-chunk", "0"]),
+    "chunk": ("xla attention, chunked loss", ["--attention", "xla"]),
+    "splash": ("splash, full logits", ["--attention", "splash", "--loss-chunk", "0"]),
+    "new": ("new: splash, chunked loss (default)", ["--attention", "auto"]),
+    "dots": ("new + remat dots", ["--attention", "auto", "--remat", "dots"]),
+    "full": ("new + remat full", ["--attention", "auto", "--remat", "full"]),
+    "chunk512": ("new, loss chunks of 512", ["--attention", "auto", "--loss-chunk", "512"]),
+}
+
+
+def compile_step(chip: Chip, flags: list[str]) -> dict:
+    """trainer.aot's figures for the step with these flags (its own process: libtpu and jax set up there)."""
+    cmd = [sys.executable, "-m", "trainer.aot", "--devices", str(chip.devices), "--tpu", chip.tpu,
+           "--chip-config", chip.chip_config, "--", *STEP, *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def verdict(chip: Chip, f: dict) -> dict:
+    """The roofline figures of one compiled step, per device."""
+    model_flops = f["model_flops_per_token"] * f["tokens_per_step"] / f["devices"]
+    compute_s = max(model_flops, f["flops"]) / chip.peak_flops
+    memory_s = f["bytes_accessed"] / chip.hbm_bytes_s
+    return {"model_flops": model_flops, "compiler_flops": f["flops"], "bytes_accessed": f["bytes_accessed"],
+            "temp_bytes": f["temp_bytes"], "compute_s": compute_s, "memory_s": memory_s,
+            "memory_over_compute": memory_s / compute_s, "bound": "memory" if memory_s > compute_s else "compute",
+            "mfu_ceiling": model_flops / chip.peak_flops / max(compute_s, memory_s), "compile_s": f["compile_s"]}
+
+
+def row(label: str, v: dict) -> str:
+    return (f"  {label:<36} {v['model_flops'] / 1e12:6.2f} TF  {v['bytes_accessed'] / 1e9:6.1f} GB  "
+            f"{v['temp_bytes'] / GIB:6.2f} GiB  {v['compute_s'] * 1e3:6.1f} ms  {v['memory_s'] * 1e3:6.1f} ms  "
+            f"{v['memory_over_compute']:5.2f}  {v['bound']:<7}  {v['mfu_ceiling']:5.0%}")
+
+
+def main(chips: list[str] | None = None, variants: list[str] | None = None, say=print) -> dict:
+    from trainer.aot import has_libtpu
+    if not has_libtpu():
+        say("  skipped: libtpu is not installed (pip install 'tpuctl[plan]', or `make setup`, installs it)")
+        return {}
+    results: dict = {}
+    say(f"  gpt2-124m, batch 64 x 1024, bf16, mesh data=all; per device and step "
+        "(FLOPs from the arithmetic; bytes and temporaries from the TPU compiler)")
+    for name in chips or list(CHIPS):
+        chip = CHIPS[name]
+        say(f"  {name} ({chip.devices} devices, {chip.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"{chip.hbm_bytes_s / 1e9:.0f} GB/s per device)")
+        say(f"  {'variant':<36} {'FLOPs':>9}  {'bytes':>9}  {'temps':>10}  {'compute':>9}  {'memory':>9}  "
+            f"{'mem/c':>5}  {'bound':<7}  {'MFU max'}")
+        for key in variants or list(VARIANTS):
+            label, flags = VARIANTS[key]
+            t0 = time.perf_counter()
+            try:
+                v = verdict(chip, compile_step(chip, flags))
+            except RuntimeError as e:
+                say(f"  {label:<36} failed: {e}")
+                continue
+            results.setdefault(name, {})[label] = v
+            say(row(label, v) + f"   (compiled in {time.perf_counter() - t0:.0f} s)")
+    say("  gemma2-2b LoRA: not in this section yet (its rows need trainer.aot's `lora` builder)")
+    return results
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m bench.tpu_compile", description=__doc__.splitlines()[0])
+    p.add_argument("--chips", default=",".join(CHIPS), help=f"comma-separated, from {', '.join(CHIPS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, from {', '.join(VARIANTS)} (each is one compile per chip: minutes)")
+    p.add_argument("--json", help="also write the figures to this file")
+    a = p.parse_args()
+    names = [c for c in a.chips.split(",") if c]
+    keys = [v for v in a.variants.split(",") if v]
+    for flag, given, known in (("--chips", names, CHIPS), ("--variants", keys, VARIANTS)):
+        bad = [x for x in given if x not in known]
+        if bad:
+            print(f"error: {flag} {','.join(bad)}: choose from {', '.join(known)}", file=sys.stderr)
+            sys.exit(2)
+    res = main(names, keys)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1)

@@ -1,0 +1,22 @@
+"""Peak dense bf16 FLOP/s per chip, by jax `device_kind`: the one table. The trainer's MFU reads it by the devices
+it runs on; the orchestrator's catalog reads it by each TPU generation's device kind. Jax-free.
+
+TPU figures are Google's per-chip numbers (the catalog's sources [1]-[5], orchestrator/catalog.py); v2's is
+180 per 4-chip board, no longer in the current docs (unverified).
+"""
+from __future__ import annotations
+
+PEAK_FLOPS = {
+    "TPU v2": 45e12,
+    "TPU v3": 123e12,        # [5]
+    "TPU v4": 275e12,        # [4]
+    "TPU v5 lite": 197e12,   # [2]
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,        # [3]
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,   # [1]
+    "TPU v6e": 918e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+}

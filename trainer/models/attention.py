@@ -1,0 +1,90 @@
+"""Causal self-attention by XLA or by the Pallas splash kernel, chosen per platform (--attention).
+
+XLA's attention on TPU materialises every [T, T] score matrix in HBM, forward and backward; the splash
+kernel (jax.experimental.pallas.ops.tpu.splash_attention) streams blocks of keys through VMEM and never
+writes the scores out. `resolve` picks it for TPU devices, judged by the devices the step is compiled for
+(an ahead-of-time plan from a laptop plans the TPU path). Elsewhere the same kernel can run through Pallas'
+interpreter: slow, exact, for checking it on CPU.
+
+The kernel works on one example's [heads, T, head_dim]; `splash` vmaps it over the batch inside a
+shard_map that follows the mesh rules: batch over `data`, heads (and kv heads where they divide) over
+`model`. Masks are by position index: causal, optionally a sliding window, optionally packed segments.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from trainer.config import UsageError
+from trainer.mesh import fitted_spec
+
+CHOICES = ("auto", "xla", "splash")
+XLA, SPLASH, INTERPRET = "xla", "splash", "splash-interpret"  # resolved implementations
+LANES = 128  # the kernel's blocks are multiples of this on TPU
+MAX_BLOCK = 512
+
+
+def resolve(name: str, platform: str, seq_len: int) -> str:
+    """--attention for a step compiled for `platform` devices: xla, splash (the TPU kernel) or
+    splash-interpret (the kernel through Pallas' interpreter, off TPU). auto: splash on TPU when the
+    sequence is a whole number of kernel blocks, else xla."""
+    if name not in CHOICES:
+        raise UsageError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
+    if name == "auto":
+        return SPLASH if platform == "tpu" and seq_len % LANES == 0 else XLA
+    if name == "splash":
+        if seq_len % LANES:
+            raise UsageError(f"--attention splash: the kernel works on blocks of {LANES} positions; --seq-len "
+                             f"{seq_len} is not a multiple of {LANES} (use --attention xla, or such a length)")
+        return SPLASH if platform == "tpu" else INTERPRET
+    return XLA
+
+
+def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    if window is None or window >= t:
+        mask = sa.CausalMask((t, t))
+    else:  # a query sees itself and the window - 1 keys before it
+        mask = sa.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
+    blk = math.gcd(t, MAX_BLOCK)
+    sizes = sa.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                          block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
+    return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              attn_logits_soft_cap=softcap, interpret=interpret)
+
+
+def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None, softcap: float | None = None,
+           segment_ids: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+    """Causal attention of q [B, T, H, hd] (already scaled) over k, v [B, T, K, hd] (K divides H; query
+    head h reads kv head h // (H / K)) -> [B, T, H, hd]. window: keys a query sees, itself included;
+    softcap: tanh soft-capping of the scores; segment_ids [B, T]: attend only within the same id."""
+    b, t, h, hd = q.shape
+    kh = k.shape[2]
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = {} if mesh.empty else dict(mesh.shape)
+    if 1 < kh < h and kh % shape.get("model", 1):
+        # kv heads the model axis does not split, beside query heads it does: give each query head its own
+        # copy, so that every device holds the kv heads of its query heads.
+        k, v = (jnp.repeat(a, h // kh, axis=2) for a in (k, v))
+    qt, kt, vt = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, heads, T, hd]
+
+    def local(q, k, v, seg=None):
+        kernel = _kernel(q.shape[1], t, window, softcap, interpret)
+        if seg is None:
+            return jax.vmap(kernel)(q, k, v)
+        from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+        return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(q, k, v, seg)
+
+    args = (qt, kt, vt) + (() if segment_ids is None else (segment_ids,))
+    if mesh.empty:
+        out = local(*args)
+    else:
+        names = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim")
+        qs = fitted_spec(names[0], qt.shape, shape)
+        kvs = fitted_spec(names[1], kt.shape, shape) if qs[1] is not None else P(qs[0])
+        specs = (qs, kvs, kvs) + (() if segment_ids is None else (P(qs[0]),))
+        out = jax.shard_map(local, in_specs=specs, out_specs=qs, check_vma=False)(*args)
+    return out.transpose(0, 2, 1, 3)
