@@ -20,6 +20,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from trainer.chips import PEAK_FLOPS
+
 GIB = 2 ** 30
 
 
@@ -32,13 +34,20 @@ class Chip:
     hbm_bytes_s: float    # HBM bandwidth per device
 
 
-# Google's published per-chip figures: v5e 197 TFLOP/s bf16, 819 GB/s HBM; v4 275 TFLOP/s, 1,200 GB/s
-# (one JAX device per chip: megacore on v4).
+# Peak bf16 FLOP/s from the one table (trainer/chips.py); Google's published HBM bandwidth per chip: v5e
+# 819 GB/s, v4 1,200 GB/s (one JAX device per chip: megacore on v4).
 CHIPS = {
-    "v5e-8": Chip(8, "v5e:2x4", "default", 197e12, 819e9),
-    "v4-8": Chip(4, "v4:2x2x1", "megacore", 275e12, 1200e9),
+    "v5e-8": Chip(8, "v5e:2x4", "default", PEAK_FLOPS["TPU v5 lite"], 819e9),
+    "v4-8": Chip(4, "v4:2x2x1", "megacore", PEAK_FLOPS["TPU v4"], 1200e9),
 }
 STEP = ["pretrain", "--preset", "gpt2-124m", "--batch-size", "64", "--ckpt-dir", "gs://bench/run"]
+# Gemma LoRA on its real shapes (no weights read: the plan's `lora` builder), rank 8, 8 rows x 512 per step.
+LORA_STEP = ["lora", "--model", "gemma2-2b", "--weights", "gs://bench/gemma2-2b", "--data", "gs://bench/t.jsonl",
+             "--ckpt-dir", "gs://bench/lora", "--rank", "8", "--batch-size", "8", "--seq-len", "512"]
+LORA_VARIANTS = {
+    "lora-xla": ("gemma2-2b LoRA r8, xla attention", ["--attention", "xla"]),
+    "lora-splash": ("gemma2-2b LoRA r8, splash", ["--attention", "splash"]),
+}
 # key -> (label, trainer flags): today's step first, then each change alone, then both (today's defaults),
 # then the remat policies on top.
 VARIANTS = {
@@ -52,10 +61,10 @@ VARIANTS = {
 }
 
 
-def compile_step(chip: Chip, flags: list[str]) -> dict:
+def compile_step(chip: Chip, flags: list[str], step: list[str] = STEP) -> dict:
     """trainer.aot's figures for the step with these flags (its own process: libtpu and jax set up there)."""
     cmd = [sys.executable, "-m", "trainer.aot", "--devices", str(chip.devices), "--tpu", chip.tpu,
-           "--chip-config", chip.chip_config, "--", *STEP, *flags]
+           "--chip-config", chip.chip_config, "--", *step, *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
@@ -73,6 +82,10 @@ def verdict(chip: Chip, f: dict) -> dict:
             "mfu_ceiling": model_flops / chip.peak_flops / max(compute_s, memory_s), "compile_s": f["compile_s"]}
 
 
+HEADER = (f"  {'variant':<36} {'FLOPs':>9}  {'bytes':>9}  {'temps':>10}  {'compute':>9}  {'memory':>9}  "
+          f"{'mem/c':>5}  {'bound':<7}  {'MFU max'}")
+
+
 def row(label: str, v: dict) -> str:
     return (f"  {label:<36} {v['model_flops'] / 1e12:6.2f} TF  {v['bytes_accessed'] / 1e9:6.1f} GB  "
             f"{v['temp_bytes'] / GIB:6.2f} GiB  {v['compute_s'] * 1e3:6.1f} ms  {v['memory_s'] * 1e3:6.1f} ms  "
@@ -85,15 +98,16 @@ def main(chips: list[str] | None = None, variants: list[str] | None = None, say=
         say("  skipped: libtpu is not installed (pip install 'tpuctl[plan]', or `make setup`, installs it)")
         return {}
     results: dict = {}
-    say(f"  gpt2-124m, batch 64 x 1024, bf16, mesh data=all; per device and step "
-        "(FLOPs from the arithmetic; bytes and temporaries from the TPU compiler)")
-    for name in chips or list(CHIPS):
+    keys = [k for k in variants or list(VARIANTS) if k in VARIANTS]
+    if keys:
+        say("  gpt2-124m, batch 64 x 1024, bf16, mesh data=all; per device and step "
+            "(FLOPs from the arithmetic; bytes and temporaries from the TPU compiler)")
+    for name in (chips or list(CHIPS)) if keys else []:
         chip = CHIPS[name]
         say(f"  {name} ({chip.devices} devices, {chip.peak_flops / 1e12:.0f} TFLOP/s, "
             f"{chip.hbm_bytes_s / 1e9:.0f} GB/s per device)")
-        say(f"  {'variant':<36} {'FLOPs':>9}  {'bytes':>9}  {'temps':>10}  {'compute':>9}  {'memory':>9}  "
-            f"{'mem/c':>5}  {'bound':<7}  {'MFU max'}")
-        for key in variants or list(VARIANTS):
+        say(HEADER)
+        for key in keys:
             label, flags = VARIANTS[key]
             t0 = time.perf_counter()
             try:
@@ -103,20 +117,36 @@ def main(chips: list[str] | None = None, variants: list[str] | None = None, say=
                 continue
             results.setdefault(name, {})[label] = v
             say(row(label, v) + f"   (compiled in {time.perf_counter() - t0:.0f} s)")
-    say("  gemma2-2b LoRA: not in this section yet (its rows need trainer.aot's `lora` builder)")
+    chip = CHIPS["v5e-8"]
+    lora_keys = [k for k in variants or list(LORA_VARIANTS) if k in LORA_VARIANTS]
+    if lora_keys:
+        say("  v5e-8, gemma2-2b LoRA r8, batch 8 x 512, the base fsdp over data; per device and step (FLOPs from the "
+            "arithmetic: the base's forward and backward through the activations, the adapters' gradients)")
+        say(HEADER)
+    for key in lora_keys:
+        label, flags = LORA_VARIANTS[key]
+        t0 = time.perf_counter()
+        try:
+            v = verdict(chip, compile_step(chip, flags, LORA_STEP))
+        except RuntimeError as e:
+            say(f"  {label:<36} failed: {e}")
+            continue
+        results.setdefault("v5e-8", {})[label] = v
+        say(row(label, v) + f"   (compiled in {time.perf_counter() - t0:.0f} s)")
     return results
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.tpu_compile", description=__doc__.splitlines()[0])
     p.add_argument("--chips", default=",".join(CHIPS), help=f"comma-separated, from {', '.join(CHIPS)}")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, from {', '.join(VARIANTS)} (each is one compile per chip: minutes)")
+    p.add_argument("--variants", default=",".join([*VARIANTS, *LORA_VARIANTS]),
+                   help=f"comma-separated, from {', '.join([*VARIANTS, *LORA_VARIANTS])} (each is one compile per "
+                        "chip: minutes)")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
     names = [c for c in a.chips.split(",") if c]
     keys = [v for v in a.variants.split(",") if v]
-    for flag, given, known in (("--chips", names, CHIPS), ("--variants", keys, VARIANTS)):
+    for flag, given, known in (("--chips", names, CHIPS), ("--variants", keys, {**VARIANTS, **LORA_VARIANTS})):
         bad = [x for x in given if x not in known]
         if bad:
             print(f"error: {flag} {','.join(bad)}: choose from {', '.join(known)}", file=sys.stderr)
