@@ -74,6 +74,12 @@ def cli():
 @click.option("--no-external-ips", is_flag=True, default=None,
               help="Workers get internal IPs only (for org policies that forbid external IPs); the subnetwork "
                    "needs Private Google Access, and `run` must reach the VPC.")
+@click.option("--ssh-proxy-command", metavar="CMD",
+              help="Reach the workers through CMD from now on (recorded with the slice; OpenSSH ProxyCommand: %h %p "
+                   "are the worker's address and port, %r the user). See docs/access.md.")
+@click.option("--iap", is_flag=True, default=None,
+              help="Reach the workers through Cloud IAP TCP forwarding (gcloud compute start-iap-tunnel), recorded "
+                   "with the slice. See docs/access.md.")
 @click.option("--network", metavar="NET", help="VPC network for the workers (default: the project's `default`).")
 @click.option("--subnetwork", metavar="SUBNET", help="Subnetwork for the workers (default: the network's own in "
                                                       "the zone's region).")
@@ -103,7 +109,8 @@ def cli():
 @click.option("--spec", "spec_file", metavar="FILE", type=click.Path(dir_okay=False),
               help="Read the slice spec from a YAML/TOML file (keys: name, accelerator, zone/zones, project, spot, "
                    "reserved, reservation, runtime_version, labels, ttl, queued, wait_capacity, capacity_wait, "
-                   "timeout, external_ips, network, subnetwork, service_account, scopes, metadata); "
+                   "timeout, external_ips, network, subnetwork, service_account, scopes, metadata, "
+                   "ssh_proxy_command, iap); "
                    "flags given on the command line win.")
 @click.option("--dry-run", is_flag=True, help="Validate (also against the API) and print the plan; create nothing.")
 @click.option("--fresh-vm", is_flag=True, default=None,
@@ -116,7 +123,8 @@ def cli():
 @_json_option
 @_api_options
 @_errors
-def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, network, subnetwork,
+def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, ssh_proxy_command,
+           iap, network, subnetwork,
            service_account, scopes, runtime_version, labels, ttl, no_queue, wait_capacity, capacity_wait, timeout,
            keep_on_failure, spec_file, dry_run, fresh_vm, plan_run, as_json, api_endpoint, local, project):
     """Create a TPU slice (queued resource) and wait until it is READY.
@@ -134,7 +142,7 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
         no_external_ips=no_external_ips, reservation=reservation, network=network, subnetwork=subnetwork,
         service_account=service_account, scopes=scopes, runtime_version=runtime_version, labels=labels, ttl=ttl,
         capacity_wait=capacity_wait, timeout=timeout, project=project, api_endpoint=api_endpoint, local=local,
-        fresh_vm=fresh_vm)
+        fresh_vm=fresh_vm, ssh_proxy_command=ssh_proxy_command, iap=iap)
 
     line = StatusLine()
     if plan_run or command:
@@ -407,9 +415,12 @@ def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, 
 @click.option("--out", metavar="DIR", help="The sweep's dir: gs://BUCKET/PATH, or a path every host shares. "
                                            "Each trial's --ckpt-dir is DIR/<trial>.")
 @click.option("--local", is_flag=True, default=False, help="NAME is a local slice (`tpuctl up --local`).")
+@click.option("--ssh-proxy-command", metavar="CMD", help="Each trial's `run` reaches the workers through CMD (as "
+                                                         "`tpuctl run --ssh-proxy-command`).")
+@click.option("--iap", is_flag=True, help="Each trial's `run` reaches the workers through Cloud IAP (as `run --iap`).")
 @_json_option
 @_errors
-def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
+def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, iap, as_json):
     """Run every trial of a grid on slice NAME, one after another; or `tpuctl sweep report DIR`.
 
     \b
@@ -441,7 +452,8 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
     if command and command[0] != "pretrain":
         raise UserError("a sweep runs the trainer's pretrain: `tpuctl sweep NAME --set K=V1,V2 --out DIR -- pretrain ...`")
     grid_args = (["--grid", grid] if grid else []) + [a for s in sets for a in ("--set", s)] + (["--zip"] if zip_ else [])
-    res = sweep.sweep(name, grid_args, out or "", command)
+    run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else [])
+    res = sweep.sweep(name, grid_args, out or "", command, run_flags=run_flags)
     if as_json:
         click.echo(json.dumps(res.to_json()))
     else:

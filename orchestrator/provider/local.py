@@ -100,13 +100,24 @@ class LocalProvider(Provider):
         except (LocalSliceError, OSError) as e:
             progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
             return rec.workers
+        # Without external IPs the workers' internal addresses are ones this machine cannot reach over SSH
+        # (nothing listens there), as a laptop outside the VPC: only a proxy command (--ssh-proxy-command) that
+        # knows the way gets through; `private_address` is that way back.
+        ips = [h.ip if rec.external_ips else private_address(h.ip) for h in hosts.hosts]
         try:
-            FakeControl(api_url()).set_node_workers(rec.node, [h.ip for h in hosts.hosts])
+            control = FakeControl(api_url())
+            control.set_node_workers(rec.node, ips)
+            for h in hosts.hosts:  # what each VM's guest agent publishes: its real sshd host keys and its name
+                control.publish_host_keys(rec.node, h.index, hosts.host_keys(h.index))
+                control.set_guest_attributes(rec.node, h.index, [{"key": "hostname", "value": h.hostname}],
+                                             namespace="")
             node = api.get_node(rec.node)
         except BaseException:
             hosts.stop()
             raise
-        progress(f"{rec.name}: {n} local host(s) up (sshd on {', '.join(h.ip for h in hosts.hosts)})")
+        progress(f"{rec.name}: {n} local host(s) up (sshd on {', '.join(h.ip for h in hosts.hosts)}"
+                 + ("" if rec.external_ips else f"; their internal addresses {', '.join(ips)} are not reachable "
+                                                  "from here") + ")")
         return node.workers
 
     # ---- the VMs' end
@@ -151,6 +162,14 @@ class LocalProvider(Provider):
             return {}
         from infra import gcs
         return gcs.start(buckets=tuple(buckets)).env
+
+
+def private_address(ip: str) -> str:
+    """The internal address a local host of a slice without external IPs has in the TPU API: 127.0.B.I becomes
+    127.1.B.I (loopback too, so the hosts bind and reach it, e.g. the jax.distributed coordinator; no sshd
+    listens there, so SSH from this machine is refused)."""
+    a, b, c, d = ip.split(".")
+    return f"{a}.{int(b) + 1}.{c}.{d}"
 
 
 class _PreemptionPlayer:

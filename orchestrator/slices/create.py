@@ -166,7 +166,8 @@ def _record(api: Api, spec: SliceSpec, zone: str, claim_id: str) -> SliceRecord:
         runtime_version=spec.runtime, status="creating", claim=claim_id,
         reservation=api.reservation_path(zone, spec.reservation) if spec.reservation else None,
         external_ips=spec.external_ips, network=spec.network, subnetwork=spec.subnetwork,
-        service_account=spec.service_account, scopes=list(spec.scopes), metadata=dict(spec.metadata))
+        service_account=spec.service_account, scopes=list(spec.scopes), metadata=dict(spec.metadata),
+        ssh_proxy_command=spec.ssh_proxy_command, iap=spec.iap)
 
 
 def _save(rec: SliceRecord) -> None:
@@ -332,7 +333,7 @@ def spec_of(rec: SliceRecord) -> SliceSpec:
                      provider_options=dict(rec.provider_options), reservation=rec.reservation,
                      external_ips=rec.external_ips, network=rec.network, subnetwork=rec.subnetwork,
                      service_account=rec.service_account, scopes=list(rec.scopes) or [CLOUD_PLATFORM_SCOPE],
-                     metadata=dict(rec.metadata))
+                     metadata=dict(rec.metadata), ssh_proxy_command=rec.ssh_proxy_command, iap=rec.iap)
 
 
 def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | None = None) -> UpResult:
