@@ -35,16 +35,15 @@ def _log(path: str | None, entry: dict) -> None:
 def pump(sock: socket.socket) -> None:
     """stdin -> sock, sock -> stdout, until either side ends."""
     sel = selectors.DefaultSelector()
-    sel.register(sys.stdin.buffer.raw, selectors.EVENT_READ, "in")
+    sel.register(0, selectors.EVENT_READ, "in")
     sel.register(sock, selectors.EVENT_READ, "sock")
-    out = sys.stdout.buffer.raw
     while True:
         for key, _ in sel.select():
             if key.data == "in":
-                data = os.read(sys.stdin.fileno(), 65536)
+                data = os.read(0, 65536)
                 if not data:
                     sock.shutdown(socket.SHUT_WR)
-                    sel.unregister(sys.stdin.buffer.raw)
+                    sel.unregister(0)
                     continue
                 sock.sendall(data)
             else:
@@ -52,8 +51,7 @@ def pump(sock: socket.socket) -> None:
                 if not data:
                     return
                 while data:
-                    n = out.write(data)
-                    data = data[n:]
+                    data = data[os.write(1, data):]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -452,6 +452,12 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
     if command and command[0] != "pretrain":
         raise UserError("a sweep runs the trainer's pretrain: `tpuctl sweep NAME --set K=V1,V2 --out DIR -- pretrain ...`")
     grid_args = (["--grid", grid] if grid else []) + [a for s in sets for a in ("--set", s)] + (["--zip"] if zip_ else [])
+    if ssh_proxy_command:
+        from orchestrator import sshproxy
+        try:
+            sshproxy.check(ssh_proxy_command)
+        except sshproxy.ProxyError as e:
+            raise UserError(str(e)) from None
     run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else [])
     res = sweep.sweep(name, grid_args, out or "", command, run_flags=run_flags)
     if as_json:

@@ -11,6 +11,7 @@ import getpass
 import hashlib
 import io
 import json
+import logging
 import os
 import shlex
 import socket
@@ -28,6 +29,9 @@ from fabric import Config, Connection, ThreadingGroup
 from orchestrator import hostkeys, sshproxy
 from orchestrator.bundle import Bundle
 from orchestrator.launch import HOSTWRAP, HostLayout, Worker, _home_path
+
+# paramiko logs a failed handshake (with a traceback) from its transport thread; tpuctl reports it in one line.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 HOST_DIR = Path(__file__).resolve().parent / "host"  # the files pushed to every host
 MIN_FREE_GB = 2.0

@@ -112,8 +112,21 @@ class Proxy(paramiko.ProxyCommand):
             raise ProxyCommandFailure(self.command, e.strerror or str(e)) from None
         return len(content)
 
+    def _read_rest(self) -> None:
+        """What an exited proxy printed that paramiko did not read (it may have failed writing its own banner)."""
+        try:
+            while len(self.head) < 256 and select.select([self.process.stdout], [], [], 0)[0]:
+                chunk = os.read(self.process.stdout.fileno(), 256 - len(self.head))
+                if not chunk:
+                    return
+                self.head += chunk
+        except (OSError, ValueError):
+            pass
+
     def problem(self) -> str | None:
         """Why the proxy, not the host, failed the connection (None when it still looks healthy)."""
+        if self.process.poll() is not None:
+            self._read_rest()
         if self.head and not any(l.startswith(b"SSH-") for l in self.head.splitlines()):
             got = self.head.decode(errors="replace").strip().splitlines()[0][:120]
             how = f"printed {got!r} instead of an SSH banner"
@@ -128,11 +141,13 @@ class Proxy(paramiko.ProxyCommand):
 
     @property
     def fatal(self) -> bool:
-        """Waiting cannot help: the command does not exist or cannot run, or it talks something else than SSH."""
-        return (self.process.poll() in (126, 127)) or bool(
+        """Waiting cannot help: the command cannot run (126, 127), ended as if done (0), or talks something else
+        than SSH. A proxy that fails otherwise (a bastion or tunnel that cannot reach the VM yet) is retried."""
+        return (self.process.poll() in (0, 126, 127)) or bool(
             self.head and not any(l.startswith(b"SSH-") for l in self.head.splitlines()))
 
     def close(self):
+        self._read_rest()  # kept for problem(): the pipes go below
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)

@@ -10,7 +10,7 @@ import time
 import paramiko
 import pytest
 
-from _local_hosts import needs_hosts
+from _local_hosts import TEST_CACHE, needs_hosts
 from infra import gcs
 from infra.fake_tpu_api import FakeControl, start_in_thread
 from orchestrator import cloud, hostkeys, sshproxy
@@ -27,6 +27,9 @@ def tpuctl(*args, env, timeout=300):
 def home_env(tmp_path):
     """A TPUCTL_HOME of its own; the local stand-in (and GCS emulator) it starts are stopped after."""
     home = tmp_path / "home"
+    home.mkdir()
+    (TEST_CACHE / "wheelhouse").mkdir(parents=True, exist_ok=True)
+    (home / "wheelhouse").symlink_to(TEST_CACHE / "wheelhouse")  # the machine-wide cache of the other e2e tests
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TPUCTL_", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_")) and k != "XLA_FLAGS"}
     env.update(TPUCTL_HOME=str(home), TPUCTL_POLL_S="0.05", CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
@@ -138,7 +141,7 @@ def test_host_keys_are_pinned_from_guest_attributes_and_an_impostor_gets_nothing
 
 
 @pytest.mark.e2e
-def test_private_workers_are_reached_only_through_the_proxy_for_every_connection(home_env, tmp_path):
+def test_private_workers_are_reached_only_through_the_proxy_for_every_connection(home_env, tmp_path, monkeypatch):
     from infra.local_slice import LocalSlice
     home, env = home_env
     log = tmp_path / "hop.log"
@@ -164,20 +167,50 @@ def test_private_workers_are_reached_only_through_the_proxy_for_every_connection
     # A 2-host gpt2-tiny run: preflight (with the coordinator port check), push, launch, log streaming and the
     # end-of-run state checks: each connection through the proxy.
     log.write_text("")
-    run = tpuctl("run", "pv", "--no-plan", "--json", "--", "pretrain", "--preset", "gpt2-tiny", "--steps", "2",
-                 "--batch-size", "8", "--log-every", "1", "--eval-every", "0", "--ckpt-every", "0",
-                 "--ckpt-dir", "gs://access/run", env=env, timeout=600)
+    run = tpuctl("run", "pv", "--no-plan", "--json", "--", "pretrain", "--preset", "gpt2-tiny", "--n-layer", "1",
+                 "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "8", "--steps", "2",
+                 "--log-every", "1", "--eval-every", "0", "--ckpt-every", "0", "--ckpt-dir", "gs://access/run",
+                 env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout)["exit_codes"] == {"0": 0, "1": 0}
     assert "in 2 process(es)" in run.stderr
     uses = [json.loads(l) for l in log.read_text().splitlines()]
     assert {u["argv"][0] for u in uses} == set(internal) and all("error" not in u for u in uses), uses
 
+    # The stop that ends every host on a failure or Ctrl-C opens fresh connections: through the proxy too.
+    from orchestrator.cli_run import resolve
+    from orchestrator.hosts import Hosts
+    monkeypatch.setenv("TPUCTL_HOME", str(home))
+    target = resolve("pv")
+    log.write_text("")
+    with Hosts(target.workers, target.ssh) as h:
+        assert [r.exited for r in h.stop("true").values()] == [0, 0]
+    assert sorted(json.loads(l)["argv"][0] for l in log.read_text().splitlines()) == sorted(internal)
+
+    # --iap: gcloud's own hop to each worker VM, named by its guest attributes (a `gcloud` stand-in on PATH that
+    # takes start-iap-tunnel's arguments and reaches the VM by name).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    vms = " ".join(f"--vm pv-w{h.index}={h.ip}" for h in sl.hosts)
+    (bin_dir / "gcloud").write_text(f"#!/bin/sh\nexec {sys.executable} -m infra.ssh_hop --as-gcloud --log {log} "
+                                    f"{vms} \"$@\"\n")
+    (bin_dir / "gcloud").chmod(0o755)
+    log.write_text("")
+    r = tpuctl("ssh", "pv", "-w", "all", "--iap", "--", "hostname", env={**env, "PATH": f"{bin_dir}:{env['PATH']}"})
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.split()) == ["[w0]", "[w1]", "pv-w0", "pv-w1"]
+    uses = [json.loads(l) for l in log.read_text().splitlines()]
+    assert sorted(u["argv"][:4] for u in uses) == [["compute", "start-iap-tunnel", f"pv-w{i}", str(sl.hosts[i].port)]
+                                                   for i in range(2)], uses
+    assert all(f"--zone={st['zone']}" in u["argv"] and f"--project={st['project']}" in u["argv"] and
+               "--listen-on-stdin" in u["argv"] for u in uses), uses
+
     # A proxy that fails before any SSH banner: one line with the worker, the command as run and its stderr.
     bad = "sh -c 'echo not-ssh; echo the-bastion-said-no >&2' %h %p"
     r = tpuctl("ssh", "pv", "-w", "0", "--ssh-proxy-command", bad, "--", "true", env=env)
     assert r.returncode != 0
-    err = [l for l in r.stderr.splitlines() if "proxy" in l]
-    assert len(err) == 1 and "w0 (" in err[0] and "the-bastion-said-no" in err[0], r.stderr
-    assert f"sh -c 'echo not-ssh; echo the-bastion-said-no >&2' {internal[0]} 22" in err[0] or \
-        f"{internal[0]} {sl.hosts[0].port}" in err[0], err[0]
+    err = [l for l in r.stderr.splitlines() if l.startswith("Error:") or l.startswith("  w")]
+    line = next(l for l in err if f"w0 ({internal[0]})" in l)
+    assert "printed 'not-ssh' instead of an SSH banner" in line and "(stderr: the-bastion-said-no)" in line, err
+    assert f"`sh -c 'echo not-ssh; echo the-bastion-said-no >&2' {internal[0]} {sl.hosts[0].port}`" in line, line
+    assert "waiting" not in r.stderr  # no point waiting for a proxy that talks something else than SSH
