@@ -374,7 +374,8 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(api_home):
 
 
 def test_workers_without_external_ips_are_reached_on_their_internal_ones(api_home):
-    """`up --no-external-ips`: the workers report no external IP and `run` goes to the internal one. Where the
+    """`up --no-external-ips`: the workers report no external IP and `run` goes to the internal one, which this
+    machine reaches only through a proxy (a local slice's internal addresses refuse SSH from here). Where the
     external IPs are not reachable from here (this machine is inside the VPC), --internal-ip says so."""
     from infra.fake_tpu_api import FakeControl
     from infra.local_slice import LocalSlice
@@ -386,7 +387,12 @@ def test_workers_without_external_ips_are_reached_on_their_internal_ones(api_hom
         made.append(LocalSlice.load("noext"))
         st = json.loads(CliRunner().invoke(cli_main, ["status", "noext", "--json"]).stdout)
         assert [w["external_ip"] for w in st["workers"]] == [None, None]
-        res = CliRunner().invoke(cli_run.run, ["noext", "--local", "--raw", "--", "hostname"])
+        internal = [w["internal_ip"] for w in st["workers"]]
+        res = CliRunner().invoke(cli_run.run, ["noext", "--local", "--raw", "--ssh-wait", "1", "--", "hostname"])
+        assert res.exit_code == 1 and f"w0 ({internal[0]}): unreachable over SSH" in res.output, res.output
+        hop = f"{sys.executable} -m infra.ssh_hop --map 127.1.=127.0. %h %p"
+        res = CliRunner().invoke(cli_run.run, ["noext", "--local", "--raw", "--ssh-proxy-command", hop, "--",
+                                               "hostname"])
         assert res.exit_code == 0, res.output
         assert sorted(l for l in res.output.splitlines() if l.startswith("[w")) == ["[w0] noext-w0", "[w1] noext-w1"]
 
