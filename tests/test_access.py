@@ -164,6 +164,13 @@ def test_private_workers_are_reached_only_through_the_proxy_for_every_connection
     uses = [json.loads(l) for l in log.read_text().splitlines()]
     assert sorted(u["argv"][0] for u in uses) == sorted(internal) and all("error" not in u for u in uses)
 
+    # A shell on one worker (OpenSSH itself): the same proxy as its ProxyCommand, the published key as the only
+    # one trusted (StrictHostKeyChecking=yes), the host's sshd key file checked against it.
+    sh = subprocess.run([sys.executable, "-m", "orchestrator.cli", "ssh", "pv", "-w", "1"], input="hostname\n",
+                        capture_output=True, text=True, timeout=120, env=env)
+    assert sh.returncode == 0 and sh.stdout.split() == ["pv-w1"], sh.stderr
+    assert json.loads(log.read_text().splitlines()[-1])["argv"][0] == internal[1]
+
     # A 2-host gpt2-tiny run: preflight (with the coordinator port check), push, launch, log streaming and the
     # end-of-run state checks: each connection through the proxy.
     log.write_text("")
