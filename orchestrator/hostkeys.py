@@ -13,7 +13,7 @@ import fcntl
 import hashlib
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import paramiko
@@ -84,10 +84,3 @@ def pin(path: str, host: str, keys: list[paramiko.PKey]) -> None:
         with open(tmp, "w") as f:
             f.write("\n".join(kept + new) + "\n")
         os.replace(tmp, path)
-
-
-@dataclass
-class Pins:
-    """What one command learned: the published keys per worker index, and who fell back to first contact."""
-    keys: dict[int, list[paramiko.PKey]] = field(default_factory=dict)
-    first_contact: list[int] = field(default_factory=list)

@@ -119,11 +119,5 @@ def register(public_key: str, *, project: str, account_email: str, ttl_s: float 
     return primary.username
 
 
-def refused_line(user: str, project: str) -> str:
-    """What an SSH refusal means on an OS Login VM."""
-    return (f"the VM uses OS Login and refused {user}: your account needs {ROLES} on project {project} "
-            "(an administrator grants it: gcloud projects add-iam-policy-binding ...)")
-
-
 def _msg(e: Exception) -> str:
     return " ".join(str(getattr(e, "message", None) or e).split())[:200]

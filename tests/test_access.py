@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import paramiko
 import pytest
 
 from _local_hosts import TEST_CACHE, needs_hosts
