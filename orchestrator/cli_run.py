@@ -115,6 +115,8 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
         ssh_proxy_command, iap = rec.ssh_proxy_command, rec.iap
     if rec is not None and not hosts:
         ssh.host_keys = _published_keys(where, rec)
+        if not ssh_user and _os_login(where, rec, ssh):
+            ssh.os_login_project = rec.project
         if iap:
             ssh.proxy_commands = _iap_commands(where, rec)
     elif iap:
@@ -152,6 +154,25 @@ def _published_keys(where: Provider, rec) -> hostkeys.Published:
                                       "worker's key on first contact instead") from None
         return {i: [(k, v) for ns, k, v in items if ns == hostkeys.NAMESPACE] for i, items in enumerate(attrs)}
     return hostkeys.Published(slice=rec.name, fetch=fetch)
+
+
+def _os_login(where: Provider, rec, ssh: SshConfig) -> bool:
+    """With OS Login on for the slice: register the key (until the slice's expiry) and SSH as the POSIX user."""
+    from orchestrator import oslogin, sshkeys
+    from orchestrator.spec import LABEL_EXPIRY
+    api = where.api_for(rec)
+    node = api.get_node(rec.node)
+    if not oslogin.applies(rec.project, node.metadata if node else rec.metadata, api.endpoint,
+                           lambda m: click.echo(f"[tpuctl] {m}", err=True)):
+        return False
+    try:
+        _, pub, _ = sshkeys.ensure_key(ssh.key or None)
+    except (sshkeys.SshKeyError, OSError) as e:
+        raise UserError(str(e)) from None
+    expiry = rec.labels.get(LABEL_EXPIRY, "")
+    ttl = max(60.0, float(expiry) - time.time()) if expiry.isdigit() else None
+    ssh.user = oslogin.register(pub, project=rec.project, account_email=oslogin.account(), ttl_s=ttl)
+    return True
 
 
 def _iap_commands(where: Provider, rec) -> dict[int, str]:

@@ -26,7 +26,7 @@ from typing import Callable
 import paramiko
 from fabric import Config, Connection, ThreadingGroup
 
-from orchestrator import hostkeys, sshproxy
+from orchestrator import hostkeys, oslogin, sshproxy
 from orchestrator.bundle import Bundle
 from orchestrator.launch import HOSTWRAP, HostLayout, Worker, _home_path
 
@@ -65,6 +65,7 @@ class SshConfig:
     host_keys: hostkeys.Published | None = None
     # Worker index -> ProxyCommand template (%h %p %r %%): every connection to that worker goes through it.
     proxy_commands: dict[int, str] = field(default_factory=dict)
+    os_login_project: str | None = None  # the VMs use OS Login (a refused login then means a missing role)
 
 
 class _Conn(Connection):
@@ -234,6 +235,9 @@ class Hosts:
                         f"...): nothing was sent to it. If the VM was recreated, remove its line from "
                         f"{self.ssh.known_hosts}; otherwise treat it as an impostor") from None
                 except paramiko.AuthenticationException as e:
+                    if self.ssh.os_login_project:
+                        raise HostError(f"{where}: {oslogin.refused(self.ssh.user, self.ssh.os_login_project)}") \
+                            from None
                     key = self.ssh.key or "your SSH agent / default keys"
                     raise HostError(
                         f"{where}: SSH refused user {self.ssh.user} with key {key} ({_one_line(e)}): the VM lets in "

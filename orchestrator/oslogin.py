@@ -65,6 +65,46 @@ def node_enforces(metadata: dict[str, str], project_value: bool) -> bool:
     return project_value if own is None else own
 
 
+def applies(project: str, node_metadata: dict[str, str], tpu_endpoint: str | None,
+            say=None) -> bool:
+    """Whether a slice's VMs use OS Login: their own `enable-oslogin` metadata, else the project's. A stand-in TPU
+    API (http://) belongs to no Google project: without a Compute Engine endpoint given there is nothing to ask.
+    A project that cannot be read counts as not enforcing (said through `say`)."""
+    own = enabled(node_metadata.get(KEY))
+    if own is not None:
+        return own
+    compute = os.environ.get(ENV_COMPUTE) or None
+    if not compute and (tpu_endpoint or "").startswith("http://"):
+        return False
+    try:
+        return project_enforces(project, compute)
+    except UserError as e:
+        if say:
+            say(f"note: {e}; assuming OS Login is off (`tpuctl check` tells)")
+        return False
+
+
+def profile_keys(account_email: str, project: str, endpoint: str | None = None) -> tuple[str, list[str]]:
+    """(POSIX user name, ["TYPE BASE64", ...]) of the account's login profile: what an OS Login VM lets in."""
+    from google.cloud import oslogin_v1
+    endpoint = endpoint or os.environ.get(ENV_OSLOGIN) or None
+    try:
+        prof = oslogin_v1.OsLoginServiceClient(**_client_kwargs(endpoint)).get_login_profile(
+            request={"name": f"users/{account_email}", "project_id": project}, timeout=30)
+    except gexc.GoogleAPICallError as e:
+        raise UserError(f"cannot read the OS Login profile of {account_email} ({_msg(e)})") from None
+    accounts = list(prof.posix_accounts)
+    primary = next((a for a in accounts if a.primary), accounts[0] if accounts else None)
+    keys = [" ".join(k.key.split()[:2]) for k in prof.ssh_public_keys.values()]
+    return (primary.username if primary else ""), keys
+
+
+def refused(user: str, project: str) -> str:
+    """What an SSH refusal means on an OS Login VM (the VM asks OS Login whether the account may log in)."""
+    return (f"the VMs use OS Login and refused {user}: your account needs {ROLES} on project {project} "
+            "(an administrator grants it with `gcloud projects add-iam-policy-binding`)")
+
+
 def account(explicit: str | None = None) -> str:
     """The Google account whose login profile is used: --account / TPUCTL_ACCOUNT, gcloud's core/account, or
     the service account of Application Default Credentials."""

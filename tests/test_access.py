@@ -220,3 +220,41 @@ def test_private_workers_are_reached_only_through_the_proxy_for_every_connection
     assert "printed 'not-ssh' instead of an SSH banner" in line and "(stderr: the-bastion-said-no)" in line, err
     assert f"`sh -c 'echo not-ssh; echo the-bastion-said-no >&2' {internal[0]} {sl.hosts[0].port}`" in line, line
     assert "waiting" not in r.stderr  # no point waiting for a proxy that talks something else than SSH
+
+
+@pytest.mark.e2e
+def test_os_login_registers_the_key_writes_no_ssh_keys_and_logs_in_as_the_posix_user(home_env):
+    """A project that enforces OS Login (its common metadata, through the Compute Engine stand-in): `up` registers
+    the key with the OS Login stand-in for the account, expiring with --ttl, and writes no ssh-keys metadata; the
+    hosts let in the login profile's keys as its POSIX user, which `ssh` logs in as. An account whose POSIX user
+    the VMs refuse (no OS Login role) gets one line naming the role."""
+    from infra.fake_login_apis import start_in_thread as start_login
+    home, env = home_env
+    login = start_login()
+    try:
+        env = {**env, "TPUCTL_COMPUTE_API_ENDPOINT": login.url, "TPUCTL_OSLOGIN_API_ENDPOINT": login.url,
+               "TPUCTL_ACCOUNT": "alice@example.com"}
+        login.control.set_project_metadata("local-project", {"enable-oslogin": "TRUE"})
+        login.control.set_username("alice@example.com", "root")  # the one user a local host has
+        t0 = time.time()
+        up = tpuctl("up", "ol", "--local", "--fresh-vm", "-a", "v4-8", "--ttl", "2h", env=env)
+        assert up.returncode == 0, up.stderr
+        assert "OS Login is on in local-project" in up.stderr and "POSIX user root" in up.stderr, up.stderr
+        url = json.loads((home / "local" / "fake_tpu_api.json").read_text())["url"]
+        (qr,) = FakeControl(url).create_bodies("queuedResource")
+        assert "ssh-keys" not in (qr["tpu"]["nodeSpec"][0]["node"].get("metadata") or {}), qr
+        (key,) = login.control.state()["keys"]["alice@example.com"].values()
+        pub = open(env["TPUCTL_SSH_KEY"] + ".pub").read().split()
+        assert key["key"].split()[:2] == pub[:2]
+        assert abs(int(key["expirationTimeUsec"]) / 1e6 - (t0 + 7200)) < 120
+
+        r = tpuctl("ssh", "ol", "--", "whoami", env=env)
+        assert r.returncode == 0 and r.stdout.split() == ["root"], r.stderr
+
+        login.control.set_username("alice@example.com", "alice_example_com")  # a user the VM does not let in
+        r = tpuctl("ssh", "ol", "--ssh-wait", "1", "--", "whoami", env=env)
+        assert r.returncode != 0
+        assert "refused alice_example_com: your account needs roles/compute.osLogin (or " \
+               "roles/compute.osAdminLogin) on project local-project" in r.stderr, r.stderr
+    finally:
+        login.stop()

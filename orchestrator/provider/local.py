@@ -91,6 +91,11 @@ class LocalProvider(Provider):
         # only root: keys for other users are not installed.
         meta = api.get_node(rec.node)
         keys = parse_metadata((meta.metadata if meta else {}).get("ssh-keys", ""))
+        from orchestrator import oslogin
+        if oslogin.applies(rec.project, meta.metadata if meta else {}, api.endpoint, progress):
+            # An OS Login VM lets in the keys of the account's login profile, as its POSIX user.
+            user, login_keys = oslogin.profile_keys(oslogin.account(), rec.project)
+            keys = [(user, k) for k in login_keys]
         others = sorted({u for u, _ in keys if u != "root"})
         if others:
             progress(f"note: the local hosts have only root; ssh-keys for {', '.join(others)} are not installed")
