@@ -160,9 +160,8 @@ def _os_login(where: Provider, rec, ssh: SshConfig) -> bool:
     """With OS Login on for the slice: register the key (until the slice's expiry) and SSH as the POSIX user."""
     from orchestrator import oslogin, sshkeys
     from orchestrator.spec import LABEL_EXPIRY
-    api = where.api_for(rec)
-    node = api.get_node(rec.node)
-    if not oslogin.applies(rec.project, node.metadata if node else rec.metadata, api.endpoint,
+    # The node's metadata is what `up` sent (recorded); only when it does not decide is the project asked.
+    if not oslogin.applies(rec.project, rec.metadata, where.endpoint(rec.api_endpoint),
                            lambda m: click.echo(f"[tpuctl] {m}", err=True)):
         return False
     try:

@@ -157,7 +157,7 @@ def _register_os_login(spec: SliceSpec, project: str, progress: Progress) -> Non
     who = oslogin.account()
     user = oslogin.register(pub, project=project, account_email=who, ttl_s=spec.ttl_s)
     progress(f"OS Login is on in {project}: registered {path}.pub for {who} (POSIX user {user}"
-             + (f", expires with the slice's --ttl" if spec.ttl_s else "") + "); no ssh-keys metadata")
+             + (", expires with the slice's --ttl" if spec.ttl_s else "") + "); no ssh-keys metadata")
 
 
 def _check_name_free(name: str) -> None:
