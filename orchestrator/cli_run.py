@@ -115,7 +115,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
         ssh_proxy_command, iap = rec.ssh_proxy_command, rec.iap
     if rec is not None and not hosts:
         ssh.host_keys = _published_keys(where, rec)
-        if not ssh_user and _os_login(where, rec, ssh):
+        if not (ssh_user or os.environ.get("TPUCTL_SSH_USER")) and _os_login(where, rec, ssh):
             ssh.os_login_project = rec.project
         if iap:
             ssh.proxy_commands = _iap_commands(where, rec)
