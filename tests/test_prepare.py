@@ -1,0 +1,181 @@
+"""trainer.pretrain.prepare: a web-shaped corpus (parquet + jsonl.gz + jsonl.zst) into fixed-size shards.
+
+Counts checked against tiktoken run directly over the documents (read here with pyarrow/gzip, not through
+prepare's readers); shards byte-identical for 1 and 2 workers, after a SIGKILL a third of the way and a rerun,
+and when two "hosts" share the pieces through gs:// (the GCS emulator).
+"""
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infra import webcorpus
+from trainer.pretrain import prepare as P
+from trainer.pretrain import tokenizers
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD = 60_000  # small shards, so a few hundred thousand tokens make several of them per split
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("web")
+    webcorpus.write(d, mb=2.4, seed=7, shard_mb=0.2, row_group_rows=40)
+    # one shard as .jsonl.zst too (FineWeb's other layout), under a subfolder: folders mix formats
+    import zstandard
+    gz = sorted(d.glob("*.jsonl.gz"))[-1]
+    (d / "more").mkdir()
+    (d / "more" / "extra.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(gzip.decompress(gz.read_bytes())))
+    return d
+
+
+def _independent_count(d: Path) -> tuple[int, int]:
+    """(documents, sum of GPT-2 tokens + 1) over every document, read without prepare's code."""
+    import pyarrow.parquet as pq
+    import zstandard
+    enc = tokenizers.get("gpt2")
+    texts = []
+    for f in sorted(d.rglob("*")):
+        if f.name.endswith(".parquet"):
+            texts += pq.read_table(f, columns=["text"]).column("text").to_pylist()
+        elif f.name.endswith(".jsonl.gz"):
+            texts += [json.loads(line)["text"] for line in gzip.open(f, "rt")]
+        elif f.name.endswith(".jsonl.zst"):
+            raw = zstandard.ZstdDecompressor().stream_reader(f.open("rb")).read()
+            texts += [json.loads(line)["text"] for line in raw.decode().splitlines()]
+    return len(texts), sum(len(enc.encode_ordinary(t)) + 1 for t in texts)
+
+
+def _shards(out: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(out.glob("*.bin"))}
+
+
+def _stream(out: Path, meta: dict, split: str) -> np.ndarray:
+    parts = []
+    for s in meta[split]:
+        raw = (out / s["file"]).read_bytes()
+        header = np.frombuffer(raw[:1024], "<i4")
+        assert (header[0], header[1], header[2]) == (20240520, 1, s["tokens"])
+        parts.append(np.frombuffer(raw[1024:], "<u2"))
+        assert parts[-1].size == s["tokens"]
+    return np.concatenate(parts)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """One uninterrupted prepare with 2 workers: the output the other runs must equal byte for byte."""
+    out = tmp_path_factory.mktemp("ref") / "tok"
+    meta = P.prepare([str(corpus)], str(out), val_fraction=0.1, workers=2, shard_tokens=SHARD, progress=False)
+    return out, meta
+
+
+def test_counts_split_and_shards_match_an_independent_count(corpus, reference):
+    out, meta = reference
+    n_docs, n_tokens = _independent_count(corpus)
+    assert meta["n_documents"] == n_docs
+    assert meta["n_train_tokens"] + meta["n_val_tokens"] == n_tokens
+    assert 0.06 < meta["n_val_tokens"] / n_tokens < 0.14, meta  # a whole document per hash draw, ~500 draws
+    assert json.loads((out / "meta.json").read_text()) == meta
+    assert not (out / "_pieces").exists() and not (out / "prepare.json").exists()
+    for split in ("train", "val"):
+        sizes = [s["tokens"] for s in meta[split]]
+        assert all(n == SHARD for n in sizes[:-1]) and 0 < sizes[-1] <= SHARD, sizes
+        stream = _stream(out, meta, split)
+        assert stream.size == meta[f"n_{split}_tokens"] and stream[-1] == 50256
+    assert len(meta["train"]) >= 4
+    both = np.concatenate([_stream(out, meta, "train"), _stream(out, meta, "val")])
+    assert (both == 50256).sum() == n_docs  # one EOT per document, none lost at shard cuts
+    assert meta["max_token_id"] == int(both.max())
+    assert (meta["format"], meta["tokenizer"], meta["eot"], meta["vocab_size"]) == (3, "gpt2-r50k", 50256, 50257)
+
+
+def test_one_worker_writes_the_same_bytes(corpus, reference, tmp_path):
+    out, meta = reference
+    one = P.prepare([str(corpus)], str(tmp_path / "w1"), val_fraction=0.1, workers=1, shard_tokens=SHARD,
+                    progress=False)
+    assert one == meta | {} and _shards(tmp_path / "w1") == _shards(out)
+
+
+def test_sigkill_a_third_of_the_way_then_rerun_is_byte_identical(corpus, reference, tmp_path):
+    ref_out, _ = reference
+    out = tmp_path / "tok"
+    cmd = [sys.executable, "-m", "trainer", "prepare", "--data", str(corpus), "--out", str(out),
+           "--val-fraction", "0.1", "--workers", "2", "--shard-tokens", str(SHARD)]
+    n_pieces = len(P.plan(P.collect([str(corpus)])))
+    p = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        if len(list((out / "_pieces").glob("*.json"))) >= n_pieces // 3:
+            break
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGKILL)  # the parent and its workers, mid-write
+    p.wait()
+    done = len(list((out / "_pieces").glob("*.json")))
+    assert not (out / "meta.json").exists() and 0 < done < n_pieces, (done, n_pieces)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s" in r.stderr and "ETA" in r.stderr  # the progress line
+    assert _shards(out) == _shards(ref_out)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(ref_out))  # no leftover pieces or temp files
+
+
+def test_an_output_folder_of_another_prepare_is_refused(corpus, reference, tmp_path):
+    out, _ = reference
+    with pytest.raises(P.DataError, match=r"holds another prepare's output .* pick an empty folder"):
+        P.prepare([str(corpus)], str(out), val_fraction=0.2, workers=1, shard_tokens=SHARD, progress=False)
+
+
+def test_bad_input_is_named_with_its_file_and_line_and_skipped_on_request(tmp_path):
+    good = [json.dumps({"text": t}) for _, _, t in webcorpus.documents(seed=1, n_bytes=400_000)]
+    body = gzip.compress(("\n".join(good) + "\n").encode())
+    cases = {  # file -> (bytes, the error it gets)
+        "a.jsonl.gz": (body[: len(body) // 2], r"a\.jsonl\.gz: line \d+: corrupt compressed data"),
+        "b.jsonl": ((json.dumps({"content": "x", "url": "u"}) + "\n" + good[0] + "\n").encode(),
+                    r"b\.jsonl: line 1: the record has no string field 'text' \(it has: content, url\); "
+                    r"name the text with --text-field"),
+        "c.parquet": (b"PAR1" + b"\0" * 100 + b"not a footer", r"c\.parquet: not a readable parquet file"),
+    }
+    both = tmp_path / "all"
+    both.mkdir()
+    for name, (data, error) in cases.items():
+        d = tmp_path / name.split(".")[0]
+        d.mkdir()
+        (d / name).write_bytes(data)
+        (both / name).write_bytes(data)
+        out = tmp_path / f"out-{name}"
+        with pytest.raises(P.DataError, match=error + r".*\(--on-error skip leaves it out and goes on\)$"):
+            P.prepare([str(d)], str(out), workers=1, progress=False)
+        assert not out.exists()  # nothing half-written stays behind
+    meta = P.prepare([str(both)], str(tmp_path / "skip"), workers=1, progress=False, on_error="skip")
+    cut_at = int(next(m for m in meta["skipped"] if "a.jsonl.gz: line" in m).split("line ")[1].split(":")[0])
+    assert 1 < cut_at < len(good)  # the lines before the cut are kept
+    assert meta["n_skipped"] == 3 and meta["n_documents"] == cut_at - 1 + 1, meta  # + b.jsonl's good record
+
+
+def test_two_hosts_share_the_pieces_through_gcs(corpus, reference, tmp_path, monkeypatch):
+    from infra import gcs
+    emu = gcs.start(home=tmp_path / "gcs-home", buckets=("data",), record=False, reuse=False)
+    try:
+        for k, v in emu.env.items():
+            monkeypatch.setenv(k, v)
+        import gcsfs
+        fs = gcsfs.GCSFileSystem()
+        fs.put(str(corpus), "data/raw", recursive=True)
+        kw = dict(val_fraction=0.1, workers=1, shard_tokens=SHARD, progress=False, process_count=2)
+        assert P.prepare(["gs://data/raw"], "gs://data/tok", process_index=1, **kw) is None  # host 1: its pieces
+        meta = P.prepare(["gs://data/raw"], "gs://data/tok", process_index=0, wait_poll_s=0.1, **kw)
+        ref_out, ref_meta = reference
+        assert {k: v for k, v in meta.items() if k != "sources"} == \
+            {k: v for k, v in ref_meta.items() if k != "sources"}
+        for name, data in _shards(ref_out).items():
+            assert fs.cat(f"data/tok/{name}") == data
+        assert not fs.exists("data/tok/_pieces")
+    finally:
+        emu.stop()
