@@ -16,6 +16,7 @@ document goes to val when a stable hash of its bytes falls under --val-fraction.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import glob as globlib
 import gzip
@@ -327,11 +328,11 @@ def _boundary(buf: bytes, base: int, k: int, size: int) -> int:
     return base + j
 
 
-def _text_docs(data: bytes, lo: int, hi: int, base: int, size: int) -> Iterator[bytes]:
+def _text_docs(data: bytes, lo: int, hi: int, base: int, size: int) -> Iterator[str]:
     starts = [_boundary(data, base, k, size) for k in range(lo, hi + 1)]
     for a, b in zip(starts, starts[1:]):
         if b > a:
-            yield data[a - base: b - base]
+            yield data[a - base: b - base].decode("utf-8", errors="replace")
 
 
 class _Progress:
@@ -339,7 +340,7 @@ class _Progress:
     frac = 0.0
 
 
-def _docs_text(src: Source, item: Item, settings: Settings, prog: _Progress) -> Iterator[bytes]:
+def _docs_text(src: Source, item: Item, settings: Settings, prog: _Progress) -> Iterator[str]:
     if settings.render_plays:
         from trainer.pretrain import plays
         with _open(src.path, "rb") as f:
@@ -355,7 +356,7 @@ def _docs_text(src: Source, item: Item, settings: Settings, prog: _Progress) -> 
     yield from _text_docs(data, lo, hi, base, src.size)
 
 
-def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[bytes]:
+def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[str]:
     raw = _open(src.path, "rb")
     low = src.path.lower()
     if low.endswith(".gz"):
@@ -402,12 +403,12 @@ def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list)
                 _bad(skipped, settings, f"{src.path}: line {n}: the record {what} (it has: {has}); "
                                         "name the text with --text-field")
                 continue
-            yield text.encode("utf-8", errors="replace")
+            yield text
     finally:
         raw.close()
 
 
-def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[bytes]:
+def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[str]:
     import pyarrow.parquet as pq
     field = settings.text_field
     with _open(src.path, "rb") as raw:
@@ -434,7 +435,7 @@ def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: lis
             for chunk in col.chunks:
                 for v in chunk.to_pylist():
                     if v is not None:
-                        yield v.encode("utf-8", errors="replace")
+                        yield v
             del col
             row += n_rows
             prog.frac = (g + 1) / max(1, groups)
@@ -452,7 +453,8 @@ def _bad(skipped: list, settings: Settings, msg: str) -> bool:
     return True
 
 
-def documents(src: Source, item: Item, settings: Settings, prog: _Progress, skipped: list) -> Iterator[bytes]:
+def documents(src: Source, item: Item, settings: Settings, prog: _Progress, skipped: list) -> Iterator[str]:
+    """The documents of one piece's item, in file order, as text."""
     if src.kind == "text":
         return _docs_text(src, item, settings, prog)
     if src.kind == "jsonl":
@@ -460,9 +462,18 @@ def documents(src: Source, item: Item, settings: Settings, prog: _Progress, skip
     return _docs_parquet(src, settings, prog, skipped)
 
 
-def goes_to_val(doc: bytes, val_fraction: float) -> bool:
-    """Stable in the document's bytes alone: the same document lands in the same split on every run."""
-    return int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little") < val_fraction * 2.0**64
+def goes_to_val(doc: str, val_fraction: float) -> bool:
+    """Stable in the document's text alone: the same document lands in the same split on every run."""
+    digest = hashlib.blake2b(doc.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2.0**64
+
+
+def _encode(enc, doc: str) -> array.array:
+    try:
+        ids = enc.encode_ordinary(doc)
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): replaced, as a UTF-8 decoder would
+        ids = enc.encode_ordinary(doc.encode("utf-8", errors="replace").decode("utf-8"))
+    return array.array("H", ids)  # C-speed list -> uint16 (numpy's asarray of a list is several times slower)
 
 
 # --- tokenising one piece (in a worker) --------------------------------------------------------------
@@ -485,21 +496,22 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
                    report: Callable[[int, int, float], None] = lambda d, t, f: None) -> dict:
     """Write piece `index`: its train and val token files, then its counts (the piece exists from then on)."""
     enc = _tokenizer(settings.tokenizer)
-    eot = np.array([enc.eot_token], np.uint16)
+    eot = int(enc.eot_token)
     counts = {"train": 0, "val": 0}
     max_id, n_docs, skipped = 0, 0, []
-    bufs: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    buffered = {"train": 0, "val": 0}
+    bufs = {"train": array.array("H"), "val": array.array("H")}  # the fixed per-worker buffer, one per split
     files = {split: _open(_piece_path(out, index, split) + ".part", "wb") if not _is_gs(out)
              else _open(_piece_path(out, index, split), "wb") for split in ("train", "val")}
     total_bytes = sum(max(1, sources[it.source].size) for it in items)
     done_bytes, last_docs, last_tokens, last_t = 0, 0, 0, time.monotonic()
 
     def flush(split):
-        if bufs[split]:
-            files[split].write(np.concatenate(bufs[split]).tobytes())
-            bufs[split].clear()
-            buffered[split] = 0
+        nonlocal max_id
+        buf = bufs[split]
+        if buf:
+            max_id = max(max_id, int(np.frombuffer(buf, np.uint16).max()))
+            files[split].write(memoryview(buf).cast("B"))
+            bufs[split] = array.array("H")
 
     try:
         for it in items:
@@ -507,15 +519,14 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
             for doc in documents(src, it, settings, prog, skipped):
                 if not doc:
                     continue
-                ids = np.asarray(enc.encode_ordinary(doc.decode("utf-8", errors="replace")), np.uint16)
                 split = "val" if goes_to_val(doc, settings.val_fraction) else "train"
-                if ids.size:
-                    max_id = max(max_id, int(ids.max()))
-                bufs[split] += [ids, eot]
-                buffered[split] += ids.size + 1
-                counts[split] += ids.size + 1
+                buf = bufs[split]
+                n = len(buf)
+                buf.extend(_encode(enc, doc))
+                buf.append(eot)
+                counts[split] += len(buf) - n
                 n_docs += 1
-                if buffered[split] >= FLUSH_TOKENS:
+                if len(buf) >= FLUSH_TOKENS:
                     flush(split)
                 if n_docs % 64 == 0 and time.monotonic() - last_t > 0.5:
                     tokens = counts["train"] + counts["val"]
@@ -533,7 +544,6 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
     if not _is_gs(out):
         for split in files:
             os.replace(_piece_path(out, index, split) + ".part", _piece_path(out, index, split))
-    max_id = max(max_id, int(enc.eot_token)) if n_docs else 0
     info = {"piece": index, "n_documents": n_docs, "train": counts["train"], "val": counts["val"],
             "max_token_id": max_id, "skipped": skipped}
     _write_whole(_piece_path(out, index, "json"), json.dumps(info).encode())
