@@ -42,8 +42,7 @@ def bare_tokenize(d: Path) -> tuple[int, int, float]:
     docs = tokens = 0
     spent = 0.0
     for i, s in enumerate(srcs):
-        texts = [doc.decode("utf-8", errors="replace")
-                 for doc in P.documents(s, P.Item(i), settings, P._Progress(), [])]
+        texts = list(P.documents(s, P.Item(i), settings, P._Progress(), []))
         t0 = time.perf_counter()
         for t in texts:
             tokens += len(enc.encode_ordinary(t)) + 1

@@ -176,6 +176,7 @@ def test_two_hosts_share_the_pieces_through_gcs(corpus, reference, tmp_path, mon
             {k: v for k, v in ref_meta.items() if k != "sources"}
         for name, data in _shards(ref_out).items():
             assert fs.cat(f"data/tok/{name}") == data
-        assert not fs.exists("data/tok/_pieces")
+        fs.invalidate_cache()
+        assert fs.ls("data/tok", detail=False) == sorted(f"data/tok/{n}" for n in [*_shards(ref_out), "meta.json"])
     finally:
         emu.stop()

@@ -83,7 +83,9 @@ def _is_gs(p: str) -> bool:
 
 def _gcs():
     import gcsfs
-    return gcsfs.GCSFileSystem()
+    fs = gcsfs.GCSFileSystem()  # one shared instance per process (fsspec caches it), listings cached in it:
+    fs.invalidate_cache()       # pieces written by other hosts must show up
+    return fs
 
 
 def _open(path: str, mode: str = "rb"):
@@ -91,13 +93,6 @@ def _open(path: str, mode: str = "rb"):
         from etils import epath
         return epath.Path(path).open(mode)
     return open(path, mode)
-
-
-def _exists(path: str) -> bool:
-    if _is_gs(path):
-        from etils import epath
-        return epath.Path(path).exists()
-    return os.path.exists(path)
 
 
 def _join(root: str, name: str) -> str:
@@ -144,6 +139,16 @@ def _remove(path: str) -> None:
             os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def _listdir(path: str) -> set[str]:
+    """Names in a folder (one listing, not one request per file: a corpus can have thousands of pieces)."""
+    try:
+        if _is_gs(path):
+            return {p.rsplit("/", 1)[-1] for p in _gcs().ls(path[5:], detail=False, refresh=True)}
+        return set(os.listdir(path))
+    except FileNotFoundError:
+        return set()
 
 
 def _size(path: str) -> int | None:
@@ -433,9 +438,10 @@ def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: lis
                 row += n_rows
                 continue
             for chunk in col.chunks:
-                for v in chunk.to_pylist():
-                    if v is not None:
-                        yield v
+                for i in range(0, len(chunk), 1024):  # Python strings for a slice at a time, not the row group
+                    for v in chunk.slice(i, 1024).to_pylist():
+                        if v is not None:
+                            yield v
             del col
             row += n_rows
             prog.frac = (g + 1) / max(1, groups)
@@ -665,7 +671,8 @@ def prepare(sources: Sequence[str] | None, out: str, *, val_fraction: float = DE
                  "sources": described, "n_files": len(srcs)}, indent=1).encode())
         pieces = plan(srcs)
         mine = [i for i in range(len(pieces)) if i % nproc == pid]
-        todo = [i for i in mine if not _exists(_piece_path(out, i, "json"))]
+        have = _listdir(_join(out, PIECES))
+        todo = [i for i in mine if f"{i:06d}.json" not in have]
         weights = {i: sum(max(1, srcs[it.source].size) for it in pieces[i]) for i in todo}
         done_w = sum(sum(max(1, srcs[it.source].size) for it in pieces[i]) for i in mine if i not in weights)
         bar = Progress(weights, done_w) if progress else None
@@ -742,14 +749,17 @@ def _run_pieces(out, todo, pieces, srcs, settings, workers, bar) -> None:
 
 def _wait_for_pieces(out: str, n: int, poll_s: float) -> list[dict]:
     """Process 0 waits for the pieces other hosts write (a host that fails stops the whole run)."""
+    from concurrent.futures import ThreadPoolExecutor
     infos: list[dict | None] = [None] * n
-    while True:
-        for i in range(n):
-            if infos[i] is None:
-                infos[i] = _read_json(_piece_path(out, i, "json"))
-        if all(infos):
-            return infos  # type: ignore[return-value]
-        time.sleep(poll_s)
+    with ThreadPoolExecutor(16) as pool:
+        while True:
+            have = _listdir(_join(out, PIECES))
+            ready = [i for i in range(n) if infos[i] is None and f"{i:06d}.json" in have]
+            for i, info in zip(ready, pool.map(lambda i: _read_json(_piece_path(out, i, "json")), ready)):
+                infos[i] = info
+            if all(infos):
+                return infos  # type: ignore[return-value]
+            time.sleep(poll_s)
 
 
 def _assemble(out: str, infos: list[dict], settings: Settings, h: str, described: list[str], n_files: int) -> dict:
