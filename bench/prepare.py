@@ -27,36 +27,41 @@ def corpus(mb: float, seed: int = 0) -> Path:
     cache = Path(os.environ.get("TPUCTL_TEST_CACHE") or Path.home() / ".cache" / "tpuctl-test")
     shard_mb = max(0.5, mb / 12)  # a dozen files or more: work for every worker
     d = cache / f"webcorpus-{mb:g}mb-seed{seed}-shard{shard_mb:g}"
-    if not (d / "DONE").exists():
+    done = d.with_name(d.name + ".done")  # beside it: a file inside would be read as input
+    if not done.exists():
         webcorpus.write(d, mb, seed, shard_mb=shard_mb)
-        (d / "DONE").write_text("")
+        done.write_text("")
     return d
 
 
-def bare_tokenize(d: Path) -> tuple[int, int, float]:
-    """(documents, tokens incl. one EOT each, seconds of encode_ordinary on one core)."""
+def bare_tokenize(d: Path) -> tuple[int, int, float, float]:
+    """(documents, tokens incl. one EOT each, wall and CPU seconds of encode_ordinary on one core)."""
     from trainer.pretrain import prepare as P
     enc = P._tokenizer("gpt2")
     srcs = P.collect([str(d)])
     settings = P.Settings()
     docs = tokens = 0
-    spent = 0.0
+    spent = cpu = 0.0
     for i, s in enumerate(srcs):
         texts = list(P.documents(s, P.Item(i), settings, P._Progress(), []))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for t in texts:
             tokens += len(enc.encode_ordinary(t)) + 1
         spent += time.perf_counter() - t0
+        cpu += time.process_time() - c0
         docs += len(texts)
-    return docs, tokens, spent
+    return docs, tokens, spent, cpu
 
 
-def run_prepare(d: Path, workers: int) -> tuple[float, float, dict]:
-    """(wall s, peak RSS of the whole process tree in bytes, meta) of one `python -m trainer prepare`."""
+def run_prepare(d: Path, workers: int) -> tuple[float, float, float, dict]:
+    """(wall s, CPU s of the whole tree, peak RSS of the whole process tree in bytes, meta) of one
+    `python -m trainer prepare` (CPU: RUSAGE_CHILDREN counts every waited-for descendant, the workers too)."""
     import json
+    import resource
 
     import psutil
     with tempfile.TemporaryDirectory(prefix="tpuctl-bench-prepare-") as out:
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         p = subprocess.Popen([sys.executable, "-m", "trainer", "prepare", "--data", str(d), "--out", out,
                               "--workers", str(workers)], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -70,11 +75,13 @@ def run_prepare(d: Path, workers: int) -> tuple[float, float, dict]:
                 pass
             time.sleep(0.1)
         wall = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         err = p.stderr.read()
         if p.returncode:
             raise RuntimeError(f"prepare failed ({p.returncode}): {err.strip().splitlines()[-1:]}")
         meta = json.loads((Path(out) / "meta.json").read_text())
-    return wall, peak, meta
+    return wall, cpu, peak, meta
 
 
 def main(argv=None, say=print) -> None:
@@ -89,16 +96,17 @@ def main(argv=None, say=print) -> None:
         f"{os.cpu_count()} cores, load average {load:.1f}")
     for mb in (small, big):
         d = corpus(mb)
-        docs, tokens, bare_s = bare_tokenize(d)
+        docs, tokens, bare_s, bare_cpu = bare_tokenize(d)
         say(f"[11] {mb:g} MB: {docs:,} documents, {tokens:,} tokens; bare tiktoken on one core: {bare_s:.1f} s "
-            f"= {tokens / bare_s:,.0f} tokens/s")
+            f"= {tokens / bare_s:,.0f} tokens/s ({bare_cpu:.1f} CPU s)")
         for w in (1, 2):
-            wall, peak, meta = run_prepare(d, w)
+            wall, cpu, peak, meta = run_prepare(d, w)
             n = meta["n_train_tokens"] + meta["n_val_tokens"]
             ok = "== bare count" if n == tokens else f"!= bare count {tokens:,}"
             say(f"[11] {mb:g} MB prepare --workers {w}: {wall:.1f} s, {n / wall:,.0f} tokens/s "
                 f"({n / wall / w / (tokens / bare_s):.2f}x bare per core), wall / bare one-core tokenise "
-                f"{wall / bare_s:.2f}x, process-tree peak {peak / 2**20:,.0f} MiB; tokens {ok}")
+                f"{wall / bare_s:.2f}x; {cpu:.1f} CPU s over the tree ({cpu / bare_cpu:.2f}x bare's: reading, "
+                f"hashing, writing, start-up); process-tree peak {peak / 2**20:,.0f} MiB; tokens {ok}")
     say(f"[11] load average at the end {os.getloadavg()[0]:.1f} (numbers on a shared machine are noisy)")
 
 
