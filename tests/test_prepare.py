@@ -153,10 +153,41 @@ def test_bad_input_is_named_with_its_file_and_line_and_skipped_on_request(tmp_pa
         with pytest.raises(P.DataError, match=error + r".*\(--on-error skip leaves it out and goes on\)$"):
             P.prepare([str(d)], str(out), workers=1, progress=False)
         assert not out.exists()  # nothing half-written stays behind
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": [1], "content": ["x"]}), tmp_path / "c" / "other.parquet")
+    (tmp_path / "c" / "c.parquet").unlink()
+    with pytest.raises(P.DataError, match=r"other\.parquet: no column 'text' \(it has: id, content\); name the "
+                                          r"text column with --text-field"):
+        P.prepare([str(tmp_path / "c")], str(tmp_path / "o"), workers=1, progress=False, on_error="skip")
     meta = P.prepare([str(both)], str(tmp_path / "skip"), workers=1, progress=False, on_error="skip")
     cut_at = int(next(m for m in meta["skipped"] if "a.jsonl.gz: line" in m).split("line ")[1].split(":")[0])
     assert 1 < cut_at < len(good)  # the lines before the cut are kept
     assert meta["n_skipped"] == 3 and meta["n_documents"] == cut_at - 1 + 1, meta  # + b.jsonl's good record
+
+
+def test_text_files_by_glob_with_the_bytes_tokenizer_are_cut_into_documents_at_blank_lines(tmp_path):
+    d = tmp_path / "books"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    paras = ["\n".join(" ".join(rng.choice(["tea", "café", "moon"], 20)) for _ in range(3)) for _ in range(900)]
+    (d / "big.txt").write_text("\n\n".join(paras))  # ~280 KB: 16 KiB blocks, a document each
+    (d / "small.md").write_text("a short note\n")
+    (d / "skip.log").write_text("not matched by the glob")
+    meta = P.prepare([str(d / "*.[tm]*")], str(tmp_path / "tok"), tokenizer="bytes", val_fraction=0.3,
+                     workers=1, progress=False)
+    train, val = (_stream(tmp_path / "tok", meta, split) for split in ("train", "val"))
+    assert (meta["tokenizer"], meta["eot"], meta["vocab_size"], meta["n_files"]) == ("bytes", 256, 257, 2)
+    raw = (d / "big.txt").read_bytes() + (d / "small.md").read_bytes()
+    assert meta["n_train_tokens"] + meta["n_val_tokens"] == len(raw) + meta["n_documents"]
+    docs = [bytes(x[:-1].tolist()) for part in (train, val) for x in np.split(part, np.flatnonzero(part == 256) + 1)
+            if x.size]
+    big = (d / "big.txt").read_bytes()
+    assert meta["n_documents"] == len(docs) == -(-len(big) // 16384) + 1 and val.size > 0  # a document per block
+    # whole pieces of the input, cut after a blank line, together all of it
+    assert sum(map(len, docs)) == len(raw) and all(doc in raw for doc in docs)
+    cut = [doc for doc in docs if doc != b"a short note\n" and not big.endswith(doc)]
+    assert len(cut) == len(docs) - 2 and all(doc.endswith(b"\n\n") and len(doc) < 2 * 16384 for doc in cut)
 
 
 def test_two_hosts_share_the_pieces_through_gcs(corpus, reference, tmp_path, monkeypatch):

@@ -474,12 +474,22 @@ def goes_to_val(doc: str, val_fraction: float) -> bool:
     return int.from_bytes(digest, "little") < val_fraction * 2.0**64
 
 
-def _encode(enc, doc: str) -> array.array:
-    try:
-        ids = enc.encode_ordinary(doc)
-    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): replaced, as a UTF-8 decoder would
-        ids = enc.encode_ordinary(doc.encode("utf-8", errors="replace").decode("utf-8"))
-    return array.array("H", ids)  # C-speed list -> uint16 (numpy's asarray of a list is several times slower)
+def _encoder(enc) -> Callable[[str], np.ndarray]:
+    """doc -> uint16 token ids, the cheapest way the tokenizer offers: tiktoken's encode_to_numpy (no Python int
+    per token; with no special tokens allowed it is encode_ordinary), else a list through array (C speed)."""
+    to_numpy = getattr(enc, "encode_to_numpy", None)
+
+    def encode(doc: str) -> np.ndarray:
+        if to_numpy is not None:
+            return to_numpy(doc, allowed_special=set(), disallowed_special=()).astype(np.uint16)
+        return np.frombuffer(array.array("H", enc.encode_ordinary(doc)), np.uint16)
+
+    def safe(doc: str) -> np.ndarray:
+        try:
+            return encode(doc)
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): replaced, as a UTF-8 decoder would
+            return encode(doc.encode("utf-8", errors="replace").decode("utf-8"))
+    return safe
 
 
 # --- tokenising one piece (in a worker) --------------------------------------------------------------
@@ -502,10 +512,12 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
                    report: Callable[[int, int, float], None] = lambda d, t, f: None) -> dict:
     """Write piece `index`: its train and val token files, then its counts (the piece exists from then on)."""
     enc = _tokenizer(settings.tokenizer)
-    eot = int(enc.eot_token)
+    encode = _encoder(enc)
+    eot = np.array([enc.eot_token], np.uint16)
     counts = {"train": 0, "val": 0}
     max_id, n_docs, skipped = 0, 0, []
-    bufs = {"train": array.array("H"), "val": array.array("H")}  # the fixed per-worker buffer, one per split
+    bufs: dict[str, list[np.ndarray]] = {"train": [], "val": []}  # the fixed per-worker buffer, one per split
+    buffered = {"train": 0, "val": 0}
     files = {split: _open(_piece_path(out, index, split) + ".part", "wb") if not _is_gs(out)
              else _open(_piece_path(out, index, split), "wb") for split in ("train", "val")}
     total_bytes = sum(max(1, sources[it.source].size) for it in items)
@@ -513,11 +525,12 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
 
     def flush(split):
         nonlocal max_id
-        buf = bufs[split]
-        if buf:
-            max_id = max(max_id, int(np.frombuffer(buf, np.uint16).max()))
-            files[split].write(memoryview(buf).cast("B"))
-            bufs[split] = array.array("H")
+        if bufs[split]:
+            tokens = np.concatenate(bufs[split])
+            max_id = max(max_id, int(tokens.max()))
+            files[split].write(tokens.astype("<u2", copy=False).tobytes())
+            bufs[split].clear()
+            buffered[split] = 0
 
     try:
         for it in items:
@@ -526,13 +539,12 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
                 if not doc:
                     continue
                 split = "val" if goes_to_val(doc, settings.val_fraction) else "train"
-                buf = bufs[split]
-                n = len(buf)
-                buf.extend(_encode(enc, doc))
-                buf.append(eot)
-                counts[split] += len(buf) - n
+                ids = encode(doc)
+                bufs[split] += (ids, eot)
+                buffered[split] += ids.size + 1
+                counts[split] += ids.size + 1
                 n_docs += 1
-                if len(buf) >= FLUSH_TOKENS:
+                if buffered[split] >= FLUSH_TOKENS:
                     flush(split)
                 if n_docs % 64 == 0 and time.monotonic() - last_t > 0.5:
                     tokens = counts["train"] + counts["val"]
@@ -564,6 +576,10 @@ _worker_ctx: dict = {}
 def _worker_init(out, sources, settings, q):
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if sys.platform == "linux":  # a parent killed with SIGKILL takes its workers along (no orphan tokenising on)
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _worker_ctx.update(out=out, sources=sources, settings=settings, q=q)
     _tokenizer(settings.tokenizer)
 
@@ -660,8 +676,7 @@ def prepare(sources: Sequence[str] | None, out: str, *, val_fraction: float = DE
         meta = _read_json(_join(out, META))
         if meta is not None:  # finished before: only leftovers of the last steps to clear
             if pid == 0:
-                _rmtree(_join(out, PIECES))
-                _remove(_join(out, STATE))
+                _clean(out)
             return meta
         if not _is_gs(out):
             os.makedirs(_join(out, PIECES), exist_ok=True)
@@ -683,8 +698,7 @@ def prepare(sources: Sequence[str] | None, out: str, *, val_fraction: float = DE
             return None
         infos = _wait_for_pieces(out, len(pieces), wait_poll_s)
         meta = _assemble(out, infos, settings, h, described, len(srcs))
-        _rmtree(_join(out, PIECES))
-        _remove(_join(out, STATE))
+        _clean(out)
         return meta
     except DataError:
         _forget(out, h)  # bad input: the fixed input is another prepare, which this folder must not refuse
@@ -697,6 +711,17 @@ def prepare(sources: Sequence[str] | None, out: str, *, val_fraction: float = DE
             raise DataError(f"--out {out}: cannot write to gs://{bucket} (the bucket does not exist); create it "
                             f"(`gcloud storage buckets create gs://{bucket}`) or pick a bucket you can write") from None
         raise DataError(f"{e.filename or out}: {e.strerror or 'not found'}") from None
+
+
+def _clean(out: str) -> None:
+    """After meta.json: the pieces, the state file, and temp files of runs killed mid-write."""
+    _rmtree(_join(out, PIECES))
+    _remove(_join(out, STATE))
+    if not _is_gs(out):
+        import re
+        for name in os.listdir(out):
+            if re.search(r"\.tmp\d+$", name):
+                _remove(_join(out, name))
 
 
 def _forget(out: str, h: str) -> None:
