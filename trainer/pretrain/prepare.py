@@ -71,8 +71,9 @@ class Source:
 @dataclass(frozen=True)
 class Item:
     source: int                  # index into the sorted sources
-    lo: int = 0                  # text: blocks [lo, hi) of the file (hi = -1: all of it)
+    lo: int = 0                  # text: blocks [lo, hi) of the file; parquet: row groups [lo, hi); hi = -1: all
     hi: int = -1
+    weight: int = 1              # about how many input bytes it covers (progress, scheduling)
 
 
 # --- file system: local paths and gs:// through one small surface -------------------------------------
@@ -282,27 +283,51 @@ def cache_key(sources: Sequence[str] | None, val_fraction: float = DEFAULT_VAL_F
     return content_hash(collect(sources), settings)
 
 
+def _row_groups(src: Source) -> list[int] | None:
+    """A big parquet file's row-group sizes (compressed bytes), from its footer; None when it cannot be read
+    (the worker that reads the file then names the problem)."""
+    import pyarrow.parquet as pq
+    try:
+        with _open(src.path, "rb") as f:
+            md = pq.ParquetFile(f).metadata
+            return [sum(md.row_group(g).column(c).total_compressed_size for c in range(md.num_columns))
+                    for g in range(md.num_row_groups)]
+    except Exception:  # noqa: BLE001  (pyarrow raises several types for a bad footer)
+        return None
+
+
 def plan(sources: list[Source]) -> list[list[Item]]:
-    """Pieces, in stream order, from the inputs alone (never from the number of workers or hosts)."""
+    """Pieces, in stream order, from the inputs alone (never from the number of workers or hosts). A big
+    parquet file (FineWeb ships 2 GB ones) is cut at row groups, so a few files still keep every core busy."""
+    from concurrent.futures import ThreadPoolExecutor
+    big = [i for i, s in enumerate(sources) if s.kind == "parquet" and s.size > PIECE_BYTES]
+    with ThreadPoolExecutor(16) as pool:
+        groups = dict(zip(big, pool.map(lambda i: _row_groups(sources[i]), big)))
     pieces: list[list[Item]] = []
     group: list[Item] = []
     group_bytes = 0
     blocks_per_piece = PIECE_BYTES // BLOCK
     for i, s in enumerate(sources):
-        if s.kind != "text":
+        if s.kind != "text" or s.size > PIECE_BYTES:
             if group:
                 pieces.append(group)
                 group, group_bytes = [], 0
-            pieces.append([Item(i)])
+        if s.kind == "parquet" and groups.get(i):
+            lo, run = 0, 0
+            for g, n in enumerate(groups[i]):
+                run += n
+                if run >= PIECE_BYTES or g == len(groups[i]) - 1:
+                    pieces.append([Item(i, lo, g + 1, max(1, run))])
+                    lo, run = g + 1, 0
+        elif s.kind != "text":
+            pieces.append([Item(i, weight=max(1, s.size))])
         elif s.size > PIECE_BYTES:
-            if group:
-                pieces.append(group)
-                group, group_bytes = [], 0
             n_blocks = -(-s.size // BLOCK)
             for lo in range(0, n_blocks, blocks_per_piece):
-                pieces.append([Item(i, lo, min(n_blocks, lo + blocks_per_piece))])
+                hi = min(n_blocks, lo + blocks_per_piece)
+                pieces.append([Item(i, lo, hi, (hi - lo) * BLOCK)])
         else:
-            group.append(Item(i))
+            group.append(Item(i, weight=max(1, s.size)))
             group_bytes += s.size
             if group_bytes >= PIECE_BYTES:
                 pieces.append(group)
@@ -413,7 +438,7 @@ def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list)
         raw.close()
 
 
-def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[str]:
+def _docs_parquet(src: Source, item: Item, settings: Settings, prog: _Progress, skipped: list) -> Iterator[str]:
     import pyarrow.parquet as pq
     field = settings.text_field
     with _open(src.path, "rb") as raw:
@@ -426,9 +451,10 @@ def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: lis
         if field not in names:
             raise DataError(f"{src.path}: no column {field!r} (it has: {', '.join(names)}); "
                             "name the text column with --text-field")
-        row = 0
         groups = pf.metadata.num_row_groups
-        for g in range(groups):
+        lo, hi = (0, groups) if item.hi < 0 else (item.lo, item.hi)
+        row = sum(pf.metadata.row_group(g).num_rows for g in range(lo))
+        for g in range(lo, hi):
             n_rows = pf.metadata.row_group(g).num_rows
             try:
                 col = pf.read_row_group(g, columns=[field]).column(0)
@@ -444,7 +470,7 @@ def _docs_parquet(src: Source, settings: Settings, prog: _Progress, skipped: lis
                             yield v
             del col
             row += n_rows
-            prog.frac = (g + 1) / max(1, groups)
+            prog.frac = (g + 1 - lo) / max(1, hi - lo)
 
 
 def _first_line(e: BaseException) -> str:
@@ -465,7 +491,7 @@ def documents(src: Source, item: Item, settings: Settings, prog: _Progress, skip
         return _docs_text(src, item, settings, prog)
     if src.kind == "jsonl":
         return _docs_jsonl(src, settings, prog, skipped)
-    return _docs_parquet(src, settings, prog, skipped)
+    return _docs_parquet(src, item, settings, prog, skipped)
 
 
 def goes_to_val(doc: str, val_fraction: float) -> bool:
@@ -520,7 +546,7 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
     buffered = {"train": 0, "val": 0}
     files = {split: _open(_piece_path(out, index, split) + ".part", "wb") if not _is_gs(out)
              else _open(_piece_path(out, index, split), "wb") for split in ("train", "val")}
-    total_bytes = sum(max(1, sources[it.source].size) for it in items)
+    total_bytes = sum(it.weight for it in items)
     done_bytes, last_docs, last_tokens, last_t = 0, 0, 0, time.monotonic()
 
     def flush(split):
@@ -549,9 +575,9 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
                 if n_docs % 64 == 0 and time.monotonic() - last_t > 0.5:
                     tokens = counts["train"] + counts["val"]
                     report(n_docs - last_docs, tokens - last_tokens,
-                           (done_bytes + prog.frac * max(1, src.size)) / total_bytes)
+                           (done_bytes + prog.frac * it.weight) / total_bytes)
                     last_docs, last_tokens, last_t = n_docs, tokens, time.monotonic()
-            done_bytes += max(1, src.size)
+            done_bytes += it.weight
         for split in files:
             flush(split)
             files[split].close()
@@ -688,8 +714,8 @@ def prepare(sources: Sequence[str] | None, out: str, *, val_fraction: float = DE
         mine = [i for i in range(len(pieces)) if i % nproc == pid]
         have = _listdir(_join(out, PIECES))
         todo = [i for i in mine if f"{i:06d}.json" not in have]
-        weights = {i: sum(max(1, srcs[it.source].size) for it in pieces[i]) for i in todo}
-        done_w = sum(sum(max(1, srcs[it.source].size) for it in pieces[i]) for i in mine if i not in weights)
+        weights = {i: sum(it.weight for it in pieces[i]) for i in todo}
+        done_w = sum(sum(it.weight for it in pieces[i]) for i in mine if i not in weights)
         bar = Progress(weights, done_w) if progress else None
         _run_pieces(out, todo, pieces, srcs, settings, min(workers, max(1, len(todo))), bar)
         if bar and todo:
@@ -750,7 +776,7 @@ def _run_pieces(out, todo, pieces, srcs, settings, workers, bar) -> None:
     pool = ctx.Pool(workers, initializer=_worker_init, initargs=(out, srcs, settings, q), maxtasksperchild=None)
     try:
         # Big pieces first: the last worker to finish is not the one that drew the largest file last.
-        jobs = sorted(((i, pieces[i]) for i in todo), key=lambda j: -sum(srcs[it.source].size for it in j[1]))
+        jobs = sorted(((i, pieces[i]) for i in todo), key=lambda j: -sum(it.weight for it in j[1]))
         res = pool.imap_unordered(_worker_run, jobs)
         left = len(jobs)
         while left:
