@@ -138,12 +138,15 @@ def test_an_output_folder_of_another_prepare_is_refused(corpus, reference, tmp_p
 def test_bad_input_is_named_with_its_file_and_line_and_skipped_on_request(tmp_path):
     good = [json.dumps({"text": t}) for _, _, t in webcorpus.documents(seed=1, n_bytes=400_000)]
     body = gzip.compress(("\n".join(good) + "\n").encode())
+    import zstandard
+    zstd = zstandard.ZstdCompressor().compress(("\n".join(good) + "\n").encode())
     cases = {  # file -> (bytes, the error it gets)
         "a.jsonl.gz": (body[: len(body) // 2], r"a\.jsonl\.gz: line \d+: corrupt compressed data"),
         "b.jsonl": ((json.dumps({"content": "x", "url": "u"}) + "\n" + good[0] + "\n").encode(),
                     r"b\.jsonl: line 1: the record has no string field 'text' \(it has: content, url\); "
                     r"name the text with --text-field"),
         "c.parquet": (b"PAR1" + b"\0" * 100 + b"not a footer", r"c\.parquet: not a readable parquet file"),
+        "d.jsonl.zst": (zstd[: len(zstd) // 2], r"d\.jsonl\.zst: line \d+: corrupt compressed data"),
     }
     both = tmp_path / "all"
     both.mkdir()
@@ -164,9 +167,10 @@ def test_bad_input_is_named_with_its_file_and_line_and_skipped_on_request(tmp_pa
                                           r"text column with --text-field"):
         P.prepare([str(tmp_path / "c")], str(tmp_path / "o"), workers=1, progress=False, on_error="skip")
     meta = P.prepare([str(both)], str(tmp_path / "skip"), workers=1, progress=False, on_error="skip")
-    cut_at = int(next(m for m in meta["skipped"] if "a.jsonl.gz: line" in m).split("line ")[1].split(":")[0])
-    assert 1 < cut_at < len(good)  # the lines before the cut are kept
-    assert meta["n_skipped"] == 3 and meta["n_documents"] == cut_at - 1 + 1, meta  # + b.jsonl's good record
+    cuts = [int(next(m for m in meta["skipped"] if f"{f}: line" in m).split("line ")[1].split(":")[0])
+            for f in ("a.jsonl.gz", "d.jsonl.zst")]
+    assert all(1 < cut < len(good) for cut in cuts)  # the lines before a cut are kept
+    assert meta["n_skipped"] == 4 and meta["n_documents"] == sum(cut - 1 for cut in cuts) + 1, meta  # + b's good one
 
 
 def test_text_files_by_glob_with_the_bytes_tokenizer_are_cut_into_documents_at_blank_lines(tmp_path):

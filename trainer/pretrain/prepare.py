@@ -386,14 +386,42 @@ def _docs_text(src: Source, item: Item, settings: Settings, prog: _Progress) -> 
     yield from _text_docs(data, lo, hi, base, src.size)
 
 
+class _ZstdStream(io.RawIOBase):
+    """Frames of a .zst file, one after another, that notices a cut stream (zstandard's stream_reader reads a
+    truncated file to its end without a word)."""
+
+    def __init__(self, raw, chunk: int = 1 << 16):
+        import zstandard
+        self.raw, self.chunk, self.new = raw, chunk, zstandard.ZstdDecompressor().decompressobj
+        self.d, self.pending, self.started = self.new(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.pending:
+            data = self.d.unused_data if self.d.eof else b""
+            if self.d.eof:
+                self.d, self.started = self.new(), False
+            data = data or self.raw.read(self.chunk)
+            if not data:
+                if self.started:
+                    raise EOFError("the zstd stream ends inside a frame (a cut file)")
+                return 0
+            self.started = True
+            self.pending = self.d.decompress(data)
+        n = min(len(b), len(self.pending))
+        b[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+
 def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list) -> Iterator[str]:
     raw = _open(src.path, "rb")
     low = src.path.lower()
     if low.endswith(".gz"):
         stream = gzip.GzipFile(fileobj=raw)
     elif low.endswith(".zst"):
-        import zstandard
-        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        stream = _ZstdStream(raw)
     else:
         stream = raw
     lines = io.BufferedReader(stream, 1 << 16) if stream is not raw else raw
@@ -403,15 +431,10 @@ def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list)
         while True:
             try:
                 line = lines.readline()
-            except (EOFError, OSError, zlib.error, ValueError) as e:
-                if _bad(skipped, settings, f"{src.path}: line {n + 1}: corrupt compressed data ({_first_line(e)}); "
-                                          "the rest of the file is left out"):
-                    return
-                raise AssertionError("unreachable")
-            except Exception as e:  # zstandard.ZstdError is not an OSError
-                if type(e).__name__ != "ZstdError":
+            except Exception as e:  # gzip: EOFError, BadGzipFile (OSError), zlib.error; zstandard: ZstdError
+                if not isinstance(e, (EOFError, OSError, zlib.error, ValueError)) and type(e).__name__ != "ZstdError":
                     raise
-                _bad(skipped, settings, f"{src.path}: line {n + 1}: corrupt zstd data ({_first_line(e)}); "
+                _bad(skipped, settings, f"{src.path}: line {n + 1}: corrupt compressed data ({_first_line(e)}); "
                                         "the rest of the file is left out")
                 return
             if not line:
@@ -428,7 +451,7 @@ def _docs_jsonl(src: Source, settings: Settings, prog: _Progress, skipped: list)
                 continue
             text = rec.get(field) if isinstance(rec, dict) else None
             if not isinstance(text, str):
-                has = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+                has = ", ".join(rec) if isinstance(rec, dict) else f"a JSON {type(rec).__name__}, not an object"
                 what = f"has no string field {field!r}" if text is None else f"field {field!r} is not a string"
                 _bad(skipped, settings, f"{src.path}: line {n}: the record {what} (it has: {has}); "
                                         "name the text with --text-field")
@@ -685,7 +708,7 @@ def prepare(sources: Sequence[str] | None, out: str, *, val_fraction: float = DE
     if on_error not in ("skip", "fail"):
         raise DataError(f"--on-error {on_error}: must be skip or fail")
     _tokenizer(tokenizer)  # an unknown name fails here, before any file is read
-    workers = workers or os.cpu_count() or 1
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
     if workers < 1:
         raise DataError(f"--workers {workers}: must be at least 1")
     pid = int(os.environ.get("TPUCTL_PROCESS_ID", 0)) if process_index is None else process_index
