@@ -36,14 +36,15 @@ def corpus(mb: float, seed: int = 0) -> Path:
 
 def bare_tokenize(d: Path) -> tuple[int, int, float, float]:
     """(documents, tokens incl. one EOT each, wall and CPU seconds of encode_ordinary on one core)."""
-    from trainer.pretrain import prepare as P
-    enc = P._tokenizer("gpt2")
-    srcs = P.collect([str(d)])
-    settings = P.Settings()
+    from trainer.pretrain import corpus as C
+    from trainer.pretrain import tokenizers
+    enc = tokenizers.get("gpt2")
+    srcs = C.collect([str(d)])
+    settings = C.Settings()
     docs = tokens = 0
     spent = cpu = 0.0
     for i, s in enumerate(srcs):
-        texts = list(P.documents(s, P.Item(i), settings, P._Progress(), []))
+        texts = list(C.documents(s, C.Item(i), settings, C.Position(), []))
         t0, c0 = time.perf_counter(), time.process_time()
         for t in texts:
             tokens += len(enc.encode_ordinary(t)) + 1

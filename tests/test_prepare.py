@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from infra import webcorpus
+from trainer.pretrain import corpus as corpus_mod
 from trainer.pretrain import prepare as P
 from trainer.pretrain import tokenizers
 
@@ -99,7 +100,7 @@ def test_counts_split_and_shards_match_an_independent_count(corpus, reference):
 def test_one_worker_and_other_piece_cuts_write_the_same_bytes(corpus, reference, tmp_path, monkeypatch):
     out, meta = reference
     whole_files = len(P.plan(P.collect([str(corpus)])))
-    monkeypatch.setattr(P, "PIECE_BYTES", 60_000)  # parquet files cut at row groups into several pieces each
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 60_000)  # parquet files cut at row groups into several pieces each
     assert len(P.plan(P.collect([str(corpus)]))) > whole_files + 5
     one = P.prepare([str(corpus)], str(tmp_path / "w1"), val_fraction=0.1, workers=1, shard_tokens=SHARD,
                     progress=False)
