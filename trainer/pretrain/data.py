@@ -1,6 +1,7 @@
 """Text -> GPT-2 tokens on disk -> global batches that do not depend on how many hosts load them.
 
-`prepare` tokenises a corpus once into `train.bin` / `val.bin` (uint16) + `meta.json`, locally or on gs://.
+`prepare` (trainer/pretrain/prepare.py) tokenises a corpus once into token shards + `meta.json` (format 3);
+format 2's `train.bin` / `val.bin` (raw uint16) are still read.
 `BatchLoader` derives the global batch of step s from (seed, s) alone; process p reads its contiguous share.
 That is what makes 1 process x 8 devices and 2 processes x 4 devices train on the same examples in the same
 order (grain's per-process sharding of the whole dataset would not).
