@@ -375,5 +375,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         tpu_compile.main(say=say)
     else:
         say("[10] TPU compile: skipped" + (" (--quick)" if plan.quick else ""))
+    if "prepare" in sections:
+        say("== [11] prepare on a web-shaped corpus vs tiktoken's bare one-core speed (bench/prepare.py)")
+        from bench import prepare
+        prepare.main(["--quick"] if plan.quick else [], say=say)
+    else:
+        say("[11] prepare: skipped")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

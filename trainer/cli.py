@@ -40,9 +40,17 @@ def extras_of(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.cmd == "prepare":
         from trainer.pretrain import prepare
-        meta = prepare.prepare(args.data or None, args.out, args.val_fraction, markdown=args.markdown)
-        print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens "
-              f"from {meta['n_files']} file(s) into {args.out}")
+        meta = prepare.prepare(args.data or None, args.out, val_fraction=args.val_fraction, tokenizer=args.tokenizer,
+                               workers=args.workers, text_field=args.text_field, shard_tokens=args.shard_tokens,
+                               markdown=args.markdown, on_error=args.on_error)
+        if meta is None:  # a host other than process 0: its share is written, process 0 writes the shards
+            print(f"prepare: this host's pieces are written under {args.out}; process 0 writes the shards")
+            return 0
+        print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens in "
+              f"{len(meta['train'])} + {len(meta['val'])} shard(s) from {meta['n_documents']:,} documents in "
+              f"{meta['n_files']} file(s) into {args.out}"
+              + (f" ({meta['n_skipped']} bad record(s)/file(s) skipped, listed in meta.json)" if meta['n_skipped']
+                 else ""))
         return 0
     if args.cmd == "pretrain":
         from trainer.common import config

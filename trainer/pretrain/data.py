@@ -1,6 +1,7 @@
 """Text -> GPT-2 tokens on disk -> global batches that do not depend on how many hosts load them.
 
-`prepare` tokenises a corpus once into `train.bin` / `val.bin` (uint16) + `meta.json`, locally or on gs://.
+`prepare` (trainer/pretrain/prepare.py) tokenises a corpus once into token shards + `meta.json` (format 3);
+format 2's `train.bin` / `val.bin` (raw uint16) are still read.
 `BatchLoader` derives the global batch of step s from (seed, s) alone; process p reads its contiguous share.
 That is what makes 1 process x 8 devices and 2 processes x 4 devices train on the same examples in the same
 order (grain's per-process sharding of the whole dataset would not).
@@ -17,8 +18,8 @@ from typing import Iterator
 
 import numpy as np
 
-from trainer.pretrain.prepare import DEFAULT_VAL_FRACTION, _collect, _content_hash, prepare
-from trainer.pretrain.shards import META, DataError
+from trainer.pretrain.prepare import DEFAULT_VAL_FRACTION, cache_key, prepare
+from trainer.pretrain.shards import META, DataError, read_shard
 
 
 def cache_root() -> Path:
@@ -40,16 +41,22 @@ def resolve(data: str | None, val_fraction: float = DEFAULT_VAL_FRACTION) -> str
         local = cache_root() / f"gs-{meta['content_hash']}"
         if not (local / META).exists():
             tmp = Path(tempfile.mkdtemp(prefix=".dl.", dir=_mkdir(cache_root())))
-            for name in ("train.bin", "val.bin", META):
+            names = [s["file"] for split in ("train", "val") for s in meta[split]] if meta.get("format") == 3 \
+                else ["train.bin", "val.bin"]
+            for name in (*names, META):
                 (tmp / name).write_bytes((root / name).read_bytes())
             _replace_dir(tmp, local)
         return str(local)
     if data and (Path(data) / META).is_file():
         return data
-    files = _collect([data] if data else None)
-    local = cache_root() / _content_hash(files, val_fraction, plain=not data)
-    if not (local / META).exists():
-        prepare([data] if data else None, str(local), val_fraction)
+    local = cache_root() / cache_key([data] if data else None, val_fraction)
+    if not (local / META).exists():  # prepared aside and renamed: processes resolving at once never share a folder
+        tmp = Path(tempfile.mkdtemp(prefix=".prep.", dir=_mkdir(cache_root())))
+        try:
+            prepare([data] if data else None, str(tmp), val_fraction=val_fraction, progress=False)
+            _replace_dir(tmp, local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(local)
 
 
@@ -82,13 +89,20 @@ class BatchLoader:
         if global_batch % process_count:
             raise DataError(f"--batch-size {global_batch} is not divisible by the {process_count} processes")
         path = Path(data_dir) / f"{split}.bin"
-        if not path.is_file():
+        meta_path = Path(data_dir) / META
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if meta.get("format") == 3:  # token shards: read as one stream (the loader's streaming reader replaces this)
+            parts = [read_shard(Path(data_dir) / s["file"]) for s in meta[split]]
+            self.tokens = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+            path = Path(data_dir) / (meta[split][0]["file"] if meta[split] else f"{split}_000000.bin")
+        elif not path.is_file():
             raise DataError(f"--data {data_dir}: no {split}.bin; prepare it with `python -m trainer prepare`")
-        size = path.stat().st_size
-        if size % 2:
-            raise DataError(f"{path} has {size} bytes, an odd number: it is not a file of uint16 tokens (truncated "
-                            "or not made by `python -m trainer prepare`); prepare the data again")
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+        else:
+            size = path.stat().st_size
+            if size % 2:
+                raise DataError(f"{path} has {size} bytes, an odd number: it is not a file of uint16 tokens "
+                                "(truncated or not made by `python -m trainer prepare`); prepare the data again")
+            self.tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
         if vocab_size is not None and self.tokens.size and int(self.tokens.max()) >= vocab_size:
             raise DataError(f"{path} holds token id {int(self.tokens.max())}, outside the model's vocabulary of "
                             f"{vocab_size}: the data was made with another tokenizer, or --vocab-size is too small")
