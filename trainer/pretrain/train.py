@@ -20,7 +20,7 @@ from etils import epath
 from flax import nnx
 
 from trainer.common import checkpoint
-from trainer.pretrain import data, shards
+from trainer.pretrain import data
 from trainer.common import metrics
 from trainer.common import optim
 from trainer.common import wandb_log
@@ -195,9 +195,6 @@ def pretrain(cfg: Config) -> int:
     mesh = setup_mesh(cfg)
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
-    vocab = checkpoint.read_json(f"{data_dir}/{shards.META}").get("vocab_size", 0)
-    if vocab > m.vocab_size:
-        raise UsageError(f"--vocab-size {m.vocab_size} is smaller than the data's vocabulary ({vocab})")
     loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc, vocab_size=m.vocab_size)
     val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc,
                            vocab_size=m.vocab_size)
