@@ -9,11 +9,12 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _trainer_util import REPO
+from _trainer_util import REPO, TINY, env as trainer_env, losses, session_cache
 from infra import gcs
 from infra.fake_kaggle import FakeKaggle
 from orchestrator import datasets as D, weights as W
@@ -21,6 +22,7 @@ from orchestrator.spec import UserError
 
 KEY = "k-secret-d47a"  # must never show up in any output
 OWT = "tiny/owt-gpt2"
+BIG = "tiny/owt-big"  # 1M train tokens (2 MB): what the trainer reads from gs:// in place
 
 
 def nanogpt_files(folder, n_train: int = 40_000, n_val: int = 4_000, seed: int = 0) -> dict[str, bytes]:
@@ -44,6 +46,9 @@ def world(tmp_path_factory):
     nanogpt_files(v1, seed=1)
     files = nanogpt_files(v2, seed=2)
     (v2 / "README.md").write_text("nanoGPT's prepare.py on OpenWebText, shrunk\n")
+    big = root / "datasets" / BIG / "1"
+    big.mkdir(parents=True)
+    nanogpt_files(big, n_train=1 << 20, n_val=20_000, seed=3)
     fake = FakeKaggle(root, {"alice": KEY})
     url = fake.start()
     emu = gcs.start(home=tmp_path_factory.mktemp("home"), buckets=("datasets",), record=False, reuse=False)
@@ -136,3 +141,78 @@ def test_cli_data_pull_json_never_prints_the_key(world):
     out = json.loads(p.stdout)
     assert out["handle"] == f"{OWT}/versions/2" and out["uploaded"] == ["val.bin"]
     assert "upload: 100%" in p.stderr and KEY not in p.stdout + p.stderr
+
+
+def _du(*folders) -> int:
+    return sum(f.stat().st_size for d in folders for f in Path(d).rglob("*") if f.is_file())
+
+
+@pytest.mark.slow
+def test_a_pulled_nanogpt_dataset_trains_in_place_from_gs_and_a_bucket_outage_stops_it(world, tmp_path_factory,
+                                                                                      tmp_path):
+    """The seed's path: `tpuctl data pull` of a nanoGPT-layout dataset, then `pretrain --data gs://...` as it is.
+    Two runs of the same command reach the same losses; neither leaves as much as 20% of the dataset's bytes in
+    its home, temp or cache folders (the XLA compilation cache, not data, lives elsewhere here). Meanwhile the
+    data's bucket dies under a third run: one line naming it, exit 3, within the storage budget of 60 s."""
+    import signal
+    import time
+    res, _ = _pull(world, BIG, "gs://datasets/owt-big")
+    assert res.bytes > 2 << 20
+    cache = session_cache(tmp_path_factory)
+    args = ["pretrain", *TINY, "--data", "gs://datasets/owt-big", "--log-every", "1", "--eval-batches", "2"]
+
+    def start(i: int, emu_env: dict, *more: str) -> tuple[subprocess.Popen, dict]:
+        dirs = {k: tmp_path / f"run{i}" / k for k in ("home", "tmp", "cache")}
+        for d in dirs.values():
+            d.mkdir(parents=True)
+        e = trainer_env(str(dirs["cache"]), **emu_env, HOME=str(dirs["home"]), TMPDIR=str(dirs["tmp"]),
+                        JAX_COMPILATION_CACHE_DIR=str(Path(cache) / "jax"), PYTHONPATH=str(REPO))
+        log = open(tmp_path / f"run{i}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--ckpt-dir", str(tmp_path / f"ckpt{i}"),
+                              *more], env=e, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return p, dirs
+
+    def finished(i: int, p: subprocess.Popen, dirs: dict) -> dict[int, float]:
+        assert p.wait(timeout=600) == 0, (tmp_path / f"run{i}.log").read_text()[-3000:]
+        left = _du(*dirs.values())
+        assert left < 0.2 * res.bytes, (left, res.bytes, [str(f) for d in dirs.values() for f in d.rglob("*")][:20])
+        return losses(tmp_path / f"ckpt{i}")
+
+    # The outage's bucket: an emulator of its own holding the same dataset.
+    emu = gcs.start(home=tmp_path / "emu2", buckets=("datasets",), record=False, reuse=False)
+    procs = []
+    try:
+        from google.cloud import storage
+        bucket = storage.Client(client_options={"api_endpoint": emu.endpoint}).bucket("datasets")
+        for name in ("train.bin", "val.bin"):
+            bucket.blob(f"owt-big/{name}").upload_from_string(W.Bucket("gs://datasets/owt-big").blob(name)
+                                                              .download_as_bytes())
+        p1, d1 = start(1, world["emu"].env, "--steps", "6")
+        procs.append(p1)
+        first = finished(1, p1, d1)  # alone: it fills the compilation cache the next two share
+        p2, d2 = start(2, world["emu"].env, "--steps", "6")
+        p3, _ = start(3, emu.env, "--steps", "100000", "--eval-every", "0")
+        procs += [p2, p3]
+        log3 = tmp_path / "run3.log"
+        deadline = time.time() + 300
+        while not re.search(r"step +2/", log3.read_text()):
+            assert p3.poll() is None and time.time() < deadline, log3.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(emu.pid, signal.SIGKILL)
+        gone = time.monotonic()
+        rc = p3.wait(timeout=120)
+        took = time.monotonic() - gone
+        second = finished(2, p2, d2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        emu.stop()
+    assert sorted(first) == list(range(1, 7)) and first == second
+    out = log3.read_text()
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert rc == 3 and len(errors) == 1 and took < 60, (rc, took, out[-3000:])
+    assert errors[0].startswith("error: the bucket gs://datasets ") and "while reading train windows from " \
+        "gs://datasets/owt-big" in errors[0] and errors[0].endswith("once the bucket answers again"), errors
