@@ -375,5 +375,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         tpu_compile.main(say=say)
     else:
         say("[10] TPU compile: skipped" + (" (--quick)" if plan.quick else ""))
+    if "loader" in sections:
+        say("== [11] pretraining loader: tokens/s from gs:// vs a local file (bench/loader.py)")
+        from bench import loader
+        loader.main(say=say, quick=plan.quick)
+    else:
+        say("[11] loader: skipped")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

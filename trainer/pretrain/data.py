@@ -106,6 +106,7 @@ class BatchLoader:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens, fewer than one "
                             f"sequence of --seq-len {seq_len} + 1: use more text or a shorter --seq-len")
         self._split = split
+        self._closed = False
 
     @functools.lru_cache(maxsize=4)
     def _perm(self, epoch: int) -> np.ndarray:
@@ -124,10 +125,14 @@ class BatchLoader:
 
     def local_batch(self, step: int) -> np.ndarray:
         """int32 [global_batch // process_count, seq_len + 1]."""
+        if self._closed:
+            raise DataError("the loader was closed")
         starts = self.window_ids(step) * self.seq_len
         try:
             batch = self.reader.read(starts, self.seq_len + 1)
         except tf.StorageUnavailable as e:
+            if self._closed:  # a read-ahead that outlived its reader's user: nobody waits for it
+                raise
             stop_on_outage(str(e))
         if self.vocab_size is not None and int(batch.max()) >= self.vocab_size:
             row, col = np.unravel_index(int(batch.argmax()), batch.shape)
@@ -135,6 +140,10 @@ class BatchLoader:
                             f"outside the model's vocabulary of {self.vocab_size}: the data was made with another "
                             "tokenizer, or --vocab-size is too small")
         return batch.astype(np.int32)
+
+    def close(self) -> None:
+        """Stop reading: read-ahead threads still running fail quietly instead of stopping the process."""
+        self._closed = True
 
     def iterate(self, start_step: int, prefetch: int = 4) -> Iterator[tuple[int, np.ndarray]]:
         """(step, local_batch) from start_step on, read ahead on background threads by grain."""
