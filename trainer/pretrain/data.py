@@ -55,7 +55,7 @@ def check_vocab(data_dir: str, vocab_size: int) -> None:
     meta.json where it says (format 3's max_token_id, format 2's tokenizer vocabulary), else from a bounded
     sample of each split (format 2's meta.json has no max_token_id; the batches are checked as they are read)."""
     lay = tf.detect(data_dir)
-    fix = "the data was made with another tokenizer, or --vocab-size is too small"
+    fix = f"the data was made with another tokenizer, or --vocab-size {vocab_size} is too small"
     if lay.max_token_id is not None:
         if lay.max_token_id >= vocab_size:
             raise DataError(f"--data {data_dir}: {META} records token id {lay.max_token_id}, outside the model's "
@@ -138,7 +138,7 @@ class BatchLoader:
             row, col = np.unravel_index(int(batch.argmax()), batch.shape)
             raise DataError(f"{self.reader.where(int(starts[row]) + int(col))} holds token id {int(batch.max())}, "
                             f"outside the model's vocabulary of {self.vocab_size}: the data was made with another "
-                            "tokenizer, or --vocab-size is too small")
+                            f"tokenizer, or --vocab-size {self.vocab_size} is too small")
         return batch.astype(np.int32)
 
     def close(self) -> None:
