@@ -1,5 +1,5 @@
 """The checkpoint bucket stops answering mid-run (the GCS emulator is killed during an async save): the trainer
-stops within its storage budget with one line naming the bucket and the operation (exit 3), never takes a
+stops within its storage budget of the bucket going away with one line naming the bucket and the operation (exit 3), never takes a
 half-written step for a checkpoint, and the same command resumes from the previous complete step once the
 bucket is back."""
 import os
@@ -35,14 +35,16 @@ def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_fac
             assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         os.kill(emu.pid, signal.SIGKILL)  # every step saves: this lands in (or just before) an async save
-        rc = p.wait(timeout=150)  # the trainer's own budget is 60 s per storage operation
+        gone = time.monotonic()
+        rc = p.wait(timeout=150)
+        took = time.monotonic() - gone  # the budget (60 s) holds from the bucket going away to the exit
     finally:
         if p.poll() is None:
             p.kill()
         emu.stop()
     out = log.read_text()
     errors = [l for l in out.splitlines() if l.startswith("error: ")]
-    assert rc == 3 and len(errors) == 1, out[-3000:]
+    assert rc == 3 and len(errors) == 1 and took < 60, (took, out[-3000:])
     assert errors[0].startswith("error: the bucket gs://outage-b ") and "while saving step " in errors[0], errors
     assert "the same command resumes from the latest complete step" in errors[0]
     stopped_at = max(int(s) for s in re.findall(r"step +(\d+)/", out))
