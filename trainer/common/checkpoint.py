@@ -211,7 +211,8 @@ class Checkpointer:
             StorageDeadline(what, self._saved, self.directory)._stop(f"did not answer for {for_s:.0f} s (TPUCTL_STORAGE_TIMEOUT_S sets the "
                                        "budget)")
 
-        self._watch = BucketWatch(self.directory[5:].split("/")[0], budget, silent).start()
+        bucket, _, prefix = self.directory[5:].partition("/")
+        self._watch = BucketWatch(bucket, prefix, budget, silent).start()
 
     def save(self, step: int, params, opt_state, cfg: Config) -> None:
         """Start an async save of `step` (every process calls this; Orbax coordinates the writers). Orbax first
