@@ -381,5 +381,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         prepare.main(["--quick"] if plan.quick else [], say=say)
     else:
         say("[11] prepare: skipped")
+    if "loader" in sections:
+        say("== [12] pretraining loader: tokens/s from gs:// vs a local file (bench/loader.py)")
+        from bench import loader
+        loader.main(say=say, quick=plan.quick)
+    else:
+        say("[12] loader: skipped")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

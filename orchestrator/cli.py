@@ -476,9 +476,10 @@ from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run doe
 for _cmd in (cli_run.run, cli_run.ssh, cli_run.logs):
     cli.add_command(_cmd)
 
-from orchestrator import cli_weights  # noqa: E402
+from orchestrator import cli_data, cli_weights  # noqa: E402
 
 cli.add_command(cli_weights.weights)
+cli.add_command(cli_data.data)
 
 from orchestrator import cli_plan  # noqa: E402
 

@@ -128,7 +128,7 @@ def _main(argv: list[str]) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except ValueError as e:  # trainer.pretrain.shards.DataError (imported lazily: it is jax-free but not needed here)
-        if type(e).__name__ != "DataError":
+        if "DataError" not in (c.__name__ for c in type(e).__mro__):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from flax import nnx
 
 from trainer.common import checkpoint, loop, metrics, optim, wandb_log
 from trainer.common import mesh as mesh_lib
-from trainer.pretrain import data, shards
+from trainer.pretrain import data
 from trainer.common.mesh import compute_dtype
 from trainer.common.config import Config, UsageError
 from trainer.models import attention, gpt2
@@ -172,9 +172,6 @@ def pretrain(cfg: Config) -> int:
     mesh = setup_mesh(cfg)
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
-    vocab = checkpoint.read_json(f"{data_dir}/{shards.META}").get("vocab_size", 0)
-    if vocab > m.vocab_size:
-        raise UsageError(f"--vocab-size {m.vocab_size} is smaller than the data's vocabulary ({vocab})")
     loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc, vocab_size=m.vocab_size)
     val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc,
                            vocab_size=m.vocab_size)
