@@ -22,6 +22,7 @@ from orchestrator import launch as L
 from orchestrator import provider
 from orchestrator.cli_common import errors as _errors
 from orchestrator.cli_common import local_option
+from orchestrator.cli_common import PassThrough
 from orchestrator.hosts import Hosts, SshConfig
 from orchestrator.provider import HostAccess, Provider
 from orchestrator.spec import UserError
@@ -151,7 +152,7 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
 
 
 # ------------------------------------------------------------------------------ run
-@click.command("run", context_settings={"ignore_unknown_options": True})
+@click.command("run", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--env", "env_pairs", multiple=True, metavar="K=V", help="Set K=V in the trainer's environment on "
@@ -284,7 +285,7 @@ def _select(workers: list[L.Worker], worker: str) -> list[int]:
     return [int(worker)]
 
 
-@click.command("ssh", context_settings={"ignore_unknown_options": True})
+@click.command("ssh", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")
