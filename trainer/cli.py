@@ -13,7 +13,8 @@ import os
 import sys
 
 from trainer.common.config import UsageError
-from trainer.common.process import command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory
+from trainer.common.process import (command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory,
+                                    native_stdout_off, quiet_native_logs)
 from trainer.experiments import flags as experiments
 from trainer.finetune import flags as finetune
 from trainer.pretrain import flags as pretrain
@@ -40,13 +41,16 @@ def extras_of(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.cmd == "prepare":
         from trainer.pretrain import prepare
-        meta = prepare.prepare(args.data or None, args.out, args.val_fraction, markdown=args.markdown)
+        meta = prepare.prepare(args.data or None, args.out, args.val_fraction, markdown=args.markdown,
+                               tokenizer=args.tokenizer)
         print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens "
               f"from {meta['n_files']} file(s) into {args.out}")
         return 0
     if args.cmd == "pretrain":
         from trainer.common import config
+        from trainer.pretrain import tokenizers
         from trainer.pretrain import train as loop
+        tokenizers.follow_data(args)
         return loop.pretrain(config.resolve(args))
     if args.cmd == "lora":
         from trainer.finetune import train as finetune
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     try:
         emulate_devices(argv)
+        quiet_native_logs()
+        native_stdout_off()
         keep_freed_memory()
         args = parser().parse_args(argv)
         return run(args)

@@ -71,6 +71,8 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
     from trainer.pretrain import train as loop
     from trainer.common import metrics
     from trainer.common import mesh as mesh_lib
+    from trainer.pretrain import tokenizers
+    tokenizers.follow_data(args)
     cfg = _auto_dtype(config.resolve(args), target.run_platform)
     shape = mesh_lib.parse_mesh(cfg.train.mesh, len(target.devices))
     loop.check_fits(cfg, shape, target.processes)

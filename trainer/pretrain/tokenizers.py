@@ -60,6 +60,50 @@ class Bytes:
 NAMES = {"gpt2": TOKENIZER_ID, "bytes": "bytes"}  # flag value -> the id meta.json records
 
 
+def of_data(data: str) -> str:
+    """The tokenizer (flag value) the token files at `data` were made with: meta.json's, for a prepared folder
+    (local or gs://); gpt2 for text, the default corpus and token files without a meta.json (nanoGPT's, llm.c's)."""
+    meta = _meta(data)
+    if meta is None:
+        return "gpt2"
+    recorded = meta.get("tokenizer", TOKENIZER_ID)
+    for flag, ident in NAMES.items():
+        if recorded in (flag, ident):
+            return flag
+    raise DataError(f"--data {data}: its meta.json names tokenizer {recorded!r}, which this trainer does not know "
+                    f"({', '.join(NAMES)}); prepare it again with `python -m trainer prepare --tokenizer ...`")
+
+
+def _meta(data: str) -> dict | None:
+    import json
+    from trainer.pretrain.shards import META
+    if not data:
+        return None
+    if data.startswith("gs://"):
+        from etils import epath
+        path = epath.Path(data) / META
+    else:
+        path = Path(data).expanduser() / META
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        raise DataError(f"--data {data}: its {META} is not JSON; prepare it again") from None
+
+
+def follow_data(args) -> None:
+    """`pretrain`'s parsed flags follow the data: --tokenizer left out is the one --data was made with, and
+    --vocab-size left out is that tokenizer's. A --tokenizer that contradicts the data's meta.json is refused."""
+    found = of_data(getattr(args, "data", None) or "")
+    if not getattr(args, "tokenizer", None):
+        args.tokenizer = found
+    elif args.tokenizer != found:
+        get(args.tokenizer)  # an unknown name is named as such first
+        raise DataError(f"--tokenizer {args.tokenizer}: the data at {args.data or 'the default corpus'} was "
+                        f"prepared with {found}; leave --tokenizer out to follow the data")
+    if getattr(args, "vocab_size", None) is None:
+        args.vocab_size = get(args.tokenizer).n_vocab
+
+
 def get(name: str):
     """A tokenizer by its flag value or meta.json id: encode_ordinary(_batch), decode, eot_token, n_vocab."""
     if name in ("gpt2", TOKENIZER_ID):

@@ -6,6 +6,7 @@ the step is compiled with those as in/out shardings and donates its inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from etils import epath
 from flax import nnx
 
 from trainer.common import checkpoint
-from trainer.pretrain import data, shards
+from trainer.pretrain import data, shards, tokenizers
 from trainer.common import metrics
 from trainer.common import optim
 from trainer.common import wandb_log
@@ -152,7 +153,9 @@ class Steps:
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
         with jax.set_mesh(self.mesh):
             self.train_fn = self._train.lower(self.abstract_params, self.abstract_opt, batch, step).compile()
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        mesh_lib.meet("the compiled train step")
+        return took
 
     def init(self):
         params = self._settled(gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules))
@@ -176,6 +179,7 @@ class Steps:
                                          sharding=self.batch_sh)
             with jax.set_mesh(self.mesh):
                 self.eval_fn = self._eval.lower(self.abstract_params, shape).compile()
+            mesh_lib.meet("the compiled eval step")
         # One batch at a time: each float() waits for its batch (mesh.one_step_in_flight).
         return float(np.mean([float(self.eval_fn(params, self.global_batch(val.local_batch(i)))) for i in range(n)]))
 
@@ -195,6 +199,12 @@ def pretrain(cfg: Config) -> int:
     mesh = setup_mesh(cfg)
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
+    tokenizer = tokenizers.of_data(data_dir)  # the resolved folder: a local copy of gs://, or the cache
+    if m.tokenizer and m.tokenizer != tokenizer:
+        raise UsageError(f"--tokenizer {m.tokenizer}: the data was prepared with {tokenizer}")
+    if not m.tokenizer:  # a Config built in Python without it: the checkpoint records what the ids mean
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, tokenizer=tokenizer))
+        m = cfg.model
     vocab = checkpoint.read_json(f"{data_dir}/{shards.META}").get("vocab_size", 0)
     if vocab > m.vocab_size:
         raise UsageError(f"--vocab-size {m.vocab_size} is smaller than the data's vocabulary ({vocab})")
