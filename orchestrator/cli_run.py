@@ -146,7 +146,19 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
     if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator:
         return
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
-    p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
+    # The planner reads what the trainer would (the data's meta.json: its tokenizer sets the vocabulary) from
+    # the storage the run will use: for a local slice, the GCS emulator.
+    storage = target.where.local_env(argv)
+    saved = {k: os.environ.get(k) for k in storage}
+    os.environ.update(storage)
+    try:
+        p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if p is not None:
         say(f"plan: {p.verdict()}")
 

@@ -85,7 +85,14 @@ def _meta(data: str) -> dict | None:
     else:
         path = Path(data).expanduser() / META
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
+        text = path.read_text() if path.is_file() else None
+    except Exception as e:  # noqa: BLE001 - OSError locally; gcsfs/aiohttp errors on gs://
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"--data {data}: cannot read its {META} ({why})") from None
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
     except ValueError:
         raise DataError(f"--data {data}: its {META} is not JSON; prepare it again") from None
 
