@@ -70,12 +70,16 @@ def meet(what: str) -> None:
     _met[what] = _met.get(what, 0) + 1
     timeout_s = float(os.environ.get(BARRIER_TIMEOUT_ENV, "600") or 600)
     try:
-        client.wait_at_barrier(f"tpuctl/{what}/{_met[what]}", int(timeout_s * 1000))
+        client.wait_at_barrier(f"tpuctl_{re.sub(r'[^a-z]+', '_', what)}_{_met[what]}", int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - jaxlib's XlaRuntimeError (DEADLINE_EXCEEDED, or a task that died)
         # The service lists the processes that had not arrived after "timed out task names" (the first task
         # at the barrier, named before that, is one that did).
-        late = str(e).split("timed out task", 1)[-1] if "timed out task" in str(e) else ""
-        missing = sorted({int(t) for t in re.findall(r"/task:(\d+)", late)} - {jax.process_index()})
+        # jaxlib 0.10 lists them one per line as bare task ids ("Some timed out task names:\n1"), older ones as
+        # "/job:jax_worker/replica:0/task:1"; the service's message ends at "RPC:".
+        late = str(e).split("timed out task", 1)[1].split("RPC:", 1)[0] if "timed out task" in str(e) else ""
+        late = late.split(":", 1)[-1]
+        missing = sorted({int(t) for t in re.findall(r"(?:task:|^\s*)(\d+)\s*$", late, re.M)}
+                         - {jax.process_index()})
         who = (f"process(es) {', '.join(map(str, missing))} (tpuctl's worker(s) {', '.join(f'w{i}' for i in missing)})"
                if missing else "another process")
         raise UsageError(f"{who} did not reach {what} within {timeout_s:.0f} s of process {jax.process_index()} "

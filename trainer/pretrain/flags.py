@@ -13,8 +13,9 @@ def add_prepare(sub) -> None:
     pr.add_argument("--data", nargs="*", default=None, help="text files or dirs (default: Shakespeare's plays)")
     pr.add_argument("--out", required=True, help="output dir, local or gs://")
     pr.add_argument("--val-fraction", type=float, default=0.05)
-    pr.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "bytes"),
-                    help="gpt2: GPT-2 BPE (tiktoken); bytes: UTF-8 bytes, 257 ids (default gpt2)")
+    pr.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "gpt2-4k", "bytes"),
+                    help="gpt2: GPT-2 BPE (tiktoken); gpt2-4k: its first 4,096 ids; bytes: UTF-8 bytes, 257 ids "
+                         "(default gpt2)")
     pr.add_argument("--markdown", action="store_true",
                     help="keep the embedded plays' Markdown (default: plain `NAME:` speaker turns)")
 
