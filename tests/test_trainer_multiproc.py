@@ -138,6 +138,7 @@ except UsageError as e:
     print("error:", e, flush=True)
     os._exit(2)
 print("met", flush=True)
+jax.distributed.shutdown()  # process 0 serves the coordination service: it stays until both are done
 os._exit(0)
 """
 
