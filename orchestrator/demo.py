@@ -1,15 +1,16 @@
 """`make demo`: the whole story in local mode, with the commands a user would type.
 
     tpuctl up demo --local -a v4-16                 # the Cloud TPU API stand-in + 2 real sshd hosts
-    python -m trainer prepare --tokenizer bytes ... # Shakespeare's plays as UTF-8 bytes, into the GCS emulator
+    python -m trainer prepare --tokenizer gpt2-4k   # Shakespeare's plays, GPT-2's BPE cut to 4,096 ids, to gs://
     tpuctl run demo -- pretrain ...                 # 2 hosts x 4 CPU devices = one 8-device mesh over SSH
     python -m trainer sample --ckpt-dir gs://...    # back on the laptop: read the checkpoint, write play text
-    tpuctl sweep demo --set n_layer=... -- pretrain # three model sizes, one trial after another
+    tpuctl sweep demo --set d_model=... -- pretrain # three model sizes, one trial after another
     tpuctl sweep report gs://...                    # its table, PNG charts and HTML page
     tpuctl down demo                                # always, even after a failure or Ctrl-C
 
-The model reads bytes (a 257-id vocabulary): on a CPU, GPT-2's 50k-id output layer would be nearly all of a
-small model's work, and a byte model writes speaker turns and real words after a few hundred steps.
+The tokenizer is GPT-2's BPE cut to its first 4,096 ids: on a CPU, GPT-2's 50,257-id output layer would be most
+of a small model's work, and with common words as single tokens the sample is real words after a few hundred
+steps (docs/demo.md).
 Everything runs under its own TPUCTL_HOME (default ~/.tpuctl/demo) so it never touches your real slices.
 """
 from __future__ import annotations
@@ -25,16 +26,17 @@ from pathlib import Path
 
 BUCKET = "tpuctl-demo"
 PROMPT = "ROMEO:\n"
-# Four layers of width 128 over 128 bytes of context. The sizes were chosen by step time on 2 cores and by what
-# the sample shows after STEPS steps (docs/demo.md has the numbers).
-MODEL = ["--n-layer", "4", "--n-head", "4", "--d-model", "128", "--seq-len", "128", "--dropout", "0"]
-STEPS = 400
-SAMPLE = ["--prompt", PROMPT, "--max-new-tokens", "600", "--temperature", "0.5", "--top-k", "10", "--seed", "0"]
-# The sweep: the same recipe at three depths; its report plots validation loss against compute.
-SWEEP = ["--set", "n_layer=1,2,4"]
-SWEEP_TRIAL = ["--n-head", "4", "--d-model", "128", "--seq-len", "128", "--dropout", "0", "--batch-size", "32",
-               "--steps", "100", "--warmup-steps", "10", "--decay-steps", "100", "--lr", "3e-3", "--log-every", "25",
-               "--eval-every", "50", "--eval-batches", "4", "--ckpt-every", "0"]
+TOKENIZER = "gpt2-4k"
+# Two layers of width 128 over 64 tokens of context: chosen by step time on 2 cores and by what the sample shows
+# after STEPS steps (docs/demo.md has the numbers).
+MODEL = ["--n-layer", "2", "--n-head", "4", "--d-model", "128", "--seq-len", "64", "--dropout", "0"]
+STEPS = 300
+SAMPLE = ["--prompt", PROMPT, "--max-new-tokens", "200", "--temperature", "0.5", "--top-k", "10", "--seed", "0"]
+# The sweep: one layer at three widths, the same steps and data; its report plots validation loss against compute.
+SWEEP = ["--set", "d_model=32,64,128"]
+SWEEP_TRIAL = ["--n-layer", "1", "--n-head", "4", "--seq-len", "64", "--dropout", "0", "--batch-size", "32",
+               "--steps", "60", "--warmup-steps", "6", "--decay-steps", "60", "--lr", "3e-3", "--log-every", "20",
+               "--eval-every", "0", "--eval-batches", "4", "--ckpt-every", "0"]
 
 
 def train_flags(steps: int = STEPS) -> list[str]:
@@ -103,16 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TPUCTL_HOME"] = args.home
     tpuctl = [sys.executable, "-m", "orchestrator.cli"]
     trainer = [sys.executable, "-m", "trainer"]
-    data, run = f"gs://{BUCKET}/shakespeare-bytes", f"gs://{BUCKET}/{args.name}"
+    data, run = f"gs://{BUCKET}/shakespeare-4k", f"gs://{BUCKET}/{args.name}"
 
     emu = gcs.start(buckets=(BUCKET,))
     local_env = {**env, **emu.env}  # this machine (the "laptop") reads and writes the same emulated bucket
     print(f"GCS emulator at {emu.endpoint} (bucket {BUCKET})")
-    print(f"The demo trains a {MODEL[1]}-layer, {MODEL[5]}-wide GPT-2 on Shakespeare's plays read as UTF-8 bytes "
-          f"(257 token ids), {args.steps} steps on 2 hosts, then samples it and sweeps the depth.")
+    print(f"The demo trains a {MODEL[1]}-layer, {MODEL[5]}-wide GPT-2 on Shakespeare's plays, tokenised with "
+          f"{TOKENIZER} (GPT-2's BPE cut to 4,096 ids), {args.steps} steps on the 2 hosts of a local slice; then "
+          f"it samples the model here and sweeps three widths of a one-layer model.")
     try:
         sh(tpuctl + ["up", args.name, "--local", "-a", args.accelerator], env)
-        sh(trainer + ["prepare", "--tokenizer", "bytes", "--out", data], local_env)
+        sh(trainer + ["prepare", "--tokenizer", TOKENIZER, "--out", data], local_env)
         sh(tpuctl + ["run", args.name, "--", "pretrain", *train_flags(args.steps), "--data", data,
                      "--ckpt-dir", run], env)
         text = sh_out(trainer + ["sample", "--ckpt-dir", run, *SAMPLE], local_env)

@@ -2,7 +2,7 @@
 
 The demo trains on 2 local hosts x 4 devices; the global batch and dropout depend on (seed, step) only, so one
 process with 8 devices trains the same model (tests/test_run_e2e.py checks that equality). The same run is the
-suite's check that a byte-level model learns Shakespeare (the loss falls, metrics and TensorBoard events are
+suite's check that a small-vocabulary model learns Shakespeare (the loss falls, metrics and TensorBoard events are
 written), that pretrain and sample follow the data's tokenizer, and that sampling is the model's argmax: one
 training run serves all of it."""
 from __future__ import annotations
@@ -29,8 +29,8 @@ def test_speaker_turns_are_capitalised_names_alone_on_their_line():
 @pytest.mark.slow
 def test_the_demo_training_writes_a_sample_that_reads_like_a_play(tmp_path_factory, tmp_path):
     e = env(session_cache(tmp_path_factory), devices=8)
-    data = tmp_path / "bytes"
-    p = subprocess.run([sys.executable, "-m", "trainer", "prepare", "--tokenizer", "bytes", "--out", str(data)],
+    data = tmp_path / "tokens"
+    p = subprocess.run([sys.executable, "-m", "trainer", "prepare", "--tokenizer", demo.TOKENIZER, "--out", str(data)],
                        cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     ckpt = tmp_path / "run"
@@ -41,7 +41,7 @@ def test_the_demo_training_writes_a_sample_that_reads_like_a_play(tmp_path_facto
 
     # --vocab-size and --tokenizer were left out: the data's meta.json decided them, and the checkpoint says so.
     model = json.loads((ckpt / "config.json").read_text())["model"]
-    assert (model["tokenizer"], model["vocab_size"]) == ("bytes", 257)
+    assert (model["tokenizer"], model["vocab_size"]) == (demo.TOKENIZER, 4096)
     recs = metrics(ckpt)
     assert [r["step"] for r in recs] == [1, *range(50, demo.STEPS + 1, 50)]
     assert [r["step"] for r in recs if "val_loss" in r] == [demo.STEPS // 2, demo.STEPS]
@@ -69,7 +69,8 @@ def check_greedy_sampling_is_the_model_argmax(ckpt):
     from trainer.models import gpt2
     cfg, params = sample.load(str(ckpt))
     prompt = sample.tokenizer_of(cfg).encode_ordinary("ROMEO:")
-    assert prompt == list(b"ROMEO:")  # the checkpoint's tokenizer: bytes
+    from trainer.pretrain import tokenizers
+    assert prompt == tokenizers.get(demo.TOKENIZER).encode_ordinary("ROMEO:") and max(prompt) < 4096
     ids = sample.generate_ids(str(ckpt), prompt, max_new_tokens=5, temperature=0)
     assert ids[: len(prompt)] == prompt and len(ids) > len(prompt)
     graphdef, _ = gpt2.abstract(cfg.model)
