@@ -41,7 +41,7 @@ SWEEP_TRIAL = ["--n-layer", "1", "--n-head", "4", "--seq-len", "64", "--dropout"
 
 def train_flags(steps: int = STEPS) -> list[str]:
     """The demo's run: MODEL, its cosine over the whole run."""
-    return [*MODEL, "--batch-size", "32", "--steps", str(steps), "--warmup-steps", "20", "--decay-steps", str(steps),
+    return [*MODEL, "--batch-size", "32", "--steps", str(steps), "--warmup-steps", "10", "--decay-steps", str(steps),
             "--lr", "3e-3", "--log-every", "50", "--eval-every", str(steps // 2), "--eval-batches", "4",
             "--ckpt-every", str(steps)]
 
