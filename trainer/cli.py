@@ -48,10 +48,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "pretrain":
         from trainer.common import config
-        from trainer.pretrain import tokenizers
-        from trainer.pretrain import train as loop
+        from trainer.pretrain import tokenizers, train
         tokenizers.follow_data(args)
-        return loop.pretrain(config.resolve(args))
+        return train.pretrain(config.resolve(args))
     if args.cmd == "lora":
         from trainer.finetune import train as finetune
         from trainer.finetune.flags import lora_run
