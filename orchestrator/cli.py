@@ -10,6 +10,7 @@ import click
 
 from orchestrator.cli_common import StatusLine
 from orchestrator.cli_common import api_options as _api_options
+from orchestrator.cli_common import PassThrough
 from orchestrator.cli_common import errors as _errors
 from orchestrator.cli_common import json_option as _json_option
 from orchestrator.spec import UserError
@@ -406,7 +407,7 @@ def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, 
 
 # ---- sweep ------------------------------------------------------------------------------------------------
 
-@cli.command("sweep", context_settings={"ignore_unknown_options": True})
+@cli.command("sweep", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--grid", metavar="FILE", help="YAML mapping of pretrain flag name -> list of values (n_layer: [2, 4]).")

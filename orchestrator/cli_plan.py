@@ -8,12 +8,13 @@ import sys
 import click
 
 from orchestrator import plan as P
+from orchestrator.cli_common import PassThrough
 from orchestrator.spec import UserError
 
 DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1)
 
 
-@click.command("plan", context_settings={"ignore_unknown_options": True})
+@click.command("plan", cls=PassThrough)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("-a", "--accelerator", metavar="TYPE", required=True,
               help="Accelerator type to plan for, e.g. v4-8, v5litepod-8 (alias v5e-8), v5p-8, v6e-4.")

@@ -23,6 +23,7 @@ from orchestrator import launch as L
 from orchestrator import provider
 from orchestrator.cli_common import errors as _errors
 from orchestrator.cli_common import local_option
+from orchestrator.cli_common import PassThrough
 from orchestrator.hosts import Hosts, SshConfig
 from orchestrator.provider import HostAccess, Provider
 from orchestrator.spec import UserError
@@ -239,13 +240,25 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
     if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator:
         return
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
-    p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
+    # The planner reads what the trainer would (the data's meta.json: its tokenizer sets the vocabulary) from
+    # the storage the run will use: for a local slice, the GCS emulator.
+    storage = target.where.local_env(argv)
+    saved = {k: os.environ.get(k) for k in storage}
+    os.environ.update(storage)
+    try:
+        p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if p is not None:
         say(f"plan: {p.verdict()}")
 
 
 # ------------------------------------------------------------------------------ run
-@click.command("run", context_settings={"ignore_unknown_options": True})
+@click.command("run", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--env", "env_pairs", multiple=True, metavar="K=V", help="Set K=V in the trainer's environment on "
@@ -378,7 +391,7 @@ def _select(workers: list[L.Worker], worker: str) -> list[int]:
     return [int(worker)]
 
 
-@click.command("ssh", context_settings={"ignore_unknown_options": True})
+@click.command("ssh", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")

@@ -13,7 +13,8 @@ import os
 import sys
 
 from trainer.common.config import UsageError
-from trainer.common.process import command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory
+from trainer.common.process import (command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory,
+                                    native_stdout_off, quiet_native_logs)
 from trainer.experiments import flags as experiments
 from trainer.finetune import flags as finetune
 from trainer.pretrain import flags as pretrain
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "pretrain":
         from trainer.common import config
-        from trainer.pretrain import train
+        from trainer.pretrain import tokenizers, train
+        tokenizers.follow_data(args)
         return train.pretrain(config.resolve(args))
     if args.cmd == "lora":
         from trainer.finetune import train as finetune
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     try:
         emulate_devices(argv)
+        quiet_native_logs()
+        native_stdout_off()
         keep_freed_memory()
         args = parser().parse_args(argv)
         return run(args)
