@@ -134,7 +134,7 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
     with a live status line, and prints each worker's index, internal and external IP. A failure after the
     create call never leaves an orphan: it is deleted, or kept in the local record for `tpuctl down`.
     """
-    from orchestrator import slices
+    from orchestrator import provider as _provider, slices
     from orchestrator.spec import SliceSpec, load_slice_spec
 
     spec = (load_slice_spec(spec_file) if spec_file else SliceSpec(name="", accelerator="")).with_flags(
@@ -142,8 +142,8 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
         wait_capacity=wait_capacity, keep_on_failure=keep_on_failure, no_queue=no_queue,
         no_external_ips=no_external_ips, reservation=reservation, network=network, subnetwork=subnetwork,
         service_account=service_account, scopes=scopes, runtime_version=runtime_version, labels=labels, ttl=ttl,
-        capacity_wait=capacity_wait, timeout=timeout, project=project, api_endpoint=api_endpoint, local=local,
-        fresh_vm=fresh_vm, ssh_proxy_command=ssh_proxy_command, iap=iap)
+        capacity_wait=capacity_wait, timeout=timeout, project=project, api_endpoint=api_endpoint,
+        provider=_provider.LOCAL if local else None, fresh_vm=fresh_vm, ssh_proxy_command=ssh_proxy_command, iap=iap)
 
     line = StatusLine()
     if plan_run or command:
@@ -194,7 +194,7 @@ def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> N
                         "pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
     with line:
         from orchestrator import provider
-        p = plan.gate(spec.accelerator, command, local=provider.get(spec.provider).cpu_devices, progress=line,
+        p = plan.gate(spec.accelerator, command, cpu_devices=provider.get(spec.provider).cpu_devices, progress=line,
                       skip_flag="leaving out --plan", on_skip=lambda why: line.note(f"plan: {why}"))
     if p:
         line.note(f"plan: {p.verdict()}")

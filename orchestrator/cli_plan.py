@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from orchestrator import plan as P
+from orchestrator import plan as P, provider
 from orchestrator.cli_common import PassThrough
 from orchestrator.spec import UserError
 
@@ -46,8 +46,8 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json):
     from orchestrator.cli_common import StatusLine, TpuctlError
     try:
         with StatusLine(quiet=False) as line:
-            p = P.plan(accelerator, list(command), local=local, steps=steps, mfu=mfu, progress=line,
-                       use_cache=not no_cache)
+            p = P.plan(accelerator, list(command), cpu_devices=provider.chosen(local).cpu_devices, steps=steps,
+                       mfu=mfu, progress=line, use_cache=not no_cache)
     except UserError as e:
         raise TpuctlError(str(e)) from None
     except KeyboardInterrupt:

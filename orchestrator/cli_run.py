@@ -246,7 +246,7 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
     saved = {k: os.environ.get(k) for k in storage}
     os.environ.update(storage)
     try:
-        p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
+        p = P.gate(target.accelerator, argv[3:], cpu_devices=target.where.cpu_devices, progress=say)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home", default=str(Path.home() / ".tpuctl" / "demo"))
     args = p.parse_args(argv)
 
-    from infra import gcs
-    from orchestrator.provider import local as local_provider
+    from orchestrator import provider
+    place = provider.chosen(local=True)  # the demo runs in local mode: the --local of every tpuctl command below
 
     t0 = time.monotonic()
     env = dict(os.environ, TPUCTL_HOME=args.home)
@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = [sys.executable, "-m", "trainer"]
     data, run = f"gs://{BUCKET}/shakespeare-4k", f"gs://{BUCKET}/{args.name}"
 
-    emu = gcs.start(buckets=(BUCKET,))
-    local_env = {**env, **emu.env}  # this machine (the "laptop") reads and writes the same emulated bucket
-    print(f"GCS emulator at {emu.endpoint} (bucket {BUCKET})")
+    local_env = {**env, **place.local_env([data])}  # this machine (the "laptop") reads and writes the same bucket
+    print(f"GCS emulator at {local_env.get('STORAGE_EMULATOR_HOST', '?')} (bucket {BUCKET})")
     print(f"The demo trains a {MODEL[1]}-layer, {MODEL[5]}-wide GPT-2 on Shakespeare's plays, tokenised with "
           f"{TOKENIZER} (GPT-2's BPE cut to 4,096 ids), {args.steps} steps on the 2 hosts of a local slice; then "
           f"it samples the model here and sweeps three widths of a one-layer model.")
@@ -137,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         sh(tpuctl + ["down", args.name, "--local", "--yes"], env, check=False)
-        gcs.stop()
-        local_provider.stop_api()  # the TPU API stand-in: nothing of the demo keeps running
+        place.stop_services()  # the GCS emulator and the TPU API stand-in: nothing of the demo keeps running
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ class SliceSpec:
                    wait_capacity=None, keep_on_failure=None, no_queue=None, no_external_ips=None, reservation=None,
                    network=None, subnetwork=None, service_account=None, scopes=None, runtime_version=None,
                    labels=(), ttl=None, capacity_wait=None, timeout=None, project=None, api_endpoint=None,
-                   local=None, fresh_vm=None, ssh_proxy_command=None, iap=None) -> "SliceSpec":
+                   provider=None, fresh_vm=None, ssh_proxy_command=None, iap=None) -> "SliceSpec":
         """`tpuctl up`'s flags over this spec (a spec file's, or an empty one). A flag not given (None or empty)
         leaves the spec's value alone; durations are parsed here, naming the flag when they are bad."""
         for attr, value in (("name", name), ("accelerator", accelerator), ("reservation", reservation),
@@ -250,8 +250,8 @@ class SliceSpec:
                                   ("--timeout", "timeout_s", timeout)):
             if value:
                 setattr(self, attr, parse_duration(value, flag))
-        if local:
-            self.provider = "local"
+        if provider:  # the place the user picked on the command line (--local)
+            self.provider = provider
         if fresh_vm:
             self.provider_options = {**self.provider_options, "fresh": True}
         return self

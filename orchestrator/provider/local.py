@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 from orchestrator import cloud, state
 from orchestrator.procs import pid_alive
 from orchestrator.cloud import Api
-from orchestrator.provider import LOCAL, HostAccess, Progress, Provider
+from orchestrator.provider.base import LOCAL, HostAccess, Progress, Provider
 from orchestrator.spec import LOCAL_PROJECT, SliceSpec, UserError
 from orchestrator.state import SliceRecord, Worker
 
@@ -167,6 +167,12 @@ class LocalProvider(Provider):
             return {}
         from infra import gcs
         return gcs.start(buckets=tuple(buckets)).env
+
+    def stop_services(self) -> None:
+        """The GCS emulator and the TPU API stand-in end (their state is lost)."""
+        from infra import gcs
+        gcs.stop()
+        stop_api()
 
 
 def private_address(ip: str) -> str:
