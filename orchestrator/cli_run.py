@@ -91,7 +91,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
             devices = None
         # A worker without an external IP (--no-external-ips) is reached on its internal one; --internal-ip
         # forces that for all, for a machine inside the VPC.
-        workers = [L.Worker(index=w.index, internal_ip=w.internal_ip,
+        workers = [L.Worker(index=w.index, internal_ip=w.internal_ip, slice=w.slice,
                             external_ip=None if internal_ip else w.external_ip) for w in ws]
         access = where.host_access(name)
     user = ssh_user or os.environ.get("TPUCTL_SSH_USER") or access.user or getpass.getuser()
@@ -167,10 +167,10 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
               help="Also ship this directory (the trainer runs in it, and it is on PYTHONPATH).")
 @click.option("--raw", is_flag=True, help="Run COMMAND as it is (no bundle, no Python environment needed).")
 @click.option("--coordinator-port", type=int, default=L.DEFAULT_COORDINATOR_PORT, show_default=True)
-@click.option("--heartbeat-timeout", type=int, default=10, show_default=True,
-              help="Seconds before jax.distributed declares a silent host dead.")
-@click.option("--init-timeout", type=int, default=60, show_default=True,
-              help="Seconds jax.distributed waits for every host to join.")
+@click.option("--heartbeat-timeout", type=int, default=None,
+              help="Seconds before jax.distributed declares a silent host dead (default 10; 60 on several slices).")
+@click.option("--init-timeout", type=int, default=None,
+              help="Seconds jax.distributed waits for every host to join (default 60; 600 on several slices).")
 @click.option("--json", "as_json", is_flag=True, help="Stream the hosts' output to stderr and print the result as "
               "JSON on stdout.")
 @click.option("--on-preemption", type=click.Choice(["recreate", "fail"]), default="recreate", show_default=True,
@@ -242,7 +242,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUNNER_PID).write_text(str(os.getpid()))  # `logs --follow` stops once this process is gone
         spec = L.LaunchSpec(argv=argv, env=env, run_id=run_dir.name, coordinator_port=coordinator_port,
-                            heartbeat_timeout_s=heartbeat_timeout, init_timeout_s=init_timeout)
+                            **L.timeouts(target.workers, heartbeat_timeout, init_timeout))
         return run_job(target.workers, spec, ssh=target.ssh, run_dir=run_dir, secret_env=secrets, bundle=bundle,
                        install=install, layout=layout, kill_stale=kill_stale, out=out,
                        watch=Watch(report_failure=bool(hosts), hang_timeout_s=hang_timeout or None))

@@ -152,7 +152,7 @@ class Hosts:
     def __init__(self, workers: list[Worker], ssh: SshConfig, layout: HostLayout | None = None):
         if not workers:
             raise HostError("no workers to connect to")
-        self.workers = sorted(workers, key=lambda w: w.index)
+        self.workers = sorted(workers, key=lambda w: (w.slice or 0, w.index))  # JAX process order
         self.ssh = ssh
         self.layout = layout or HostLayout()
         if ssh.key and not Path(ssh.key).expanduser().exists():
@@ -291,7 +291,7 @@ class Hosts:
         def probe(i: int, c: Connection) -> Probe:
             p = Probe(worker=self.workers[i])
             t0 = time.time()
-            check = coordinator and self.workers[i].index == min(w.index for w in self.workers)
+            check = coordinator and i == 0  # process 0 (workers are in process order)
             try:
                 r = c.run(cmd + (f" --coordinator {shlex.quote(coordinator)}" if check else ""), timeout=60)
             except Exception as e:  # noqa: BLE001
