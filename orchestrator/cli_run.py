@@ -40,6 +40,7 @@ class Target:
     access: HostAccess = HostAccess()
     devices_per_host: int | None = None  # from the accelerator type, when the slice is recorded
     accelerator: str | None = None  # the recorded slice's type (the plan checks the step against it)
+    slices: int = 1                 # a multislice record: one job over this many slices of `accelerator`
 
 
 def _parse_hosts(spec: str) -> list[L.Worker]:
@@ -70,7 +71,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
             internal_ip: bool = False) -> Target:
     """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > provider > TPU VM defaults)."""
     from orchestrator import catalog, slices, state
-    devices, created, accelerator = None, None, None
+    devices, created, accelerator, n_slices = None, None, None, 1
     rec = state.lookup(name)
     if hosts:
         workers = _parse_hosts(hosts)
@@ -83,7 +84,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
                             "or pass --hosts IP,...")
         where = provider.of(rec)
         ws = slices.workers(name)
-        created = rec.created_at
+        created, n_slices = rec.created_at, rec.slices
         try:
             devices = catalog.lookup(rec.accelerator).devices_per_host
             accelerator = rec.accelerator
@@ -102,7 +103,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
     if ssh_wait is not None:
         ssh.wait_s = ssh_wait
     return Target(name=name, workers=workers, ssh=ssh, where=where, access=access, devices_per_host=devices,
-                  accelerator=accelerator)
+                  accelerator=accelerator, slices=n_slices)
 
 
 def _ssh_options(f):
@@ -145,6 +146,10 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
     if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator:
         return
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
+    if target.slices > 1:
+        say(f"plan: not checked here for {target.slices} slices (`tpuctl plan -a {target.accelerator} --num-slices "
+            f"{target.slices} -- ...` plans one)")
+        return
     p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
     if p is not None:
         say(f"plan: {p.verdict()}")
@@ -223,6 +228,10 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
                                            progress=lambda m: print(f"[tpuctl] {m}", file=out, flush=True))
     target = resolve(name, hosts=hosts, local=local, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port,
                      ssh_wait=ssh_wait, internal_ip=internal_ip)
+    if target.slices > 1:
+        per = len(target.workers) // target.slices
+        print(f"[tpuctl] one job over {target.slices} slices of {target.accelerator} joined by DCN: "
+              f"{len(target.workers)} hosts, process = slice x {per} + worker, coordinator s0w0", file=out, flush=True)
     if not no_plan:
         plan_gate(argv, target, out)
     env = {**target.where.run_env(name, argv, target.devices_per_host), **env}

@@ -1,0 +1,114 @@
+"""One job over two slices, end to end on this machine: `tpuctl up --local -a v4-8 --num-slices 2` (one multislice
+queued resource in the TPU API stand-in, each slice's worker its own sshd host), `tpuctl run` trains a
+gpt2-tiny-sized model 30 steps on both slices as one jax.distributed job, slice 1 is preempted after step 15 (its
+node PREEMPTED, its VM's processes die; slice 0's when the queued resource is deleted), tpuctl recreates both and
+the same command resumes. Step 30 must equal, bit for bit, an uninterrupted run of the same job (made cheaply: two
+plain trainer processes with the environment the two slices' hosts get), and `down` leaves nothing."""
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from _local_hosts import needs_hosts
+from bench.preempt import ARGS, BUCKET, LocalSpot
+from infra.fake_tpu_api import FakeControl
+from infra.local_slice import LocalSlice
+from test_preemption_e2e import COMPARE
+
+pytestmark = [needs_hosts, pytest.mark.e2e, pytest.mark.slow]
+
+STEPS = 30
+
+
+def _args() -> list[str]:
+    """bench.preempt's gpt2-tiny-sized run, 30 steps, a checkpoint every 5, data-parallel over all 8 devices."""
+    change = {"--steps": str(STEPS), "--ckpt-every": "5", "--mesh": "data=8,model=1", "--decay-steps": "25"}
+    out = list(ARGS)
+    for i, a in enumerate(out[:-1]):
+        if a in change:
+            out[i + 1] = change[a]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _uninterrupted(spot: LocalSpot, args: list[str], ckpt: str) -> None:
+    """The same job as two plain processes (4 emulated devices each), with the environment `tpuctl run` gives the
+    hosts of two v4-8 slices (slice-major ids, MEGASCALE_*): no SSH, no bundle."""
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {**spot.env, **spot.emu.env, "JAX_PLATFORMS": "cpu", "TPUCTL_EMULATE_DEVICES": "4",
+               "TPUCTL_COORDINATOR": f"127.0.0.1:{port}", "TPUCTL_NUM_PROCESSES": "2", "TPUCTL_PROCESS_ID": str(i),
+               "TPUCTL_HEARTBEAT_TIMEOUT_S": "60", "TPUCTL_INIT_TIMEOUT_S": "300",
+               "MEGASCALE_COORDINATOR_ADDRESS": "127.0.0.1", "MEGASCALE_NUM_SLICES": "2",
+               "MEGASCALE_SLICE_ID": str(i)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *args, "--ckpt-dir", ckpt], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+
+
+READ = r"""
+import json, sys, gcsfs
+fs = gcsfs.GCSFileSystem()
+print(json.dumps([[json.loads(l) for l in fs.cat(p).decode().splitlines() if l.strip()] for p in sys.argv[1:]]))
+"""
+
+
+def test_two_slices_one_job_survive_a_slice_preemption_bit_equal(tmp_path):
+    args = _args()
+    with LocalSpot(tmp_path / "home", name="ms", accelerator="v4-8", num_slices=2) as spot:
+        fake = FakeControl(spot.api["url"])
+        # 1. One queued resource with multisliceParams.nodeCount 2; nodes ms-0 and ms-1, each worker its own host.
+        creates = fake.state()["create_calls"]
+        assert [c["kind"] for c in creates] == ["queuedResource"]
+        assert creates[0]["body"]["tpu"]["nodeSpec"][0]["multisliceParams"] == {"nodeCount": 2, "nodeIdPrefix": "ms"}
+        st = json.loads(spot.cli("status", "ms", "--local", "--json").stdout)
+        assert [d["node"].rsplit("/", 1)[1] for d in st["nodes"]] == ["ms-0", "ms-1"]
+        assert [(w["slice"], w["index"]) for w in st["workers"]] == [(0, 0), (1, 0)]
+        assert len({w["internal_ip"] for w in st["workers"]}) == 2 and set(LocalSlice.names(
+            tmp_path / "home" / "local" / "slices")) == {"ms-0", "ms-1"}
+
+        # 2 + 3. Both slices as one job; slice 1 preempted after step 15; both recreated; resumed to step 30.
+        rc, res, err = spot.run(f"gs://{BUCKET}/ms", (15,), args=args, node="ms-1", log="s0w0.log", steps=STEPS)
+        assert rc == 0, err[-4000:]
+        assert "one job over 2 slices of v4-8" in err and "[s1w0]" in err and "[s0w0]" in err
+        first, second = res["attempts"]
+        assert first["outcome"] == "preempted" and second["outcome"] == "done", res["attempts"]
+        assert second["resumed_from"] in (10, 15), res["attempts"]
+        assert "ms's slice 1 (ms-1) of 2 was preempted" in err and "FAILED" not in err and "---- s" not in err, \
+            err[-3000:]
+        assert "1 preemption(s)" in err and res["goodput"]["restarts"] == 1
+        _uninterrupted(spot, args, f"gs://{BUCKET}/ref")
+
+        env = {**spot.env, **spot.emu.env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+               "JAX_PLATFORMS": "cpu"}
+        got = subprocess.run([sys.executable, "-c", READ, f"{BUCKET}/ms/metrics.jsonl", f"{BUCKET}/ref/metrics.jsonl"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert got.returncode == 0, got.stderr[-2000:]
+        ms, ref = ([r["loss"] for r in rows if r["step"] == STEPS][-1] for rows in json.loads(got.stdout))
+        assert abs(ms - ref) <= 1e-4 * abs(ref), (ms, ref)
+        cmp = subprocess.run([sys.executable, "-c", COMPARE, json.dumps([*args, "--ckpt-dir", "x"]),
+                              f"gs://{BUCKET}/ref", f"gs://{BUCKET}/ms"], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert cmp.returncode == 0, cmp.stderr[-3000:]
+        same = json.loads(cmp.stdout.strip().splitlines()[-1])
+        assert same["steps"] == [STEPS, STEPS] and same["leaves"] >= 20 and same["equal"], same  # params + Adam
+
+        # 4. down: no node, no queued resource, no local host left.
+        down = spot.cli("down", "ms", "--local")
+        assert down.returncode == 0, down.stderr
+        left = fake.state()
+        assert left["nodes"] == [] and left["queued_resources"] == []
+        assert LocalSlice.names(tmp_path / "home" / "local" / "slices") == []
