@@ -159,3 +159,25 @@ def test_one_job_over_two_slices_gets_slice_major_ids_and_megascale_env():
     assert not any(k.startswith("MEGASCALE_") for k in single)
     with pytest.raises(L.LaunchError, match="MEGASCALE_SLICE_ID"):
         L.parse_env(["MEGASCALE_SLICE_ID=3"])
+
+
+def test_multislice_plan_arithmetic_dcn_bytes_and_time_beside_compute():
+    """The DCN figures from one slice's compiled figures (no compile here: the figures are given)."""
+    from orchestrator import catalog, plan as P, plan_dcn
+    figs = {"params_bytes": 2 ** 30, "grad_bytes": 2 ** 30, "optimizer_bytes": 2 ** 31, "temp_bytes": 2 ** 30,
+            "total_bytes": 5 * 2 ** 30, "flops": 4e12, "model_flops_per_token": 1e9, "tokens_per_step": 4096,
+            "devices": 8, "mesh": {"data": 4, "model": 2}, "settings": {"batch_size": 32}, "argument_bytes": 0,
+            "output_bytes": 0, "alias_bytes": 0, "code_bytes": 0, "bytes_accessed": 0, "dtype": "bfloat16",
+            "compile_s": 1.0}
+    one = P.Plan(catalog.lookup("v4-16"), P.TPU, figs, mfu=0.5)
+    m = plan_dcn.MultislicePlan(one, 4, 32, grad_bytes=2 * 2 ** 30, dcn_gbps=100)
+    # ring all-reduce over 4 slices: 2 * 3/4 of 2 GiB through each slice, over its 2 hosts
+    assert m.dcn_bytes_per_host == pytest.approx(1.5 * 2 ** 30)
+    assert m.dcn_s == pytest.approx(1.5 * 2 ** 30 * 8 / 100e9)
+    assert m.compute_s == pytest.approx(one.step_s(0.5)) and m.compute_s > 0
+    text = m.render()
+    assert "4 x v4-16 joined by DCN = 32 chips, 8 host(s)" in text and "32 / 4 = 8 sequences per slice" in text
+    assert "1.50 GiB sent and received by each host" in text and "at 100 Gbit/s" in text and "compute step" in text
+    assert m.to_json()["dcn_bytes_per_host_per_step"] == m.dcn_bytes_per_host
+    with pytest.raises(UserError, match="needs v4 or later"):
+        plan_dcn.plan("v3-8", ["pretrain"], 2)
