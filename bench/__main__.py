@@ -41,7 +41,7 @@ def main(argv=None) -> int:
             print(f"error: --{name.replace('_', '-')} {v}: must be at least 1", file=sys.stderr)
             return 2
     emulate(8)
-    from trainer import hostmem
+    from trainer.common import hostmem
     kept = hostmem.keep_freed_memory()  # as `python -m trainer` does on the CPU backend: this process runs ours
     import dataclasses
 

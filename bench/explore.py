@@ -1,6 +1,6 @@
 """`python -m bench.explore [VARIANT ...]`: our step with one thing changed, alternated with the seed's.
 
-Each variant is trainer.loop.Steps on the seed's config (L4 D256 H4 T256 B16, mesh 8x1, f32) with one
+Each variant is trainer.pretrain.train.Steps on the seed's config (L4 D256 H4 T256 B16, mesh 8x1, f32) with one
 change, so its ratio to `ours` is that change's effect; measured side by side like `python -m bench`.
 `dp` is ours with --vocab-parallel off; foldmask, shardmap*, zero1*, wte_t* and best change that
 replicated-table step, so read them against `dp`.
@@ -26,7 +26,7 @@ def build(name: str, tmp: str):
 
     from bench import seed_gpt2
     from bench.ours import OursTrainer, config
-    from trainer import loop
+    from trainer.pretrain import train as loop
     from trainer.models import gpt2
 
     model = dict(n_layer=4, d_model=256, n_head=4, seq_len=256, dropout=0.1)

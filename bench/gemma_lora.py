@@ -1,4 +1,4 @@
-"""`python -m bench.gemma_lora`: a LoRA train step's tokens/s, ours (trainer/finetune.py) vs tunix's PeftTrainer
+"""`python -m bench.gemma_lora`: a LoRA train step's tokens/s, ours (trainer/finetune/train.py) vs tunix's PeftTrainer
 step with qwix LoRA, on the same Gemma 2 config, mesh (4x2 of emulated CPU devices), batch and targets.
 
 Each contender runs in its own process (`python -m bench.gemma_lora worker KIND`) and is compiled and warmed
@@ -40,8 +40,9 @@ def ours():
     import jax
     import numpy as np
 
-    from trainer import finetune, mesh as mesh_lib
-    from trainer.lora_config import LoraRun
+    from trainer.finetune import train as finetune
+    from trainer.common import mesh as mesh_lib
+    from trainer.finetune.config import LoraRun
     from trainer.models import gemma, lora as lora_lib
     cfg = gemma.GemmaConfig(**CFG)
     mesh = mesh_lib.make_mesh({"data": 4, "model": 2})

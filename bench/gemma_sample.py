@@ -20,7 +20,8 @@ def main(rounds: int = 3, n_new: int = 64) -> int:
 
     import jax
 
-    from trainer import generate as gen, mesh as mesh_lib
+    from trainer.gemma import generate as gen
+    from trainer.common import mesh as mesh_lib
     from trainer.models import gemma
 
     base = gemma.GemmaConfig("gemma2", vocab=96, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -65,7 +65,7 @@ def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None
     from orchestrator import launch as L
     from orchestrator.hosts import InstallOptions, SshConfig
     from orchestrator.runner import RunFailed, run_job
-    from trainer import data
+    from trainer.pretrain import prepare
 
     if os.geteuid() != 0 or not os.access("/usr/sbin/sshd", os.X_OK):
         say("[6] launch bench: skipped (needs root and /usr/sbin/sshd for the local slice)")
@@ -77,9 +77,9 @@ def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None
         wh_root = _wheelhouse_root()
         cold_wh = not (wh_root / bundle.deps_hash[:16] / ".complete").exists()
         wh = B.fill_wheelhouse(bundle, wh_root, log=lambda m: say(f"    {m}"))
-        corpus = sorted(data.default_corpus())[:2]  # two plays: enough tokens for a few steps
+        corpus = sorted(prepare.default_corpus())[:2]  # two plays: enough tokens for a few steps
         tok_dir = tmp / "tok"
-        data.prepare([str(p) for p in corpus], str(tok_dir))
+        prepare.prepare([str(p) for p in corpus], str(tok_dir))
         say(f"    bundle {bundle.short} built, wheelhouse {'filled now (download)' if cold_wh else 'already filled'}"
             f", data prepared: {time.monotonic() - t0:.0f} s")
         for n in host_counts:

@@ -1,12 +1,13 @@
-"""Our trainer's own train step (trainer.loop.Steps), driven one step at a time for timing."""
+"""Our trainer's own train step (trainer.pretrain.train.Steps), driven one step at a time for timing."""
 from __future__ import annotations
 
 import dataclasses
 
 import jax
 
-from trainer import checkpoint, loop
-from trainer.config import PRESETS, Config, validate
+from trainer.common import checkpoint
+from trainer.pretrain import train as loop
+from trainer.common.config import PRESETS, Config, validate
 from trainer.models import gpt2
 
 

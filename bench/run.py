@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from bench.ours import OursTrainer, config
-from trainer.config import Config
+from trainer.common.config import Config
 from bench.peak import MatmulPeak, median, model_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def section_seed_vs_ours(plan: Plan) -> dict:
     cfg_txt = f"L{p.n_layer} D{p.d_model} H{p.n_head} T{p.seq_len} B{p.batch} vocab {p.vocab}, mesh 8x1, f32"
     say(f"== [1-3] seed (bench/seed_gpt2.py) vs ours, same config: {cfg_txt}")
     say("   each in its own process (bench/worker.py), steps alternated: the seed's code as it ships; the seed's "
-        "code with the host-allocator setting our trainer applies at start (trainer/hostmem.py); ours; then ours "
+        "code with the host-allocator setting our trainer applies at start (trainer/common/hostmem.py); ours; then ours "
         "against ours with --vocab-parallel off")
     t0 = time.perf_counter()
     # Two alternations, so that at most three workers hold their memory at once (each keeps its peak, up to
@@ -208,7 +208,7 @@ def section_seed_vs_ours(plan: Plan) -> dict:
 
     line("[1] seed", "seed", "(article's code as it ships: nnx MHA + mask, dropout never runs):   ")
     line("[1b] seed", "seed+keep", "with the trainer's allocator setting (freed host memory reused):     ")
-    line("[2] ours", "ours", "(trainer.loop.Steps, defaults, dropout on, as `python -m trainer` runs): ")
+    line("[2] ours", "ours", "(trainer.pretrain.train.Steps, defaults, dropout on, as `python -m trainer` runs): ")
     say(f"    ratio ours/seed tokens/s: {ratio('seed', 'ours')}  [target >= 1.3x]")
     say(f"    ratio ours/seed with the same allocator setting (like for like): {ratio('seed+keep', 'ours')}")
     say(f"    the allocator setting alone, on the seed's code: {ratio('seed', 'seed+keep')}")
@@ -333,7 +333,7 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: {len(dev)} {dev[0].device_kind} devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}), "
         f"{os.cpu_count()} cores {platform.processor() or platform.machine()}, jax {jax.__version__}, "
-        f"load average {load:.1f} at start; freed host memory kept for reuse (trainer/hostmem.py): "
+        f"load average {load:.1f} at start; freed host memory kept for reuse (trainer/common/hostmem.py): "
         f"{kept_freed_memory}")
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="tpuctl-bench-") as tmp:

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from trainer.chips import PEAK_FLOPS
+from trainer.common.chips import PEAK_FLOPS
 
 GIB = 2 ** 30
 
@@ -34,7 +34,7 @@ class Chip:
     hbm_bytes_s: float    # HBM bandwidth per device
 
 
-# Peak bf16 FLOP/s from the one table (trainer/chips.py); Google's published HBM bandwidth per chip: v5e
+# Peak bf16 FLOP/s from the one table (trainer/common/chips.py); Google's published HBM bandwidth per chip: v5e
 # 819 GB/s, v4 1,200 GB/s (one JAX device per chip: megacore on v4).
 CHIPS = {
     "v5e-8": Chip(8, "v5e:2x4", "default", PEAK_FLOPS["TPU v5 lite"], 819e9),
@@ -62,8 +62,8 @@ VARIANTS = {
 
 
 def compile_step(chip: Chip, flags: list[str], step: list[str] = STEP) -> dict:
-    """trainer.aot's figures for the step with these flags (its own process: libtpu and jax set up there)."""
-    cmd = [sys.executable, "-m", "trainer.aot", "--devices", str(chip.devices), "--tpu", chip.tpu,
+    """trainer.common.aot's figures for the step with these flags (its own process: libtpu and jax set up there)."""
+    cmd = [sys.executable, "-m", "trainer.plan", "--devices", str(chip.devices), "--tpu", chip.tpu,
            "--chip-config", chip.chip_config, "--", *step, *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if out.returncode:
@@ -93,7 +93,7 @@ def row(label: str, v: dict) -> str:
 
 
 def main(chips: list[str] | None = None, variants: list[str] | None = None, say=print) -> dict:
-    from trainer.aot import has_libtpu
+    from trainer.common.aot import has_libtpu
     if not has_libtpu():
         say("  skipped: libtpu is not installed (pip install 'tpuctl[plan]', or `make setup`, installs it)")
         return {}

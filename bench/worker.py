@@ -1,6 +1,6 @@
 """`python -m bench.worker KIND PLAN_JSON`: one contender of the seed-vs-ours comparison, in its own process.
 
-How host memory is allocated is a process-wide setting (trainer/hostmem.py, which our trainer applies at
+How host memory is allocated is a process-wide setting (trainer/common/hostmem.py, which our trainer applies at
 start on the CPU backend), so the seed's code as it ships and the seed's code with that setting each need a
 process. The parent (bench/run.py) alternates the contenders' steps: it writes `step` on stdin and the worker
 answers `WALL CPU` (seconds, its own clock and its own CPU time) on stdout. After warm-up the worker prints
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     emulate(8)
     kept = False
     if kind != "seed":  # before jax starts its threads, as `python -m trainer` does
-        from trainer import hostmem
+        from trainer.common import hostmem
         kept = hostmem.keep_freed_memory()
     import numpy as np
 

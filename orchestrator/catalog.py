@@ -9,7 +9,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from trainer.chips import PEAK_FLOPS
+from trainer.common.chips import PEAK_FLOPS
 
 # Sources (see catalog.md for the full list):
 # [1] https://docs.cloud.google.com/tpu/docs/v6e
@@ -50,14 +50,14 @@ class Generation:
 
     @property
     def peak_bf16_tflops(self) -> float:
-        """Per chip, from the one table (trainer/chips.py)."""
+        """Per chip, from the one table (trainer/common/chips.py)."""
         return PEAK_FLOPS[self.device_kind] / 1e12
 
 
 GENERATIONS: dict[str, Generation] = {
     "v4": Generation(
         name="v4", api_type="V4",
-        device_kind="TPU v4",     # peak bf16 FLOP/s per chip: trainer/chips.py
+        device_kind="TPU v4",     # peak bf16 FLOP/s per chip: trainer/common/chips.py
         hbm_gib_per_chip=32.0,    # 32 GiB [4]
         chips_per_vm=4, name_counts_cores=True,  # megacore: 1 JAX device per chip
         price_on_demand=3.22, price_spot={"us-central2": 0.92},    # [10]
@@ -72,7 +72,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v5p": Generation(
         name="v5p", api_type="V5P",
-        device_kind="TPU v5p",     # peak bf16 FLOP/s per chip: trainer/chips.py
+        device_kind="TPU v5p",     # peak bf16 FLOP/s per chip: trainer/common/chips.py
         hbm_gib_per_chip=95.0,    # "95GB" on the v5p page, "95 GiB" on v5p-training [3]
         chips_per_vm=4, name_counts_cores=True,
         price_on_demand=4.20,                                       # [10]
@@ -89,7 +89,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v5litepod": Generation(
         name="v5litepod", api_type="V5LITE_POD",
-        device_kind="TPU v5 lite",     # peak bf16 FLOP/s per chip: trainer/chips.py
+        device_kind="TPU v5 lite",     # peak bf16 FLOP/s per chip: trainer/common/chips.py
         hbm_gib_per_chip=16.0,    # [2]
         chips_per_vm=4, name_counts_cores=False,
         price_on_demand=1.20,                                       # [10]
@@ -106,7 +106,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v6e": Generation(
         name="v6e", api_type="V6E",
-        device_kind="TPU v6 lite",     # peak bf16 FLOP/s per chip: trainer/chips.py
+        device_kind="TPU v6 lite",     # peak bf16 FLOP/s per chip: trainer/common/chips.py
         hbm_gib_per_chip=32.0,    # 32 GB [1]
         chips_per_vm=4, name_counts_cores=False,
         price_on_demand=2.70,                                       # [10]
@@ -122,7 +122,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v2": Generation(
         name="v2", api_type="V2",
-        device_kind="TPU v2",     # peak bf16 FLOP/s per chip: trainer/chips.py
+        device_kind="TPU v2",     # peak bf16 FLOP/s per chip: trainer/common/chips.py
         hbm_gib_per_chip=16.0,    # v2-8 = 64 GiB [6b]
         chips_per_vm=4, name_counts_cores=True,
         price_on_demand=1.125, price_spot={"us-central1": 0.3375},  # [10]
@@ -133,7 +133,7 @@ GENERATIONS: dict[str, Generation] = {
     ),
     "v3": Generation(
         name="v3", api_type="V3",
-        device_kind="TPU v3",     # peak bf16 FLOP/s per chip: trainer/chips.py
+        device_kind="TPU v3",     # peak bf16 FLOP/s per chip: trainer/common/chips.py
         hbm_gib_per_chip=32.0,    # [5]
         chips_per_vm=4, name_counts_cores=True,
         price_on_demand=2.00, price_spot={"us-central1": 0.51},     # [10]

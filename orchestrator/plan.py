@@ -1,6 +1,6 @@
 """`tpuctl plan`: the TPU compiler's verdict on a trainer command, per device, before any slice exists.
 
-The trainer builds and compiles its own train step (`python -m trainer.aot`, run as a process: the
+The trainer builds and compiles its own train step (`python -m trainer.plan`, run as a process: the
 orchestrator never imports the trainer) for the accelerator's topology with libtpu, on this machine, with
 no TPU. This module turns the compiler's figures into the plan: per-device HBM against the chip's, a
 verdict, what would fit when it does not, FLOPs, step time, tokens/s, wall time and list-price cost.
@@ -28,7 +28,7 @@ from orchestrator import catalog
 from orchestrator.spec import UserError
 
 GIB = 2 ** 30
-NOTHING_TO_PLAN = 4  # trainer.aot's exit code for a command with no train step (prepare, sample, ...)
+NOTHING_TO_PLAN = 4  # trainer.common.aot's exit code for a command with no train step (prepare, sample, ...)
 TPU, CPU, ESTIMATE = "tpu", "cpu", "cpu-estimate"  # libtpu; a local slice's CPU devices; CPU for a TPU target
 INSTALL_HINT = "pip install 'tpuctl[plan]' (libtpu, ~200 MB) for the TPU compiler's exact figures"
 VERSIONED = ("tpuctl", "jax", "jaxlib", "libtpu", "flax", "optax")
@@ -55,7 +55,7 @@ class Suggestion:
 class Plan:
     accelerator: catalog.AcceleratorType
     compiler: str                 # TPU, CPU or ESTIMATE
-    figures: dict                 # trainer/aot.py's output: per-device bytes, flops, settings
+    figures: dict                 # trainer/common/aot.py's output: per-device bytes, flops, settings
     mfu: float = 0.5
     steps: int | None = None      # --steps for time and cost; None: the trainer's --steps
     cached: bool = False
@@ -116,7 +116,7 @@ class Plan:
 
     @property
     def model_flops(self) -> float:
-        """Per device per step, from the model's arithmetic (trainer.metrics.flops_per_token)."""
+        """Per device per step, from the model's arithmetic (trainer.common.metrics.flops_per_token)."""
         f = self.figures
         return f["model_flops_per_token"] * f["tokens_per_step"] / f["devices"]
 
@@ -205,7 +205,7 @@ def _cache_dir() -> Path:
 
 
 def _aot_argv(a: catalog.AcceleratorType, local: bool) -> list[str]:
-    base = [sys.executable, "-m", "trainer.aot", "--processes", str(a.hosts), "--devices", str(devices_of(a))]
+    base = [sys.executable, "-m", "trainer.plan", "--processes", str(a.hosts), "--devices", str(devices_of(a))]
     if local:
         return base
     if not a.aot_topology:  # a generation libtpu has no name for here: the CPU compiler, planned as for TPU
@@ -273,7 +273,7 @@ def _mode(figures: dict, local: bool) -> str:
 
 
 # ---- what would fit ----------------------------------------------------------------------------------------
-# One function per lever a trainer command declares (trainer/aot.py Built.levers): plan -> suggestion or None.
+# One function per lever a trainer command declares (trainer/common/aot.py Built.levers): plan -> suggestion or None.
 # The estimates split the compiled total into what stays (arguments, outputs, code, f32 gradients of the trained
 # params, and for an fsdp-sharded base the copy each device gathers of the other devices' shards) and
 # activations (the rest of the temporaries), which scale with the per-device micro-batch.

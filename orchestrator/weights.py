@@ -26,7 +26,7 @@ from typing import Callable
 
 from orchestrator.spec import UserError
 
-MANIFEST = "tpuctl-manifest.json"  # the trainer (trainer/weights.py) requires it on gs:// paths
+MANIFEST = "tpuctl-manifest.json"  # the trainer (trainer/gemma/weights.py) requires it on gs:// paths
 FRAMEWORKS = ("flax", "transformers", "jax", "keras", "pytorch", "tensorflow", "tfLite", "gemmaCpp", "other")
 _SLUG = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
 _HANDLE_RE = re.compile(rf"({_SLUG})/({_SLUG})/({_SLUG})/({_SLUG})(?:/(\d+))?")

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from trainer.export import flax_tree as kaggle_flax_tree, hf_tensors  # noqa: F401 (tests use both)
+from trainer.gemma.export import flax_tree as kaggle_flax_tree, hf_tensors  # noqa: F401 (tests use both)
 from trainer.models import gemma
 
 # Sliding window shorter than the test sequences; Gemma 3 with 7 layers = one full 5:1 cycle + a local layer.
@@ -28,7 +28,7 @@ def write_flax(root: str, cfg: gemma.GemmaConfig, flat: dict, variation: str = "
     sharded by the rules, so each array is stored in one chunk per shard (else one chunk per array)."""
     import jax
     import orbax.checkpoint as ocp
-    from trainer.mesh import fitted_spec
+    from trainer.common.mesh import fitted_spec
     os.makedirs(root, exist_ok=True)
     tree = kaggle_flax_tree(cfg, flat)
     if mesh is not None:

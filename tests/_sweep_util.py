@@ -5,8 +5,8 @@ import dataclasses
 import json
 import math
 
-from trainer import sweep
-from trainer.config import PRESETS, Config
+from trainer.experiments import sweep
+from trainer.common.config import PRESETS, Config
 
 BASE = ["pretrain", "--preset", "gpt2-tiny", "--steps", "4"]
 

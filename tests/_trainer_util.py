@@ -19,9 +19,9 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
 def shakespeare(tmp_path_factory) -> str:
     """The embedded corpus, tokenised once per test session."""
     if "dir" not in _prepared:
-        from trainer import data
+        from trainer.pretrain import prepare
         out = tmp_path_factory.mktemp("shakespeare") / "tok"
-        data.prepare(None, str(out))
+        prepare.prepare(None, str(out))
         _prepared["dir"] = str(out)
     return _prepared["dir"]
 

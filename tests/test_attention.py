@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainer import mesh as mesh_lib
-from trainer.config import PRESETS, UsageError
+from trainer.common import mesh as mesh_lib
+from trainer.common.config import PRESETS, UsageError
 from trainer.models import attention, gemma, gpt2
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -153,13 +153,13 @@ def test_auto_follows_the_devices_compiled_for():
 
 def _compile_for_v5e(attn: str):
     """A one-layer GPT-2 step (T=1024, 4 sequences per device, a 1k vocabulary so the output layer stays small)
-    compiled for v5e:2x4 as `python -m trainer.aot` does: (figures, compiled HLO text)."""
+    compiled for v5e:2x4 as `python -m trainer.plan` does: (figures, compiled HLO text)."""
     import argparse
-    from trainer import aot
-    from trainer.__main__ import parser
+    from trainer.common import aot
+    from trainer.cli import parser
     opts = argparse.Namespace(devices=8, processes=1, tpu="v5e:2x4", chip_config="default", host_bounds="2,2,1",
                               fallback_cpu=False, run_platform="cpu")
-    target = aot._target(opts)
+    target = aot.target(opts)
     args = parser().parse_args(["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", "4",
                                 "--d-model", "256", "--seq-len", "1024", "--batch-size", "32", "--vocab-size", "1024",
                                 "--dropout", "0", "--attention", attn])
@@ -169,7 +169,7 @@ def _compile_for_v5e(attn: str):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("trainer.aot").aot.has_libtpu(), reason="libtpu not installed (the `plan` extra)")
+@pytest.mark.skipif(not __import__("trainer.common.aot").common.aot.has_libtpu(), reason="libtpu not installed (the `plan` extra)")
 def test_splash_step_for_v5e_has_the_kernel_and_fewer_temporaries_than_xla():
     splash, hlo = _compile_for_v5e("splash")
     xla, xla_hlo = _compile_for_v5e("xla")

@@ -1,10 +1,10 @@
-"""trainer.data: offline tokenizer, prepare/resolve with caching, process-count-invariant batches."""
+"""trainer.pretrain.data: offline tokenizer, prepare/resolve with caching, process-count-invariant batches."""
 import json
 
 import numpy as np
 import pytest
 
-from trainer import data
+from trainer.pretrain import data, prepare, tokenizers
 
 
 @pytest.fixture(autouse=True)
@@ -26,21 +26,21 @@ def corpus(tmp_path):
 
 
 def test_tokenizer_is_gpt2_offline():
-    enc = data.tokenizer()
+    enc = tokenizers.gpt2()
     assert enc.encode("Hello world") == [15496, 995]
-    assert enc.n_vocab == data.VOCAB_SIZE
+    assert enc.n_vocab == tokenizers.VOCAB_SIZE
     assert enc.decode(enc.encode("ROMEO: But soft!")) == "ROMEO: But soft!"
 
 
 def test_prepare_writes_splits_and_meta(corpus, tmp_path):
     out = tmp_path / "tok"
-    meta = data.prepare([str(corpus)], str(out))
+    meta = prepare.prepare([str(corpus)], str(out))
     assert meta["n_files"] == 3  # .hidden.txt and image.png are skipped
     train = np.fromfile(out / "train.bin", np.uint16)
     val = np.fromfile(out / "val.bin", np.uint16)
     assert train.size == meta["n_train_tokens"] and val.size == meta["n_val_tokens"]
     assert 0.03 < val.size / (train.size + val.size) < 0.07
-    assert (train == data.EOT).sum() == 3 and (val == data.EOT).sum() == 3  # documents stay separated
+    assert (train == tokenizers.EOT).sum() == 3 and (val == tokenizers.EOT).sum() == 3  # documents stay separated
     assert json.loads((out / "meta.json").read_text())["content_hash"] == meta["content_hash"]
 
 
@@ -53,7 +53,7 @@ def test_resolve_caches_by_content(corpus):
 
 
 def test_default_corpus_is_shakespeare():
-    files = data.default_corpus()
+    files = prepare.default_corpus()
     assert len(files) >= 30 and any("hamlet" in f.name for f in files)
 
 
@@ -99,13 +99,13 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
     empty.mkdir()
     (empty / "a.txt").write_text("")
     with pytest.raises(data.DataError, match="corpus is empty"):
-        data.prepare([str(empty)], str(tmp_path / "out"))
+        prepare.prepare([str(empty)], str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
     binary_only = tmp_path / "binary_only"
     binary_only.mkdir()
     (binary_only / "x.png").write_bytes(b"\x89PNG")
     with pytest.raises(data.DataError, match="no text files"):
-        data.prepare([str(binary_only)], str(tmp_path / "o"))
+        prepare.prepare([str(binary_only)], str(tmp_path / "o"))
 
 
 def test_missing_path_and_short_split_errors(corpus, tmp_path):

@@ -53,9 +53,10 @@ def check_greedy_sampling_is_the_model_argmax(ckpt):
     """sample (fixed-size window, no cache) == argmax of a plain forward over the exact prefix."""
     import jax.numpy as jnp
     from flax import nnx
-    from trainer import data, sample
+    from trainer.pretrain import tokenizers
+    from trainer.pretrain import sample
     from trainer.models import gpt2
-    prompt = data.tokenizer().encode_ordinary("ROMEO:")
+    prompt = tokenizers.gpt2().encode_ordinary("ROMEO:")
     ids = sample.generate_ids(str(ckpt), prompt, max_new_tokens=5, temperature=0)
     assert ids[: len(prompt)] == prompt and len(ids) > len(prompt)
     cfg, params = sample.load(str(ckpt))

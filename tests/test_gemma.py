@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import _gemma_ckpt as gc
-from trainer import mesh as mesh_lib, weights
-from trainer.config import UsageError
+from trainer.common import mesh as mesh_lib
+from trainer.gemma import weights
+from trainer.common.config import UsageError
 from trainer.models import gemma
 
 SEQ = 12  # longer than the tiny models' sliding window (4)

@@ -15,14 +15,15 @@ import pytest
 import _gemma_ckpt as gc
 from _trainer_util import REPO, env, session_cache
 from test_trainer_multiproc import free_port
-from trainer import mesh as mesh_lib
+from trainer.common import mesh as mesh_lib
 from trainer.models import gemma
 
 SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 import tensorstore as ts
-from trainer import mesh as M, weights
+from trainer.common import mesh as M
+from trainer.gemma import weights
 M.init_distributed()
 
 def ts_read():  # bytes tensorstore fetched from local files so far (the Orbax path)

@@ -11,7 +11,8 @@ import pytest
 
 import _gemma_ckpt as gc
 from _trainer_util import REPO, env, session_cache
-from trainer import generate as gen, mesh as mesh_lib
+from trainer.gemma import generate as gen
+from trainer.common import mesh as mesh_lib
 from trainer.models import gemma
 
 PROMPT = [2, 5, 9, 11, 3, 40, 41]

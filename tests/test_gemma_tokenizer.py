@@ -11,8 +11,8 @@ import zipfile
 
 import pytest
 
-from trainer import tokenizer as tok_lib
-from trainer.config import UsageError
+from trainer.gemma import tokenizer as tok_lib
+from trainer.common.config import UsageError
 
 WHEEL = "maxtext==0.2.5"
 ASSETS = {"gemma2": "maxtext/assets/tokenizers/tokenizer.gemma", "gemma3": "maxtext/assets/tokenizers/tokenizer.gemma3"}

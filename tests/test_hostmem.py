@@ -1,4 +1,4 @@
-"""trainer/hostmem.py: on the CPU backend the trainer reuses freed host memory instead of page-faulting it in.
+"""trainer/common/hostmem.py: on the CPU backend the trainer reuses freed host memory instead of page-faulting it in.
 
 Measured the way the trainer meets it: a 256 MB buffer (over glibc's 32 MB mmap ceiling) allocated, freed and
 allocated again by a thread other than the main one (XLA:CPU's worker threads allocate each step's buffers),
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = """
 import resource, sys, threading
 import numpy as np
-from trainer.__main__ import emulate_devices, keep_freed_memory
+from trainer.common.process import emulate_devices, keep_freed_memory
 if sys.argv[1] == "emulate":
     emulate_devices(["--emulate-devices", "2"])  # what `python -m trainer ... --emulate-devices 2` runs first
 keep_freed_memory()

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of Gemma (trainer/models/lora.py, trainer/sft_data.py, trainer/finetune.py) on tiny random
+"""LoRA fine-tuning of Gemma (trainer/models/lora.py, trainer/finetune/data.py, trainer/finetune/train.py) on tiny random
 checkpoints, 8 emulated CPU devices on a 4x2 mesh."""
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ import pytest
 
 import _gemma_ckpt as gc
 from _trainer_util import Procs, env, metrics, tail
-from trainer import finetune, sft_data, tokenizer as tok_lib, weights
-from trainer import mesh as mesh_lib
-from trainer.__main__ import main
-from trainer.config import UsageError
-from trainer.lora_config import LoraRun
+from trainer.finetune import train as finetune
+from trainer.finetune import data as sft_data
+from trainer.gemma import tokenizer as tok_lib
+from trainer.gemma import weights
+from trainer.common import mesh as mesh_lib
+from trainer.cli import main
+from trainer.common.config import UsageError
+from trainer.finetune.config import LoraRun
 from trainer.models import gemma, lora as lora_lib
 
 MESH = "data=4,model=2"
@@ -440,14 +443,14 @@ def test_merged_export_gives_the_logits_of_base_plus_adapters(bases, trained, tm
     assert float(jnp.max(jnp.abs(applied - plain))) > 1e-3
     np.testing.assert_allclose(np.asarray(again), np.asarray(applied), atol=1e-4, rtol=0)
     with pytest.raises(UsageError, match="is not empty"):
-        from trainer import export
+        from trainer.gemma import export
         export.export(bases[family], trained[family], out, merge=True)
 
 
 @pytest.mark.slow
 def test_peft_adapters_are_the_merge_in_hugging_face_terms(bases, trained, tmp_path):
     from safetensors.numpy import load_file
-    from trainer import export
+    from trainer.gemma import export
     out = str(tmp_path / "peft")
     assert main(["export", "--weights", bases["gemma2"], "--adapters", trained["gemma2"], "--out", out,
                  "--adapters-only"]) == 0

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trainer import loop, mesh as mesh_lib
-from trainer.config import PRESETS, Config
+from trainer.pretrain import train as loop
+from trainer.common import mesh as mesh_lib
+from trainer.common.config import PRESETS, Config
 from trainer.models import gpt2, xent
 
 
@@ -93,7 +94,7 @@ def test_gpt2_tiny_trains_as_with_the_full_logits():
 def test_remat_policies_give_the_same_loss_and_gradients(policy):
     """What the backward pass recomputes changes memory, not the numbers (no mesh, f32, one tiny block)."""
     from flax import nnx
-    from trainer.config import ModelConfig
+    from trainer.common.config import ModelConfig
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=256, dropout=0.1)
     graphdef, params = nnx.split(gpt2.GPT2(cfg, nnx.Rngs(0)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 17)), jnp.int32)

@@ -25,12 +25,15 @@ from orchestrator import catalog, cli_run, state
 from orchestrator import plan as P
 from orchestrator.cli import cli
 from orchestrator.cli_plan import render
-from trainer import aot, config, loop
-from trainer import mesh as mesh_lib
-from trainer.__main__ import parser
-from trainer.aot import has_libtpu
-from trainer import finetune, sft_data
-from trainer.lora_config import LoraRun
+from trainer.common import aot
+from trainer.common import config
+from trainer.pretrain import train as loop
+from trainer.common import mesh as mesh_lib
+from trainer.cli import parser
+from trainer.common.aot import has_libtpu
+from trainer.finetune import train as finetune
+from trainer.finetune import data as sft_data
+from trainer.finetune.config import LoraRun
 from trainer.models import gemma, gpt2
 from trainer.models import lora as lora_lib
 
@@ -428,7 +431,7 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, child = time.monotonic() + 60, None
     while child is None and time.monotonic() < deadline:  # wait until the compile process runs
-        out = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "trainer.aot"], capture_output=True, text=True)
+        out = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "trainer.plan"], capture_output=True, text=True)
         child = int(out.stdout.split()[0]) if out.stdout.split() else None
         time.sleep(0.1)
     assert child is not None

@@ -5,8 +5,9 @@ import re
 
 import numpy as np
 
-from trainer import data, plays
-from trainer.__main__ import main
+from trainer.pretrain import prepare, tokenizers
+from trainer.pretrain import plays
+from trainer.cli import main
 
 
 def test_render_turns_markdown_markup_into_play_text():
@@ -21,7 +22,7 @@ def test_render_turns_markdown_markup_into_play_text():
 def test_prepare_renders_the_embedded_corpus_as_speaker_turns_and_markdown_on_request(tmp_path, capsys):
     assert main(["prepare", "--out", str(tmp_path / "plain")]) == 0
     assert main(["prepare", "--markdown", "--out", str(tmp_path / "md")]) == 0
-    enc = data.tokenizer()
+    enc = tokenizers.gpt2()
     plain = enc.decode(np.fromfile(tmp_path / "plain" / "train.bin", np.uint16).tolist())
     md = enc.decode(np.fromfile(tmp_path / "md" / "train.bin", np.uint16).tolist())
     assert "**" not in plain and "**ROMEO**" in md
@@ -30,5 +31,5 @@ def test_prepare_renders_the_embedded_corpus_as_speaker_turns_and_markdown_on_re
     assert len(turns) > 20000 and "ROMEO" in turns and "HAMLET" in turns
     assert "\nROMEO:\n" in plain
     # Cached separately from the Markdown tokens: resolving the default corpus gives the plain text.
-    assert data._content_hash(data.default_corpus(), 0.05, plain=True) != \
-        data._content_hash(data.default_corpus(), 0.05)
+    assert prepare._content_hash(prepare.default_corpus(), 0.05, plain=True) != \
+        prepare._content_hash(prepare.default_corpus(), 0.05)

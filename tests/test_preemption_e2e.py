@@ -19,9 +19,10 @@ pytestmark = [needs_hosts, pytest.mark.e2e, pytest.mark.slow]
 COMPARE = r"""
 import json, sys
 import numpy as np, jax
-from trainer.__main__ import parser
-from trainer import config, loop
-from trainer.checkpoint import Checkpointer
+from trainer.cli import parser
+from trainer.common import config
+from trainer.pretrain import train as loop
+from trainer.common.checkpoint import Checkpointer
 cfg = config.resolve(parser().parse_args(json.loads(sys.argv[1])))
 steps = loop.Steps(cfg, loop.setup_mesh(cfg))
 trees = []

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from _sweep_util import lr_sweep
-from trainer import report
+from trainer.experiments import report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: `make sys-deps` installs Debian's "

@@ -52,7 +52,7 @@ def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_fac
     try:
         complete = sorted(int(d.name) for d in (store / "outage-b" / "run").iterdir()
                           if d.name.isdigit() and (d / "commit_success.txt").exists())
-        listed = subprocess.run([sys.executable, "-c", "from trainer.checkpoint import Checkpointer as C; "
+        listed = subprocess.run([sys.executable, "-c", "from trainer.common.checkpoint import Checkpointer as C; "
                                  "print(sorted(C('gs://outage-b/run', 1, read_only=True).mngr.all_steps()))"],
                                 env=e, capture_output=True, text=True, timeout=120)
         assert listed.returncode == 0, listed.stderr[-2000:]
@@ -86,7 +86,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_step(tmp_p
         assert r.returncode == 3 and len(errors) == 1, r.stdout[-2000:] + r.stderr[-3000:]
         assert errors[0].startswith(f"error: {ckpt} on ") and "is full (no space left on the device)" in errors[0]
         assert errors[0].endswith("resumes from the latest complete step once some space is freed")
-        check = subprocess.run([sys.executable, "-c", "from trainer.checkpoint import Checkpointer as C; "
+        check = subprocess.run([sys.executable, "-c", "from trainer.common.checkpoint import Checkpointer as C; "
                                 f"c = C({str(ckpt)!r}, 1, read_only=True); s = c.latest_step(); "
                                 "print(s, sorted(c.saved_config(s).to_dict()['model']))"],
                                env=e, capture_output=True, text=True, timeout=120)

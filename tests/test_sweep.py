@@ -13,9 +13,11 @@ import pytest
 
 from _sweep_util import BASE, fake_trial, lr_sweep
 from _trainer_util import REPO, env, session_cache, shakespeare
-from trainer import report, scaling, sweep
-from trainer.__main__ import main
-from trainer.config import PRESETS, ModelConfig
+from trainer.experiments import report
+from trainer.experiments import scaling
+from trainer.experiments import sweep
+from trainer.cli import main
+from trainer.common.config import PRESETS, ModelConfig
 
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from _trainer_util import REPO, TINY, env, session_cache, shakespeare
-from trainer.__main__ import main
+from trainer.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_prepare_refuses_a_binary_file_by_name(capsys, tmp_path):
 def test_a_diverging_run_stops_and_keeps_the_last_good_step(capsys, corpus, tmp_path):
     """A loss that becomes nan/inf stops the run (exit 2, one line); no diverged step is ever saved."""
     import json
-    from trainer.checkpoint import Checkpointer
+    from trainer.common.checkpoint import Checkpointer
     ckpt = tmp_path / "ckpt"
     err = fails(capsys, ["pretrain", "--data", corpus, *TINY[:-2], "--lr", "1e4", "--warmup-steps", "1",
                          "--ckpt-dir", str(ckpt), "--ckpt-every", "1", "--log-every", "1", "--steps", "40",

@@ -10,7 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from _trainer_util import TINY, session_cache
-from trainer import config, loop, optim
+from trainer.common import config
+from trainer.pretrain import train as loop
+from trainer.common import optim
 from trainer.models import gpt2
 
 

@@ -16,7 +16,7 @@ from collections import deque
 import pytest
 
 from _trainer_util import TINY, Procs, env, losses, metrics, session_cache, shakespeare, tail
-from trainer.checkpoint import Checkpointer
+from trainer.common.checkpoint import Checkpointer
 
 RUN = [*TINY, "--mesh", "data=4,model=2", "--log-every", "1", "--ckpt-every", "0", "--eval-every", "0",
        "--eval-batches", "1"]

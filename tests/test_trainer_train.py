@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from _trainer_util import REPO, TINY, Procs, env, losses, metrics, session_cache, shakespeare, tail
-from trainer.__main__ import main
-from trainer.checkpoint import Checkpointer
-from trainer.config import PRESETS, Config
+from trainer.cli import main
+from trainer.common.checkpoint import Checkpointer
+from trainer.common.config import PRESETS, Config
 
 # Every in-process run: log every step, save only at the last step (or on a preemption notice).
 RUN = [*TINY, "--log-every", "1", "--ckpt-every", "0", "--eval-every", "0", "--eval-batches", "1"]
@@ -42,7 +42,7 @@ def saved_params(ckpt_dir, step=None):
     ckpt = Checkpointer(str(ckpt_dir), keep=1, read_only=True)
     try:
         step = step or ckpt.latest_step()
-        from trainer.loop import Steps, setup_mesh
+        from trainer.pretrain.train import Steps, setup_mesh
         cfg = ckpt.saved_config(step)
         steps = Steps(cfg, setup_mesh(cfg))
         params, _ = ckpt.restore(step, steps.abstract_params)
@@ -151,8 +151,8 @@ def test_ctrl_c_before_the_first_step_stops_in_one_line(corpus, tmp_path, procs)
 _DIES_MID_SAVE = """
 import glob, os, sys
 import jax.numpy as jnp
-from trainer.checkpoint import Checkpointer
-from trainer.config import PRESETS, Config
+from trainer.common.checkpoint import Checkpointer
+from trainer.common.config import PRESETS, Config
 d = sys.argv[1]
 cfg = Config("gpt2-tiny", *PRESETS["gpt2-tiny"])
 big = {"w": jnp.ones((32, 1024, 1024))}  # 128 MB: its write takes far longer than noticing the tmp dir

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trainer import loop, mesh as mesh_lib
-from trainer.config import PRESETS, Config, UsageError
+from trainer.pretrain import train as loop
+from trainer.common import mesh as mesh_lib
+from trainer.common.config import PRESETS, Config, UsageError
 from trainer.models import gpt2, vocab_parallel as vp
 
 

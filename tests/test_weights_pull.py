@@ -69,13 +69,14 @@ def _blob_gets(fake) -> int:
 
 
 def _load_in_child(world, paths: dict) -> dict:
-    """Each gs:// path through trainer.weights.load on a 4x2 mesh in a child process (the GCS clients read
+    """Each gs:// path through trainer.gemma.weights.load on a 4x2 mesh in a child process (the GCS clients read
     the emulator variables at import): {key: params checksum} or {key: 'error: ...'}."""
     script = r"""
 import json, sys
 import jax, numpy as np
-from trainer import weights, mesh as M
-from trainer.config import UsageError
+from trainer.gemma import weights
+from trainer.common import mesh as M
+from trainer.common.config import UsageError
 mesh = M.make_mesh({"data": 4, "model": 2})
 out = {}
 for key, path in json.loads(sys.argv[1]).items():

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trainer.config import UsageError
-from trainer.mesh import fitted_spec
+from trainer.common.config import UsageError
+from trainer.common.mesh import fitted_spec
 
 CHOICES = ("auto", "xla", "splash")
 XLA, SPLASH, INTERPRET = "xla", "splash", "splash-interpret"  # resolved implementations

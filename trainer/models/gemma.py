@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) in Flax NNX, sharded by the same logical-axis rules as GPT-2 (trainer/mesh.py).
+"""Gemma 2 and Gemma 3 (text) in Flax NNX, sharded by the same logical-axis rules as GPT-2 (trainer/common/mesh.py).
 
 What differs between generations is one row of FAMILIES; the sizes (layers, widths, heads, kv heads,
 vocab) come from a checkpoint's array shapes (GemmaConfig.from_shapes) or from the named-size table
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.mesh import RULES, fitted_spec
+from trainer.common.mesh import RULES, fitted_spec
 from trainer.models import attention as attention_lib
 from trainer.models import remat as remat_lib
 from trainer.models import xent

@@ -1,7 +1,7 @@
 """GPT-2 in Flax NNX, with logical sharding names on every parameter and activation.
 
 Parameters are f32 (master weights); `dtype` is the compute dtype. Each Param carries `axes` metadata
-(logical names, mapped to the mesh by trainer.mesh.RULES), which `param_shardings` turns into the
+(logical names, mapped to the mesh by trainer.common.mesh.RULES), which `param_shardings` turns into the
 NamedShardings the params are created and kept with. Dropout draws from an explicit key so the jitted
 step can derive it from (seed, step) on global arrays.
 """
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.config import ModelConfig
-from trainer.mesh import RULES, constrain, sharding
+from trainer.common.config import ModelConfig
+from trainer.common.mesh import RULES, constrain, sharding
 from trainer.models import attention as attention_lib
 from trainer.models import remat as remat_lib
 from trainer.models import vocab_parallel as vocab_parallel_lib

@@ -16,8 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from trainer.config import UsageError
-from trainer.mesh import fitted_spec
+from trainer.common.config import UsageError
+from trainer.common.mesh import fitted_spec
 from trainer.models import gemma
 
 

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trainer.mesh import VOCAB_PARALLEL_RULES
+from trainer.common.mesh import VOCAB_PARALLEL_RULES
 from trainer.models.xent import chunk_of
 
-# The axes come from the sharding rules (trainer/mesh.py), written once there: the batch's axis, and the vocab
+# The axes come from the sharding rules (trainer/common/mesh.py), written once there: the batch's axis, and the vocab
 # rows over every axis, the batch's first (data-major).
 DATA = VOCAB_PARALLEL_RULES["batch"]
 ALL = tuple(VOCAB_PARALLEL_RULES["vocab"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from trainer.mesh import fitted_spec
+from trainer.common.mesh import fitted_spec
 
 
 def _constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainer.config import UsageError
+from trainer.common.config import UsageError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import uuid
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.config import Config, UsageError, model_diff
+from trainer.common.config import Config, UsageError, model_diff
 
 
 def check_writable(directory: str) -> None:

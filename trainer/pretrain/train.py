@@ -19,10 +19,14 @@ import optax
 from etils import epath
 from flax import nnx
 
-from trainer import checkpoint, data, metrics, optim, wandb_log
-from trainer import mesh as mesh_lib
-from trainer.mesh import compute_dtype
-from trainer.config import Config, UsageError
+from trainer.common import checkpoint
+from trainer.pretrain import data, shards
+from trainer.common import metrics
+from trainer.common import optim
+from trainer.common import wandb_log
+from trainer.common import mesh as mesh_lib
+from trainer.common.mesh import compute_dtype
+from trainer.common.config import Config, UsageError
 from trainer.models import attention, gpt2
 
 PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
@@ -191,7 +195,7 @@ def pretrain(cfg: Config) -> int:
     mesh = setup_mesh(cfg)
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
-    vocab = checkpoint.read_json(f"{data_dir}/{data.META}").get("vocab_size", 0)
+    vocab = checkpoint.read_json(f"{data_dir}/{shards.META}").get("vocab_size", 0)
     if vocab > m.vocab_size:
         raise UsageError(f"--vocab-size {m.vocab_size} is smaller than the data's vocabulary ({vocab})")
     loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc, vocab_size=m.vocab_size)
@@ -220,7 +224,7 @@ def _finite(loss: float, step: int, ckpt: checkpoint.Checkpointer) -> float:
                      + " (nothing diverged was saved): lower --lr, or check the data")
 
 
-RUN_INFO = "run_info.json"  # in --ckpt-dir: where the latest start of the run ran (read by trainer/report.py)
+RUN_INFO = "run_info.json"  # in --ckpt-dir: where the latest start of the run ran (read by trainer/experiments/report.py)
 
 
 def write_run_info(cfg: Config, mesh, steps: "Steps", hosts: list[str], start: int) -> None:

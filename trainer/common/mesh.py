@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from trainer.config import UsageError
+from trainer.common.config import UsageError
 
 AXES = ("data", "model")
 RULES: dict[str, str | None] = {
@@ -84,7 +84,7 @@ def one_step_in_flight(mesh: Mesh) -> bool:
 
 
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
-    """devices: default every device of the job; trainer/aot.py passes a TPU topology's devices instead."""
+    """devices: default every device of the job; trainer/common/aot.py passes a TPU topology's devices instead."""
     # Auto axes: XLA propagates shardings through gathers (the embedding lookup) that Explicit axes reject.
     return jax.make_mesh((shape["data"], shape["model"]), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
 

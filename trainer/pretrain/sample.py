@@ -3,7 +3,7 @@
 No KV cache: each new token re-runs the model over the last seq_len tokens (fixed shape, one compile).
 The logits at the last real position are the same as with a cache because attention is causal.
 Each sample is recorded with the run (`<ckpt-dir>/samples.jsonl`: step, prompt, options, text), where the
-run's report (trainer/report.py) finds its final sample.
+run's report (trainer/experiments/report.py) finds its final sample.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from trainer import data
-from trainer.checkpoint import Checkpointer
-from trainer.config import UsageError
-from trainer.mesh import compute_dtype
+from trainer.pretrain import tokenizers
+from trainer.common.checkpoint import Checkpointer
+from trainer.common.config import UsageError
+from trainer.common.mesh import compute_dtype
 from trainer.models import gpt2
 
 
@@ -61,7 +61,7 @@ def generate(ckpt_dir: str, prompt: str, *, record: bool = False, step: int | No
     """Prompt + continuation, decoded (see generate_ids for the options); record: add it to samples.jsonl."""
     _check(**kw)
     cfg, params, step = _load(ckpt_dir, step)
-    text = data.tokenizer().decode(_sample(cfg, params, data.tokenizer().encode_ordinary(prompt), **kw))
+    text = tokenizers.gpt2().decode(_sample(cfg, params, tokenizers.gpt2().encode_ordinary(prompt), **kw))
     if record:
         _record(ckpt_dir, {"step": step, "prompt": prompt, **kw, "text": text, "time": time.time()})
     return text
@@ -96,7 +96,7 @@ def _sample(cfg, params, ids: list[int], *, max_new_tokens: int = 200, temperatu
     graphdef, _ = gpt2.abstract(m)
     dt = compute_dtype(dtype)
     prompt = list(ids)
-    ids = prompt or [data.EOT]  # an empty prompt starts from a document boundary
+    ids = prompt or [tokenizers.EOT]  # an empty prompt starts from a document boundary
 
     @jax.jit
     def next_token(params, window, pos, key):
@@ -116,7 +116,7 @@ def _sample(cfg, params, ids: list[int], *, max_new_tokens: int = 200, temperatu
         window = np.zeros(m.seq_len, np.int32)
         window[: len(ctx)] = ctx  # right padding never reaches earlier positions (causal)
         tok = int(next_token(params, window, len(ctx) - 1, jax.random.fold_in(key, i)))
-        if tok == data.EOT:
+        if tok == tokenizers.EOT:
             break
         out.append(tok)
     return out if prompt else out[1:]

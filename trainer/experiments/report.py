@@ -1,5 +1,5 @@
 """Reports from what runs leave in their --ckpt-dir (config.json, metrics.jsonl, trial.json): a results table,
-the power-law fit (trainer/scaling.py), PNG charts (matplotlib) and one self-contained HTML page.
+the power-law fit (trainer/experiments/scaling.py), PNG charts (matplotlib) and one self-contained HTML page.
 
 `python -m trainer report --ckpt-dir DIR`: DIR holding sweep.json is a sweep (one row per trial), any other
 DIR is one run. Jax-free: it reads files, local or gs://.
@@ -14,8 +14,8 @@ import json
 import math
 import statistics
 
-from trainer.config import Config, UsageError
-from trainer.scaling import PowerLaw, fit_power_law
+from trainer.common.config import Config, UsageError
+from trainer.experiments.scaling import PowerLaw, fit_power_law
 
 COLUMNS = ["trial", "status", "params", "params_non_embedding", "tokens", "flops", "final_train_loss",
            "best_val_loss", "val_ppl", "tokens_per_s", "mfu", "wall_s"]
@@ -60,7 +60,7 @@ def read_run(run_dir: str) -> dict:
 
 def row(name: str, run: dict) -> dict:
     """One table row: sizes from the config, the rest from metrics.jsonl (the last record per step wins)."""
-    from trainer.metrics import flops_per_token, perplexity
+    from trainer.common.metrics import flops_per_token, perplexity
     cfg, trial = run["config"], run["trial"] or {}
     by_step = {r["step"]: r for r in run["metrics"] if isinstance(r.get("step"), int)}
     recs = [by_step[s] for s in sorted(by_step)]
@@ -112,7 +112,7 @@ def _flat(cfg: Config) -> dict:
 
 def sweep_rows(sweep_dir: str) -> tuple[dict, list[dict], list[dict]]:
     """(sweep record, rows, runs) of a sweep dir, in the sweep's trial order."""
-    from trainer import sweep
+    from trainer.experiments import sweep
     rec = sweep.load(sweep_dir)
     if rec is None:
         raise UsageError(f"{sweep_dir} holds no {sweep.SWEEP_JSON}: not a sweep dir")
@@ -199,7 +199,7 @@ def _png(fig) -> bytes:
 
 def sweep_charts(rows: list[dict], runs: list[dict], axes: dict, fit: PowerLaw | None) -> dict[str, bytes]:
     """name -> PNG bytes."""
-    from trainer.metrics import flops_per_token
+    from trainer.common.metrics import flops_per_token
     plt = _plt()
     charts = {}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -328,8 +328,8 @@ def write(out_dir: str, files: dict[str, bytes | str]) -> list[str]:
 
 def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodput: str | None = None) -> dict:
     """Write the report of a sweep or a single run; returns what was written and the table (and for a run,
-    its summary: trainer/report.py `summary`; goodput: a goodput.json of `tpuctl run` for it)."""
-    from trainer import sweep
+    its summary: trainer/experiments/report.py `summary`; goodput: a goodput.json of `tpuctl run` for it)."""
+    from trainer.experiments import sweep
     ckpt_dir = ckpt_dir.rstrip("/")
     out_dir = out_dir or f"{ckpt_dir}/report"
     if sweep.load(ckpt_dir) is not None:

@@ -1,10 +1,10 @@
 """LoRA fine-tuning of a Gemma checkpoint: the frozen base on the mesh, adapters trained, adapters saved.
 
-The base (trainer/weights.py) is loaded once, sharded fsdp-style by the mesh rules, optionally in bf16,
+The base (trainer/gemma/weights.py) is loaded once, sharded fsdp-style by the mesh rules, optionally in bf16,
 and is only ever an input of the step: it is neither differentiated, nor updated, nor checkpointed.
 The train state is the adapters (f32) and the optimizer state for them alone; the step is a pure
 jitted function of (adapters, optimizer state, base, batch, step) that donates the first two.
-Checkpoints, preemption (save, exit 42), Ctrl-C and metrics.jsonl work as in pretraining (trainer/loop.py).
+Checkpoints, preemption (save, exit 42), Ctrl-C and metrics.jsonl work as in pretraining (trainer/pretrain/train.py).
 """
 from __future__ import annotations
 
@@ -19,12 +19,17 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer import checkpoint, metrics, optim, sft_data, tokenizer as tok_lib, weights
-from trainer import mesh as mesh_lib
-from trainer.config import TrainConfig, UsageError
-from trainer.lora_config import LoraRun
-from trainer.loop import INTERRUPTED, PREEMPTED, enable_compile_cache
-from trainer.mesh import compute_dtype
+from trainer.common import checkpoint
+from trainer.common import metrics
+from trainer.common import optim
+from trainer.finetune import data as sft_data
+from trainer.gemma import tokenizer as tok_lib
+from trainer.gemma import weights
+from trainer.common import mesh as mesh_lib
+from trainer.common.config import TrainConfig, UsageError
+from trainer.finetune.config import LoraRun
+from trainer.pretrain.train import INTERRUPTED, PREEMPTED, enable_compile_cache
+from trainer.common.mesh import compute_dtype
 from trainer.models import attention, gemma, lora as lora_lib
 
 

@@ -74,7 +74,7 @@ class TrainConfig:
     eval_every: int = 50  # val loss at these steps (and the last); 0 = only at the last step
     eval_batches: int = 4
     peak_flops: float = 0.0  # peak FLOP/s of ONE device for MFU; 0 = the trainer's table (None on CPU)
-    wandb: str = ""  # Weights & Biases project that process 0 logs to (trainer/wandb_log.py); empty = off
+    wandb: str = ""  # Weights & Biases project that process 0 logs to (trainer/common/wandb_log.py); empty = off
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Instruction data for LoRA fine-tuning: JSONL -> Gemma chat tokens -> packed rows -> global batches.
 
 A line is `{"prompt": ..., "response": ...}` or `{"messages": [{"role": ..., "content": ...}, ...]}`,
-formatted with Gemma's chat template (trainer/tokenizer.py). The loss weight is 1 on the tokens the model
+formatted with Gemma's chat template (trainer/gemma/tokenizer.py). The loss weight is 1 on the tokens the model
 must produce (each model turn's content and its `<end_of_turn>`) and 0 on everything else.
 
 Rows are `seq_len` tokens: inputs, next-token targets, loss weights, segment ids (0 = padding) and
 positions that restart at 0 for every example. Packing (the default) fills a row with whole examples in
 file order; `packing=False` puts one example per row. The rows are built identically on every process,
-and the global batch of step s is the rows chosen by (seed, s) alone, as trainer/data.py does for
+and the global batch of step s is the rows chosen by (seed, s) alone, as trainer/pretrain/data.py does for
 pretraining: process p takes its contiguous share, so the host count never changes what is trained on.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json
 
 import numpy as np
 
-from trainer.config import UsageError
-from trainer.tokenizer import END, START, GemmaTokenizer
+from trainer.common.config import UsageError
+from trainer.gemma.tokenizer import END, START, GemmaTokenizer
 
 FIELDS = ("inputs", "targets", "weights", "segments", "positions")
 

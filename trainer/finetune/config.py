@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainer.config import UsageError
+from trainer.common.config import UsageError
 
 
 def size_of(model: str) -> str | None:

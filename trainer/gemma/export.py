@@ -1,6 +1,6 @@
 """`python -m trainer export`: fine-tuned adapters out of a LoRA checkpoint dir, merged or on their own.
 
---merge: base + scale * A @ B in the layout the base came in, so the same loader (trainer/weights.py) and,
+--merge: base + scale * A @ B in the layout the base came in, so the same loader (trainer/gemma/weights.py) and,
   for safetensors, Hugging Face tools read it: Kaggle flax (an Orbax params dir under OUT, the source's
   qkv fusion and gating orientation kept) or transformers (model.safetensors + the source's config.json).
   The tokenizer files beside the base are copied.
@@ -18,9 +18,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from trainer import finetune, tokenizer as tok_lib, weights
-from trainer import mesh as mesh_lib
-from trainer.config import UsageError
+from trainer.finetune import train as finetune
+from trainer.gemma import tokenizer as tok_lib
+from trainer.gemma import weights
+from trainer.common import mesh as mesh_lib
+from trainer.common.config import UsageError
 from trainer.models import gemma, lora as lora_lib
 
 

@@ -1,6 +1,6 @@
 """Ahead-of-time compile of a trainer command's train step, for devices this machine does not have.
 
-    python -m trainer.aot --devices 4 --tpu v4:2x2x1 --chip-config megacore --host-bounds 2,2,1 \\
+    python -m trainer.plan --devices 4 --tpu v4:2x2x1 --chip-config megacore --host-bounds 2,2,1 \\
         -- pretrain --preset gpt2-124m --ckpt-dir gs://b/run
 
 builds the step that `python -m trainer pretrain ...` would run, on abstract inputs (shapes and the
@@ -17,16 +17,14 @@ other command this exits 4 (nothing to plan) before jax starts.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trainer.config import UsageError
+from trainer.common.config import UsageError
 
 COUNT_FLAG = "xla_force_host_platform_device_count"
 NOTHING_TO_PLAN = 4  # exit code: the trainer command has no train step (bad arguments exit 2)
@@ -61,7 +59,7 @@ def _auto_dtype(cfg, run_platform: str):
 
     import jax.numpy as jnp
 
-    from trainer import loop
+    from trainer.pretrain import train as loop
     if cfg.train.dtype != "auto":
         return cfg
     name = "bfloat16" if loop.compute_dtype("auto", run_platform) == jnp.bfloat16 else "float32"
@@ -69,8 +67,10 @@ def _auto_dtype(cfg, run_platform: str):
 
 
 def _pretrain(args: argparse.Namespace, target: Target) -> Built:
-    from trainer import config, loop, metrics
-    from trainer import mesh as mesh_lib
+    from trainer.common import config
+    from trainer.pretrain import train as loop
+    from trainer.common import metrics
+    from trainer.common import mesh as mesh_lib
     cfg = _auto_dtype(config.resolve(args), target.run_platform)
     shape = mesh_lib.parse_mesh(cfg.train.mesh, len(target.devices))
     loop.check_fits(cfg, shape, target.processes)
@@ -91,8 +91,8 @@ def _lora_run(args: argparse.Namespace, run_platform: str):
 
     import jax.numpy as jnp
 
-    from trainer import loop
-    from trainer.lora_config import LoraRun
+    from trainer.pretrain import train as loop
+    from trainer.finetune.config import LoraRun
     run = LoraRun(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoraRun)})
     run.check()
     name = lambda d: "bfloat16" if loop.compute_dtype(d, run_platform) == jnp.bfloat16 else "float32"  # noqa: E731
@@ -114,8 +114,9 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     their optimizer state; the base's size is --model SIZE (checked before jax starts: `_needs_size`)."""
     import jax
 
-    from trainer import finetune, loop
-    from trainer import mesh as mesh_lib
+    from trainer.finetune import train as finetune
+    from trainer.pretrain import train as loop
+    from trainer.common import mesh as mesh_lib
     from trainer.models import gemma, lora as lora_lib
     run = _lora_run(args, target.run_platform)
     cfg = gemma.SIZES[run.size]
@@ -138,7 +139,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
 
 def _needs_size(args: argparse.Namespace) -> None:
     """A plan never reads --weights (it may be a gs:// path, or not there yet): the size is --model SIZE."""
-    from trainer.lora_config import size_of
+    from trainer.finetune.config import size_of
     if not size_of(args.model):
         raise NotPlannable("`lora` is planned from its model size, without reading --weights: add --model SIZE "
                            "(e.g. --model gemma2-2b; the run checks the checkpoint is that size)"
@@ -196,14 +197,11 @@ class NotPlannable(UsageError):
     """The trainer command has no train step (prepare, sample, ...)."""
 
 
-def parse(trainer_argv: list[str]) -> argparse.Namespace:
-    """The trainer's own parser (its message for bad arguments); a command with no builder is NotPlannable."""
-    from trainer.__main__ import parser
-    args = parser().parse_args(trainer_argv)
+def check(args: argparse.Namespace) -> None:
+    """Before jax starts: a parsed trainer command with no builder is NotPlannable; the builder's own prechecks."""
     if args.cmd not in BUILDERS:
         raise NotPlannable(f"`{args.cmd}` has no train step to plan; plannable commands: {', '.join(BUILDERS)}")
     PRECHECKS.get(args.cmd, lambda a: None)(args)
-    return args
 
 
 def plan(args: argparse.Namespace, target: Target) -> dict:
@@ -254,21 +252,6 @@ def has_libtpu() -> bool:
     return os.path.exists(libtpu.get_library_path())
 
 
-def _options() -> argparse.ArgumentParser:
-    from trainer.__main__ import _Parser
-    p = _Parser(prog="python -m trainer.aot", description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices the run will have")
-    p.add_argument("--processes", type=int, default=1, help="hosts the run will have (its batch is split over them)")
-    p.add_argument("--tpu", metavar="GEN:TOPOLOGY", help="compile with libtpu for this topology, e.g. v4:2x2x1")
-    p.add_argument("--chip-config", default="default", help="libtpu chip config: megacore (v4, v5p) or default")
-    p.add_argument("--host-bounds", default="2,2,1", metavar="X,Y,Z", help="chips per host, as a box")
-    p.add_argument("--fallback-cpu", action="store_true",
-                   help="with --tpu: without libtpu, compile for N CPU devices instead (flagged as an estimate)")
-    p.add_argument("--run-platform", default="cpu", choices=("cpu", "tpu"),
-                   help="without --tpu: the platform the run will have (its --dtype auto follows it)")
-    return p
-
-
 def _cpu_target(n: int, processes: int, run_platform: str) -> Target:
     """n CPU devices (set before jax is imported), and no attempt to find an accelerator."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if COUNT_FLAG not in f]
@@ -278,7 +261,7 @@ def _cpu_target(n: int, processes: int, run_platform: str) -> Target:
     return Target(jax.devices("cpu")[:n], processes, run_platform)
 
 
-def _target(opts: argparse.Namespace) -> Target:
+def target(opts: argparse.Namespace) -> Target:
     if opts.devices < 1 or opts.processes < 1:
         raise UsageError("--devices and --processes must be at least 1")
     if not opts.tpu:
@@ -300,23 +283,3 @@ def _target(opts: argparse.Namespace) -> Target:
         raise UsageError(f"topology {opts.tpu} ({opts.chip_config}) has {len(desc.devices)} devices, "
                          f"not the {opts.devices} the run will have")
     return Target(list(desc.devices), opts.processes, "tpu")
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    own, trainer_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    try:
-        if not trainer_argv:
-            raise UsageError("nothing to plan: put the trainer command after --, e.g. -- pretrain --preset gpt2-124m")
-        opts = _options().parse_args(own)
-        args = parse(trainer_argv)  # before jax starts: a command with nothing to plan is answered at once
-        out = plan(args, _target(opts))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return NOTHING_TO_PLAN if isinstance(e, NotPlannable) else 2
-    print(json.dumps(out))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer.config import UsageError
+from trainer.common.config import UsageError
 from trainer.models import gemma
 
 
@@ -172,8 +172,10 @@ class Streamer:
 
 def sample_main(args) -> int:
     """`python -m trainer sample --weights ...`: load onto the mesh, tokenize, stream the continuation."""
-    from trainer import mesh as mesh_lib, tokenizer as tok_lib, weights
-    from trainer.mesh import compute_dtype
+    from trainer.common import mesh as mesh_lib
+    from trainer.gemma import tokenizer as tok_lib
+    from trainer.gemma import weights
+    from trainer.common.mesh import compute_dtype
     sc = SampleConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     sc.check()
     mesh_lib.init_distributed()
@@ -184,7 +186,7 @@ def sample_main(args) -> int:
     _, params = weights.load(args.weights, mesh, family=args.model,
                              dtype=jnp.bfloat16 if dt == jnp.bfloat16 else None)
     if getattr(args, "adapters", None):  # fine-tuned: W + scale * A @ B, the same function as applying them
-        from trainer import finetune
+        from trainer.finetune import train as finetune
         from trainer.models import lora
         lc, adapters = finetune.load_adapters(args.adapters, ck.cfg, mesh)
         params = lora.merge(ck.cfg, lc, params, adapters)

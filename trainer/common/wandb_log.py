@@ -18,7 +18,7 @@ from pathlib import Path
 
 from etils import epath
 
-from trainer.config import Config, UsageError
+from trainer.common.config import Config, UsageError
 
 INSTALL = "pip install 'tpuctl[wandb]'"
 

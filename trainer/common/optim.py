@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainer.config import TrainConfig
+from trainer.common.config import TrainConfig
 
 
 def schedule(t: TrainConfig) -> optax.Schedule:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from etils import epath
 
-from trainer.chips import PEAK_FLOPS
-from trainer.config import ModelConfig
+from trainer.common.chips import PEAK_FLOPS
+from trainer.common.config import ModelConfig
 
 def flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token: 6 x matmul params (output projection included) + causal-free attention."""

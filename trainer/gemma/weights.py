@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer.config import UsageError
+from trainer.common.config import UsageError
 from trainer.models import gemma
 
 MANIFEST = "tpuctl-manifest.json"  # written last by `tpuctl weights pull` (orchestrator/weights.py)

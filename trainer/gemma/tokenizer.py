@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from trainer.config import UsageError
+from trainer.common.config import UsageError
 
 START, END = "<start_of_turn>", "<end_of_turn>"
 # Sentencepiece control pieces: ids only, never matched in text (tokenizer.json would match them).

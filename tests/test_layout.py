@@ -1,0 +1,107 @@
+"""The house, read from the code's imports (every import, those inside functions too): the trainer's top level is
+the command line and its folders are its jobs; nothing below a command line imports it; no package imports in a
+circle; the trainer and the stand-ins never reach up into the orchestrator."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("trainer", "orchestrator", "infra", "bench")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports: `from a.b import c` counts a.b.c when that is a module, else a.b."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        out |= {n for n in names if n.split(".")[0] in PACKAGES}
+    return out
+
+
+def _graph(prefix: str) -> dict[str, set[str]]:
+    known = _modules()
+    return {m: {i for i in imports_of(p, known) if i.startswith(prefix) and i != m}
+            for m, p in known.items() if m.startswith(prefix)}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_trainer_top_level_is_its_command_line_and_its_folders_are_the_jobs():
+    top = sorted(p.name for p in (ROOT / "trainer").glob("*.py"))
+    assert len(top) <= 4, top
+    folders = {p.name for p in (ROOT / "trainer").iterdir() if (p / "__init__.py").exists()}
+    assert {"common", "pretrain", "gemma", "finetune", "experiments", "models"} <= folders, folders
+
+
+def test_nothing_imports_the_trainer_entry_point():
+    known = _modules()
+    users = [m for m, p in known.items() if "trainer.__main__" in imports_of(p, known)]
+    users += [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")
+              if "trainer.__main__" in imports_of(p, known)]
+    assert users == [], users
+
+
+def test_no_import_circles_in_the_trainer_or_the_orchestrator():
+    for prefix in ("trainer", "orchestrator"):
+        assert _cycles(_graph(prefix)) == [], prefix
+
+
+def test_the_trainer_and_the_stand_ins_never_import_the_orchestrator():
+    known = _modules()
+    for pkg, banned in (("trainer", ("orchestrator", "infra", "bench")), ("infra", ("orchestrator", "trainer"))):
+        bad = {m: sorted(i for i in imports_of(p, known) if i.split(".")[0] in banned)
+               for m, p in known.items() if m.split(".")[0] == pkg}
+        assert {m: v for m, v in bad.items() if v} == {}, pkg
+
+
+def test_the_checks_can_fail():
+    """The cycle finder sees a circle through a function-level import, and the import reader sees such imports."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    known = _modules()
+    assert "trainer.common.config" in imports_of(ROOT / "trainer" / "common" / "process.py", known)

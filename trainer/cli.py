@@ -1,0 +1,127 @@
+"""`python -m trainer prepare|pretrain|sample|lora|export|sweep|report|extras ...` (the command line is a contract:
+docs/CONTRACTS.md): the process's set-up before jax starts, one parser composed of each job's own flags, and the
+dispatch to the jobs (each imported only when its command runs). trainer/plan.py parses the commands it compiles
+with the same parser.
+
+Exit codes: 0 done, 2 bad input (`error: ...` on stderr), 42 stopped by a preemption notice after saving,
+130 interrupted by Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trainer.common.config import UsageError
+from trainer.common.process import command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory
+from trainer.experiments import flags as experiments
+from trainer.finetune import flags as finetune
+from trainer.pretrain import flags as pretrain
+
+
+def parser() -> argparse.ArgumentParser:
+    return command_parser("GPT-2 pretraining on a JAX device mesh.", pretrain.add_prepare, pretrain.add_pretrain,
+                          pretrain.add_sample, finetune.add_lora, finetune.add_export, experiments.add_parsers,
+                          _add_extras)
+
+
+def _add_extras(sub) -> None:
+    xs = sub.add_parser("extras", help="print (JSON) the optional dependency groups of this package that a "
+                                       "trainer command needs installed, e.g. wandb for --wandb")
+    xs.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS, as `python -m trainer` takes them")
+
+
+def extras_of(args: argparse.Namespace) -> list[str]:
+    """The optional dependency groups (pyproject.toml) a parsed command needs where it runs: `tpuctl run` adds
+    them to the hosts' environment (the orchestrator never reads the trainer's flags itself)."""
+    return ["wandb"] if getattr(args, "wandb", "") else []
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cmd == "prepare":
+        from trainer.pretrain import prepare
+        meta = prepare.prepare(args.data or None, args.out, args.val_fraction, markdown=args.markdown)
+        print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens "
+              f"from {meta['n_files']} file(s) into {args.out}")
+        return 0
+    if args.cmd == "pretrain":
+        from trainer.common import config
+        from trainer.pretrain import train as loop
+        return loop.pretrain(config.resolve(args))
+    if args.cmd == "lora":
+        from trainer.finetune import train as finetune
+        from trainer.finetune.flags import lora_run
+        return finetune.finetune(lora_run(args))
+    if args.cmd == "extras":
+        import json
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            raise UsageError("extras: give the command after --: `python -m trainer extras -- pretrain ...`")
+        print(json.dumps(extras_of(parser().parse_args(command))))
+        return 0
+    if args.cmd in ("sweep", "report"):
+        from trainer.experiments import flags as experiments
+        return experiments.command(args)
+    from absl import logging
+    if args.cmd == "export":
+        from trainer.gemma import export
+        from trainer.common import mesh as mesh_lib
+        mesh_lib.init_distributed()
+        logging.set_verbosity(logging.ERROR)
+        what = export.export(args.weights, args.adapters, args.out, merge=args.merge, mesh_spec=args.mesh,
+                             step=args.step)
+        print(f"exported {'merged ' + what if args.merge else 'PEFT adapters'} to {args.out}")
+        return 0
+    if args.adapters and not args.weights:
+        raise UsageError("sample: --adapters applies to Gemma --weights only")
+    if bool(args.weights) == bool(args.ckpt_dir):
+        raise UsageError("sample: pass either --ckpt-dir (a GPT-2 checkpoint) or --weights (a Gemma checkpoint)")
+    if args.weights:
+        from trainer.gemma import generate
+        return generate.sample_main(args)
+    if args.chat or args.model or args.tokenizer or args.top_p != 1.0 or args.mesh:
+        raise UsageError("sample: --chat, --model, --tokenizer, --top-p and --mesh apply to Gemma --weights only")
+    from trainer.pretrain import sample
+    logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only checkpoint manager is read-only
+    print(sample.generate(args.ckpt_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, seed=args.seed, step=args.step,
+                          dtype=args.dtype, record=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except BaseException as e:
+        if isinstance(e, SystemExit) or not in_a_multi_process_job():
+            raise
+        # One process of a multi-process job failed on its own (a collective that timed out, a bug, an error
+        # only it met): the others wait in a collective for it. A normal exit would now wait at jax.distributed's
+        # shutdown barrier, which they never reach, and the whole job would hang. Exit at once instead: the
+        # others' heartbeat notices, and `tpuctl run` stops every host and names this one.
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        emulate_devices(argv)
+        keep_freed_memory()
+        args = parser().parse_args(argv)
+        return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before the first step, or a second Ctrl-C: nothing a save could keep
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ValueError as e:  # trainer.pretrain.shards.DataError (imported lazily: it is jax-free but not needed here)
+        if type(e).__name__ != "DataError":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+

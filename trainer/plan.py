@@ -1,0 +1,50 @@
+"""`python -m trainer.plan --devices N [--tpu GEN:TOPOLOGY ...] -- COMMAND ARGS`: the ahead-of-time compile of a
+trainer command's train step (trainer/common/aot.py), for devices this machine does not have. It prints one JSON
+object on stdout; the trainer arguments go through the trainer's own parser and checks (bad ones exit 2 with its
+one-line `error: ...`, as the run itself would); a command with no train step exits 4 before jax starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainer import cli
+from trainer.common import aot
+from trainer.common.config import UsageError
+from trainer.common.process import ArgParser
+
+
+def _options() -> argparse.ArgumentParser:
+    p = ArgParser(prog="python -m trainer.plan", description=aot.__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices the run will have")
+    p.add_argument("--processes", type=int, default=1, help="hosts the run will have (its batch is split over them)")
+    p.add_argument("--tpu", metavar="GEN:TOPOLOGY", help="compile with libtpu for this topology, e.g. v4:2x2x1")
+    p.add_argument("--chip-config", default="default", help="libtpu chip config: megacore (v4, v5p) or default")
+    p.add_argument("--host-bounds", default="2,2,1", metavar="X,Y,Z", help="chips per host, as a box")
+    p.add_argument("--fallback-cpu", action="store_true",
+                   help="with --tpu: without libtpu, compile for N CPU devices instead (flagged as an estimate)")
+    p.add_argument("--run-platform", default="cpu", choices=("cpu", "tpu"),
+                   help="without --tpu: the platform the run will have (its --dtype auto follows it)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, trainer_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    try:
+        if not trainer_argv:
+            raise UsageError("nothing to plan: put the trainer command after --, e.g. -- pretrain --preset gpt2-124m")
+        opts = _options().parse_args(own)
+        args = cli.parser().parse_args(trainer_argv)
+        aot.check(args)  # before jax starts: a command with nothing to plan is answered at once
+        out = aot.plan(args, aot.target(opts))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return aot.NOTHING_TO_PLAN if isinstance(e, aot.NotPlannable) else 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
