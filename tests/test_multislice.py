@@ -181,3 +181,29 @@ def test_multislice_plan_arithmetic_dcn_bytes_and_time_beside_compute():
     assert m.to_json()["dcn_bytes_per_host_per_step"] == m.dcn_bytes_per_host
     with pytest.raises(UserError, match="needs v4 or later"):
         plan_dcn.plan("v3-8", ["pretrain"], 2)
+
+
+def test_the_trainer_groups_cpu_devices_by_slice_from_the_process_index(monkeypatch):
+    """Local mode has no slice_index: a slice is H consecutive processes (slice-major ids)."""
+    from collections import namedtuple
+    from trainer.common import mesh as mesh_lib
+    from trainer.common.config import UsageError
+    Dev = namedtuple("Dev", "id process_index platform")
+    devs = [Dev(i, i // 2, "cpu") for i in range(8)]  # 4 processes x 2 devices
+    groups = mesh_lib.slice_groups(devs[::-1], n_slices=2, n_processes=4)
+    assert [[d.id for d in g] for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [mesh_lib.slice_of_process(p, 4, 2) for p in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(UsageError, match="do not split"):
+        mesh_lib.slice_groups(devs, n_slices=3, n_processes=4)
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+    assert mesh_lib.slices() == (2, 1)
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "2")
+    with pytest.raises(UsageError, match="not a slice"):
+        mesh_lib.slices()
+    monkeypatch.delenv("MEGASCALE_NUM_SLICES")
+    monkeypatch.delenv("MEGASCALE_SLICE_ID")
+    one = mesh_lib.job_mesh("data=2,model=1", devices=__import__("jax").devices()[:2])
+    assert mesh_lib.describe(one) == "data=2,model=1" and mesh_lib.shape_of(one) == {"data": 2, "model": 1}
+    with pytest.raises(UsageError, match="each of the 2 slices"):
+        mesh_lib.job_mesh("data=4,model=1", devices=__import__("jax").devices()[:4], n_slices=2, n_processes=1)
