@@ -8,7 +8,8 @@ async Orbax saves; `tpuctl run` on a local slice of 1, 4 and 16 hosts (push+inst
 greedy sampling with the KV-cache loop vs full recompute; a Gemma LoRA step against tunix's PeftTrainer +
 qwix; a 2-host spot run through 0, 1 and 2 preemptions (steps redone, time to recover, goodput); and the TPU
 compiler's verdict on a gpt2-124m step for v5e-8 and v4-8 (XLA vs splash attention, full vs chunked loss,
-remat policies: bytes accessed, temporaries, memory vs compute time; needs libtpu, the `plan` extra). Numbers on a
+remat policies: bytes accessed, temporaries, memory vs compute time; needs libtpu, the `plan` extra); and one job's
+step time on 2 slices against 1 slice of the same devices and global batch (the multislice mesh's extra axis). Numbers on a
 shared machine are noisy: read the ratios, not the absolute values.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 from bench.devices import emulate
 
-SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt", "tpu")
+SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt", "tpu", "multislice")
 
 
 def parse(argv):

@@ -375,5 +375,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         tpu_compile.main(say=say)
     else:
         say("[10] TPU compile: skipped" + (" (--quick)" if plan.quick else ""))
+    if "multislice" in sections and not plan.quick:
+        say("== [11] multislice: step time on 2 slices vs 1 slice, same devices and global batch (bench/multislice.py)")
+        from bench import multislice
+        multislice.main(say=say)
+    else:
+        say("[11] multislice: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")
