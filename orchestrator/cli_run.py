@@ -11,6 +11,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -353,7 +354,8 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 
 @click.command("logs")
 @click.argument("name")
-@click.option("--worker", "-w", default="all", show_default=True, help="Worker index, or all.")
+@click.option("--worker", "-w", default="all", show_default=True,
+              help="Worker index, a multislice run's host (s1w0), or all.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends (Ctrl-C to stop).")
 @click.option("--run", "run_id", help="Run id (default: the latest run of NAME).")
 @click.option("--tail", type=click.IntRange(min=0), default=0, help="Only the last N lines of each host (0: all).")
@@ -361,11 +363,14 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 def logs(name, worker, follow, run_id, tail):
     """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]."""
     d = _run_dir(name, run_id)
-    files = sorted(d.glob("w*.log"), key=lambda p: int(p.stem[1:]))
+    # One log per host: w<i>.log, or s<slice>w<i>.log on several slices (in process order).
+    files = sorted((f for f in d.glob("*.log") if re.fullmatch(r"(s\d+)?w\d+", f.stem)),
+                   key=lambda p: tuple(int(x) for x in re.findall(r"\d+", p.stem)))
     if worker != "all":
-        if not worker.isdigit():
-            raise UserError(f"--worker {worker}: pick a worker index or all")
-        files = [f for f in files if f.stem == f"w{worker}"]
+        if not re.fullmatch(r"(s\d+)?w?\d+", worker):
+            raise UserError(f"--worker {worker}: pick a worker index, a host such as s1w0, or all")
+        want = worker if not worker.isdigit() else f"w{worker}"
+        files = [f for f in files if f.stem == want]
         if not files:
             raise UserError(f"no log of worker {worker} in {d}")
     prefix = len(files) > 1 or worker == "all"

@@ -115,14 +115,14 @@ def slice_of_process(process: int, n_processes: int, n_slices: int) -> int:
 
 
 def slice_groups(devices, n_slices: int, n_processes: int) -> list[list]:
-    """The devices of each slice, in id order. TPU devices know their slice (`slice_index`); CPU devices do not,
-    and jax's own grouping fits only one process per slice: here a slice is H = processes / slices consecutive
+    """The devices of each slice, in id order. TPU devices know their slice (`slice_index`); CPU devices do not
+    (theirs is always 0), and jax's own grouping fits only one process per slice: here a slice is H = processes / slices consecutive
     processes, so a local multislice run builds its mesh on the same code path."""
     if n_processes % n_slices:
         raise UsageError(f"{n_processes} processes do not split over {n_slices} slices (MEGASCALE_NUM_SLICES)")
     groups: list[list] = [[] for _ in range(n_slices)]
     for d in sorted(devices, key=lambda d: d.id):
-        s = getattr(d, "slice_index", None)
+        s = getattr(d, "slice_index", None) if d.platform == "tpu" else None  # jax's CPU devices say slice 0
         groups[s if s is not None else slice_of_process(d.process_index, n_processes, n_slices)].append(d)
     if len({len(g) for g in groups}) != 1:
         raise UsageError(f"the slices hold different device counts ({', '.join(str(len(g)) for g in groups)})")
