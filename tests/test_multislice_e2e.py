@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _local_hosts import needs_hosts
+from _local_hosts import TEST_CACHE, needs_hosts
 from bench.preempt import ARGS, BUCKET, LocalSpot
 from infra.fake_tpu_api import FakeControl
 from infra.local_slice import LocalSlice
@@ -75,6 +75,11 @@ print(json.dumps([[json.loads(l) for l in fs.cat(p).decode().splitlines() if l.s
 
 def test_two_slices_one_job_survive_a_slice_preemption_bit_equal(tmp_path):
     args, v4_16 = _args("data=4,model=1"), _args("data=8,model=1")
+    # The hosts install from the machine's test wheelhouse (a machine-wide cache, as $TPUCTL_HOME/wheelhouse is
+    # for users): the dependency layer is built once per machine, not once per test.
+    (tmp_path / "home").mkdir()
+    TEST_CACHE.joinpath("wheelhouse").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "home" / "wheelhouse").symlink_to(TEST_CACHE / "wheelhouse")
     with LocalSpot(tmp_path / "home", name="ms", accelerator="v4-8", num_slices=2) as spot:
         fake = FakeControl(spot.api["url"])
         # 1. One queued resource with multisliceParams.nodeCount 2; nodes ms-0 and ms-1, each worker its own host.
