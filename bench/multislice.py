@@ -45,7 +45,12 @@ def _run(tmp: Path, data: str, slices: int, mesh: str, tag: str) -> float:
         procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *ARGS, "--mesh", mesh, "--data", data,
                                        "--ckpt-dir", str(ckpt)], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
-    errs = [p.communicate(timeout=1200)[1] for p in procs]
+    try:
+        errs = [p.communicate(timeout=1200)[1] for p in procs]
+    finally:
+        for p in procs:  # the other one of a pair whose partner failed or hung
+            p.kill()
+            p.wait()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{tag} failed: {errs[0][-800:]}")
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines() if line.strip()]
