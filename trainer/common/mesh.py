@@ -55,6 +55,17 @@ def init_distributed() -> bool:
     return True
 
 
+def barrier(name: str) -> None:
+    """Every process waits here for the others, through the coordination service (no device collective), for up
+    to TPUCTL_INIT_TIMEOUT_S. Before the first step: on CPU the first collective sets up gloo with a fixed 30 s
+    wait for its peers, which a process whose compile took longer (a loaded machine, another slice) would make
+    fatal."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is not None and jax.process_count() > 1:
+        client.wait_at_barrier(name, int(os.environ.get("TPUCTL_INIT_TIMEOUT_S", 300)) * 1000)
+
+
 def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
     """'data=4,model=2' -> {'data': 4, 'model': 2}; '' = all devices on data. Checked against n_devices."""
     shape = {"data": 0, "model": 1}

@@ -275,6 +275,7 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
         return 0
 
     compile_s = steps.compile()
+    mesh_lib.barrier(f"tpuctl-compiled-{start}")  # the first step's collectives start together
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
     wandb = wandb_log.WandbLog(cfg, enabled=primary)  # first: a failing wandb.init leaves nothing else open
