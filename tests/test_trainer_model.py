@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from _trainer_util import TINY, session_cache
 from trainer.common import config
+from trainer.common import loop as common_loop
 from trainer.pretrain import train as loop
 from trainer.common import optim
 from trainer.models import gpt2
@@ -20,7 +21,7 @@ from trainer.models import gpt2
 def _cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("TPUCTL_CACHE", session_cache(tmp_path_factory))
-    loop.enable_compile_cache()
+    common_loop.enable_compile_cache()
     yield
     mp.undo()
 

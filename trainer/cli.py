@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "pretrain":
         from trainer.common import config
-        from trainer.pretrain import train as loop
-        return loop.pretrain(config.resolve(args))
+        from trainer.pretrain import train
+        return train.pretrain(config.resolve(args))
     if args.cmd == "lora":
         from trainer.finetune import train as finetune
         from trainer.finetune.flags import lora_run

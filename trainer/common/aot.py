@@ -59,22 +59,21 @@ def _auto_dtype(cfg, run_platform: str):
 
     import jax.numpy as jnp
 
-    from trainer.pretrain import train as loop
+    from trainer.common.mesh import compute_dtype
     if cfg.train.dtype != "auto":
         return cfg
-    name = "bfloat16" if loop.compute_dtype("auto", run_platform) == jnp.bfloat16 else "float32"
+    name = "bfloat16" if compute_dtype("auto", run_platform) == jnp.bfloat16 else "float32"
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=name))
 
 
 def _pretrain(args: argparse.Namespace, target: Target) -> Built:
     from trainer.common import config
-    from trainer.pretrain import train as loop
-    from trainer.common import metrics
-    from trainer.common import mesh as mesh_lib
+    from trainer.common import mesh as mesh_lib, metrics
+    from trainer.pretrain import train
     cfg = _auto_dtype(config.resolve(args), target.run_platform)
     shape = mesh_lib.parse_mesh(cfg.train.mesh, len(target.devices))
-    loop.check_fits(cfg, shape, target.processes)
-    steps = loop.Steps(cfg, mesh_lib.make_mesh(shape, target.devices))
+    train.check_fits(cfg, shape, target.processes)
+    steps = train.Steps(cfg, mesh_lib.make_mesh(shape, target.devices))
     t, m = cfg.train, cfg.model
     return Built(compile=lambda: (steps.compile(), steps.train_fn)[1], params=steps.abstract_params,
                  opt_state=steps.abstract_opt, tokens_per_step=t.batch_size * m.seq_len,
@@ -91,11 +90,11 @@ def _lora_run(args: argparse.Namespace, run_platform: str):
 
     import jax.numpy as jnp
 
-    from trainer.pretrain import train as loop
+    from trainer.common.mesh import compute_dtype
     from trainer.finetune.config import LoraRun
     run = LoraRun(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoraRun)})
     run.check()
-    name = lambda d: "bfloat16" if loop.compute_dtype(d, run_platform) == jnp.bfloat16 else "float32"  # noqa: E731
+    name = lambda d: "bfloat16" if compute_dtype(d, run_platform) == jnp.bfloat16 else "float32"  # noqa: E731
     return dataclasses.replace(run, dtype=name(run.dtype), base_dtype=name(run.base_dtype))
 
 
@@ -114,16 +113,15 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     their optimizer state; the base's size is --model SIZE (checked before jax starts: `_needs_size`)."""
     import jax
 
-    from trainer.finetune import train as finetune
-    from trainer.pretrain import train as loop
     from trainer.common import mesh as mesh_lib
+    from trainer.finetune import train as finetune
     from trainer.models import gemma, lora as lora_lib
     run = _lora_run(args, target.run_platform)
     cfg = gemma.SIZES[run.size]
     shape = mesh_lib.parse_mesh(run.mesh, len(target.devices))
     batch = finetune.batch_of(run, len(target.devices), shape["data"])
     steps = finetune.Steps(run, cfg, mesh_lib.make_mesh(shape, target.devices), max(run.steps, 1), batch)
-    base_dtype = loop.compute_dtype(run.base_dtype)
+    base_dtype = mesh_lib.compute_dtype(run.base_dtype)
     base = {n: jax.ShapeDtypeStruct(s, base_dtype, sharding=steps.base_sh[n])
             for n, (s, _) in gemma.param_layout(cfg).items()}
     return Built(compile=lambda: (steps.compile(base), steps.train_fn)[1],

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class UsageError(ValueError):

@@ -4,7 +4,7 @@ The base (trainer/gemma/weights.py) is loaded once, sharded fsdp-style by the me
 and is only ever an input of the step: it is neither differentiated, nor updated, nor checkpointed.
 The train state is the adapters (f32) and the optimizer state for them alone; the step is a pure
 jitted function of (adapters, optimizer state, base, batch, step) that donates the first two.
-Checkpoints, preemption (save, exit 42), Ctrl-C and metrics.jsonl work as in pretraining (trainer/pretrain/train.py).
+Checkpoints, preemption (save, exit 42), Ctrl-C and metrics.jsonl: the loop pretraining runs too (trainer/common/loop.py).
 """
 from __future__ import annotations
 
@@ -19,16 +19,13 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.common import checkpoint
-from trainer.common import metrics
-from trainer.common import optim
+from trainer.common import checkpoint, loop, metrics, optim
 from trainer.finetune import data as sft_data
 from trainer.gemma import tokenizer as tok_lib
 from trainer.gemma import weights
 from trainer.common import mesh as mesh_lib
 from trainer.common.config import TrainConfig, UsageError
 from trainer.finetune.config import LoraRun
-from trainer.pretrain.train import INTERRUPTED, PREEMPTED, enable_compile_cache
 from trainer.common.mesh import compute_dtype
 from trainer.models import attention, gemma, lora as lora_lib
 
@@ -158,7 +155,7 @@ def finetune(run: LoraRun) -> int:
     """Train adapters to the run's last step, resuming from the latest checkpoint. Returns the exit code."""
     run.check()
     distributed = mesh_lib.init_distributed()
-    enable_compile_cache()
+    loop.enable_compile_cache()
     mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh(run.mesh, jax.device_count()))
     pid, nproc = jax.process_index(), jax.process_count()
     global_batch = batch_of(run, jax.device_count(), mesh.shape["data"])
@@ -249,42 +246,19 @@ def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, 
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
     meta = _Meta(run, cfg)
-    log = metrics.MetricsLog(run.ckpt_dir, start, enabled=primary)
-    tokens_per_step = batches.global_batch * run.seq_len
-    ckpt.watch_interrupt()
-    try:
-        last_t, last_step = time.perf_counter(), start
-        for step in range(start + 1, total + 1):
-            lora, opt_state, out = steps.step(lora, opt_state, base, batches.local_batch(step), step)
-            last = step == total
-            if step == start + 1 or step % run.log_every == 0 or last:
-                rec = {"step": step, "loss": float(out["loss"])}
-                dt = (time.perf_counter() - last_t) / (step - last_step)
-                rec.update(tokens_per_s=tokens_per_step / dt, step_time_s=dt, lr=float(out["lr"]),
-                           grad_norm=float(out["grad_norm"]))
-                if last or (run.eval_every and step % run.eval_every == 0):
-                    rec["val_loss"] = steps.evaluate(lora, base, val_rows)
-                log.log(rec)
-                if primary:
-                    metrics.say(metrics.progress(rec, total))
-                last_t, last_step = time.perf_counter(), step
-            preempted = ckpt.preempted(step)
-            interrupted = ckpt.interrupted and not last
-            if preempted or interrupted or last or (run.ckpt_every and step % run.ckpt_every == 0):
-                ckpt.save(step, lora, opt_state, meta)
-            if preempted or interrupted:
-                ckpt.wait()
-                if preempted:
-                    if primary:
-                        metrics.say(f"preemption notice: saved step {step} to {run.ckpt_dir}; exiting {PREEMPTED}")
-                    return PREEMPTED
-                metrics.say(f"interrupted: saved step {step} to {run.ckpt_dir}; the same command resumes from it")
-                return INTERRUPTED
-    finally:
-        log.close()
-    if primary:
-        metrics.say(f"done: step {total}, adapters in {run.ckpt_dir}")
-    return 0
+    job = loop.Job(
+        ckpt_dir=run.ckpt_dir, total=total, log_every=run.log_every, eval_every=run.eval_every,
+        ckpt_every=run.ckpt_every, tokens_per_step=batches.global_batch * run.seq_len,
+        step=lambda state, local, step: _split(steps.step(*state, base, local, step)),
+        evaluate=lambda state: steps.evaluate(state[0], base, val_rows),
+        save=lambda ck, step, state: ck.save(step, *state, meta), saved_what="adapters")
+    return loop.run(job, ckpt, (lora, opt_state), start,
+                    ((step, batches.local_batch(step)) for step in range(start + 1, total + 1)))
+
+
+def _split(out):
+    lora, opt_state, scalars = out
+    return (lora, opt_state), scalars
 
 
 def load_adapters(directory: str, cfg: gemma.GemmaConfig, mesh, step: int | None = None):

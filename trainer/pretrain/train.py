@@ -7,10 +7,7 @@ the step is compiled with those as in/out shardings and donates its inputs.
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,32 +16,12 @@ import optax
 from etils import epath
 from flax import nnx
 
-from trainer.common import checkpoint
-from trainer.pretrain import data, shards
-from trainer.common import metrics
-from trainer.common import optim
-from trainer.common import wandb_log
+from trainer.common import checkpoint, loop, metrics, optim, wandb_log
 from trainer.common import mesh as mesh_lib
+from trainer.pretrain import data, shards
 from trainer.common.mesh import compute_dtype
 from trainer.common.config import Config, UsageError
 from trainer.models import attention, gpt2
-
-PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
-INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT, as shells report it)
-
-
-def enable_compile_cache() -> None:
-    """Persistent XLA compilation cache (a restart after preemption skips recompiling).
-
-    JAX_COMPILATION_CACHE_DIR wins; else $TPUCTL_CACHE/jax (default ~/.cache/tpuctl/jax), private to the user.
-    """
-    from jax.experimental.compilation_cache import compilation_cache as cc
-    if jax.config.jax_compilation_cache_dir:
-        return
-    root = Path(os.environ.get("TPUCTL_CACHE", Path.home() / ".cache" / "tpuctl"))
-    cc.set_cache_dir(str(root / "jax"))
-    cc.reset_cache()  # in case something compiled earlier in this process with no cache configured
-
 
 def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
     """The config against the mesh: clear errors before anything is allocated."""
@@ -196,7 +173,7 @@ def pretrain(cfg: Config) -> int:
     t, m = cfg.train, cfg.model
     wandb_log.check(t.wandb)
     distributed = mesh_lib.init_distributed()
-    enable_compile_cache()
+    loop.enable_compile_cache()
     mesh = setup_mesh(cfg)
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
@@ -216,17 +193,6 @@ def pretrain(cfg: Config) -> int:
     finally:
         ckpt.unwatch()
         ckpt.close()
-
-
-def _finite(loss: float, step: int, ckpt: checkpoint.Checkpointer) -> float:
-    """The loss, or stop the run (every process sees the same replicated loss) keeping the last good step."""
-    if math.isfinite(loss):
-        return loss
-    ckpt.wait()
-    kept = ckpt.latest_step()
-    raise UsageError(f"the loss is {loss} at step {step}: training stopped; "
-                     + (f"the latest checkpoint stays step {kept}" if kept else "no checkpoint was written")
-                     + " (nothing diverged was saved): lower --lr, or check the data")
 
 
 RUN_INFO = "run_info.json"  # in --ckpt-dir: where the latest start of the run ran (read by trainer/experiments/report.py)
@@ -279,50 +245,17 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
     wandb = wandb_log.WandbLog(cfg, enabled=primary)  # first: a failing wandb.init leaves nothing else open
-    log = metrics.MetricsLog(t.ckpt_dir, start, enabled=primary)
-    fpt = metrics.flops_per_token(m)
-    peak = metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops)
-    tokens_per_step = t.batch_size * m.seq_len
-    ckpt.watch_interrupt()  # from here on Ctrl-C would lose steps: save them first
-    report_progress = "TPUCTL_PROCESS_ID" in os.environ
-    try:
-        last_t, last_step = time.perf_counter(), start
-        for step, local in loader.iterate(start + 1):
-            params, opt_state, out = steps.step(params, opt_state, local, step)
-            last = step == t.steps
-            if step == start + 1 or step % t.log_every == 0 or last:
-                rec = {"step": step, "loss": _finite(float(out["loss"]), step, ckpt)}  # blocks until the step is done
-                dt = (time.perf_counter() - last_t) / (step - last_step)
-                tps = tokens_per_step / dt
-                rec.update(tokens_per_s=tps, mfu=(tps * fpt / (peak * jax.device_count())) if peak else None,
-                           step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
-                if last or (t.eval_every and step % t.eval_every == 0):
-                    rec["val_loss"] = steps.evaluate(params, val, t.eval_batches)
-                log.log(rec)
-                wandb.log(rec)
-                if primary:
-                    metrics.say(metrics.progress(rec, t.steps))
-                if report_progress:  # every process: tpuctl names a host that stops advancing
-                    print(f"TPUCTL_PROGRESS step={step}", flush=True)
-                last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
-            preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
-            interrupted = ckpt.interrupted and not last
-            if preempted or interrupted or last or (t.ckpt_every and step % t.ckpt_every == 0):
-                _finite(float(out["loss"]), step, ckpt)  # a diverged step never replaces a good one
-                ckpt.save(step, params, opt_state, cfg)
-            if preempted or interrupted:
-                ckpt.wait()
-                if preempted:
-                    if primary:
-                        metrics.say(f"preemption notice: saved step {step} to {t.ckpt_dir}; exiting {PREEMPTED}")
-                    return PREEMPTED
-                metrics.say(f"interrupted: saved step {step} to {t.ckpt_dir}; the same command resumes from it")
-                return INTERRUPTED
-            if last:
-                break
-    finally:
-        log.close()
-        wandb.close()
-    if primary:
-        metrics.say(f"done: step {t.steps}, checkpoint in {t.ckpt_dir}")
-    return 0
+    job = loop.Job(
+        ckpt_dir=t.ckpt_dir, total=t.steps, log_every=t.log_every, eval_every=t.eval_every, ckpt_every=t.ckpt_every,
+        tokens_per_step=t.batch_size * m.seq_len,
+        step=lambda state, local, step: _split(steps.step(*state, local, step)),
+        evaluate=lambda state: steps.evaluate(state[0], val, t.eval_batches),
+        save=lambda ck, step, state: ck.save(step, *state, cfg),
+        flops_per_token=metrics.flops_per_token(m),
+        peak_flops=metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops))
+    return loop.run(job, ckpt, (params, opt_state), start, loader.iterate(start + 1), wandb)
+
+
+def _split(out):
+    params, opt_state, scalars = out
+    return (params, opt_state), scalars

@@ -1,0 +1,124 @@
+"""The one training loop both jobs run (pretraining and LoRA): steps, logging, evaluation, checkpoints, a
+preemption notice or Ctrl-C (save, then exit 42 or 130), the progress tpuctl watches, W&B. Each job supplies its
+compiled step, its evaluation and what a checkpoint holds (`Job`); the loop owns everything around them.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+
+from trainer.common import checkpoint, metrics
+from trainer.common.config import UsageError
+
+PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
+INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT, as shells report it)
+
+
+def enable_compile_cache() -> None:
+    """Persistent XLA compilation cache (a restart after preemption skips recompiling).
+
+    JAX_COMPILATION_CACHE_DIR wins; else $TPUCTL_CACHE/jax (default ~/.cache/tpuctl/jax), private to the user.
+    """
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    if jax.config.jax_compilation_cache_dir:
+        return
+    root = Path(os.environ.get("TPUCTL_CACHE", Path.home() / ".cache" / "tpuctl"))
+    cc.set_cache_dir(str(root / "jax"))
+    cc.reset_cache()  # in case something compiled earlier in this process with no cache configured
+
+
+class _NoWandb:
+    def log(self, rec: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a job gives the loop. `state` is the job's train state (a tuple of pytrees) and passes through."""
+    ckpt_dir: str
+    total: int                                      # the last step
+    log_every: int
+    eval_every: int                                 # 0: only at the last step
+    ckpt_every: int                                 # 0: only at the end and on a notice
+    tokens_per_step: int
+    step: Callable[[Any, Any, int], tuple[Any, dict]]   # (state, local batch, step) -> (state, {loss, grad_norm, lr})
+    evaluate: Callable[[Any], float | None]         # state -> validation loss
+    save: Callable[[checkpoint.Checkpointer, int, Any], None]  # write step's state (and the job's meta)
+    saved_what: str = "checkpoint"                  # the last line: "done: step N, <saved_what> in DIR"
+    flops_per_token: float | None = None            # with peak_flops: the MFU column
+    peak_flops: float | None = None
+
+
+def finite(loss: float, step: int, ckpt: checkpoint.Checkpointer) -> float:
+    """The loss, or stop the run (every process sees the same replicated loss) keeping the last good step."""
+    if math.isfinite(loss):
+        return loss
+    ckpt.wait()
+    kept = ckpt.latest_step()
+    raise UsageError(f"the loss is {loss} at step {step}: training stopped; "
+                     + (f"the latest checkpoint stays step {kept}" if kept else "no checkpoint was written")
+                     + " (nothing diverged was saved): lower --lr, or check the data")
+
+
+def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
+        batches: Iterator[tuple[int, Any]], wandb=None) -> int:
+    """Train from step start + 1 to job.total over `batches` ((step, local batch) in step order). Returns the
+    exit code: 0 done, PREEMPTED after a notice's save, INTERRUPTED after Ctrl-C's save."""
+    primary = jax.process_index() == 0
+    wandb = wandb or _NoWandb()
+    log = metrics.MetricsLog(job.ckpt_dir, start, enabled=primary)
+    ckpt.watch_interrupt()  # from here on Ctrl-C would lose steps: save them first
+    report_progress = "TPUCTL_PROCESS_ID" in os.environ
+    try:
+        last_t, last_step = time.perf_counter(), start
+        for step, local in batches:
+            state, out = job.step(state, local, step)
+            last = step == job.total
+            if step == start + 1 or step % job.log_every == 0 or last:
+                rec = {"step": step, "loss": finite(float(out["loss"]), step, ckpt)}  # waits for the step
+                dt = (time.perf_counter() - last_t) / (step - last_step)
+                tps = job.tokens_per_step / dt
+                rec["tokens_per_s"] = tps
+                if job.flops_per_token is not None:
+                    rec["mfu"] = tps * job.flops_per_token / (job.peak_flops * jax.device_count()) \
+                        if job.peak_flops else None
+                rec.update(step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
+                if last or (job.eval_every and step % job.eval_every == 0):
+                    rec["val_loss"] = job.evaluate(state)
+                log.log(rec)
+                wandb.log(rec)
+                if primary:
+                    metrics.say(metrics.progress(rec, job.total))
+                if report_progress:  # every process: tpuctl names a host that stops advancing
+                    print(f"TPUCTL_PROGRESS step={step}", flush=True)
+                last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
+            preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
+            interrupted = ckpt.interrupted and not last
+            if preempted or interrupted or last or (job.ckpt_every and step % job.ckpt_every == 0):
+                finite(float(out["loss"]), step, ckpt)  # a diverged step never replaces a good one
+                job.save(ckpt, step, state)
+            if preempted or interrupted:
+                ckpt.wait()
+                if preempted:
+                    if primary:
+                        metrics.say(f"preemption notice: saved step {step} to {job.ckpt_dir}; exiting {PREEMPTED}")
+                    return PREEMPTED
+                metrics.say(f"interrupted: saved step {step} to {job.ckpt_dir}; the same command resumes from it")
+                return INTERRUPTED
+            if last:
+                break
+    finally:
+        log.close()
+        wandb.close()
+    if primary:
+        metrics.say(f"done: step {job.total}, {job.saved_what} in {job.ckpt_dir}")
+    return 0
