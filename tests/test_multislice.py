@@ -81,7 +81,9 @@ def test_gc_knows_an_unrecorded_multislice_queued_resource(fake):
     # The queued resource is the one thing to delete: its nodes go with it (force).
     assert [(i.kind, i.reason) for i in found.items] == [("queued_resource", "unrecorded")], found.items
     slices.gc(project=PROJECT, zones=[ZONE], api_endpoint=fake.url, yes=True)
-    assert not live(fake)[1]
+    assert {q["state"]["state"] for q in live(fake)[1]} <= {"DELETING"}  # being deleted, with every node
+    assert {n["state"] for n in live(fake)[0]} <= {"DELETING"}
+    assert [d["force"] for d in fake.control.state()["delete_calls"]] == [True]
 
 
 @pytest.mark.parametrize("kw, words", [
