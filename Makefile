@@ -37,7 +37,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
 
 demo: setup
-	$(BIN)/python -m infra.demo
+	$(BIN)/python -m orchestrator.demo
 
 bench: setup
 	$(BIN)/python -m bench

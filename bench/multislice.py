@@ -61,7 +61,7 @@ def _run(tmp: Path, data: str, slices: int, mesh: str, tag: str) -> float:
 
 
 def main(say=print, rounds: int = 2) -> dict:
-    say(f"[11] gpt2-tiny (seq 64, global batch 16), {STEPS} steps, 2 processes x 4 CPU devices: one slice vs two "
+    say(f"[13] gpt2-tiny (seq 64, global batch 16), {STEPS} steps, 2 processes x 4 CPU devices: one slice vs two "
         "slices of the same devices; median step time after step "
         f"{SKIP}, {rounds} alternated round(s)")
     with tempfile.TemporaryDirectory(prefix="tpuctl-bench-ms-") as d:

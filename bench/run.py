@@ -375,11 +375,23 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         tpu_compile.main(say=say)
     else:
         say("[10] TPU compile: skipped" + (" (--quick)" if plan.quick else ""))
+    if "prepare" in sections:
+        say("== [11] prepare on a web-shaped corpus vs tiktoken's bare one-core speed (bench/prepare.py)")
+        from bench import prepare
+        prepare.main(["--quick"] if plan.quick else [], say=say)
+    else:
+        say("[11] prepare: skipped")
+    if "loader" in sections:
+        say("== [12] pretraining loader: tokens/s from gs:// vs a local file (bench/loader.py)")
+        from bench import loader
+        loader.main(say=say, quick=plan.quick)
+    else:
+        say("[12] loader: skipped")
     if "multislice" in sections and not plan.quick:
-        say("== [11] multislice: step time on 2 slices vs 1 slice, same devices and global batch (bench/multislice.py)")
+        say("== [13] multislice: step time on 2 slices vs 1 slice, same devices and global batch (bench/multislice.py)")
         from bench import multislice
         multislice.main(say=say)
     else:
-        say("[11] multislice: skipped" + (" (--quick)" if plan.quick else ""))
+        say("[13] multislice: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

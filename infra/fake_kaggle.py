@@ -1,4 +1,4 @@
-"""A local stand-in for Kaggle's model API, answering the real `kagglehub` client over HTTP.
+"""A local stand-in for Kaggle's model and dataset APIs, answering the real `kagglehub` client over HTTP.
 
 Wire protocol (as kagglehub 1.0.3 / kagglesdk speak it): `POST /api/v1/models.ModelApiService/<Method>` with a
 camelCase JSON body and HTTP basic auth (username, API key):
@@ -7,9 +7,14 @@ camelCase JSON body and HTTP basic auth (username, API key):
 - DownloadModelInstanceVersion {..., versionNumber, path?} -> 302 to a signed blob URL (GET, no auth) serving the
   file, or a tar.gz of the whole version without `path`, with Content-Length, Accept-Ranges: bytes (kagglehub
   resumes a cut download with a Range request) and X-Goog-Hash: md5=... (kagglehub checks it).
+Datasets (kagglehub.dataset_download; kagglesdk's DatasetApiClient, `POST /api/v1/datasets.DatasetApiService/...`):
+- GetDataset {ownerSlug, datasetSlug} -> {"currentVersionNumber": N, ...} (kagglehub's _get_current_version);
+- DownloadDataset {ownerSlug, datasetSlug, datasetVersionNumber, fileName?} -> 302 to a signed URL serving the
+  one file named by fileName, or a zip of the whole version without it (kagglehub unpacks it in its cache).
 Errors are JSON `{"code": C, "message": M}` with that HTTP status, which kagglesdk raises as HTTPError.
 
-Models live on disk as ROOT/<owner>/<model>/<framework>/<variation>/<version>/<files>. A model listed in
+Models live on disk as ROOT/<owner>/<model>/<framework>/<variation>/<version>/<files>, datasets as
+ROOT/datasets/<owner>/<dataset>/<version>/<files>. A model listed in
 `consent` needs its licence accepted by the user (403 otherwise), as Gemma does on Kaggle.
 Injectable faults (FakeKaggle.inject): "401", "403", "404", "500" on the next API calls, "cut" = the next blob
 download closes the connection half-way through the body.
@@ -27,11 +32,14 @@ import os
 import socket
 import tarfile
 import threading
+import zipfile
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 API = "/api/v1/models.ModelApiService/"
+DATASET_API = "/api/v1/datasets.DatasetApiService/"
+DATASETS = "datasets"  # the folder under ROOT that holds datasets
 FRAMEWORK_PREFIX = "MODEL_FRAMEWORK_"
 PAGE_SIZE_MAX = 25
 
@@ -112,11 +120,12 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- API
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        method = self.path.split("?")[0].removeprefix(API)
+        path = self.path.split("?")[0]
+        method = path.removeprefix(DATASET_API if path.startswith(DATASET_API) else API)
         k = self.kaggle
         k.calls.append(method)
         try:
-            if not self.path.startswith(API):
+            if not path.startswith((API, DATASET_API)):
                 raise _ApiError(404, f"no such service: {self.path}")
             req = json.loads(body or b"{}")
             user = self._auth()
@@ -129,6 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _ApiError(404, "Not found")
             if fault == "500":
                 raise _ApiError(500, "Internal error")
+            if path.startswith(DATASET_API):
+                return self._dataset(method, req)
             inst = k.version_dir(req)
             if not inst.is_dir():
                 raise _ApiError(404, "Not found")
@@ -164,6 +175,31 @@ class _Handler(BaseHTTPRequestHandler):
             raise _ApiError(404, f"no such method: {method}")
         except _ApiError as e:
             self._json(e.code, {"code": e.code, "message": str(e)})
+
+    def _dataset(self, method: str, req: dict) -> None:
+        k = self.kaggle
+        base = k.root / DATASETS / str(req.get("ownerSlug", "")) / str(req.get("datasetSlug", ""))
+        if not base.is_dir() or k.root / DATASETS not in base.resolve().parents:
+            raise _ApiError(404, "Not found")
+        versions = sorted(int(p.name) for p in base.iterdir() if p.is_dir() and p.name.isdigit())
+        if method == "GetDataset":
+            return self._json(200, {"ownerSlug": req.get("ownerSlug"), "datasetSlug": req.get("datasetSlug"),
+                                    "currentVersionNumber": versions[-1] if versions else 0})
+        if method != "DownloadDataset":
+            raise _ApiError(404, f"no such method: {method}")
+        version = req.get("datasetVersionNumber") or (versions[-1] if versions else 0)
+        vdir = base / str(version)
+        if not vdir.is_dir():
+            raise _ApiError(404, "Not found")
+        name = req.get("fileName")
+        if name and not (vdir / name).is_file():
+            raise _ApiError(404, "Not found")
+        rel = vdir.relative_to(k.root).as_posix()
+        target = f"/blobs/{rel}/{urllib.parse.quote(name)}" if name else f"/archives/{rel}.zip"
+        self.send_response(302)
+        self.send_header("Location", f"{k.url}{target}?token=signed")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def _auth(self) -> str:
         h = self.headers.get("Authorization", "")
@@ -206,6 +242,16 @@ class _Handler(BaseHTTPRequestHandler):
                 for p in sorted(vdir.rglob("*")):
                     if p.is_file():
                         tar.add(p, arcname=str(p.relative_to(vdir)))
+            data = buf.getvalue()
+        elif path.startswith("/archives/") and path.endswith(".zip"):  # a dataset version, as Kaggle zips it
+            vdir = k.root / path.removeprefix("/archives/").removesuffix(".zip")
+            if not vdir.is_dir():
+                return self._json(404, {"code": 404, "message": "Not found"})
+            buf = io.BytesIO()
+            with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+                for p in sorted(vdir.rglob("*")):
+                    if p.is_file():
+                        z.write(p, arcname=str(p.relative_to(vdir)))
             data = buf.getvalue()
         else:
             return self._json(404, {"code": 404, "message": "Not found"})

@@ -1,6 +1,7 @@
 """A local stand-in of the Cloud TPU v2 REST API, so the real `google-cloud-tpu` client is what tests exercise.
 
-Speaks `/v2/projects/P/locations/Z/{nodes,queuedResources,acceleratorTypes,runtimeVersions,operations}` in
+Speaks `/v2/projects/P/locations/Z/{nodes,queuedResources,acceleratorTypes,runtimeVersions,operations}` (and
+`nodes/N:getGuestAttributes`) in
 camelCase JSON, with long-running operations shaped the way the client's strict parser wants them. State moves
 with the clock (no background thread: every request first advances everything to "now"):
 
@@ -19,7 +20,7 @@ A control API under /_fake/ (JSON; FakeControl is its client):
                                  delete_calls, injections, worker_ips, zones, config
   POST inject {kind, zone?, accelerator?, project?, resource?, op?, times?, message?, ...}
        op: which request it answers (create, get, list, delete, operation, accelerator_types,
-       runtime_versions, locations, any). The real API's answers, each with its HTTP status, `error.status`
+       runtime_versions, locations, guest_attributes, any). The real API's answers, each with its HTTP status, `error.status`
        and `details` (see _error_for; FakeControl has a method per kind):
          stockout {fail_after_s?}   code 8 in the create LRO; a queued resource waits, then FAILED
          reserved_capacity {sync?}  FAILED_PRECONDITION "Insufficient reserved capacity" (LRO code 9 / HTTP 400)
@@ -38,6 +39,8 @@ A control API under /_fake/ (JSON; FakeControl is its client):
   POST reservations {name}           a reservation that a queued resource's reservationName may name
   POST workers {ips: [...] | null}   nodes created afterwards get these IPs (ipAddress and externalIp), port 8470
   POST node_workers {node, ips, external?}  set them on an existing node (external: other external IPs)
+  POST guest_attributes {node, worker, items: [{namespace?, key, value}], namespace?}   what a worker's guest
+                                     agent publishes (namespace: replace only that one's items, e.g. hostkeys)
   POST preempt {node, state?: PREEMPTED|TERMINATED}   a READY node; in a queued resource it goes DELETING, then
                                      is gone, and its queued resource goes SUSPENDING, then SUSPENDED
 
@@ -84,7 +87,8 @@ ERROR_KINDS = ("reserved_capacity", "spot_preempted", "reservation_not_found", "
                "internal", "bad_argument")
 INJECTION_KINDS = ("stockout", "never_ready", "slow", "pending_create") + ERROR_KINDS
 # The request an injection matches: `op` names, by route.
-OPS = ("create", "get", "list", "delete", "operation", "accelerator_types", "runtime_versions", "locations", "any")
+OPS = ("create", "get", "list", "delete", "operation", "accelerator_types", "runtime_versions", "locations",
+       "guest_attributes", "any")
 # Checked before anything else in a request (any op by default, except where noted) ...
 _EARLY_KINDS = ("location", "service_disabled", "billing_disabled", "location_policy", "permission", "rate_limit",
                 "unavailable", "internal", "bad_argument")
@@ -211,6 +215,9 @@ class _Node(_Tracked):
     t_suspend: float | None = None   # preempted in a queued resource: the service deletes it from then on
     endpoints: list[dict] = field(default_factory=list)
     id: int = 0
+    # What each worker's guest agent has published: worker index -> [{namespace, key, value}] (none until set
+    # through /_fake/guest_attributes: the agent starts after the VM reports READY).
+    guest_attributes: dict[int, list[dict]] = field(default_factory=dict)
 
 
 @dataclass
@@ -643,6 +650,51 @@ class FakeTpu:
                     node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
         return self.op_json(self._new_op("delete", kind, project, zone, name, now))
 
+    def get_guest_attributes(self, name: str, query_path: str = "", worker_ids: list | None = None) -> dict:
+        """POST nodes/N:getGuestAttributes {queryPath, workerIds}. The answer is GetGuestAttributesResponse (the
+        google.cloud.tpu_v2 types GuestAttributes / GuestAttributesValue / GuestAttributesEntry): one
+        `guestAttributes` entry per worker asked for, in worker order (gcloud's TPU VM ssh reads entry i as
+        worker i, or entry 0 when it asked for one worker), each {queryPath, queryValue: {items: [{namespace, key,
+        value}]}}. The guest agent publishes its SSH host keys under namespace `hostkeys`, key = the key type
+        (`ssh-ed25519`), value = the key's base64 (gcloud takes its last 6 characters as a host key suffix), and
+        the VM's name under key `hostname` (what gcloud's --tunnel-through-iap hands to start-iap-tunnel). A
+        worker that has published nothing has no items."""
+        self.tick()
+        project, zone = _parts(name)
+        self.check_request("guest_attributes", project, zone, "node", permission="tpu.nodes.getGuestAttributes")
+        n = self.nodes.get(name)
+        if n is None:
+            raise ApiError(404, f"Resource '{name}' was not found")
+        ids = list(range(n.hosts))
+        if worker_ids:
+            try:
+                ids = [int(w) for w in worker_ids]
+            except ValueError:
+                raise ApiError(400, f"Invalid worker id in {worker_ids!r}") from None
+            bad = [i for i in ids if not 0 <= i < n.hosts]
+            if bad:
+                raise ApiError(400, f"Worker id {bad[0]} is out of range: the node has {n.hosts} workers")
+        path = query_path.strip("/")
+        out = []
+        for i in ids:
+            items = [dict(it) for it in n.guest_attributes.get(i, [])
+                     if not path or _under(f"{it['namespace']}/{it['key']}".strip("/"), path)]
+            out.append({"queryPath": query_path, "queryValue": {"items": items}} if items else {"queryPath": query_path})
+        return {"guestAttributes": out}
+
+    def set_guest_attributes(self, node: str, worker: int, items: list[dict], namespace: str | None = None) -> dict:
+        """A worker's guest agent publishes `items` ({namespace?, key, value}); with `namespace`, they replace
+        what that namespace held (e.g. other `hostkeys`), else everything."""
+        n = self._find_node(node)
+        if not 0 <= int(worker) < n.hosts:
+            raise ApiError(400, f"worker {worker} is out of range: {n.name} has {n.hosts} workers")
+        new = [{"namespace": it.get("namespace", namespace or ""), "key": it["key"], "value": it["value"]}
+               for it in items]
+        kept = [] if namespace is None else [it for it in n.guest_attributes.get(int(worker), [])
+                                             if it["namespace"] != namespace]
+        n.guest_attributes[int(worker)] = kept + new
+        return {"worker": int(worker), "items": n.guest_attributes[int(worker)]}
+
     def get_op(self, name: str) -> dict:
         self.tick()
         self.check_request("operation", *_parts(name))
@@ -743,6 +795,11 @@ def _qr_node_names(qr_name: str, spec: dict) -> list[str]:
         return [f"{spec['parent']}/nodes/{spec['nodeId']}"]
     prefix = ms.get("nodeIdPrefix") or qr_name.rsplit("/", 1)[-1]
     return [f"{spec['parent']}/nodes/{prefix}-{i}" for i in range(int(ms["nodeCount"]))]
+
+
+def _under(full: str, path: str) -> bool:
+    """A guest attribute `namespace/key` is under query path `path` (a namespace, or one key of it)."""
+    return full == path or full.startswith(path + "/")
 
 
 def _parts(name: str) -> tuple[str, str]:
@@ -883,6 +940,7 @@ _ROUTES = [
     ("POST", re.compile(_LOC + r"/nodes"), "node_create"),
     ("GET", re.compile(_LOC + r"/nodes"), "node_list"),
     ("GET", re.compile(_LOC + r"/nodes/(?P<id>[^/:]+)"), "node_get"),
+    ("POST", re.compile(_LOC + r"/nodes/(?P<id>[^/:]+):getGuestAttributes"), "node_guest_attributes"),
     ("DELETE", re.compile(_LOC + r"/nodes/(?P<id>[^/:]+)"), "node_delete"),
     ("POST", re.compile(_LOC + r"/queuedResources"), "qr_create"),
     ("GET", re.compile(_LOC + r"/queuedResources"), "qr_list"),
@@ -993,6 +1051,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return f.get("node", f"{base}/nodes/{rid}")
             if action == "qr_get":
                 return f.get("queuedResource", f"{base}/queuedResources/{rid}")
+            if action == "node_guest_attributes":
+                return f.get_guest_attributes(f"{base}/nodes/{rid}", body.get("queryPath") or "",
+                                              body.get("workerIds") or None)
             if action == "node_delete":
                 return f.delete("node", f"{base}/nodes/{rid}")
             if action == "qr_delete":
@@ -1041,6 +1102,9 @@ class _Handler(BaseHTTPRequestHandler):
             return {"ips": f.worker_ips}
         if what == "node_workers" and method == "POST":
             return f.set_node_workers(body["node"], body.get("ips") or [], body.get("external"))
+        if what == "guest_attributes" and method == "POST":
+            return f.set_guest_attributes(body["node"], int(body["worker"]), list(body.get("items") or []),
+                                          body.get("namespace"))
         if what == "preempt" and method == "POST":
             return f.preempt(body["node"], body.get("state", "PREEMPTED"))
         if what == "reset" and method == "POST":
@@ -1162,6 +1226,18 @@ class FakeControl:
 
     def preempt(self, node: str, state: str = "PREEMPTED") -> dict:
         return self.call("POST", "preempt", {"node": node, "state": state})
+
+    def set_guest_attributes(self, node: str, worker: int, items: list[dict], namespace: str | None = None) -> dict:
+        """What worker `worker` of `node` publishes ({namespace?, key, value} each); `namespace` replaces only
+        that namespace's items."""
+        return self.call("POST", "guest_attributes", {"node": node, "worker": worker, "items": items,
+                                                      **({"namespace": namespace} if namespace is not None else {})})
+
+    def publish_host_keys(self, node: str, worker: int, keys: list[str]) -> dict:
+        """Worker `worker`'s guest agent publishes these host keys ("TYPE BASE64" each) under `hostkeys/`,
+        replacing the ones it published before (a test's way to publish a key the host does not have)."""
+        items = [{"key": k.split()[0], "value": k.split()[1]} for k in keys]
+        return self.set_guest_attributes(node, worker, items, namespace="hostkeys")
 
     def reset(self) -> dict:
         return self.call("POST", "reset", {})

@@ -109,6 +109,11 @@ class LocalSlice:
                 out.append(s)
         return out
 
+    def host_keys(self, i: int) -> list[str]:
+        """Host i's sshd host public keys ("TYPE BASE64" each), what a VM's guest agent publishes."""
+        etc = self.dir / f"w{i}" / "etc"
+        return [" ".join(p.read_text().split()[:2]) for p in sorted(etc.glob("ssh_host_*_key.pub"))]
+
     def alive(self) -> list[bool]:
         return [_pid_in_ns(h.init_pid, h.pidns) for h in self.hosts]
 

@@ -6,6 +6,7 @@ writes one small object and deletes it.
 """
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from dataclasses import asdict, dataclass
@@ -79,6 +80,27 @@ def api_and_zone(api, project: str, zone: str | None, accelerator: str | None) -
     return items + [Item("zone", True, f"{zone} answers ({len(offered)} accelerator types)")]
 
 
+def os_login(project: str, where: Provider, tpu_endpoint: str | None = None) -> Item:
+    """Whether the project enforces OS Login (its common metadata, read through the Compute Engine API)."""
+    from orchestrator import oslogin
+    endpoint = os.environ.get(oslogin.ENV_COMPUTE) or None
+    tpu = where.endpoint(tpu_endpoint) or ""
+    if not endpoint and (where.kind == provider.LOCAL or tpu.startswith("http://")):
+        # A stand-in TPU API is no project of Google's: its Compute Engine API is a stand-in too, or none.
+        return Item("OS Login", None, f"not checked: the TPU API is a stand-in and no Compute Engine API is given "
+                                      f"(set {oslogin.ENV_COMPUTE} to a stand-in)")
+    try:
+        on = oslogin.project_enforces(project, endpoint)
+    except UserError as e:
+        return Item("OS Login", False, str(e))
+    if on:
+        return Item("OS Login", True, f"enforced in {project} (enable-oslogin=TRUE): keys in ssh-keys metadata are "
+                                      f"ignored; your account needs {oslogin.ROLES} and the SSH user is its POSIX "
+                                      "name (a node's own enable-oslogin metadata can still override)")
+    return Item("OS Login", True, f"not enforced in {project}'s common metadata: `up` puts your key in each VM's "
+                                  "ssh-keys metadata")
+
+
 def ssh_key(path: str | None) -> Item:
     try:
         p, pub, created = sshkeys.ensure_key(path)
@@ -129,6 +151,7 @@ def run_checks(*, project: str | None = None, zone: str | None = None, accelerat
             items += [Item("TPU API", False, " ".join(str(e).split())), Item("zone", None, "not checked")]
         else:
             items += api_and_zone(api, p, zone, accelerator)
+        items.append(os_login(p, where, api_endpoint))
     else:
         items += [Item("TPU API", None, "not checked: no credentials or project"), Item("zone", None, "not checked")]
     items.append(ssh_key(ssh_key_path))

@@ -10,6 +10,7 @@ import click
 
 from orchestrator.cli_common import StatusLine
 from orchestrator.cli_common import api_options as _api_options
+from orchestrator.cli_common import PassThrough
 from orchestrator.cli_common import errors as _errors
 from orchestrator.cli_common import json_option as _json_option
 from orchestrator.spec import UserError
@@ -82,6 +83,12 @@ def cli():
 @click.option("--no-external-ips", is_flag=True, default=None,
               help="Workers get internal IPs only (for org policies that forbid external IPs); the subnetwork "
                    "needs Private Google Access, and `run` must reach the VPC.")
+@click.option("--ssh-proxy-command", metavar="CMD",
+              help="Reach the workers through CMD from now on (recorded with the slice; OpenSSH ProxyCommand: %h %p "
+                   "are the worker's address and port, %r the user). See docs/access.md.")
+@click.option("--iap", is_flag=True, default=None,
+              help="Reach the workers through Cloud IAP TCP forwarding (gcloud compute start-iap-tunnel), recorded "
+                   "with the slice. See docs/access.md.")
 @click.option("--network", metavar="NET", help="VPC network for the workers (default: the project's `default`).")
 @click.option("--subnetwork", metavar="SUBNET", help="Subnetwork for the workers (default: the network's own in "
                                                       "the zone's region).")
@@ -115,7 +122,8 @@ def cli():
 @click.option("--spec", "spec_file", metavar="FILE", type=click.Path(dir_okay=False),
               help="Read the slice spec from a YAML/TOML file (keys: name, accelerator, zone/zones, project, spot, "
                    "reserved, reservation, runtime_version, labels, ttl, queued, wait_capacity, capacity_wait, "
-                   "timeout, external_ips, network, subnetwork, service_account, scopes, metadata); "
+                   "timeout, external_ips, network, subnetwork, service_account, scopes, metadata, "
+                   "ssh_proxy_command, iap); "
                    "flags given on the command line win.")
 @click.option("--dry-run", is_flag=True, help="Validate (also against the API) and print the plan; create nothing.")
 @click.option("--fresh-vm", is_flag=True, default=None,
@@ -128,7 +136,8 @@ def cli():
 @_json_option
 @_api_options
 @_errors
-def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, network, subnetwork,
+def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, ssh_proxy_command,
+           iap, network, subnetwork,
            service_account, scopes, runtime_version, labels, ttl, no_queue, wait_capacity, capacity_wait, timeout,
            keep_on_failure, spec_file, dry_run, fresh_vm, plan_run, as_json, api_endpoint, local, project, num_slices):
     """Create a TPU slice (queued resource) and wait until it is READY.
@@ -137,7 +146,7 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
     with a live status line, and prints each worker's index, internal and external IP. A failure after the
     create call never leaves an orphan: it is deleted, or kept in the local record for `tpuctl down`.
     """
-    from orchestrator import slices
+    from orchestrator import provider as _provider, slices
     from orchestrator.spec import SliceSpec, load_slice_spec
 
     spec = (load_slice_spec(spec_file) if spec_file else SliceSpec(name="", accelerator="")).with_flags(
@@ -145,8 +154,9 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
         wait_capacity=wait_capacity, keep_on_failure=keep_on_failure, no_queue=no_queue,
         no_external_ips=no_external_ips, reservation=reservation, network=network, subnetwork=subnetwork,
         service_account=service_account, scopes=scopes, runtime_version=runtime_version, labels=labels, ttl=ttl,
-        capacity_wait=capacity_wait, timeout=timeout, project=project, api_endpoint=api_endpoint, local=local,
-        fresh_vm=fresh_vm, num_slices=num_slices)
+        capacity_wait=capacity_wait, timeout=timeout, project=project, api_endpoint=api_endpoint,
+        provider=_provider.LOCAL if local else None, fresh_vm=fresh_vm, ssh_proxy_command=ssh_proxy_command, iap=iap,
+        num_slices=num_slices)
 
     line = StatusLine()
     if plan_run or command:
@@ -197,7 +207,7 @@ def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> N
                         "pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
     with line:
         from orchestrator import provider
-        p = plan.gate(spec.accelerator, command, local=provider.get(spec.provider).cpu_devices, progress=line,
+        p = plan.gate(spec.accelerator, command, cpu_devices=provider.get(spec.provider).cpu_devices, progress=line,
                       skip_flag="leaving out --plan", on_skip=lambda why: line.note(f"plan: {why}"))
     if p:
         line.note(f"plan: {p.verdict()}")
@@ -415,7 +425,7 @@ def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, 
 
 # ---- sweep ------------------------------------------------------------------------------------------------
 
-@cli.command("sweep", context_settings={"ignore_unknown_options": True})
+@cli.command("sweep", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--grid", metavar="FILE", help="YAML mapping of pretrain flag name -> list of values (n_layer: [2, 4]).")
@@ -424,9 +434,12 @@ def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, 
 @click.option("--out", metavar="DIR", help="The sweep's dir: gs://BUCKET/PATH, or a path every host shares. "
                                            "Each trial's --ckpt-dir is DIR/<trial>.")
 @click.option("--local", is_flag=True, default=False, help="NAME is a local slice (`tpuctl up --local`).")
+@click.option("--ssh-proxy-command", metavar="CMD", help="Each trial's `run` reaches the workers through CMD (as "
+                                                         "`tpuctl run --ssh-proxy-command`).")
+@click.option("--iap", is_flag=True, help="Each trial's `run` reaches the workers through Cloud IAP (as `run --iap`).")
 @_json_option
 @_errors
-def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
+def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, iap, as_json):
     """Run every trial of a grid on slice NAME, one after another; or `tpuctl sweep report DIR`.
 
     \b
@@ -458,7 +471,14 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, as_json):
     if command and command[0] != "pretrain":
         raise UserError("a sweep runs the trainer's pretrain: `tpuctl sweep NAME --set K=V1,V2 --out DIR -- pretrain ...`")
     grid_args = (["--grid", grid] if grid else []) + [a for s in sets for a in ("--set", s)] + (["--zip"] if zip_ else [])
-    res = sweep.sweep(name, grid_args, out or "", command)
+    if ssh_proxy_command:
+        from orchestrator import sshproxy
+        try:
+            sshproxy.check(ssh_proxy_command)
+        except sshproxy.ProxyError as e:
+            raise UserError(str(e)) from None
+    run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else [])
+    res = sweep.sweep(name, grid_args, out or "", command, run_flags=run_flags)
     if as_json:
         click.echo(json.dumps(res.to_json()))
     else:
@@ -475,9 +495,10 @@ from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run doe
 for _cmd in (cli_run.run, cli_run.ssh, cli_run.logs):
     cli.add_command(_cmd)
 
-from orchestrator import cli_weights  # noqa: E402
+from orchestrator import cli_data, cli_weights  # noqa: E402
 
 cli.add_command(cli_weights.weights)
+cli.add_command(cli_data.data)
 
 from orchestrator import cli_plan  # noqa: E402
 

@@ -1,6 +1,7 @@
 """What every `tpuctl` command shares: the error wrapper, the common options, the live status line."""
 from __future__ import annotations
 
+import difflib
 import functools
 import sys
 import time
@@ -22,6 +23,53 @@ class TpuctlError(click.ClickException):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))  # always one line
+
+
+class PassThrough(click.Command):
+    """A command whose trailing COMMAND is handed on as it is (`tpuctl run NAME [OPTIONS] -- pretrain ...`).
+
+    Options this command does not know are not handed on when they come before COMMAND: a mistyped or retired
+    option there (`tpuctl run NAME --api-endpoint URL -- pretrain`) would otherwise become the start of the
+    trainer's command line and fail there with the trainer's error. Before COMMAND (the first `--`, or the first
+    positional word after this command's own arguments) every option must be one of ours."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("context_settings", {})["ignore_unknown_options"] = True
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        self.check_options(ctx, args)
+        return super().parse_args(ctx, args)
+
+    def check_options(self, ctx: click.Context, args: list[str]) -> None:
+        takes_value: dict[str, bool] = {}
+        for param in self.get_params(ctx):
+            if isinstance(param, click.Option):
+                for opt in (*param.opts, *param.secondary_opts):
+                    takes_value[opt] = not (param.is_flag or param.count)
+        own_args = sum(1 for p in self.params if isinstance(p, click.Argument) and p.nargs == 1)
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if a == "--":
+                return
+            if not a.startswith("-") or a == "-":
+                if own_args == 0:
+                    return  # COMMAND starts here
+                own_args -= 1
+            else:
+                opt = a.split("=", 1)[0]
+                if opt not in takes_value and not a.startswith("--") and a[:2] in takes_value:
+                    opt = a[:2]  # -a v4-8 written as -av4-8
+                if opt not in takes_value:
+                    longs = [o for o in takes_value if o.startswith("--")]
+                    near = difflib.get_close_matches(opt, longs, n=1, cutoff=0.6)
+                    hint = f" (did you mean {near[0]}?)" if near else ""
+                    raise TpuctlError(f"tpuctl {ctx.info_name}: no such option {opt}{hint}; options for the command "
+                                      f"it runs go after --: `tpuctl {ctx.info_name} --help` lists its own")
+                if takes_value[opt] and "=" not in a and a == opt:
+                    i += 1  # its value, whatever it looks like
+            i += 1
 
 
 def _user_errors() -> tuple[type, ...]:

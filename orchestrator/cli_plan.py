@@ -7,13 +7,14 @@ import sys
 
 import click
 
-from orchestrator import plan as P
+from orchestrator import plan as P, provider
+from orchestrator.cli_common import PassThrough
 from orchestrator.spec import UserError
 
 DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1)
 
 
-@click.command("plan", context_settings={"ignore_unknown_options": True})
+@click.command("plan", cls=PassThrough)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("-a", "--accelerator", metavar="TYPE", required=True,
               help="Accelerator type to plan for, e.g. v4-8, v5litepod-8 (alias v5e-8), v5p-8, v6e-4.")
@@ -53,8 +54,8 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
         _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps)
     try:
         with StatusLine(quiet=False) as line:
-            p = P.plan(accelerator, list(command), local=local, steps=steps, mfu=mfu, progress=line,
-                       use_cache=not no_cache)
+            p = P.plan(accelerator, list(command), cpu_devices=provider.chosen(local).cpu_devices, steps=steps,
+                       mfu=mfu, progress=line, use_cache=not no_cache)
     except UserError as e:
         raise TpuctlError(str(e)) from None
     except KeyboardInterrupt:

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import click
 
+from orchestrator import hostkeys, sshproxy
 from orchestrator import launch as L
 from orchestrator import provider
 from orchestrator.cli_common import errors as _errors
 from orchestrator.cli_common import local_option
+from orchestrator.cli_common import PassThrough
 from orchestrator.hosts import Hosts, SshConfig
 from orchestrator.provider import HostAccess, Provider
 from orchestrator.spec import UserError
@@ -69,8 +71,13 @@ def known_hosts_file(name: str, created_at: float | None) -> Path:
 
 def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, ssh_user: str | None = None,
             ssh_key: str | None = None, ssh_port: int | None = None, ssh_wait: float | None = None,
-            internal_ip: bool = False) -> Target:
-    """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > provider > TPU VM defaults)."""
+            internal_ip: bool = False, ssh_proxy_command: str | None = None, iap: bool = False) -> Target:
+    """The workers of slice NAME (or --hosts) and how to SSH to them (flags > env > provider > TPU VM defaults;
+    the proxy: --ssh-proxy-command > --iap > TPUCTL_SSH_PROXY_COMMAND > what `up` recorded)."""
+    if ssh_proxy_command and iap:
+        raise UserError("--ssh-proxy-command and --iap exclude each other: --iap is a proxy command; pick one")
+    if ssh_proxy_command is not None:
+        _checked(ssh_proxy_command, "--ssh-proxy-command")
     from orchestrator import catalog, slices, state
     devices, created, accelerator, n_slices = None, None, None, 1
     rec = state.lookup(name)
@@ -101,10 +108,92 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
     port = ssh_port or int(os.environ.get("TPUCTL_SSH_PORT") or 0) or access.port or DEFAULT_SSH_PORT
     ssh = SshConfig(user=user, port=port) if key is None else SshConfig(user=user, key=key, port=port)
     ssh.known_hosts = str(known_hosts_file(name, created))
+    ssh.slice = name
     if ssh_wait is not None:
         ssh.wait_s = ssh_wait
+    env_proxy = os.environ.get(sshproxy.ENV) or None
+    if not (ssh_proxy_command or iap) and env_proxy:
+        ssh_proxy_command = _checked(env_proxy, sshproxy.ENV)
+    elif not (ssh_proxy_command or iap) and rec is not None and not hosts:
+        ssh_proxy_command, iap = rec.ssh_proxy_command, rec.iap
+    if rec is not None and not hosts:
+        ssh.host_keys = _published_keys(where, rec)
+        if not (ssh_user or os.environ.get("TPUCTL_SSH_USER")) and _os_login(where, rec, ssh):
+            ssh.os_login_project = rec.project
+        if iap:
+            ssh.proxy_commands = _iap_commands(where, rec)
+    elif iap:
+        raise UserError("--iap needs a slice tpuctl created (the workers' VM names come from the TPU API), not "
+                        "--hosts: pass --ssh-proxy-command instead")
+    if ssh_proxy_command:
+        ssh.proxy_commands = {w.index: ssh_proxy_command for w in workers}
     return Target(name=name, workers=workers, ssh=ssh, where=where, access=access, devices_per_host=devices,
                   accelerator=accelerator, slices=n_slices)
+
+
+def _checked(command: str, what: str) -> str:
+    try:
+        return sshproxy.check(command, what)
+    except sshproxy.ProxyError as e:
+        raise UserError(str(e)) from None
+
+
+def _published_keys(where: Provider, rec) -> hostkeys.Published:
+    """The workers' host keys as their guest agents published them (TPU API guest attributes, `hostkeys/`)."""
+    from orchestrator.cloud import CloudError
+    api = []
+
+    def fetch() -> dict[int, list[tuple[str, str]]]:
+        try:
+            api[:] = api or [where.api_for(rec)]
+            attrs = api[0].guest_attributes(rec.node, hostkeys.NAMESPACE + "/")
+        except CloudError as e:
+            if e.kind == "permission":
+                raise hostkeys.Unreadable(
+                    f"cannot read the workers' published SSH host keys: your account lacks "
+                    f"{hostkeys.PERMISSION} on project {rec.project}; pinning each worker's key on first contact "
+                    "instead (grant that permission to have tpuctl check the keys the VMs publish)") from None
+            raise hostkeys.Unreadable(f"cannot read the workers' published SSH host keys ({e}); pinning each "
+                                      "worker's key on first contact instead") from None
+        return {i: [(k, v) for ns, k, v in items if ns == hostkeys.NAMESPACE] for i, items in enumerate(attrs)}
+    return hostkeys.Published(slice=rec.name, fetch=fetch)
+
+
+def _os_login(where: Provider, rec, ssh: SshConfig) -> bool:
+    """With OS Login on for the slice: register the key (until the slice's expiry) and SSH as the POSIX user."""
+    from orchestrator import oslogin, sshkeys
+    from orchestrator.spec import LABEL_EXPIRY
+    # The node's metadata is what `up` sent (recorded); only when it does not decide is the project asked.
+    if not oslogin.applies(rec.project, rec.metadata, where.endpoint(rec.api_endpoint),
+                           lambda m: click.echo(f"[tpuctl] {m}", err=True)):
+        return False
+    try:
+        _, pub, _ = sshkeys.ensure_key(ssh.key or None)
+    except (sshkeys.SshKeyError, OSError) as e:
+        raise UserError(str(e)) from None
+    expiry = rec.labels.get(LABEL_EXPIRY, "")
+    ttl = max(60.0, float(expiry) - time.time()) if expiry.isdigit() else None
+    ssh.user = oslogin.register(pub, project=rec.project, account_email=oslogin.account(), ttl_s=ttl)
+    return True
+
+
+def _iap_commands(where: Provider, rec) -> dict[int, str]:
+    """Per worker: the IAP hop to its VM, named as the VM's guest agent publishes it (`hostname`)."""
+    try:
+        attrs = where.api_for(rec).guest_attributes(rec.node, "")
+    except UserError as e:
+        raise UserError(f"--iap: cannot read the workers' VM names from their guest attributes ({e})") from None
+    out = {}
+    for i, items in enumerate(attrs):
+        vm = next((v for _ns, k, v in items if k == "hostname"), None)
+        if not vm:
+            raise UserError(f"--iap: worker {i} of {rec.name} has not published its VM name (guest attribute "
+                            "hostname) yet; retry in a minute, or pass --ssh-proxy-command")
+        try:
+            out[i] = sshproxy.iap_command(vm, rec.zone, rec.project)
+        except sshproxy.ProxyError as e:
+            raise UserError(str(e)) from None
+    return out
 
 
 def _ssh_options(f):
@@ -118,6 +207,12 @@ def _ssh_options(f):
     f = click.option("--ssh-key", type=click.Path(dir_okay=False),
                      help="Private key (default ~/.ssh/google_compute_engine, as gcloud makes; env TPUCTL_SSH_KEY).")(f)
     f = click.option("--ssh-user", help="SSH user (default: your user name; env TPUCTL_SSH_USER).")(f)
+    f = click.option("--iap", is_flag=True,
+                     help="Reach the workers through Cloud IAP TCP forwarding: `gcloud compute start-iap-tunnel VM "
+                          "22 --listen-on-stdin --zone=Z --project=P` per worker (docs/access.md).")(f)
+    f = click.option("--ssh-proxy-command", metavar="CMD",
+                     help="Connect through CMD (OpenSSH ProxyCommand: %h %p = the worker's address and port, %r = "
+                          "the user); default: what `up` recorded, or $TPUCTL_SSH_PROXY_COMMAND.")(f)
     f = click.option("--hosts", metavar="IP[:PORT],...",
                      help="Connect to these hosts (worker order) instead of looking the slice up.")(f)
     f = local_option(f)
@@ -151,13 +246,25 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
         say(f"plan: not checked here for {target.slices} slices (`tpuctl plan -a {target.accelerator} --num-slices "
             f"{target.slices} -- ...` plans one)")
         return
-    p = P.gate(target.accelerator, argv[3:], local=target.where.cpu_devices, progress=say)
+    # The planner reads what the trainer would (the data's meta.json: its tokenizer sets the vocabulary) from
+    # the storage the run will use: for a local slice, the GCS emulator.
+    storage = target.where.local_env(argv)
+    saved = {k: os.environ.get(k) for k in storage}
+    os.environ.update(storage)
+    try:
+        p = P.gate(target.accelerator, argv[3:], cpu_devices=target.where.cpu_devices, progress=say)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if p is not None:
         say(f"plan: {p.verdict()}")
 
 
 # ------------------------------------------------------------------------------ run
-@click.command("run", context_settings={"ignore_unknown_options": True})
+@click.command("run", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--env", "env_pairs", multiple=True, metavar="K=V", help="Set K=V in the trainer's environment on "
@@ -193,7 +300,7 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
         init_timeout, as_json, on_preemption, hang_timeout, max_restarts, no_plan, internal_ip, ssh_wait, ssh_port,
-        ssh_key, ssh_user, hosts, local):
+        ssh_key, ssh_user, hosts, ssh_proxy_command, iap, local):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -228,7 +335,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         restarts_used = recover_before_run(name, policy=Policy(on_preemption=on_preemption, max_restarts=max_restarts),
                                            progress=lambda m: print(f"[tpuctl] {m}", file=out, flush=True))
     target = resolve(name, hosts=hosts, local=local, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port,
-                     ssh_wait=ssh_wait, internal_ip=internal_ip)
+                     ssh_wait=ssh_wait, internal_ip=internal_ip, ssh_proxy_command=ssh_proxy_command, iap=iap)
     if target.slices > 1:
         per = len(target.workers) // target.slices
         print(f"[tpuctl] one job over {target.slices} slices of {target.accelerator} joined by DCN: "
@@ -247,7 +354,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         nonlocal target
         if n:  # a recreated slice: new workers (and, where the provider says so, new SSH settings)
             target = resolve(name, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port, ssh_wait=ssh_wait,
-                             internal_ip=internal_ip)
+                             internal_ip=internal_ip, ssh_proxy_command=ssh_proxy_command, iap=iap)
         run_dir = _home() / "runs" / name / L.new_run_id()
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUNNER_PID).write_text(str(os.getpid()))  # `logs --follow` stops once this process is gone
@@ -294,13 +401,14 @@ def _select(workers: list[L.Worker], worker: str) -> list[int]:
     return [int(worker)]
 
 
-@click.command("ssh", context_settings={"ignore_unknown_options": True})
+@click.command("ssh", cls=PassThrough)
 @click.argument("name")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--worker", "-w", default="0", show_default=True, help="Worker index, or all.")
 @_ssh_options
 @_errors
-def ssh(name, command, worker, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, local):
+def ssh(name, command, worker, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_user, hosts, ssh_proxy_command, iap,
+        local):
     """Run COMMAND on one or all workers of NAME (output prefixed [wI]), or open a shell on one.
 
     \b
@@ -308,7 +416,7 @@ def ssh(name, command, worker, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_use
       tpuctl ssh NAME --worker 1
     """
     target = resolve(name, hosts=hosts, local=local, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port,
-                     ssh_wait=ssh_wait, internal_ip=internal_ip)
+                     ssh_wait=ssh_wait, internal_ip=internal_ip, ssh_proxy_command=ssh_proxy_command, iap=iap)
     idx = _select(target.workers, worker)
     if not command:
         if len(idx) != 1:
@@ -317,9 +425,17 @@ def ssh(name, command, worker, internal_ip, ssh_wait, ssh_port, ssh_key, ssh_use
         args = ["ssh", "-p", str(w.port or target.ssh.port), f"{target.ssh.user}@{w.address}"]
         if target.ssh.key:
             args[1:1] = ["-i", target.ssh.key, "-o", "IdentitiesOnly=yes"]
-        # The slice's own pins (the same file `run` checks): first contact pins, a changed key is refused.
-        args[1:1] = ["-o", "StrictHostKeyChecking=accept-new", "-o", f"UserKnownHostsFile={target.ssh.known_hosts}",
-                     "-o", "LogLevel=ERROR"]
+        published = False
+        if target.ssh.host_keys is not None:  # the keys the VM published, written to the slice's known_hosts
+            with Hosts([w], target.ssh) as h:
+                h.pin_published(lambda m: click.echo(f"[tpuctl] {m}", err=True))
+                published = bool(h.published)
+        # The slice's own pins (the same file `run` checks): exactly the published keys where there are some,
+        # else first contact pins; a changed key is refused.
+        args[1:1] = ["-o", f"StrictHostKeyChecking={'yes' if published else 'accept-new'}",
+                     "-o", f"UserKnownHostsFile={target.ssh.known_hosts}", "-o", "LogLevel=ERROR"]
+        if target.ssh.proxy_commands.get(w.index):  # OpenSSH expands %h %p %r %% itself, the same way
+            args[1:1] = ["-o", f"ProxyCommand={target.ssh.proxy_commands[w.index]}"]
         Path(target.ssh.known_hosts).parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
         os.execvp("ssh", args)

@@ -36,14 +36,20 @@ def pull(handle, dest, kaggle_endpoint, as_json):
     Gemma needs its licence accepted once on kaggle.com by the account whose key is used.
     """
     from orchestrator import weights as W
+    run_pull(lambda say: W.pull(handle, dest, endpoint=kaggle_endpoint, say=say), as_json)
+
+
+def run_pull(pull_fn, as_json: bool) -> None:
+    """Run a Kaggle pull (weights or data): progress on stdout, or on stderr with --json; errors one line."""
+    from orchestrator import weights as W
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     try:
         if as_json:  # stdout carries only the JSON: kagglehub's console log and notices go to stderr
             W.kagglehub_logs_to(sys.stderr)
             with contextlib.redirect_stdout(sys.stderr):
-                res = W.pull(handle, dest, endpoint=kaggle_endpoint, say=say)
+                res = pull_fn(say)
         else:
-            res = W.pull(handle, dest, endpoint=kaggle_endpoint, say=say)
+            res = pull_fn(say)
     except UserError as e:
         raise click.ClickException(" ".join(str(e).split())) from None
     except KeyboardInterrupt:

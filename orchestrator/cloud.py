@@ -519,6 +519,13 @@ class Api:
         return self._do(lambda: [queued_info(q) for q in self.client.list_queued_resources(
             parent=self.parent(zone), timeout=self.call_timeout)], action="list queued resources", zone=zone)
 
+    def guest_attributes(self, name: str, query_path: str = "") -> list[list[tuple[str, str, str]]]:
+        """Each worker's published guest attributes under query_path, in worker order: [(namespace, key, value)]."""
+        resp = self._do(lambda: self.client.get_guest_attributes(
+            request={"name": name, "query_path": query_path}, timeout=self.call_timeout),
+            action="read the workers' guest attributes", zone=name.split("/")[3])
+        return [[(e.namespace, e.key, e.value) for e in ga.query_value.items] for ga in resp.guest_attributes]
+
     def poll_operation(self, op) -> tuple[bool, int, str]:
         """(done, error code, error message) of an Operation, refreshed once."""
         self._do(lambda: op.done(), action="poll operation")

@@ -11,6 +11,7 @@ import getpass
 import hashlib
 import io
 import json
+import logging
 import os
 import shlex
 import socket
@@ -25,8 +26,12 @@ from typing import Callable
 import paramiko
 from fabric import Config, Connection, ThreadingGroup
 
+from orchestrator import hostkeys, oslogin, sshproxy
 from orchestrator.bundle import Bundle
 from orchestrator.launch import HOSTWRAP, HostLayout, Worker, _home_path
+
+# paramiko logs a failed handshake (with a traceback) from its transport thread; tpuctl reports it in one line.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 HOST_DIR = Path(__file__).resolve().parent / "host"  # the files pushed to every host
 MIN_FREE_GB = 2.0
@@ -54,6 +59,28 @@ class SshConfig:
     known_hosts: str | None = None
     # A VM reports READY before its sshd is up and its keys are in: keep trying to connect this long.
     wait_s: float = 180.0
+    slice: str = ""  # for messages: the slice these workers belong to
+    # The host keys the workers published (guest attributes): pinned exactly, before any connection. None: pin
+    # on first contact (hosts given by address, with no TPU API to ask).
+    host_keys: hostkeys.Published | None = None
+    # Worker index -> ProxyCommand template (%h %p %r %%): every connection to that worker goes through it.
+    proxy_commands: dict[int, str] = field(default_factory=dict)
+    os_login_project: str | None = None  # the VMs use OS Login (a refused login then means a missing role)
+
+
+class _Conn(Connection):
+    """A fabric Connection that starts a fresh proxy process for every open (a closed one cannot be reused)."""
+
+    def open(self):
+        if self.is_connected or not self._proxy_template:
+            return super().open()
+        self.proxy = sshproxy.Proxy(sshproxy.expand(self._proxy_template, self.host, self.port, self.user))
+        self.connect_kwargs["sock"] = self.proxy
+        try:
+            return super().open()
+        except BaseException:
+            self.proxy.close()
+            raise
 
 
 class PinHostKeys(paramiko.MissingHostKeyPolicy):
@@ -155,6 +182,8 @@ class Hosts:
         self.workers = sorted(workers, key=lambda w: (w.slice or 0, w.index))  # JAX process order
         self.ssh = ssh
         self.layout = layout or HostLayout()
+        self.published: dict[int, list[paramiko.PKey]] = {}  # worker index -> the keys it published
+        self._pinned = False
         if ssh.key and not Path(ssh.key).expanduser().exists():
             raise HostError(f"SSH key {ssh.key} does not exist: pass --ssh-key PATH")
         self.conns = [self._connect(w) for w in self.workers]
@@ -166,9 +195,16 @@ class Hosts:
         kw = {"banner_timeout": 30, "auth_timeout": 30}
         if self.ssh.key:  # exactly this key: no agent, no ~/.ssh/id_* guessing
             kw.update(key_filename=str(Path(self.ssh.key).expanduser()), look_for_keys=False, allow_agent=False)
-        c = Connection(w.address, user=self.ssh.user, port=w.port or self.ssh.port, config=config,
-                       connect_timeout=self.ssh.connect_timeout, connect_kwargs=kw)
-        if self.ssh.known_hosts:
+        c = _Conn(w.address, user=self.ssh.user, port=w.port or self.ssh.port, config=config,
+                  connect_timeout=self.ssh.connect_timeout, connect_kwargs=kw)
+        c._proxy_template = self.ssh.proxy_commands.get(w.index)
+        c.proxy = None
+        pub = self.published.get(w.index)
+        if pub:  # exactly what the VM published: nothing else, and nothing pinned earlier
+            for k in pub:
+                c.client.get_host_keys().add(hostkeys.host_id(c.host, c.port), k.get_name(), k)
+            c.client.set_missing_host_key_policy(hostkeys.OnlyPublished(pub))
+        elif self.ssh.known_hosts:
             Path(self.ssh.known_hosts).parent.mkdir(parents=True, exist_ok=True)
             if os.path.exists(self.ssh.known_hosts):
                 c.client.load_host_keys(self.ssh.known_hosts)
@@ -180,6 +216,8 @@ class Hosts:
         starts after READY). A refused key or a changed host key fails at once: waiting cannot fix either."""
         deadline = time.monotonic() + self.ssh.wait_s
         said: set[int] = set()
+        if self.ssh.host_keys is not None and not self._pinned:
+            self._pin_published(say, deadline)
 
         def one(i: int, c: Connection) -> None:
             w = self.workers[i]
@@ -189,12 +227,17 @@ class Hosts:
                     c.open()
                     return
                 except paramiko.BadHostKeyException as e:
+                    if w.index in self.published:
+                        raise HostError(self._impostor(w, e)) from None
                     raise HostError(
                         f"{where}: its SSH host key changed since tpuctl first connected ({e.key.get_name()} "
                         f"{e.key.get_fingerprint().hex()[:16]}..., pinned {e.expected_key.get_fingerprint().hex()[:16]}"
                         f"...): nothing was sent to it. If the VM was recreated, remove its line from "
                         f"{self.ssh.known_hosts}; otherwise treat it as an impostor") from None
                 except paramiko.AuthenticationException as e:
+                    if self.ssh.os_login_project:
+                        raise HostError(f"{where}: {oslogin.refused(self.ssh.user, self.ssh.os_login_project)}") \
+                            from None
                     key = self.ssh.key or "your SSH agent / default keys"
                     raise HostError(
                         f"{where}: SSH refused user {self.ssh.user} with key {key} ({_one_line(e)}): the VM lets in "
@@ -202,12 +245,16 @@ class Hosts:
                         f"--ssh-key for another identity") from None
                 except (OSError, EOFError, socket.timeout, paramiko.SSHException) as e:
                     left = deadline - time.monotonic()
+                    proxy = getattr(c, "proxy", None)
+                    why = (proxy.problem() if proxy is not None else None) or _one_line(e)
+                    if proxy is not None and proxy.problem() and (left <= 0 or proxy.fatal):
+                        raise HostError(f"{where}: {why}") from None
                     if left <= 0:
                         raise HostError(f"{where}: unreachable over SSH as {self.ssh.user}@{c.host}:{c.port} after "
-                                        f"{self.ssh.wait_s:.0f} s: {_one_line(e)}") from None
+                                        f"{self.ssh.wait_s:.0f} s: {why}") from None
                     if say and i not in said:
                         said.add(i)
-                        say(f"waiting for SSH on {where} ({_one_line(e)}); up to {self.ssh.wait_s:.0f} s")
+                        say(f"waiting for SSH on {where} ({why}); up to {self.ssh.wait_s:.0f} s")
                     try:
                         c.close()
                     except Exception:  # noqa: BLE001 - a half-open client: start afresh
@@ -218,6 +265,56 @@ class Hosts:
         if errors:
             lines = [str(e) for e in errors]
             raise HostError("preflight: " + ("\n  ".join(lines) if len(lines) > 1 else lines[0]))
+
+    def pin_published(self, say: Callable[[str], None] | None = None) -> None:
+        """Fetch and pin the workers' published host keys now (waiting up to ssh.wait_s for them)."""
+        if self.ssh.host_keys is not None and not self._pinned:
+            self._pin_published(say, time.monotonic() + self.ssh.wait_s)
+
+    def _pin_published(self, say: Callable[[str], None] | None, deadline: float) -> None:
+        """Wait (until `deadline`) for every worker to publish its host keys, then pin exactly those; a worker
+        that published nothing by then, or keys that cannot be read, fall back to first-contact pinning."""
+        self._pinned = True
+        src = self.ssh.host_keys
+        tell = say or (lambda m: print(f"[tpuctl] {m}", file=sys.stderr, flush=True))
+        waited = False
+        while True:
+            try:
+                got = src.fetch()
+            except hostkeys.Unreadable as e:
+                tell(f"{src.slice}: {e}")
+                return
+            keys = {w.index: hostkeys.parse(got.get(w.index, [])) for w in self.workers}
+            missing = [w for w in self.workers if not keys[w.index]]
+            if not missing or time.monotonic() >= deadline:
+                break
+            if not waited:
+                waited = True
+                tell(f"waiting for {', '.join(w.name for w in missing)} of {src.slice} to publish their SSH host "
+                     f"keys (guest attributes {hostkeys.NAMESPACE}/); up to {self.ssh.wait_s:.0f} s")
+            time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+        for i, w in enumerate(self.workers):
+            if keys[w.index]:
+                self.published[w.index] = keys[w.index]
+                if self.ssh.known_hosts:  # the interactive `ssh` and later commands trust the same keys
+                    hostkeys.pin(self.ssh.known_hosts, hostkeys.host_id(w.address, w.port or self.ssh.port),
+                                 keys[w.index])
+        if missing:
+            tell(f"{src.slice}: {', '.join(f'{w.name} ({w.address})' for w in missing)} published no SSH host keys "
+                 f"(guest attributes {hostkeys.NAMESPACE}/) within {self.ssh.wait_s:.0f} s: pinning "
+                 f"{'its' if len(missing) == 1 else 'their'} key{'' if len(missing) == 1 else 's'} on first "
+                 "contact instead")
+        # Nothing was opened yet: the connections start afresh, trusting what was published.
+        self.conns = [self._connect(w) for w in self.workers]
+
+    def _impostor(self, w: Worker, e: paramiko.BadHostKeyException) -> str:
+        pub = self.published[w.index]
+        same = [k for k in pub if k.get_name() == e.key.get_name()]
+        shown = ", ".join(f"{k.get_name()} {hostkeys.fingerprint(k)}" for k in (same or pub))
+        return (f"slice {self.ssh.slice or '?'}: worker {w.index} ({w.name}, {w.address}) presented SSH host key "
+                f"{e.key.get_name()} {hostkeys.fingerprint(e.key)}, but the VM published {shown} in its guest "
+                f"attributes ({hostkeys.NAMESPACE}/): refused, nothing was sent to it. Something other than that "
+                f"VM answers at {w.address}; do not trust it")
 
     def group(self, indices: list[int] | None = None) -> ThreadingGroup:
         conns = [self.conns[i] for i in (range(len(self.conns)) if indices is None else indices)]

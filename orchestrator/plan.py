@@ -204,9 +204,9 @@ def _cache_dir() -> Path:
     return home() / "plans"
 
 
-def _aot_argv(a: catalog.AcceleratorType, local: bool) -> list[str]:
+def _aot_argv(a: catalog.AcceleratorType, cpu_devices: bool) -> list[str]:
     base = [sys.executable, "-m", "trainer.plan", "--processes", str(a.hosts), "--devices", str(devices_of(a))]
-    if local:
+    if cpu_devices:
         return base
     if not a.aot_topology:  # a generation libtpu has no name for here: the CPU compiler, planned as for TPU
         return [*base, "--run-platform", "tpu"]
@@ -219,23 +219,23 @@ def _trainer_error(stderr: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool = False,
+def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices: bool = False,
                     progress: Callable[[str], None] | None = None, use_cache: bool = True) -> tuple[dict, bool]:
     """Run the trainer's AOT compile of `python -m trainer ARGV` for accelerator `a`; (figures, from cache)."""
-    key = cache_key(a.name, "local" if local else "slice", argv)
+    key = cache_key(a.name, "local" if cpu_devices else "slice", argv)
     path = _cache_dir() / f"{key}.json"
     if use_cache and path.exists():
         try:
             return json.loads(path.read_text()), True
         except ValueError:
             pass  # a damaged entry is compiled again
-    what = "CPU compiler" if local or not a.aot_topology else a.aot_topology
+    what = "CPU compiler" if cpu_devices or not a.aot_topology else a.aot_topology
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TPUCTL_EMULATE_DEVICES")
            and not k.startswith("TPUCTL_COORDINATOR")}
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([*_aot_argv(a, local), "--", *argv], stdout=out, stderr=err, env=env,
+        proc = subprocess.Popen([*_aot_argv(a, cpu_devices), "--", *argv], stdout=out, stderr=err, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             said = None
@@ -266,8 +266,8 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, local: bool 
     return figures, False
 
 
-def _mode(figures: dict, local: bool) -> str:
-    if local:
+def _mode(figures: dict, cpu_devices: bool) -> str:
+    if cpu_devices:
         return CPU
     return TPU if figures["compiler"] == "tpu" else ESTIMATE
 
@@ -421,9 +421,10 @@ def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries:
 
 # ---- the API ----------------------------------------------------------------------------------------------
 
-def plan(accelerator: str, argv: list[str], *, local: bool = False, steps: int | None = None, mfu: float = 0.5,
+def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, steps: int | None = None, mfu: float = 0.5,
          progress: Callable[[str], None] | None = None, use_cache: bool = True, alternatives: bool = True) -> Plan:
-    """Plan `python -m trainer ARGV` on ACCELERATOR. local: a local slice (the CPU compiler on its devices).
+    """Plan `python -m trainer ARGV` on ACCELERATOR. cpu_devices: the slice's devices are emulated CPU devices
+    (its provider says so), planned with the CPU compiler on them.
     alternatives: when it does not fit, also compile the next accelerator size that does."""
     try:
         a = catalog.lookup(accelerator)
@@ -436,13 +437,14 @@ def plan(accelerator: str, argv: list[str], *, local: bool = False, steps: int |
         raise UserError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.5")
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")
-    figs, cached = compile_figures(a, argv, local=local, progress=progress, use_cache=use_cache)
-    p = Plan(a, _mode(figs, local), figs, mfu=mfu, steps=steps, cached=cached)
+    figs, cached = compile_figures(a, argv, cpu_devices=cpu_devices, progress=progress, use_cache=use_cache)
+    p = Plan(a, _mode(figs, cpu_devices), figs, mfu=mfu, steps=steps, cached=cached)
     if not p.fits:
         p.suggestions = suggest(p)
         if alternatives and p.suggestions:
-            _compile_suggestion(p, p.suggestions[0], argv, local=local, progress=progress, use_cache=use_cache)
-        if alternatives and not local:
+            _compile_suggestion(p, p.suggestions[0], argv, cpu_devices=cpu_devices, progress=progress,
+                                use_cache=use_cache)
+        if alternatives and not cpu_devices:
             p.alternative = next_size(p, argv, progress=progress, use_cache=use_cache)
     return p
 
@@ -457,14 +459,14 @@ def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
     s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
 
 
-def gate(accelerator: str, argv: list[str], *, local: bool, progress: Callable[[str], None] | None = None,
+def gate(accelerator: str, argv: list[str], *, cpu_devices: bool, progress: Callable[[str], None] | None = None,
          skip_flag: str = "--no-plan", on_skip: Callable[[str], None] | None = None) -> Plan | None:
     """The check before `tpuctl up` / `run` creates or launches anything: the plan (None for a trainer command
     the planner cannot build, e.g. one with no train step: on_skip, else progress, gets the reason), or a
     PlanError with its verdict when the step does not fit (nothing else is compiled here: `tpuctl plan` does
     that)."""
     try:
-        p = plan(accelerator, argv, local=local, progress=progress, alternatives=False)
+        p = plan(accelerator, argv, cpu_devices=cpu_devices, progress=progress, alternatives=False)
     except NotPlannable as e:
         if on_skip or progress:
             (on_skip or progress)(f"not planned: {e}")

@@ -172,6 +172,9 @@ class SliceSpec:
     service_account: str | None = None                 # None: the project's default compute service account
     scopes: list[str] = field(default_factory=lambda: [CLOUD_PLATFORM_SCOPE])
     metadata: dict[str, str] = field(default_factory=dict)  # the VMs' metadata (e.g. ssh-keys), sent as node.metadata
+    # How this machine reaches the workers later (recorded with the slice; nothing of it goes to the API).
+    ssh_proxy_command: str | None = None               # OpenSSH ProxyCommand (%h %p %r %%) for every connection
+    iap: bool = False                                  # the proxy is Cloud IAP TCP forwarding (gcloud start-iap-tunnel)
     # >1: a multislice queued resource of that many identical slices joined by DCN (nodes NAME-0 .. NAME-(N-1))
     num_slices: int = 1
 
@@ -220,6 +223,14 @@ class SliceSpec:
             if not isinstance(sc, str) or not re.fullmatch(r"https://www\.googleapis\.com/auth/[a-z0-9._-]+", sc):
                 raise UserError(f"invalid scope {sc!r}: give full scope URLs such as {CLOUD_PLATFORM_SCOPE} (or the "
                                 "short name cloud-platform)")
+        if self.ssh_proxy_command is not None:
+            from orchestrator import sshproxy
+            try:
+                sshproxy.check(self.ssh_proxy_command)
+            except sshproxy.ProxyError as e:
+                raise UserError(str(e)) from None
+            if self.iap:
+                raise UserError("--ssh-proxy-command and --iap exclude each other: --iap is a proxy command; pick one")
         for k, v in self.metadata.items():
             if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", k) or not isinstance(v, str):
                 raise UserError(f"invalid metadata entry {k!r}: keys are letters, digits, '-' or '_' (at most 128), "
@@ -230,13 +241,13 @@ class SliceSpec:
                    wait_capacity=None, keep_on_failure=None, no_queue=None, no_external_ips=None, reservation=None,
                    network=None, subnetwork=None, service_account=None, scopes=None, runtime_version=None,
                    labels=(), ttl=None, capacity_wait=None, timeout=None, project=None, api_endpoint=None,
-                   local=None, fresh_vm=None, num_slices=None) -> "SliceSpec":
+                   provider=None, fresh_vm=None, ssh_proxy_command=None, iap=None, num_slices=None) -> "SliceSpec":
         """`tpuctl up`'s flags over this spec (a spec file's, or an empty one). A flag not given (None or empty)
         leaves the spec's value alone; durations are parsed here, naming the flag when they are bad."""
         for attr, value in (("name", name), ("accelerator", accelerator), ("reservation", reservation),
                             ("network", network), ("subnetwork", subnetwork), ("service_account", service_account),
                             ("runtime_version", runtime_version), ("project", project),
-                            ("api_endpoint", api_endpoint)):
+                            ("api_endpoint", api_endpoint), ("ssh_proxy_command", ssh_proxy_command)):
             if value:
                 setattr(self, attr, value)
         if not self.name:
@@ -246,7 +257,7 @@ class SliceSpec:
         if zone or zones:
             self.zones = split_zones(([zone] if zone else []) + ([zones] if zones else []))
         for attr, value in (("spot", spot), ("reserved", reserved), ("wait_capacity", wait_capacity),
-                            ("keep_on_failure", keep_on_failure)):
+                            ("keep_on_failure", keep_on_failure), ("iap", iap)):
             if value:
                 setattr(self, attr, True)
         if no_queue:
@@ -261,8 +272,8 @@ class SliceSpec:
                                   ("--timeout", "timeout_s", timeout)):
             if value:
                 setattr(self, attr, parse_duration(value, flag))
-        if local:
-            self.provider = "local"
+        if provider:  # the place the user picked on the command line (--local)
+            self.provider = provider
         if num_slices is not None:
             self.num_slices = num_slices
         if fresh_vm:
@@ -283,8 +294,8 @@ _FILE_KEYS = ({f.name for f in dataclasses.fields(SliceSpec)} - {"provider", "pr
 # What each key of a spec file must hold (durations are parsed separately; zones may be a list or "a,b").
 _INT_KEYS = ("num_slices",)
 _STR_KEYS = ("name", "accelerator", "zone", "project", "runtime_version", "api_endpoint", "reservation", "network",
-             "subnetwork", "service_account")
-_BOOL_KEYS = ("spot", "reserved", "queued", "wait_capacity", "keep_on_failure", "local", "external_ips")
+             "subnetwork", "service_account", "ssh_proxy_command")
+_BOOL_KEYS = ("spot", "reserved", "queued", "wait_capacity", "keep_on_failure", "local", "external_ips", "iap")
 _DURATION_KEYS = (("ttl", "ttl_s"), ("timeout", "timeout_s"), ("capacity_wait", "capacity_wait_s"))
 
 

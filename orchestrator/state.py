@@ -66,6 +66,8 @@ class SliceRecord:
     service_account: str | None = None  # None: the project's default compute service account
     scopes: list[str] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)  # the VMs' metadata (public keys, never secrets)
+    ssh_proxy_command: str | None = None  # every SSH connection to the workers goes through it (%h %p %r %%)
+    iap: bool = False                     # ... or through Cloud IAP TCP forwarding
     claim: str = ""                    # which `up` wrote it: only that process may drop or replace it
     leftovers: list[str] = field(default_factory=list)  # resources of earlier zones still being deleted
     slices: int = 1                    # >1: a multislice queued resource; `node` is slice 0's (NAME-0)

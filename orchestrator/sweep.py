@@ -120,6 +120,7 @@ def run_trial_with_tpuctl(name: str, run_flags: list[str]) -> Callable[[list[str
 
 def sweep(name: str, grid_args: list[str], out: str, base: list[str], *,
           run_trial: Callable[[list[str]], tuple[int, dict]] | None = None, report: bool = True,
+          run_flags: list[str] | None = None,
           say: Callable[[str], None] = lambda m: print(f"[tpuctl] {m}", file=sys.stderr, flush=True)) -> SweepResult:
     """Plan (everything checked, nothing run), then each unfinished trial in turn, then the report."""
     if not out:
@@ -132,7 +133,7 @@ def sweep(name: str, grid_args: list[str], out: str, base: list[str], *,
     env = here_env(provider.of(rec), out)
     plan = json.loads(run_trainer(["sweep", "--plan", "--json", *grid_args, "--out", out, "--", *base], env))
     out = plan["out"]
-    run_trial = run_trial or run_trial_with_tpuctl(name, [])
+    run_trial = run_trial or run_trial_with_tpuctl(name, list(run_flags or []))
     result = SweepResult(name, out)
     todo = [t for t in plan["trials"] if t["status"] != "done"]
     say(f"sweep {out}: {len(plan['trials'])} trial(s), {len(plan['trials']) - len(todo)} done, {len(todo)} to run "

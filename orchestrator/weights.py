@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from orchestrator.spec import UserError
 
@@ -47,6 +47,26 @@ class Handle:
     @property
     def page(self) -> str:
         return f"kaggle.com/models/{self.owner}/{self.model}"
+
+    # What the shared staging (pull/stage below, orchestrator/datasets.py) asks of a handle.
+    kind = "model"
+    use_as = "load it with --weights"
+    fields = "owner/model/framework/variation/version"
+
+    @property
+    def licence_name(self) -> str:
+        return "Gemma" if self.model.startswith("gemma") else self.model
+
+    def with_version(self, version: int) -> "Handle":
+        return Handle(self.owner, self.model, self.framework, self.variation, int(version))
+
+    def kagglehub_handle(self):
+        from kagglehub import handle as kh
+        return kh.parse_model_handle(str(self))
+
+    def kagglehub_download(self, path: str | None = None) -> str:
+        import kagglehub
+        return kagglehub.model_download(str(self), path)
 
 
 @dataclass
@@ -120,7 +140,7 @@ def kaggle_endpoint(url: str | None):
             os.environ["KAGGLE_API_ENVIRONMENT"] = old_env
 
 
-def _kaggle_errors(h: Handle, endpoint: str | None, source: str):
+def _kaggle_errors(h, endpoint: str | None, source: str):
     """kagglehub / requests exceptions -> one line with the fix."""
     import requests
     from kagglehub import exceptions as kx
@@ -136,12 +156,11 @@ def _kaggle_errors(h: Handle, endpoint: str | None, source: str):
                                 "KAGGLE_KEY or ~/.kaggle/kaggle.json (kaggle.com/settings -> API -> Create New "
                                 "Token)") from None
             if code == 403:
-                name = "Gemma" if h.model.startswith("gemma") else h.model
-                raise UserError(f"licence not accepted: accept the {name} licence at {h.page}, then retry "
-                                f"(Kaggle answered 403 for {h})") from None
+                raise UserError(f"licence not accepted: accept the {h.licence_name} licence at {h.page}, then "
+                                f"retry (Kaggle answered 403 for {h})") from None
             if code == 404:
-                raise UserError(f"unknown handle {h} (Kaggle answered 404): check owner/model/framework/"
-                                f"variation/version on {h.page}") from None
+                raise UserError(f"unknown handle {h} (Kaggle answered 404): check {h.fields} on "
+                                f"{h.page}") from None
             raise UserError(f"Kaggle API error {code} for {h}; retry later") from None
         except kx.DataCorruptionError:
             raise UserError(f"a file of {h} failed its md5 check and was deleted; run the same pull again") from None
@@ -164,24 +183,24 @@ def kagglehub_logs_to(stream) -> None:
             handler.setStream(stream)
 
 
-def resolve_version(h: Handle, endpoint: str | None = None) -> Handle:
-    """The handle with its version: as given, else the latest one Kaggle reports."""
+def resolve_version(h, endpoint: str | None = None):
+    """The handle (a model's or a dataset's) with its version: as given, else the latest Kaggle reports."""
     if h.version is not None:
         return h
     source = _credential_source()
-    from kagglehub import handle as kh, http_resolver
+    from kagglehub import http_resolver
     from kagglehub.clients import build_kaggle_client
     with kaggle_endpoint(endpoint), _kaggle_errors(h, endpoint, source), build_kaggle_client() as client:
-        version = http_resolver._get_current_version(client, kh.parse_model_handle(str(h)))
-    return Handle(h.owner, h.model, h.framework, h.variation, int(version))
+        version = http_resolver._get_current_version(client, h.kagglehub_handle())
+    return h.with_version(int(version))
 
 
-def download(h: Handle, endpoint: str | None = None) -> Path:
-    """kagglehub's download of a versioned handle (its cache; a cached complete copy is reused)."""
+def download(h, endpoint: str | None = None, path: str | None = None) -> Path:
+    """kagglehub's download of a versioned handle, or of one file of it (its cache; a cached complete copy
+    is reused)."""
     source = _credential_source()
-    import kagglehub
     with kaggle_endpoint(endpoint), _kaggle_errors(h, endpoint, source):
-        return Path(kagglehub.model_download(str(h)))
+        return Path(h.kagglehub_download(path))
 
 
 def _md5_b64_file(path: Path) -> str:
@@ -192,8 +211,8 @@ def _md5_b64_file(path: Path) -> str:
     return base64.b64encode(h.digest()).decode()
 
 
-def local_manifest(h: Handle, folder: Path) -> dict:
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+def local_manifest(h, folder: Path, only: Sequence[str] | None = None) -> dict:
+    files = sorted(p for p in folder.rglob("*") if p.is_file()) if only is None else [folder / f for f in only]
     return {"handle": str(h), "version": h.version, "files": [
         {"path": p.relative_to(folder).as_posix(), "size": p.stat().st_size, "md5": _md5_b64_file(p)} for p in files]}
 
@@ -254,7 +273,7 @@ class _Counting:
         return getattr(self.f, name)
 
 
-def _staged(bucket: Bucket, h: Handle) -> dict | None:
+def _staged(bucket: Bucket, h) -> dict | None:
     """The manifest at the prefix if it holds exactly this version, every object there and intact."""
     m = bucket.manifest()
     if m is None:
@@ -267,20 +286,32 @@ def _staged(bucket: Bucket, h: Handle) -> dict | None:
 def pull(handle: str, dest: str, *, endpoint: str | None = None, say: Callable[[str], None] = print,
          progress: bool = True) -> PullResult:
     """Download `handle` through kagglehub once and stage it under `dest` (see the module docstring)."""
-    h = parse_handle(handle)
+    return stage(parse_handle(handle), dest, endpoint=endpoint, say=say, progress=progress, given=handle)
+
+
+def stage(h, dest: str, *, endpoint: str | None = None, say: Callable[[str], None] = print, progress: bool = True,
+          given: str | None = None, files: Sequence[str] | None = None) -> PullResult:
+    """Stage a parsed handle (a model's here, a dataset's from orchestrator/datasets.py) under `dest`: resolve
+    its version, skip it if staged, download through kagglehub (the whole version, or only `files`), upload
+    what the bucket lacks, write the manifest last."""
     bucket = Bucket(dest)
     bucket.check()
     if h.version is None:
         h = resolve_version(h, endpoint)
-        say(f"resolved {handle} to version {h.version}: {h}")
+        say(f"resolved {given or h} to version {h.version}: {h}")
     m = _staged(bucket, h)
-    if m is not None:
+    if m is not None and (files is None or set(files) <= {e["path"] for e in m["files"]}):
         say(f"{h} is already staged at {bucket.dest} ({len(m['files'])} files); nothing copied")
         return PullResult(str(h), h.version, bucket.dest, len(m["files"]), sum(e["size"] for e in m["files"]),
                           already_staged=True)
     say(f"downloading {h} from Kaggle (kagglehub cache)")
-    folder = download(h, endpoint)
-    manifest = local_manifest(h, folder)
+    if files is None:
+        folder = download(h, endpoint)
+        manifest = local_manifest(h, folder)
+    else:
+        got = [download(h, endpoint, f) for f in files]
+        folder = got[0].parents[len(Path(files[0]).parts) - 1]  # the version's folder in kagglehub's cache
+        manifest = local_manifest(h, folder, [p.relative_to(folder).as_posix() for p in got])
     manifest["staged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     todo = [e for e in manifest["files"] if not bucket.has(e)]
     total = sum(e["size"] for e in todo)
@@ -290,6 +321,6 @@ def pull(handle: str, dest: str, *, endpoint: str | None = None, say: Callable[[
         for e in todo:
             bucket.upload(folder / e["path"], e, bar.update)
     bucket.write_manifest(manifest)  # last: until now the prefix is visibly unfinished
-    say(f"staged {h} at {bucket.dest}; load it with --weights {bucket.dest}")
+    say(f"staged {h} at {bucket.dest}; {h.use_as} {bucket.dest}")
     return PullResult(str(h), h.version, bucket.dest, len(manifest["files"]),
                       sum(e["size"] for e in manifest["files"]), uploaded=[e["path"] for e in todo])

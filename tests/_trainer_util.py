@@ -50,9 +50,10 @@ class Procs:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], env: dict, log: Path) -> subprocess.Popen:
+    def start(self, args: list[str], env: dict, log: Path, python: bool = False) -> subprocess.Popen:
+        """`python -m trainer ARGS` (python=True: `python ARGS`)."""
         f = open(log, "w")
-        p = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=env, stdout=f,
+        p = subprocess.Popen([sys.executable, *([] if python else ["-m", "trainer"]), *args], cwd=REPO, env=env, stdout=f,
                              stderr=subprocess.STDOUT, start_new_session=True)
         p.log = log
         f.close()

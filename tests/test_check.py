@@ -21,6 +21,17 @@ def emu(tmp_path, monkeypatch):
     e.stop()
 
 
+@pytest.fixture
+def login(monkeypatch):
+    """The Compute Engine / OS Login stand-in (real google-cloud-compute and google-cloud-os-login clients)."""
+    from infra.fake_login_apis import start_in_thread
+    srv = start_in_thread()
+    monkeypatch.setenv("TPUCTL_COMPUTE_API_ENDPOINT", srv.url)
+    monkeypatch.setenv("TPUCTL_OSLOGIN_API_ENDPOINT", srv.url)
+    yield srv
+    srv.stop()
+
+
 def check(fake, tmp_path, *args):
     res = CliRunner().invoke(cli, ["check", "--api-endpoint", fake.url, "--project", PROJECT,
                                    "--ssh-key", str(tmp_path / "ssh" / "key"), *args])
@@ -40,11 +51,12 @@ def lines(res) -> dict[str, str]:
     return out
 
 
-def test_everything_ready_is_all_ticks(fake, emu, tmp_path):
+def test_everything_ready_is_all_ticks(fake, emu, login, tmp_path):
     res = check(fake, tmp_path, "-z", ZONE, "-a", "v4-16", "--bucket", "gs://ckpts/runs")
     assert res.exit_code == 0, res.output
     got = lines(res)
-    assert list(got) == ["credentials", "project", "TPU API", "zone", "SSH key", "bucket"]
+    assert list(got) == ["credentials", "project", "TPU API", "zone", "OS Login", "SSH key", "bucket"]
+    assert "not enforced" in got["OS Login"]
     assert all(v.startswith("✔") for v in got.values()), got
     assert f"{ZONE} offers v4-16" in got["zone"] and "writable" in got["bucket"]
     assert (tmp_path / "ssh" / "key.pub").read_text().startswith("ssh-ed25519 ")
@@ -89,3 +101,31 @@ def test_a_missing_bucket_says_how_to_create_it(fake, emu, tmp_path):
     assert (f"fix: gcloud storage buckets create gs://no-such-bucket --project {PROJECT} --location us-central2"
             in got["bucket"])
     assert "1 problem(s)" in res.stderr
+
+
+def test_os_login_enforced_by_the_project_is_reported_and_a_403_names_the_role(fake, login, tmp_path):
+    login.control.set_project_metadata(PROJECT, {"enable-oslogin": "TRUE"})
+    got = lines(check(fake, tmp_path))
+    assert got["OS Login"].startswith("✔ OS Login: enforced in " + PROJECT), got
+    assert "roles/compute.osLogin" in got["OS Login"] and "POSIX name" in got["OS Login"]
+    login.control.deny("compute")
+    res = check(fake, tmp_path)
+    assert res.exit_code == 1 and lines(res)["OS Login"].startswith("✘ OS Login: cannot read project "), res.output
+    assert "roles/compute.viewer" in lines(res)["OS Login"]
+
+
+def test_os_login_registers_the_key_with_its_expiry_and_gives_the_posix_name(login):
+    """import_ssh_public_key through the real client: the POSIX user to SSH as, the key kept until --ttl."""
+    import time
+    from orchestrator import oslogin
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIC9h2pV9Q3c4y0Ckq2o1hZ5sXlq5V4Y2b0m1n2o3p4q5"
+    t0 = time.time()
+    user = oslogin.register(key, project=PROJECT, account_email="alice@example.com", ttl_s=3600)
+    assert user == "alice_example_com"
+    (entry,) = login.control.state()["keys"]["alice@example.com"].values()
+    assert entry["key"] == key and abs(int(entry["expirationTimeUsec"]) / 1e6 - (t0 + 3600)) < 60
+    login.control.deny("oslogin")
+    with pytest.raises(oslogin.UserError, match=r"needs roles/compute.osLogin \(or roles/compute.osAdminLogin\)"):
+        oslogin.register(key, project=PROJECT, account_email="alice@example.com")
+    assert oslogin.node_enforces({"enable-oslogin": "false"}, True) is False
+    assert oslogin.node_enforces({}, True) is True

@@ -1,10 +1,12 @@
 """trainer.pretrain.data: offline tokenizer, prepare/resolve with caching, process-count-invariant batches."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from trainer.pretrain import data, prepare, tokenizers
+from trainer.pretrain.shards import read_shard
 
 
 @pytest.fixture(autouse=True)
@@ -18,8 +20,8 @@ def corpus(tmp_path):
     d.mkdir()
     words = "the quick brown fox jumps over the lazy dog and then sleeps".split()
     rng = np.random.default_rng(0)
-    for i in range(3):
-        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 3000)))
+    for i in range(3):  # ~300 KB each: cut into ~16 KiB documents, some of which go to val
+        (d / f"doc{i}.txt").write_text("\n\n".join(" ".join(rng.choice(words, 100)) for _ in range(600)))
     (d / ".hidden.txt").write_text("never read")
     (d / "image.png").write_bytes(b"\x89PNG\x00\x01")
     return d
@@ -34,13 +36,13 @@ def test_tokenizer_is_gpt2_offline():
 
 def test_prepare_writes_splits_and_meta(corpus, tmp_path):
     out = tmp_path / "tok"
-    meta = prepare.prepare([str(corpus)], str(out))
+    meta = prepare.prepare([str(corpus)], str(out), workers=1)
     assert meta["n_files"] == 3  # .hidden.txt and image.png are skipped
-    train = np.fromfile(out / "train.bin", np.uint16)
-    val = np.fromfile(out / "val.bin", np.uint16)
-    assert train.size == meta["n_train_tokens"] and val.size == meta["n_val_tokens"]
-    assert 0.03 < val.size / (train.size + val.size) < 0.07
-    assert (train == tokenizers.EOT).sum() == 3 and (val == tokenizers.EOT).sum() == 3  # documents stay separated
+    train, val = ([read_shard(out / s["file"]) for s in meta[split]] for split in ("train", "val"))
+    assert [a.size for a in train] == [meta["n_train_tokens"]] and [a.size for a in val] == [meta["n_val_tokens"]]
+    # a text file is cut into ~16 KiB documents at blank lines; each ends with EOT, whole in train or val
+    n_eot = int((train[0] == tokenizers.EOT).sum() + (val[0] == tokenizers.EOT).sum())
+    assert n_eot == meta["n_documents"] and 50 < n_eot < 70 and (val[0] == tokenizers.EOT).sum() >= 1
     assert json.loads((out / "meta.json").read_text())["content_hash"] == meta["content_hash"]
 
 
@@ -73,7 +75,7 @@ def test_global_batch_does_not_depend_on_process_count(corpus):
 def test_batches_are_shifted_windows_of_the_stream(corpus):
     d = data.resolve(str(corpus))
     loader = data.BatchLoader(d, "train", 16, 4, 0)
-    tokens = np.fromfile(f"{d}/train.bin", np.uint16)
+    tokens = read_shard(Path(d) / "train_000000.bin")
     ids = loader.window_ids(2)
     batch = loader.local_batch(2)
     for row, w in zip(batch, ids):
@@ -104,7 +106,7 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
     binary_only = tmp_path / "binary_only"
     binary_only.mkdir()
     (binary_only / "x.png").write_bytes(b"\x89PNG")
-    with pytest.raises(data.DataError, match="no text files"):
+    with pytest.raises(data.DataError, match="no input files found"):
         prepare.prepare([str(binary_only)], str(tmp_path / "o"))
 
 

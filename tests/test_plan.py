@@ -160,12 +160,12 @@ def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
     on the real chip and is refused with the verdict on one with too little HBM (the verdict is the catalog's)."""
     monkeypatch.setenv("TPUCTL_HOME", str(gemma_plans))
     argv = [*LORA, "--model", "gemma2-2b", "--batch-size", "8", "--seq-len", "128"]
-    p = P.gate("v5litepod-8", argv, local=False)
+    p = P.gate("v5litepod-8", argv, cpu_devices=False)
     assert p is not None and p.cached and p.fits
     monkeypatch.setitem(catalog.GENERATIONS, "v5litepod", dataclasses.replace(
         catalog.GENERATIONS["v5litepod"], hbm_gib_per_chip=p.total_bytes / P.GIB / 2))
     with pytest.raises(P.PlanError, match="plan: does NOT fit on v5litepod-8.*--no-plan skips this check"):
-        P.gate("v5litepod-8", argv, local=False)
+        P.gate("v5litepod-8", argv, cpu_devices=False)
 
 
 @needs_libtpu
@@ -232,7 +232,7 @@ def test_lora_without_a_model_size_is_not_planned_and_runs_unplanned():
                                  "--model gemma2 names a family only"]
     said = []
     t0 = time.monotonic()
-    assert P.gate("v5litepod-8", LORA, local=False, on_skip=said.append) is None
+    assert P.gate("v5litepod-8", LORA, cpu_devices=False, on_skip=said.append) is None
     assert time.monotonic() - t0 < 20 and said[0].startswith("not planned: `lora` is planned from its model size")
     res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--local", "--", *LORA, "--model", "gemma2-3b"])
     assert res.exit_code == 1 and _error_lines(res)[0].startswith("Error: --model gemma2-3b: choose a family "
@@ -266,10 +266,10 @@ def test_local_plan_matches_the_run_it_plans(monkeypatch, tiny_plans):
     reports the same temporaries as the plan's (tolerance 2%: the same program), and its total is the plan's."""
 
     monkeypatch.setenv("TPUCTL_HOME", str(tiny_plans))
-    p = P.plan("v5litepod-8", TINY, local=True)
+    p = P.plan("v5litepod-8", TINY, cpu_devices=True)
     f = p.figures
     assert p.compiler == P.CPU and f["devices"] == 8 and f["dtype"] == "float32"
-    again = P.plan("v5litepod-8", TINY, local=True)  # the same (accelerator, argv, versions, code): cached
+    again = P.plan("v5litepod-8", TINY, cpu_devices=True)  # the same (accelerator, argv, versions, code): cached
     assert again.cached and again.figures == f
 
     cfg = config.resolve(parser().parse_args(TINY))
@@ -348,11 +348,11 @@ def test_the_first_suggestion_is_compiled_too(monkeypatch):
                                                                        hbm_gib_per_chip=28 / 1024))
     argv = ["pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
             "--ckpt-dir", "/tmp/plan-ckpt"]
-    p = P.plan("v4-8", argv, local=True)
+    p = P.plan("v4-8", argv, cpu_devices=True)
     assert not p.fits and p.suggestions and p.alternative is None  # a local slice is not resized
     first = p.suggestions[0]
     assert first.compiled_bytes is not None and first.compiled_bytes < p.total_bytes
-    direct = P.plan("v4-8", [*argv, *first.change.split()], local=True)
+    direct = P.plan("v4-8", [*argv, *first.change.split()], cpu_devices=True)
     assert direct.cached and direct.total_bytes == first.compiled_bytes and direct.fits == first.compiled_fits
     assert "(compiled: " in render(p)
 
@@ -399,7 +399,7 @@ def test_trainer_args_the_trainer_rejects_give_its_own_message_once():
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", "prepare", "--out", "/tmp/x"])
     assert res.exit_code == 1 and "`prepare` has no train step to plan" in _error_lines(res)[0]
     t0 = time.monotonic()
-    assert P.gate("v4-8", ["prepare", "--out", "/tmp/x"], local=False) is None  # run/up launch it unplanned
+    assert P.gate("v4-8", ["prepare", "--out", "/tmp/x"], cpu_devices=False) is None  # run/up launch it unplanned
     assert time.monotonic() - t0 < 20  # answered before jax or libtpu start
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--mfu", "0", "--", *TINY])
     assert res.exit_code == 1 and "--mfu 0.0: give a fraction in (0, 1]" in _error_lines(res)[0]

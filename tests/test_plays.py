@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from trainer.pretrain import prepare, tokenizers
 from trainer.pretrain import plays
+from trainer.pretrain.shards import read_shard
 from trainer.cli import main
 
 
@@ -23,13 +22,14 @@ def test_prepare_renders_the_embedded_corpus_as_speaker_turns_and_markdown_on_re
     assert main(["prepare", "--out", str(tmp_path / "plain")]) == 0
     assert main(["prepare", "--markdown", "--out", str(tmp_path / "md")]) == 0
     enc = tokenizers.gpt2()
-    plain = enc.decode(np.fromfile(tmp_path / "plain" / "train.bin", np.uint16).tolist())
-    md = enc.decode(np.fromfile(tmp_path / "md" / "train.bin", np.uint16).tolist())
+    plain = enc.decode(read_shard(tmp_path / "plain" / "train_000000.bin").tolist())
+    md = enc.decode(read_shard(tmp_path / "md" / "train_000000.bin").tolist())
     assert "**" not in plain and "**ROMEO**" in md
     assert not re.search(r" +\n", plain)  # no Markdown line breaks (trailing spaces)
     turns = re.findall(r"^([A-Z][A-Z .'\-]+):$", plain, re.M)
     assert len(turns) > 20000 and "ROMEO" in turns and "HAMLET" in turns
     assert "\nROMEO:\n" in plain
     # Cached separately from the Markdown tokens: resolving the default corpus gives the plain text.
-    assert prepare._content_hash(prepare.default_corpus(), 0.05, plain=True) != \
-        prepare._content_hash(prepare.default_corpus(), 0.05)
+    plays_md = prepare.collect(None)
+    assert prepare.cache_key(None) == prepare.content_hash(plays_md, prepare.Settings(render_plays=True)) != \
+        prepare.content_hash(plays_md, prepare.Settings(render_plays=False))

@@ -311,6 +311,28 @@ def test_run_refuses_bad_input_before_touching_a_host(sl, tmp_path, monkeypatch)
     assert not (tmp_path / "home" / "runs").exists()
 
 
+def test_an_unknown_option_before_the_command_is_tpuctls_one_line_error(tmp_path):
+    """Options before `--` (or before COMMAND) are the verb's own: a retired or mistyped one is named, with the
+    option meant where there is one, and is never handed to the trainer as the start of its command line."""
+    env = {"TPUCTL_HOME": str(tmp_path / "home")}
+    cases = [(["run", "s", "--api-endpoint", "http://x", "--", "pretrain"], "--api-endpoint", None),
+             (["run", "s", "--env", "A=-x", "--kil-stale", "--", "pretrain"], "--kil-stale", "--kill-stale"),
+             (["ssh", "s", "--workr", "1", "--", "ls"], "--workr", "--worker"),
+             (["sweep", "s", "--sett", "d_model=1,2", "--", "pretrain"], "--sett", "--set"),
+             (["plan", "-a", "v4-8", "--stpes", "3", "--", "pretrain"], "--stpes", "--steps")]
+    for argv, bad, meant in cases:
+        res = CliRunner().invoke(cli_main, argv, env=env)
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 1 and len(lines) == 1, res.output
+        assert lines[0].startswith(f"Error: tpuctl {argv[0]}: no such option {bad}"), res.output
+        assert (f"did you mean {meant}?" in lines[0]) == bool(meant) and "invalid choice" not in lines[0]
+    # The trainer's own options after `--`, and a value that looks like an option, are not ours to judge.
+    res = CliRunner().invoke(cli_main, ["run", "s", "--env", "A=1", "--heartbeat-timeout", "-1", "--", "--x"],
+                             env=env)
+    assert "no such option" not in res.output
+    assert not (tmp_path / "home" / "runs").exists()
+
+
 @pytest.fixture
 def api_home(tmp_path, monkeypatch):
     """A TPUCTL_HOME of its own with the local TPU API stand-in running (stopped, with the GCS emulator, after)."""
@@ -374,7 +396,8 @@ def test_run_by_slice_name_through_the_tpu_api_stand_in(api_home):
 
 
 def test_workers_without_external_ips_are_reached_on_their_internal_ones(api_home):
-    """`up --no-external-ips`: the workers report no external IP and `run` goes to the internal one. Where the
+    """`up --no-external-ips`: the workers report no external IP and `run` goes to the internal one, which this
+    machine reaches only through a proxy (a local slice's internal addresses refuse SSH from here). Where the
     external IPs are not reachable from here (this machine is inside the VPC), --internal-ip says so."""
     from infra.fake_tpu_api import FakeControl
     from infra.local_slice import LocalSlice
@@ -386,7 +409,12 @@ def test_workers_without_external_ips_are_reached_on_their_internal_ones(api_hom
         made.append(LocalSlice.load("noext"))
         st = json.loads(CliRunner().invoke(cli_main, ["status", "noext", "--json"]).stdout)
         assert [w["external_ip"] for w in st["workers"]] == [None, None]
-        res = CliRunner().invoke(cli_run.run, ["noext", "--local", "--raw", "--", "hostname"])
+        internal = [w["internal_ip"] for w in st["workers"]]
+        res = CliRunner().invoke(cli_run.run, ["noext", "--local", "--raw", "--ssh-wait", "1", "--", "hostname"])
+        assert res.exit_code == 1 and f"w0 ({internal[0]}): unreachable over SSH" in res.output, res.output
+        hop = f"{sys.executable} -m infra.ssh_hop --map 127.1.=127.0. %h %p"
+        res = CliRunner().invoke(cli_run.run, ["noext", "--local", "--raw", "--ssh-proxy-command", hop, "--",
+                                               "hostname"])
         assert res.exit_code == 0, res.output
         assert sorted(l for l in res.output.splitlines() if l.startswith("[w")) == ["[w0] noext-w0", "[w1] noext-w1"]
 

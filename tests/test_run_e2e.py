@@ -15,7 +15,7 @@ from _local_hosts import start, ssh_config, wait_idle, workers, needs_hosts
 from infra import gcs
 from orchestrator import bundle as B
 from orchestrator.launch import LaunchSpec
-from orchestrator.runner import RunFailed, Watch, run_job, shared_install
+from orchestrator.runner import QUIET, RunFailed, Watch, run_job, shared_install
 
 pytestmark = needs_hosts
 
@@ -47,15 +47,36 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
         args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", "gs://e2e/data", *TINY,
                 "--ckpt-dir", "gs://e2e/run", "--ckpt-every", "4"]
         kw = dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout)
+
+        # `prepare` on the slice: each host tokenises its share of the input files (by process index), host 0
+        # writes the shards; the bytes equal one machine's prepare of the same gs:// input.
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+        from infra import webcorpus
+        client = storage.Client(project="local", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": emu.endpoint})
+        for f in webcorpus.write(tmp_path / "raw", mb=0.6, seed=3, shard_mb=0.1):
+            client.bucket("e2e").blob(f"raw/{f.name}").upload_from_filename(str(f))
+        prep = ["python", "-m", "trainer", "prepare", "--data", "gs://e2e/raw", "--shard-tokens", "20000"]
+        rp = run_job(workers(sl), LaunchSpec([*prep, "--out", "gs://e2e/tok"], env=genv), run_dir=tmp_path / "rp", **kw)
+        assert rp.ok and rp.exit_codes == {0: 0, 1: 0}
+        assert "this host's pieces are written" in (tmp_path / "rp" / "w1.log").read_text()
+        assert "prepared " in (tmp_path / "rp" / "w0.log").read_text()
+        subprocess.run([sys.executable, *prep[1:], "--out", str(tmp_path / "tok1")], env=local_env, check=True,
+                       capture_output=True, timeout=300)
+        one_host = {f.name: f.read_bytes() for f in (tmp_path / "tok1").glob("*.bin")}
+        assert len(one_host) >= 3
+        assert {n: client.bucket("e2e").blob(f"tok/{n}").download_as_bytes() for n in one_host} == one_host
         r1 = run_job(workers(sl), LaunchSpec([*args, "--steps", "8"], env=genv), run_dir=tmp_path / "r1", **kw)
         assert r1.ok and r1.exit_codes == {0: 0, 1: 0}
         log0 = (tmp_path / "r1" / "w0.log").read_text()
         assert "in 2 process(es)" in log0, log0[-2000:]
+        for w in ("w0", "w1"):  # every line is the trainer's: no Gloo report, glog line or TPU search
+            log = (tmp_path / "r1" / f"{w}.log").read_text()
+            noise = [ln for ln in log.splitlines() if ("Gloo" in ln or re.match(r"[IWEF]\d{4} ", ln)
+                     or "libtpu" in ln or "host bounds" in ln or ln.strip().isdigit()) and not QUIET.search(ln)]
+            assert noise == [], noise[:5]
 
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage
-        client = storage.Client(project="local", credentials=AnonymousCredentials(),
-                                client_options={"api_endpoint": emu.endpoint})
         multi = _metrics(client, "e2e", "run/metrics.jsonl")
         assert sorted(multi) == list(range(1, 9))
         assert multi[8] < multi[1] - 1.0, multi  # it learns

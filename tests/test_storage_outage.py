@@ -1,5 +1,5 @@
 """The checkpoint bucket stops answering mid-run (the GCS emulator is killed during an async save): the trainer
-stops within its storage budget with one line naming the bucket and the operation (exit 3), never takes a
+stops within its storage budget of the bucket going away with one line naming the bucket and the operation (exit 3), never takes a
 half-written step for a checkpoint, and the same command resumes from the previous complete step once the
 bucket is back."""
 import os
@@ -35,14 +35,16 @@ def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_fac
             assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         os.kill(emu.pid, signal.SIGKILL)  # every step saves: this lands in (or just before) an async save
-        rc = p.wait(timeout=150)  # the trainer's own budget is 60 s per storage operation
+        gone = time.monotonic()
+        rc = p.wait(timeout=150)
+        took = time.monotonic() - gone  # the budget (60 s) holds from the bucket going away to the exit
     finally:
         if p.poll() is None:
             p.kill()
         emu.stop()
     out = log.read_text()
     errors = [l for l in out.splitlines() if l.startswith("error: ")]
-    assert rc == 3 and len(errors) == 1, out[-3000:]
+    assert rc == 3 and len(errors) == 1 and took < 60, (took, out[-3000:])
     assert errors[0].startswith("error: the bucket gs://outage-b ") and "while saving step " in errors[0], errors
     assert "the same command resumes from the latest complete step" in errors[0]
     stopped_at = max(int(s) for s in re.findall(r"step +(\d+)/", out))
@@ -95,3 +97,33 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_step(tmp_p
         assert step >= 1 and f"the latest step known saved is {step}," in errors[0], (errors, check.stdout)
     finally:
         subprocess.run(["umount", "-l", str(ckpt)], check=False)
+
+
+def test_the_bucket_watch_stops_within_the_budget_of_the_last_answer(tmp_path, monkeypatch):
+    """The watch behind the bound above when no storage operation reports the failure (an async save or a
+    metrics.jsonl rewrite left hanging): it never fires while the bucket answers, and fires once no answer has
+    come for the budget less a probe's timeout and the exit's slack, counted from the last answer."""
+    from trainer.common import bucket_watch as bw
+    emu = gcs.start(home=tmp_path / "home", buckets=("watch-b",), record=False, reuse=False)
+    for k, v in emu.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(bw, "PROBE_S", 0.2)
+    fired = []
+    w = bw.BucketWatch("watch-b", "run", 3.0 + bw.PROBE_TIMEOUT_S + bw.EXIT_SLACK_S, fired.append)
+    started = w.last_ok
+    w.start()
+    try:
+        deadline = time.monotonic() + 60
+        while w.last_ok == started:  # the first answer (the client's import and first request are slow here)
+            assert time.monotonic() < deadline and not fired
+            time.sleep(0.05)
+        time.sleep(4)  # longer than the limit: an answering bucket never stops the run
+        assert not fired and time.monotonic() - w.last_ok < 2
+    finally:
+        emu.stop()
+    gone = time.monotonic()
+    while not fired and time.monotonic() - gone < 30:
+        time.sleep(0.05)
+    took = time.monotonic() - gone
+    assert fired and fired[0] >= 3.0 and took < 3.0 + bw.PROBE_TIMEOUT_S + bw.EXIT_SLACK_S, (fired, took)
+    w.stop()

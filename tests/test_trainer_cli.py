@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,8 +110,17 @@ def test_emulate_devices_sets_the_count_and_an_inherited_flag_wins(corpus, tmp_p
 
 
 def _copy_data(corpus: str, dst) -> str:
-    import shutil
-    shutil.copytree(corpus, dst)
+    """The prepared corpus as a format-2 folder (train.bin / val.bin, raw uint16): the files these checks damage."""
+    import json
+
+    import numpy as np
+
+    from trainer.pretrain.shards import read_shard
+    dst.mkdir()
+    meta = json.loads((Path(corpus) / "meta.json").read_text())
+    for split in ("train", "val"):
+        np.concatenate([read_shard(Path(corpus) / s["file"]) for s in meta[split]]).tofile(dst / f"{split}.bin")
+    (dst / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("format", "train", "val")}))
     return str(dst)
 
 

@@ -121,3 +121,46 @@ def test_two_cpu_processes_that_log_only_at_the_end_do_not_stall(tmp_path_factor
         assert len(seen) < seen.maxlen or seen[-1] - seen[0] >= 100, "the trainers stalled at 0% CPU:\n" + logs()
     assert [p.returncode for p in pair] == [0, 0], logs()
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, steps]
+
+
+MEET = """
+import os, sys, time
+from trainer.common import mesh
+from trainer.common.config import UsageError
+mesh.init_distributed()
+import jax
+jax.devices()  # the CPU backend's start is itself a meeting of every process
+if os.environ["TPUCTL_PROCESS_ID"] == "1":
+    time.sleep(float(sys.argv[1]))  # a host still compiling
+try:
+    mesh.meet("the compiled train step")
+except UsageError as e:
+    print("error:", e, flush=True)
+    os._exit(2)
+print("met", flush=True)
+jax.distributed.shutdown()  # process 0 serves the coordination service: it stays until both are done
+os._exit(0)
+"""
+
+
+@pytest.mark.e2e
+def test_processes_meet_after_a_compile_and_a_late_one_is_named(tmp_path_factory, tmp_path, procs):
+    """The barrier after each compile: a process 3 s late is waited for; one that does not arrive within
+    TPUCTL_BARRIER_TIMEOUT_S is named (by process and tpuctl worker) by the process that waited."""
+    cache = session_cache(tmp_path_factory)
+    for late_s, timeout_s, want in ((3, "60", ["met", "met"]), (60, "4", None)):
+        port = free_port()
+        pair = [procs.start(["-c", MEET, str(late_s)], env(cache, devices=1, TPUCTL_COORDINATOR=f"127.0.0.1:{port}",
+                                                          TPUCTL_NUM_PROCESSES="2", TPUCTL_PROCESS_ID=str(i),
+                                                          TPUCTL_BARRIER_TIMEOUT_S=timeout_s,
+                                                          TPUCTL_HEARTBEAT_TIMEOUT_S="100",
+                                                          TPUCTL_INIT_TIMEOUT_S="120"),
+                            tmp_path / f"meet{late_s}-w{i}.log", python=True) for i in range(2)]
+        if want:
+            assert [p.wait(timeout=120) for p in pair] == [0, 0], tail(pair[0].log) + tail(pair[1].log)
+            assert [p.log.read_text().split()[-1] for p in pair] == want
+        else:
+            assert pair[0].wait(timeout=120) == 2, tail(pair[0].log)
+            line = [l for l in pair[0].log.read_text().splitlines() if l.startswith("error: ")][0]
+            assert line.startswith("error: process(es) 1 (tpuctl's worker(s) w1) did not reach the compiled train "
+                                   "step within 4 s of process 0"), line

@@ -13,7 +13,8 @@ import os
 import sys
 
 from trainer.common.config import UsageError
-from trainer.common.process import command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory
+from trainer.common.process import (command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory,
+                                    native_stdout_off, quiet_native_logs)
 from trainer.experiments import flags as experiments
 from trainer.finetune import flags as finetune
 from trainer.pretrain import flags as pretrain
@@ -40,13 +41,22 @@ def extras_of(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.cmd == "prepare":
         from trainer.pretrain import prepare
-        meta = prepare.prepare(args.data or None, args.out, args.val_fraction, markdown=args.markdown)
-        print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens "
-              f"from {meta['n_files']} file(s) into {args.out}")
+        meta = prepare.prepare(args.data or None, args.out, val_fraction=args.val_fraction, tokenizer=args.tokenizer,
+                               workers=args.workers, text_field=args.text_field, shard_tokens=args.shard_tokens,
+                               markdown=args.markdown, on_error=args.on_error)
+        if meta is None:  # a host other than process 0: its share is written, process 0 writes the shards
+            print(f"prepare: this host's pieces are written under {args.out}; process 0 writes the shards")
+            return 0
+        print(f"prepared {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} val tokens in "
+              f"{len(meta['train'])} + {len(meta['val'])} shard(s) from {meta['n_documents']:,} documents in "
+              f"{meta['n_files']} file(s) into {args.out}"
+              + (f" ({meta['n_skipped']} bad record(s)/file(s) skipped, listed in meta.json)" if meta['n_skipped']
+                 else ""))
         return 0
     if args.cmd == "pretrain":
         from trainer.common import config
-        from trainer.pretrain import train
+        from trainer.pretrain import tokenizers, train
+        tokenizers.follow_data(args)
         return train.pretrain(config.resolve(args))
     if args.cmd == "lora":
         from trainer.finetune import train as finetune
@@ -110,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     try:
         emulate_devices(argv)
+        quiet_native_logs()
+        native_stdout_off()
         keep_freed_memory()
         args = parser().parse_args(argv)
         return run(args)
@@ -120,7 +132,7 @@ def _main(argv: list[str]) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except ValueError as e:  # trainer.pretrain.shards.DataError (imported lazily: it is jax-free but not needed here)
-        if type(e).__name__ != "DataError":
+        if "DataError" not in (c.__name__ for c in type(e).__mro__):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,99 +10,11 @@ command that creates or looks up an unrecorded slice uses the one the user picke
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from orchestrator.provider.base import GCP, LOCAL, HostAccess, Progress, Provider
+from orchestrator.spec import UserError
+from orchestrator.state import SliceRecord
 
-from orchestrator import cloud
-from orchestrator.cloud import Api
-from orchestrator.spec import SliceSpec, UserError
-from orchestrator.state import SliceRecord, Worker
-
-Progress = Callable[[str], None]
-GCP, LOCAL = "gcp", "local"
-
-
-@dataclass(frozen=True)
-class HostAccess:
-    """How this machine reaches a slice's hosts, where the provider knows better than the TPU VM defaults."""
-    user: str | None = None
-    key: str | None = None
-    port: int | None = None
-    python: str | None = None      # an interpreter the hosts share with this machine (installs from a wheelhouse)
-    wheelhouse: str | None = None  # a wheelhouse the hosts see at the same path
-
-
-class Provider:
-    """One place slices live. The defaults are the real cloud's behaviour: nothing beyond the TPU API."""
-    kind: str = ""
-    cli_flags: tuple[str, ...] = ()  # what a tpuctl command line adds to pick this provider
-    cpu_devices: bool = False      # the hosts' devices are emulated CPU devices (plans use the CPU compiler)
-
-    default_project: str | None = None  # the project when none is given (None: the environment's, gcloud's)
-
-    # ---- the TPU API
-    def endpoint(self, api_endpoint: str | None = None) -> str | None:
-        """The URL the client will talk to (None: the default googleapis.com endpoint)."""
-        return cloud.resolve_endpoint(api_endpoint)
-
-    def connect(self, *, project: str | None = None, api_endpoint: str | None = None) -> Api:
-        raise NotImplementedError
-
-    def api_for(self, rec: SliceRecord, api_endpoint: str | None = None) -> Api:
-        """The API that holds a recorded slice (api_endpoint: read it through another endpoint)."""
-        return self.connect(project=rec.project, api_endpoint=api_endpoint or rec.api_endpoint)
-
-    def endpoint_of(self, api: Api) -> str | None:
-        """What a record keeps to find its API again (None: resolved afresh each time)."""
-        return api.endpoint
-
-    def owns(self, rec: SliceRecord, api: Api) -> bool:
-        """Whether `gc` through `api` is responsible for this record."""
-        return rec.provider == self.kind and rec.project == api.project and rec.api_endpoint == api.endpoint
-
-    # ---- creating
-    def check(self, spec: SliceSpec) -> None:
-        """Refuse what this place cannot do, before anything is created."""
-        if spec.provider_options:
-            raise UserError(f"{', '.join(sorted(spec.provider_options))}: only for local slices; add --local")
-
-    def default_zones(self, spec: SliceSpec) -> list[str]:
-        hints = ", ".join(spec.accelerator_type.zone_hints)
-        raise UserError(f"no zone given: pass --zone Z (or --zones a,b,c); zones offering {spec.accelerator} "
-                        f"per the catalog: {hints}")
-
-    def attach(self, api: Api, rec: SliceRecord, progress: Progress) -> list[Worker]:
-        """After READY: the workers as SSH reaches them."""
-        return rec.workers
-
-    # ---- the VMs' end
-    def release(self, name: str, progress: Progress) -> None:
-        """The slice's VMs are gone (deleted or preempted): end what goes with them."""
-
-    @contextlib.contextmanager
-    def while_running(self, name: str, lost: Callable[[], str | None], progress: Progress) -> Iterator[None]:
-        """Around one run on the slice. lost() is the node's state when its VMs are gone, else None. What a
-        preemption does to the VMs happens by itself on real ones."""
-        yield
-
-    def orphans(self, recorded: set[str]) -> list[str]:
-        """`gc`: names of slices no record names any more for which this place still runs something (`release`
-        ends it)."""
-        return []
-
-    # ---- running on the hosts
-    def host_access(self, name: str) -> HostAccess:
-        return HostAccess()
-
-    def run_env(self, name: str, command: list[str], devices_per_host: int | None) -> dict[str, str]:
-        """Environment variables a run needs on every host (the contract is in docs/CONTRACTS.md)."""
-        return {}
-
-    def local_env(self, paths: list[str]) -> dict[str, str]:
-        """Environment for trainer commands this machine runs itself against the run's storage (sweep plans,
-        reports)."""
-        return {}
+__all__ = ["GCP", "LOCAL", "HostAccess", "Progress", "Provider", "get", "chosen", "of"]
 
 
 def get(kind: str) -> Provider:

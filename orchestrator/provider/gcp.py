@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from orchestrator import cloud
 from orchestrator.cloud import Api
-from orchestrator.provider import GCP, Provider
+from orchestrator.provider.base import GCP, Provider
 from orchestrator.state import SliceRecord
 
 _APIS: dict[tuple, Api] = {}

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from orchestrator import cloud, state
 from orchestrator.procs import pid_alive
 from orchestrator.cloud import Api
-from orchestrator.provider import LOCAL, HostAccess, Progress, Provider
+from orchestrator.provider.base import LOCAL, HostAccess, Progress, Provider
 from orchestrator.spec import LOCAL_PROJECT, SliceSpec, UserError
 from orchestrator.state import SliceRecord, Worker
 
@@ -76,7 +76,7 @@ class LocalProvider(Provider):
         return [spec.accelerator_type.zone_hints[0]]  # the stand-in offers the catalog's zones
 
     def attach(self, api: Api, rec: SliceRecord, progress: Progress) -> list[Worker]:
-        """Give the stand-in's node real hosts (sshd on loopback) so `tpuctl run` can reach them.
+        """Give the stand-in's node(s) real hosts (sshd on loopback) so `tpuctl run` can reach them.
 
         Without root or sshd (or for a huge slice) the node keeps the stand-in's made-up addresses: `up`,
         `status` and `down` still work, and `run` says why it cannot connect."""
@@ -92,6 +92,11 @@ class LocalProvider(Provider):
         # only root: keys for other users are not installed.
         meta = api.get_node(rec.node)
         keys = parse_metadata((meta.metadata if meta else {}).get("ssh-keys", ""))
+        from orchestrator import oslogin
+        if oslogin.applies(rec.project, meta.metadata if meta else {}, api.endpoint, progress):
+            # An OS Login VM lets in the keys of the account's login profile, as its POSIX user.
+            user, login_keys = oslogin.profile_keys(oslogin.account(), rec.project)
+            keys = [(user, k) for k in login_keys]
         others = sorted({u for u, _ in keys if u != "root"})
         if others:
             progress(f"note: the local hosts have only root; ssh-keys for {', '.join(others)} are not installed")
@@ -99,9 +104,9 @@ class LocalProvider(Provider):
         # with that node alone, as one preempted slice's do.
         names = _host_slices(rec)
         per = n // len(names)
-        started = []
+        started: list = []
         try:
-            for i, hname in enumerate(names):
+            for hname in names:
                 root_keys = tuple(k for u, k in keys if u == "root")
                 if started:  # every slice's hosts let in the one client key that `run` uses (slice 0's)
                     root_keys += (Path(started[0].ssh_key + ".pub").read_text().strip(),)
@@ -113,17 +118,29 @@ class LocalProvider(Provider):
                     for h in started:
                         h.stop()
                     return rec.workers
-            nodes = []
+            # Without external IPs the workers' internal addresses are ones this machine cannot reach over SSH
+            # (nothing listens there), as a laptop outside the VPC: only a proxy command (--ssh-proxy-command)
+            # that knows the way gets through; `private_address` is that way back.
+            control = FakeControl(api_url())
+            nodes, all_ips = [], []
             for node_name, hosts in zip(rec.nodes, started):
-                FakeControl(api_url()).set_node_workers(node_name, [h.ip for h in hosts.hosts])
+                ips = [h.ip if rec.external_ips else private_address(h.ip) for h in hosts.hosts]
+                all_ips += ips
+                control.set_node_workers(node_name, ips)
+                for h in hosts.hosts:  # what each VM's guest agent publishes: its real sshd host keys and its name
+                    control.publish_host_keys(node_name, h.index, hosts.host_keys(h.index))
+                    control.set_guest_attributes(node_name, h.index, [{"key": "hostname", "value": h.hostname}],
+                                                 namespace="")
                 nodes.append(api.get_node(node_name))
         except BaseException:
             for h in started:
                 h.stop()
             raise
-        ips = ", ".join(h.ip for hosts in started for h in hosts.hosts)
-        progress(f"{rec.name}: {n} local host(s) up (sshd on {ips})"
-                 + (f", {per} per slice" if len(names) > 1 else ""))
+        up = ", ".join(h.ip for hosts in started for h in hosts.hosts)
+        progress(f"{rec.name}: {n} local host(s) up (sshd on {up}"
+                 + (f", {per} per slice" if len(names) > 1 else "")
+                 + ("" if rec.external_ips else f"; their internal addresses {', '.join(all_ips)} are not reachable "
+                                                  "from here") + ")")
         if len(nodes) == 1:
             return nodes[0].workers
         return [dataclasses.replace(w, slice=s) for s, node in enumerate(nodes) for w in node.workers]
@@ -176,6 +193,20 @@ class LocalProvider(Provider):
             return {}
         from infra import gcs
         return gcs.start(buckets=tuple(buckets)).env
+
+    def stop_services(self) -> None:
+        """The GCS emulator and the TPU API stand-in end (their state is lost)."""
+        from infra import gcs
+        gcs.stop()
+        stop_api()
+
+
+def private_address(ip: str) -> str:
+    """The internal address a local host of a slice without external IPs has in the TPU API: 127.0.B.I becomes
+    127.1.B.I (loopback too, so the hosts bind and reach it, e.g. the jax.distributed coordinator; no sshd
+    listens there, so SSH from this machine is refused)."""
+    a, b, c, d = ip.split(".")
+    return f"{a}.{int(b) + 1}.{c}.{d}"
 
 
 def _host_slices(rec: SliceRecord) -> list[str]:

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator import cloud, provider, state
+from orchestrator import cloud, oslogin, provider, state
 from orchestrator.cloud import Api, CloudError, NodeInfo
 from orchestrator.provider import Provider
 from orchestrator.slices.common import Progress, fmt_duration, noop
@@ -79,7 +79,10 @@ def up(spec: SliceSpec, *, progress: Progress | None = None, on_plan: Callable[[
                           slices=spec.num_slices, labels=plan.labels,
                           price_per_hour=plan.price_per_hour, status="planned")
         return UpResult(rec, plan, [], time.monotonic() - t0)
-    _add_ssh_key(spec, progress)
+    if oslogin.applies(api.project, spec.metadata, api.endpoint, progress):
+        _register_os_login(spec, api.project, progress)  # the VMs ignore ssh-keys metadata: none is written
+    else:
+        _add_ssh_key(spec, progress)
     deadline = t0 + spec.timeout_s
     claim_id = uuid.uuid4().hex
     if not state.claim(_record(api, spec, zones[0], claim_id)):  # two `up NAME` at once: one wins the name
@@ -143,6 +146,21 @@ def _add_ssh_key(spec: SliceSpec, progress: Progress) -> None:
     spec.metadata = {**spec.metadata, "ssh-keys": entry}
 
 
+def _register_os_login(spec: SliceSpec, project: str, progress: Progress) -> None:
+    """OS Login: the user's key (made if missing) goes to the account's login profile, kept as long as the slice."""
+    from orchestrator import sshkeys
+    try:
+        path, pub, created = sshkeys.ensure_key()
+    except (sshkeys.SshKeyError, OSError) as e:
+        raise UserError(str(e)) from None
+    if created:
+        progress(f"made the SSH key {path} (ed25519) that new VMs will let in")
+    who = oslogin.account()
+    user = oslogin.register(pub, project=project, account_email=who, ttl_s=spec.ttl_s)
+    progress(f"OS Login is on in {project}: registered {path}.pub for {who} (POSIX user {user}"
+             + (", expires with the slice's --ttl" if spec.ttl_s else "") + "); no ssh-keys metadata")
+
+
 def _check_name_free(name: str) -> None:
     rec = state.lookup(name)
     if rec is None:
@@ -168,7 +186,8 @@ def _record(api: Api, spec: SliceSpec, zone: str, claim_id: str) -> SliceRecord:
         runtime_version=spec.runtime, status="creating", claim=claim_id,
         reservation=api.reservation_path(zone, spec.reservation) if spec.reservation else None,
         external_ips=spec.external_ips, network=spec.network, subnetwork=spec.subnetwork,
-        service_account=spec.service_account, scopes=list(spec.scopes), metadata=dict(spec.metadata))
+        service_account=spec.service_account, scopes=list(spec.scopes), metadata=dict(spec.metadata),
+        ssh_proxy_command=spec.ssh_proxy_command, iap=spec.iap)
 
 
 def _save(rec: SliceRecord) -> None:
@@ -340,7 +359,8 @@ def spec_of(rec: SliceRecord) -> SliceSpec:
                      provider_options=dict(rec.provider_options), reservation=rec.reservation,
                      external_ips=rec.external_ips, network=rec.network, subnetwork=rec.subnetwork,
                      service_account=rec.service_account, scopes=list(rec.scopes) or [CLOUD_PLATFORM_SCOPE],
-                     metadata=dict(rec.metadata), num_slices=rec.slices)
+                     metadata=dict(rec.metadata), ssh_proxy_command=rec.ssh_proxy_command, iap=rec.iap,
+                     num_slices=rec.slices)
 
 
 def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | None = None) -> UpResult:

@@ -69,7 +69,8 @@ def _auto_dtype(cfg, run_platform: str):
 def _pretrain(args: argparse.Namespace, target: Target) -> Built:
     from trainer.common import config
     from trainer.common import mesh as mesh_lib, metrics
-    from trainer.pretrain import train
+    from trainer.pretrain import tokenizers, train
+    tokenizers.follow_data(args)
     cfg = _auto_dtype(config.resolve(args), target.run_platform)
     shape = mesh_lib.parse_mesh(cfg.train.mesh, len(target.devices))
     train.check_fits(cfg, shape, target.processes)

@@ -7,6 +7,7 @@ count: Orbax ignores a step whose save did not complete, and the next writer del
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -113,7 +114,11 @@ class StorageDeadline:
         self.timer = threading.Timer(self.timeout, self._fire)
         self.timer.daemon = True
 
+    _stopping = threading.Lock()  # one line, from whichever deadline or watch fires first
+
     def _stop(self, why: str, full: bool = False) -> None:
+        if not StorageDeadline._stopping.acquire(blocking=False):
+            threading.Event().wait()  # another thread is printing its line and exiting the process
         where = f"the bucket gs://{self.directory[5:].split('/')[0]}" if self.directory.startswith("gs://") \
             else f"{self.directory} on {socket.gethostname()}"
         kept = f"the latest step known saved is {self.kept}" if self.kept else "no step is known saved yet"
@@ -163,6 +168,8 @@ class Checkpointer:
         self._distributed = False
         self._previous = None
         self._previous_int = None
+        self._current: str | None = None  # the storage operation in progress, for the bucket watch's line
+        self._watch = None
 
     # --- what is there --------------------------------------------------------------------------
 
@@ -182,13 +189,36 @@ class Checkpointer:
 
     # --- save / restore -------------------------------------------------------------------------
 
-    def _deadline(self, what: str) -> StorageDeadline:
-        return StorageDeadline(what, self._saved, self.directory)
+    @contextlib.contextmanager
+    def _deadline(self, what: str):
+        self._current = what
+        try:
+            with StorageDeadline(what, self._saved, self.directory):
+                yield
+        finally:
+            self._current = None
+
+    def _watch_bucket(self) -> None:
+        """From the first save on gs://: a bucket that stops answering stops the run within the storage budget
+        of the moment it went away (trainer/common/bucket_watch.py), whatever operation was in flight."""
+        if self._watch is not None or not self.directory.startswith("gs://"):
+            return
+        from trainer.common.bucket_watch import BucketWatch
+        budget = float(os.environ.get("TPUCTL_STORAGE_TIMEOUT_S") or STORAGE_TIMEOUT_S)
+
+        def silent(for_s: float) -> None:
+            what = self._current or (f"saving step {self._saving}" if self._saving else "training")
+            StorageDeadline(what, self._saved, self.directory)._stop(f"did not answer for {for_s:.0f} s (TPUCTL_STORAGE_TIMEOUT_S sets the "
+                                       "budget)")
+
+        bucket, _, prefix = self.directory[5:].partition("/")
+        self._watch = BucketWatch(bucket, prefix, budget, silent).start()
 
     def save(self, step: int, params, opt_state, cfg: Config) -> None:
         """Start an async save of `step` (every process calls this; Orbax coordinates the writers). Orbax first
         waits for the previous save: both are bounded by the storage deadline."""
         what = f"saving step {step}" + (f" (after step {self._saving})" if self._saving else "")
+        self._watch_bucket()
         with self._deadline(what):
             self.mngr.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt_state),
@@ -214,6 +244,8 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self.mngr.close()
+        if self._watch is not None:
+            self._watch.stop()
 
     # --- preemption -----------------------------------------------------------------------------
 

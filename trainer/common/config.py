@@ -26,6 +26,7 @@ class ModelConfig:
     d_ff: int = 0  # 0 = 4 * d_model
     seq_len: int = 128  # context length = size of the position table
     vocab_size: int = 50257
+    tokenizer: str = ""  # what the ids mean: gpt2 or bytes; "" = the data's (trainer/pretrain/tokenizers.py)
     vocab_multiple: int = 128  # the embedding table is padded to this; padded logits are masked out
     dropout: float = 0.1
 
@@ -117,6 +118,8 @@ DEFAULT_PRESET = "gpt2-tiny"
 HELP = {
     "d_ff": "MLP width (0 = 4 x --d-model)",
     "seq_len": "context length (the position table's size)",
+    "vocab_size": "ids the model knows (default: the tokenizer's, 50257 for gpt2, 257 for bytes)",
+    "tokenizer": "gpt2 or bytes: what the token ids mean (default: the one --data was prepared with, from its meta.json; gpt2 for text and for data without one); `sample` decodes with it",
     "vocab_multiple": "pad the embedding table to a multiple of this (padded logits are masked)",
     "steps": "absolute step to train up to (a resumed run continues to it)",
     "batch_size": "global batch, in sequences",
@@ -225,4 +228,5 @@ def validate(cfg: Config) -> None:
 def model_diff(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
     """Model fields that differ, as 'name saved->wanted' (empty when they match)."""
     a, b = dataclasses.asdict(saved), dataclasses.asdict(wanted)
-    return [f"{k} {a[k]}->{b[k]}" for k in a if a[k] != b[k]]
+    same = lambda k: a[k] == b[k] or (k == "tokenizer" and {a[k], b[k]} <= {"", "gpt2"})  # noqa: E731 - unrecorded = gpt2
+    return [f"{k} {a[k]}->{b[k]}" for k in a if not same(k)]

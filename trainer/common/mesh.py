@@ -9,6 +9,7 @@ data-center network. On one slice `dcn` has size 1.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import jax
@@ -55,15 +56,39 @@ def init_distributed() -> bool:
     return True
 
 
-def barrier(name: str) -> None:
-    """Every process waits here for the others, through the coordination service (no device collective), for up
-    to TPUCTL_INIT_TIMEOUT_S. Before the first step: on CPU the first collective sets up gloo with a fixed 30 s
-    wait for its peers, which a process whose compile took longer (a loaded machine, another slice) would make
-    fatal."""
+BARRIER_TIMEOUT_ENV = "TPUCTL_BARRIER_TIMEOUT_S"
+_met: dict[str, int] = {}
+
+
+def meet(what: str) -> None:
+    """Every process of a multi-process job waits here for all the others (the coordination service's barrier).
+
+    Called after each compile and before the program's first run: that first run sets up the collectives'
+    communicators, and on the CPU backend (Gloo) a process that arrives there more than Gloo's fixed 30 s after
+    another fails the whole job. Compiles take different times on different hosts (a busy machine, a cold
+    compile cache), so the processes meet first and reach the collectives together. A process that does not
+    arrive within $TPUCTL_BARRIER_TIMEOUT_S (default 600) is named."""
     from jax._src import distributed
     client = distributed.global_state.client
-    if client is not None and jax.process_count() > 1:
-        client.wait_at_barrier(name, int(os.environ.get("TPUCTL_INIT_TIMEOUT_S", 300)) * 1000)
+    if client is None or jax.process_count() < 2:
+        return
+    _met[what] = _met.get(what, 0) + 1
+    timeout_s = float(os.environ.get(BARRIER_TIMEOUT_ENV, "600") or 600)
+    try:
+        client.wait_at_barrier(f"tpuctl_{re.sub(r'[^a-z]+', '_', what)}_{_met[what]}", int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - jaxlib's XlaRuntimeError (DEADLINE_EXCEEDED, or a task that died)
+        # The service lists the processes that had not arrived after "timed out task names" (the first task
+        # at the barrier, named before that, is one that did).
+        # jaxlib 0.10 lists them one per line as bare task ids ("Some timed out task names:\n1"), older ones as
+        # "/job:jax_worker/replica:0/task:1"; the service's message ends at "RPC:".
+        late = str(e).split("timed out task", 1)[1].split("RPC:", 1)[0] if "timed out task" in str(e) else ""
+        late = late.split(":", 1)[-1]
+        missing = sorted({int(t) for t in re.findall(r"(?:task:|^\s*)(\d+)\s*$", late, re.M)}
+                         - {jax.process_index()})
+        who = (f"process(es) {', '.join(map(str, missing))} (tpuctl's worker(s) {', '.join(f'w{i}' for i in missing)})"
+               if missing else "another process")
+        raise UsageError(f"{who} did not reach {what} within {timeout_s:.0f} s of process {jax.process_index()} "
+                         f"({' '.join(str(e).split())[:300]})") from None
 
 
 def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:

@@ -78,3 +78,46 @@ def in_a_multi_process_job() -> bool:
         return False
     from jax._src import distributed
     return distributed.global_state.client is not None
+
+
+# Native libraries' log levels, unless the environment sets them: XLA's C++ logging (absl/tsl) and libtpu's
+# stderr at errors only (their INFO/WARNING lines are about the runtime, not the run); gRPC (the coordination
+# service's transport) likewise. A real failure still reaches the user: as an error line, or as the Python
+# exception the trainer reports.
+QUIET_NATIVE_LOGS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TPU_STDERR_LOG_LEVEL": "2", "TPU_MIN_LOG_LEVEL": "2",
+                     "GRPC_VERBOSITY": "ERROR"}
+ACCELERATOR_DEVICES = ("/dev/accel0", "/dev/vfio/0", "/dev/nvidia0")  # TPU v4+/v5e+/GPU device nodes
+
+
+def quiet_native_logs() -> None:
+    """Before jax is imported: the native log levels above, and no accelerator probing where there is none.
+
+    With libtpu installed (for `tpuctl plan`) and JAX_PLATFORMS unset, jax asks libtpu for a TPU, and on a machine
+    without one libtpu logs its failed search ("Failed to find host bounds", "unexpected worker hostname") before
+    jax falls back to the CPU. No TPU or GPU device node here: the CPU is chosen at once."""
+    if "jax" in sys.modules:
+        return
+    for k, v in QUIET_NATIVE_LOGS.items():
+        os.environ.setdefault(k, v)
+    if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(d) for d in ACCELERATOR_DEVICES):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def native_stdout_off() -> None:
+    """A process of a multi-process job on the CPU backend: native code's stdout goes to /dev/null, Python's
+    print keeps the real stdout.
+
+    The CPU backend's collectives between processes are Gloo's, and the Gloo that jaxlib bundles writes its
+    connection report ("[Gloo] Rank 1 is connected to 1 peer ranks...") to std::cout unconditionally, once per
+    communicator, from several threads at once (the lines interleave mid-word). Nothing else native writes to
+    stdout (XLA and libtpu log to stderr, which stays as it is), so the report is the only thing silenced."""
+    if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS", "").split(",")[0] != "cpu":
+        return
+    if int(os.environ.get("TPUCTL_NUM_PROCESSES", "1") or 1) < 2:
+        return
+    sys.stdout.flush()
+    keep = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    sys.stdout = os.fdopen(keep, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)

@@ -1,6 +1,7 @@
-"""Text -> GPT-2 tokens on disk -> global batches that do not depend on how many hosts load them.
+"""`--data` -> global batches that do not depend on how many hosts load them.
 
-`prepare` tokenises a corpus once into `train.bin` / `val.bin` (uint16) + `meta.json`, locally or on gs://.
+`resolve` turns `--data` into a token folder: one of the layouts of trainer/pretrain/token_files.py, local or
+gs:// (read in place, never copied), else text that `prepare` tokenises once into the cache.
 `BatchLoader` derives the global batch of step s from (seed, s) alone; process p reads its contiguous share.
 That is what makes 1 process x 8 devices and 2 processes x 4 devices train on the same examples in the same
 order (grain's per-process sharding of the whole dataset would not).
@@ -8,17 +9,25 @@ order (grain's per-process sharding of the whole dataset would not).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from trainer.pretrain.prepare import DEFAULT_VAL_FRACTION, _collect, _content_hash, prepare
-from trainer.pretrain.shards import META, DataError
+from trainer.pretrain import token_files as tf
+from trainer.pretrain.prepare import DEFAULT_VAL_FRACTION, cache_key, prepare
+from trainer.pretrain.shards import META, DataError  # noqa: F401  (DataError: the loader's error, re-exported)
+
+# A folder without meta.json (nanoGPT, llm.c) says nothing about its largest token id: before step 1 the loader
+# reads this many tokens per split, spread over it in VOCAB_SAMPLE_CHUNKS pieces, and then checks every batch
+# as it reads it. Bounded whatever the dataset's size.
+VOCAB_SAMPLE_TOKENS = 1 << 20
+VOCAB_SAMPLE_CHUNKS = 64
+EXIT_STORAGE = 3  # as the checkpointer's (docs/CONTRACTS.md): a bucket that stopped answering
 
 
 def cache_root() -> Path:
@@ -26,30 +35,24 @@ def cache_root() -> Path:
 
 
 def resolve(data: str | None, val_fraction: float = DEFAULT_VAL_FRACTION) -> str:
-    """`--data` -> a LOCAL dir of prepared tokens.
+    """`--data` -> a token folder (local or gs://).
 
-    A prepared dir (has meta.json) is used as is; on gs:// it is copied once into the cache.
-    Raw text files/dirs (or None, the default corpus) are tokenised once, cached by content hash.
+    gs:// and local token folders are used as they are; raw text files/dirs (or None, the default corpus) are
+    tokenised once, cached by content hash.
     """
     if data and data.startswith("gs://"):
-        from etils import epath
-        root = epath.Path(data)
-        if not (root / META).exists():
-            raise DataError(f"--data {data}: no {META} there; write one with `python -m trainer prepare --out {data}`")
-        meta = json.loads((root / META).read_text())
-        local = cache_root() / f"gs-{meta['content_hash']}"
-        if not (local / META).exists():
-            tmp = Path(tempfile.mkdtemp(prefix=".dl.", dir=_mkdir(cache_root())))
-            for name in ("train.bin", "val.bin", META):
-                (tmp / name).write_bytes((root / name).read_bytes())
-            _replace_dir(tmp, local)
-        return str(local)
-    if data and (Path(data) / META).is_file():
+        tf.detect(data.rstrip("/"))  # its layout, now: a bad folder is one line before anything compiles
+        return data.rstrip("/")
+    if data and tf.looks_like_tokens(data):
         return data
-    files = _collect([data] if data else None)
-    local = cache_root() / _content_hash(files, val_fraction, plain=not data)
-    if not (local / META).exists():
-        prepare([data] if data else None, str(local), val_fraction)
+    local = cache_root() / cache_key([data] if data else None, val_fraction)
+    if not (local / META).exists():  # prepared aside and renamed: processes resolving at once never share a folder
+        tmp = Path(tempfile.mkdtemp(prefix=".prep.", dir=_mkdir(cache_root())))
+        try:
+            prepare([data] if data else None, str(tmp), val_fraction=val_fraction, progress=False)
+            _replace_dir(tmp, local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(local)
 
 
@@ -63,6 +66,33 @@ def _replace_dir(tmp: Path, dst: Path) -> None:
         os.replace(tmp, dst)
     except OSError:  # another process won the race and wrote the same content
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_vocab(data_dir: str, vocab_size: int) -> None:
+    """Refuse token ids the model has no embedding for, before step 1 and without reading the dataset: from
+    meta.json where it says (format 3's max_token_id, format 2's tokenizer vocabulary), else from a bounded
+    sample of each split (format 2's meta.json has no max_token_id; the batches are checked as they are read)."""
+    lay = tf.detect(data_dir)
+    fix = f"the data was made with another tokenizer, or --vocab-size {vocab_size} is too small"
+    if lay.max_token_id is not None:
+        if lay.max_token_id >= vocab_size:
+            raise DataError(f"--data {data_dir}: {META} records token id {lay.max_token_id}, outside the model's "
+                            f"vocabulary of {vocab_size}: {fix}")
+        return
+    if lay.vocab_size is not None and lay.vocab_size > vocab_size:
+        raise DataError(f"--data {data_dir}: its tokenizer's vocabulary ({lay.vocab_size}, {META}) is larger "
+                        f"than the model's ({vocab_size}): {fix}")
+    for split in tf.SPLITS:
+        r = tf.SplitReader(lay, split)
+        if not r.n_tokens:
+            continue
+        chunk = max(1, min(r.n_tokens, VOCAB_SAMPLE_TOKENS) // VOCAB_SAMPLE_CHUNKS)
+        starts = np.unique(np.linspace(0, r.n_tokens - chunk, VOCAB_SAMPLE_CHUNKS).astype(np.int64))
+        sample = r.read(starts, chunk)
+        if int(sample.max()) >= vocab_size:
+            row, col = np.unravel_index(int(sample.argmax()), sample.shape)
+            raise DataError(f"{r.where(int(starts[row]) + int(col))} holds token id {int(sample.max())}, outside "
+                            f"the model's vocabulary of {vocab_size} ({lay.kind} layout): {fix}")
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -81,25 +111,20 @@ class BatchLoader:
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         if global_batch % process_count:
             raise DataError(f"--batch-size {global_batch} is not divisible by the {process_count} processes")
-        path = Path(data_dir) / f"{split}.bin"
-        if not path.is_file():
-            raise DataError(f"--data {data_dir}: no {split}.bin; prepare it with `python -m trainer prepare`")
-        size = path.stat().st_size
-        if size % 2:
-            raise DataError(f"{path} has {size} bytes, an odd number: it is not a file of uint16 tokens (truncated "
-                            "or not made by `python -m trainer prepare`); prepare the data again")
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
-        if vocab_size is not None and self.tokens.size and int(self.tokens.max()) >= vocab_size:
-            raise DataError(f"{path} holds token id {int(self.tokens.max())}, outside the model's vocabulary of "
-                            f"{vocab_size}: the data was made with another tokenizer, or --vocab-size is too small")
+        self.reader = tf.SplitReader(tf.detect(data_dir), split)
+        self.vocab_size = vocab_size
+        if vocab_size is not None and split == "train":
+            check_vocab(data_dir, vocab_size)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.local_size = global_batch // process_count
         self.offset = process_index * self.local_size
-        self.n_windows = (self.tokens.size - 1) // seq_len
+        self.n_tokens = self.reader.n_tokens
+        self.n_windows = (self.n_tokens - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"the {split} split of {data_dir} has {self.tokens.size} tokens, fewer than one "
+            raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens, fewer than one "
                             f"sequence of --seq-len {seq_len} + 1: use more text or a shorter --seq-len")
         self._split = split
+        self._closed = False
 
     @functools.lru_cache(maxsize=4)
     def _perm(self, epoch: int) -> np.ndarray:
@@ -118,9 +143,25 @@ class BatchLoader:
 
     def local_batch(self, step: int) -> np.ndarray:
         """int32 [global_batch // process_count, seq_len + 1]."""
+        if self._closed:
+            raise DataError("the loader was closed")
         starts = self.window_ids(step) * self.seq_len
-        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        return np.asarray(self.tokens[idx], dtype=np.int32)
+        try:
+            batch = self.reader.read(starts, self.seq_len + 1)
+        except tf.StorageUnavailable as e:
+            if self._closed:  # a read-ahead that outlived its reader's user: nobody waits for it
+                raise
+            stop_on_outage(str(e))
+        if self.vocab_size is not None and int(batch.max()) >= self.vocab_size:
+            row, col = np.unravel_index(int(batch.argmax()), batch.shape)
+            raise DataError(f"{self.reader.where(int(starts[row]) + int(col))} holds token id {int(batch.max())}, "
+                            f"outside the model's vocabulary of {self.vocab_size}: the data was made with another "
+                            f"tokenizer, or --vocab-size {self.vocab_size} is too small")
+        return batch.astype(np.int32)
+
+    def close(self) -> None:
+        """Stop reading: read-ahead threads still running fail quietly instead of stopping the process."""
+        self._closed = True
 
     def iterate(self, start_step: int, prefetch: int = 4) -> Iterator[tuple[int, np.ndarray]]:
         """(step, local_batch) from start_step on, read ahead on background threads by grain."""
@@ -128,3 +169,15 @@ class BatchLoader:
 
         ds = grain.MapDataset.range(start_step, start_step + 10**12).map(lambda s: (s, self.local_batch(s)))
         return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=prefetch)))
+
+
+def stop_on_outage(line: str) -> None:
+    """The data's bucket stopped answering mid-run: one line, then exit at once (the read-ahead threads, Orbax's
+    and jax.distributed's would otherwise keep the process waiting); the same command resumes from the latest
+    checkpoint."""
+    import os
+    sys.stdout.flush()
+    sys.stderr.write(f"error: {line}: stopping; the same command resumes from the latest complete checkpoint "
+                     "once the bucket answers again\n")
+    sys.stderr.flush()
+    os._exit(EXIT_STORAGE)

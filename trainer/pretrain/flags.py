@@ -9,10 +9,35 @@ from trainer.common.process import add_process_flags, command_parser
 
 
 def add_prepare(sub) -> None:
-    pr = add_process_flags(sub.add_parser("prepare", help="tokenise a corpus once into train.bin/val.bin/meta.json"))
-    pr.add_argument("--data", nargs="*", default=None, help="text files or dirs (default: Shakespeare's plays)")
-    pr.add_argument("--out", required=True, help="output dir, local or gs://")
-    pr.add_argument("--val-fraction", type=float, default=0.05)
+    pr = add_process_flags(sub.add_parser(
+        "prepare", help="tokenise a corpus once into token shards + meta.json (format 3), on every core",
+        description="Tokenise text, .jsonl[.gz|.zst] and .parquet files (local or gs://, folders and globs) into "
+                    "fixed-size token shards (llm.c's layout) and meta.json, written last. Each document's tokens "
+                    "end with one end-of-text token; a whole document goes to val by a stable hash of its text. "
+                    "The same input gives the same bytes whatever --workers; a rerun after a kill finishes the "
+                    "work. Under `tpuctl run` every host takes its share of the files (TPUCTL_PROCESS_ID) and "
+                    "process 0 writes the shards. Progress (documents, tokens/s, ETA) goes to stderr."))
+    pr.add_argument("--data", nargs="*", default=None,
+                    help="files, folders or globs, local or gs://: text (a file is cut into ~16 KiB documents at "
+                         "blank lines), .jsonl/.jsonl.gz/.jsonl.zst and .parquet (one document per record); "
+                         "a local copy of a Hugging Face dataset's parquet files works as it is "
+                         "(default: Shakespeare's plays)")
+    pr.add_argument("--out", required=True, help="output folder, local or gs:// (new, empty, or this prepare's own "
+                                                 "unfinished or finished output)")
+    pr.add_argument("--val-fraction", type=float, default=0.05, metavar="X",
+                    help="share of documents that go to val, chosen by a hash of each document (default 0.05)")
+    pr.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "gpt2-4k", "bytes"),
+                    help="gpt2: GPT-2 BPE (tiktoken); gpt2-4k: its first 4,096 ids; bytes: UTF-8 bytes, 257 ids "
+                         "(default gpt2)")
+    pr.add_argument("--text-field", default="text", metavar="NAME",
+                    help="the jsonl field / parquet column that holds a document's text (default text)")
+    pr.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="tokenising processes on this host (default: one per core)")
+    pr.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                    help="tokens per shard; the last of each split is shorter (default 100000000, as llm.c)")
+    pr.add_argument("--on-error", default="fail", choices=("fail", "skip"),
+                    help="a corrupt file or a bad record: fail (default), or skip it (the rest of a corrupt "
+                         "compressed file) and list it in meta.json")
     pr.add_argument("--markdown", action="store_true",
                     help="keep the embedded plays' Markdown (default: plain `NAME:` speaker turns)")
 

@@ -61,10 +61,16 @@ def generate(ckpt_dir: str, prompt: str, *, record: bool = False, step: int | No
     """Prompt + continuation, decoded (see generate_ids for the options); record: add it to samples.jsonl."""
     _check(**kw)
     cfg, params, step = _load(ckpt_dir, step)
-    text = tokenizers.gpt2().decode(_sample(cfg, params, tokenizers.gpt2().encode_ordinary(prompt), **kw))
+    enc = tokenizer_of(cfg)
+    text = enc.decode(_sample(cfg, params, enc.encode_ordinary(prompt), **kw))
     if record:
         _record(ckpt_dir, {"step": step, "prompt": prompt, **kw, "text": text, "time": time.time()})
     return text
+
+
+def tokenizer_of(cfg):
+    """The tokenizer the checkpoint was trained with (checkpoints from before it was recorded: GPT-2's)."""
+    return tokenizers.get(cfg.model.tokenizer or "gpt2")
 
 
 def _record(ckpt_dir: str, rec: dict) -> None:
@@ -96,7 +102,8 @@ def _sample(cfg, params, ids: list[int], *, max_new_tokens: int = 200, temperatu
     graphdef, _ = gpt2.abstract(m)
     dt = compute_dtype(dtype)
     prompt = list(ids)
-    ids = prompt or [tokenizers.EOT]  # an empty prompt starts from a document boundary
+    eot = tokenizer_of(cfg).eot_token
+    ids = prompt or [eot]  # an empty prompt starts from a document boundary
 
     @jax.jit
     def next_token(params, window, pos, key):
@@ -116,7 +123,7 @@ def _sample(cfg, params, ids: list[int], *, max_new_tokens: int = 200, temperatu
         window = np.zeros(m.seq_len, np.int32)
         window[: len(ctx)] = ctx  # right padding never reaches earlier positions (causal)
         tok = int(next_token(params, window, len(ctx) - 1, jax.random.fold_in(key, i)))
-        if tok == tokenizers.EOT:
+        if tok == eot:
             break
         out.append(tok)
     return out if prompt else out[1:]

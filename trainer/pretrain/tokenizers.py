@@ -41,6 +41,24 @@ def gpt2():
 
 
 
+SMALL_VOCAB = 4096
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_small():
+    """GPT-2's BPE cut to its first 4,095 ranks (the 256 bytes and the 3,839 most common merges), and the
+    end-of-text id 4095: every merge it keeps is made of ranks before it, so this is itself a BPE tokenizer,
+    whose ids are GPT-2's. Common words are one token (" soft", " light", " through"); the output layer of a
+    small model is 12x narrower than GPT-2's 50,257 ids, so a CPU step is mostly the transformer's."""
+    import tiktoken
+    full = gpt2()
+    eot = SMALL_VOCAB - 1
+    return tiktoken.Encoding(
+        name="gpt2-4k", pat_str=full._pat_str,
+        mergeable_ranks={k: v for k, v in full._mergeable_ranks.items() if v < eot},
+        special_tokens={"<|endoftext|>": eot})
+
+
 class Bytes:
     """The UTF-8 bytes of the text; id 256 ends a document. Decoding replaces a cut multi-byte character."""
     name = "bytes"
@@ -57,7 +75,58 @@ class Bytes:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-NAMES = {"gpt2": TOKENIZER_ID, "bytes": "bytes"}  # flag value -> the id meta.json records
+NAMES = {"gpt2": TOKENIZER_ID, "gpt2-4k": "gpt2-4k", "bytes": "bytes"}  # flag value -> the id meta.json records
+
+
+def of_data(data: str) -> str:
+    """The tokenizer (flag value) the token files at `data` were made with: meta.json's, for a prepared folder
+    (local or gs://); gpt2 for text, the default corpus and token files without a meta.json (nanoGPT's, llm.c's)."""
+    meta = _meta(data)
+    if meta is None:
+        return "gpt2"
+    recorded = meta.get("tokenizer", TOKENIZER_ID)
+    for flag, ident in NAMES.items():
+        if recorded in (flag, ident):
+            return flag
+    raise DataError(f"--data {data}: its meta.json names tokenizer {recorded!r}, which this trainer does not know "
+                    f"({', '.join(NAMES)}); prepare it again with `python -m trainer prepare --tokenizer ...`")
+
+
+def _meta(data: str) -> dict | None:
+    import json
+    from trainer.pretrain.shards import META
+    if not data:
+        return None
+    if data.startswith("gs://"):
+        from etils import epath
+        path = epath.Path(data) / META
+    else:
+        path = Path(data).expanduser() / META
+    try:
+        text = path.read_text() if path.is_file() else None
+    except Exception as e:  # noqa: BLE001 - OSError locally; gcsfs/aiohttp errors on gs://
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"--data {data}: cannot read its {META} ({why})") from None
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise DataError(f"--data {data}: its {META} is not JSON; prepare it again") from None
+
+
+def follow_data(args) -> None:
+    """`pretrain`'s parsed flags follow the data: --tokenizer left out is the one --data was made with, and
+    --vocab-size left out is that tokenizer's. A --tokenizer that contradicts the data's meta.json is refused."""
+    found = of_data(getattr(args, "data", None) or "")
+    if not getattr(args, "tokenizer", None):
+        args.tokenizer = found
+    elif args.tokenizer != found:
+        get(args.tokenizer)  # an unknown name is named as such first
+        raise DataError(f"--tokenizer {args.tokenizer}: the data at {args.data or 'the default corpus'} was "
+                        f"prepared with {found}; leave --tokenizer out to follow the data")
+    if getattr(args, "vocab_size", None) is None:
+        args.vocab_size = get(args.tokenizer).n_vocab
 
 
 def get(name: str):
@@ -66,4 +135,6 @@ def get(name: str):
         return gpt2()
     if name == "bytes":
         return Bytes()
+    if name == "gpt2-4k":
+        return gpt2_small()
     raise DataError(f"unknown tokenizer {name!r}: choose one of {', '.join(NAMES)}")

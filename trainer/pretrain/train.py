@@ -6,6 +6,7 @@ the step is compiled with those as in/out shardings and donates its inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -18,7 +19,7 @@ from flax import nnx
 
 from trainer.common import checkpoint, loop, metrics, optim, wandb_log
 from trainer.common import mesh as mesh_lib
-from trainer.pretrain import data, shards
+from trainer.pretrain import data, tokenizers
 from trainer.common.mesh import compute_dtype
 from trainer.common.config import Config, UsageError
 from trainer.models import attention, gpt2
@@ -133,7 +134,9 @@ class Steps:
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
         with jax.set_mesh(self.mesh):
             self.train_fn = self._train.lower(self.abstract_params, self.abstract_opt, batch, step).compile()
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        mesh_lib.meet("the compiled train step")
+        return took
 
     def init(self):
         params = self._settled(gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules))
@@ -157,6 +160,7 @@ class Steps:
                                          sharding=self.batch_sh)
             with jax.set_mesh(self.mesh):
                 self.eval_fn = self._eval.lower(self.abstract_params, shape).compile()
+            mesh_lib.meet("the compiled eval step")
         # One batch at a time: each float() waits for its batch (mesh.one_step_in_flight).
         return float(np.mean([float(self.eval_fn(params, self.global_batch(val.local_batch(i)))) for i in range(n)]))
 
@@ -177,9 +181,12 @@ def pretrain(cfg: Config) -> int:
     mesh = setup_mesh(cfg)
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = data.resolve(t.data or None)
-    vocab = checkpoint.read_json(f"{data_dir}/{shards.META}").get("vocab_size", 0)
-    if vocab > m.vocab_size:
-        raise UsageError(f"--vocab-size {m.vocab_size} is smaller than the data's vocabulary ({vocab})")
+    tokenizer = tokenizers.of_data(data_dir)  # meta.json of the token folder (gs:// is read in place)
+    if m.tokenizer and m.tokenizer != tokenizer:
+        raise UsageError(f"--tokenizer {m.tokenizer}: the data was prepared with {tokenizer}")
+    if not m.tokenizer:  # a Config built in Python without it: the checkpoint records what the ids mean
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, tokenizer=tokenizer))
+        m = cfg.model
     loader = data.BatchLoader(data_dir, "train", m.seq_len, t.batch_size, t.seed, pid, nproc, vocab_size=m.vocab_size)
     val = data.BatchLoader(data_dir, "val", m.seq_len, t.batch_size // t.grad_accum, 1234, pid, nproc,
                            vocab_size=m.vocab_size)
@@ -241,7 +248,6 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
         return 0
 
     compile_s = steps.compile()
-    mesh_lib.barrier(f"tpuctl-compiled-{start}")  # the first step's collectives start together
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
     wandb = wandb_log.WandbLog(cfg, enabled=primary)  # first: a failing wandb.init leaves nothing else open

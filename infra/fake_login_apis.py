@@ -1,0 +1,213 @@
+"""Local stand-ins of the two Google APIs OS Login involves, so the real `google-cloud-compute` and
+`google-cloud-os-login` clients (REST transport) are what tests exercise. One server answers both:
+
+  Compute Engine v1   GET  /compute/v1/projects/P            a Project (compute_v1 types Project / Metadata /
+                                                             Items): `commonInstanceMetadata.items` [{key, value}],
+                                                             where `enable-oslogin: TRUE` turns OS Login on for
+                                                             every VM of the project
+  OS Login v1         POST /v1/users/U:importSshPublicKey    body SshPublicKey {key, expirationTimeUsec},
+                                                             ?projectId=P; answers ImportSshPublicKeyResponse
+                                                             {loginProfile: LoginProfile}
+                      GET  /v1/users/U/loginProfile          LoginProfile {name, posixAccounts, sshPublicKeys}
+  (oslogin_v1 types LoginProfile / PosixAccount / SshPublicKey; the key map is by the key's SHA-256 hex
+  fingerprint, and the POSIX user name is the account's email with every character that is not a letter or a
+  digit turned into `_`, as OS Login names accounts of the account's own domain.)
+
+Errors are google.rpc shapes: {"error": {code, message, status, details: [ErrorInfo]}}.
+
+Control under /_fake/ (JSON, FakeLoginControl is its client):
+  POST project_metadata {project, items: {key: value}}   the project's common metadata
+  POST deny {what: compute|oslogin, permission?}          403 IAM_PERMISSION_DENIED for that API (until reset)
+  POST username {account, username}                      the POSIX name the profile reports for an account
+  GET  state                                              imported keys per account, with their expiry
+  POST reset
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
+
+
+class _Err(Exception):
+    def __init__(self, code: int, status: str, message: str, details: list | None = None):
+        super().__init__(message)
+        self.code, self.status, self.message, self.details = code, status, message, details or []
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message, "status": self.status, "details": self.details}}
+
+
+def posix_name(account: str) -> str:
+    return re.sub(r"[^a-z0-9]", "_", account.lower())[:32]
+
+
+@dataclass
+class LoginState:
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)   # project -> common metadata
+    keys: dict[str, dict[str, dict]] = field(default_factory=dict)      # account -> fingerprint -> SshPublicKey
+    denied: dict[str, str] = field(default_factory=dict)                # compute|oslogin -> permission
+    usernames: dict[str, str] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def project(self, project: str) -> dict:
+        self._check("compute", f"compute.projects.get on projects/{project}")
+        items = [{"key": k, "value": v} for k, v in self.metadata.get(project, {}).items()]
+        fp = hashlib.md5(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+        return {"kind": "compute#project", "id": str(abs(hash(project)) % 10**12), "name": project,
+                "commonInstanceMetadata": {"kind": "compute#metadata", "fingerprint": fp, "items": items},
+                "selfLink": f"https://www.googleapis.com/compute/v1/projects/{project}"}
+
+    def _check(self, what: str, default_permission: str) -> None:
+        if what in self.denied:
+            perm = self.denied[what] or default_permission
+            raise _Err(403, "PERMISSION_DENIED", f"Permission '{perm}' denied on resource (or it may not exist).",
+                       [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "IAM_PERMISSION_DENIED",
+                         "domain": "googleapis.com", "metadata": {"permission": perm}}])
+
+    def profile(self, account: str, project: str | None = None) -> dict:
+        name = self.usernames.get(account) or posix_name(account)
+        uid = 1000 + int(hashlib.sha256(account.encode()).hexdigest()[:6], 16) % 100000
+        return {"name": account,
+                "posixAccounts": [{"primary": True, "username": name, "uid": str(uid), "gid": str(uid),
+                                   "homeDirectory": f"/home/{name}", "operatingSystemType": "LINUX",
+                                   "accountId": project or "", "systemId": ""}],
+                "sshPublicKeys": {fp: k for fp, k in self.keys.get(account, {}).items()
+                                  if not k.get("expirationTimeUsec") or
+                                  int(k["expirationTimeUsec"]) > time.time() * 1e6}}
+
+    def import_key(self, account: str, body: dict, project: str | None) -> dict:
+        self._check("oslogin", "compute.oslogin.updateExternalUser" if project else "oslogin.sshPublicKeys.create")
+        key = (body.get("key") or "").strip()
+        parts = key.split()
+        if len(parts) < 2 or not parts[0].startswith(("ssh-", "ecdsa-", "sk-")):
+            raise _Err(400, "INVALID_ARGUMENT", "Invalid SSH key: expected 'TYPE BASE64 [COMMENT]'.")
+        fp = hashlib.sha256(parts[1].encode()).hexdigest()
+        entry = {"key": key, "fingerprint": fp, "name": f"users/{account}/sshPublicKeys/{fp}"}
+        if body.get("expirationTimeUsec"):
+            entry["expirationTimeUsec"] = str(int(body["expirationTimeUsec"]))
+        self.keys.setdefault(account, {})[fp] = entry
+        return {"loginProfile": self.profile(account, project)}
+
+
+def _handler(state: LoginState):
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _do(self, method: str) -> None:
+            url = urlsplit(self.path)
+            q = parse_qs(url.query)
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n) or b"{}") if n else {}
+            try:
+                with state.lock:
+                    self._send(200, self._route(method, unquote(url.path), body, q))
+            except _Err as e:
+                self._send(e.code, e.body())
+
+        def _route(self, method: str, path: str, body: dict, q: dict) -> dict:
+            project = (q.get("projectId") or [None])[0]
+            if m := re.fullmatch(r"/compute/v1/projects/([^/]+)", path):
+                if method == "GET":
+                    return state.project(m.group(1))
+            if m := re.fullmatch(r"/v1/users/([^/:]+):importSshPublicKey", path):
+                if method == "POST":
+                    return state.import_key(m.group(1), body, project)
+            if m := re.fullmatch(r"/v1/users/([^/:]+)/loginProfile", path):
+                if method == "GET":
+                    state._check("oslogin", "oslogin.users.get")  # noqa: SLF001
+                    return state.profile(m.group(1), project)
+            if path.startswith("/_fake/"):
+                return self._control(method, path[len("/_fake/"):], body)
+            raise _Err(404, "NOT_FOUND", f"no such method: {method} {path}")
+
+        def _control(self, method: str, what: str, body: dict) -> dict:
+            if what == "project_metadata" and method == "POST":
+                state.metadata[body["project"]] = dict(body.get("items") or {})
+                return {"ok": True}
+            if what == "deny" and method == "POST":
+                state.denied[body["what"]] = body.get("permission") or ""
+                return {"ok": True}
+            if what == "username" and method == "POST":
+                state.usernames[body["account"]] = body["username"]
+                return {"ok": True}
+            if what == "state":
+                return {"keys": state.keys, "metadata": state.metadata, "denied": state.denied}
+            if what == "reset" and method == "POST":
+                state.metadata.clear(), state.keys.clear(), state.denied.clear(), state.usernames.clear()
+                return {"ok": True}
+            raise _Err(404, "NOT_FOUND", f"no such control endpoint: {method} /_fake/{what}")
+
+        def do_GET(self):
+            self._do("GET")
+
+        def do_POST(self):
+            self._do("POST")
+
+    return H
+
+
+class FakeLoginControl:
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+
+    def call(self, method: str, what: str, payload: dict | None = None) -> dict:
+        data = json.dumps(payload).encode() if payload is not None else None
+        req = urllib.request.Request(f"{self.url}/_fake/{what}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read() or b"{}")
+
+    def set_project_metadata(self, project: str, items: dict[str, str]) -> dict:
+        return self.call("POST", "project_metadata", {"project": project, "items": items})
+
+    def deny(self, what: str, permission: str | None = None) -> dict:
+        return self.call("POST", "deny", {"what": what, "permission": permission})
+
+    def set_username(self, account: str, username: str) -> dict:
+        return self.call("POST", "username", {"account": account, "username": username})
+
+    def state(self) -> dict:
+        return self.call("GET", "state")
+
+
+@dataclass
+class RunningLogin:
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+    url: str
+
+    @property
+    def control(self) -> FakeLoginControl:
+        return FakeLoginControl(self.url)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningLogin:
+    server = ThreadingHTTPServer((host, port), _handler(LoginState()))
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
+                         name="fake-login-apis")
+    t.start()
+    return RunningLogin(server, t, f"http://{host}:{server.server_address[1]}")
