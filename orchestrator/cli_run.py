@@ -143,10 +143,11 @@ def _published_keys(where: Provider, rec) -> hostkeys.Published:
     from orchestrator.cloud import CloudError
     api = []
 
-    def fetch() -> dict[int, list[tuple[str, str]]]:
+    def fetch() -> dict[tuple[int, int], list[tuple[str, str]]]:
         try:
             api[:] = api or [where.api_for(rec)]
-            attrs = api[0].guest_attributes(rec.node, hostkeys.NAMESPACE + "/")
+            # {(slice, worker index): keys}: each slice's node publishes its own workers' (one node on one slice)
+            per_node = [api[0].guest_attributes(node, hostkeys.NAMESPACE + "/") for node in rec.nodes]
         except CloudError as e:
             if e.kind == "permission":
                 raise hostkeys.Unreadable(
@@ -155,7 +156,8 @@ def _published_keys(where: Provider, rec) -> hostkeys.Published:
                     "instead (grant that permission to have tpuctl check the keys the VMs publish)") from None
             raise hostkeys.Unreadable(f"cannot read the workers' published SSH host keys ({e}); pinning each "
                                       "worker's key on first contact instead") from None
-        return {i: [(k, v) for ns, k, v in items if ns == hostkeys.NAMESPACE] for i, items in enumerate(attrs)}
+        return {(sl, i): [(k, v) for ns, k, v in items if ns == hostkeys.NAMESPACE]
+                for sl, attrs in enumerate(per_node) for i, items in enumerate(attrs)}
     return hostkeys.Published(slice=rec.name, fetch=fetch)
 
 

@@ -173,6 +173,11 @@ def file_id(path: Path) -> str:
     return f"{path.stem}-{digest}{path.suffix}"
 
 
+def _slot(w: Worker) -> tuple[int, int]:
+    """Where a worker's published host keys are found: (its slice, its index in the slice's node)."""
+    return (w.slice or 0, w.index)
+
+
 class Hosts:
     """The workers of one slice, over SSH."""
 
@@ -284,8 +289,8 @@ class Hosts:
             except hostkeys.Unreadable as e:
                 tell(f"{src.slice}: {e}")
                 return
-            keys = {w.index: hostkeys.parse(got.get(w.index, [])) for w in self.workers}
-            missing = [w for w in self.workers if not keys[w.index]]
+            keys = {_slot(w): hostkeys.parse(got.get(_slot(w), [])) for w in self.workers}
+            missing = [w for w in self.workers if not keys[_slot(w)]]
             if not missing or time.monotonic() >= deadline:
                 break
             if not waited:
@@ -294,11 +299,11 @@ class Hosts:
                      f"keys (guest attributes {hostkeys.NAMESPACE}/); up to {self.ssh.wait_s:.0f} s")
             time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
         for i, w in enumerate(self.workers):
-            if keys[w.index]:
-                self.published[w.index] = keys[w.index]
+            if keys[_slot(w)]:
+                self.published[_slot(w)] = keys[_slot(w)]
                 if self.ssh.known_hosts:  # the interactive `ssh` and later commands trust the same keys
                     hostkeys.pin(self.ssh.known_hosts, hostkeys.host_id(w.address, w.port or self.ssh.port),
-                                 keys[w.index])
+                                 keys[_slot(w)])
         if missing:
             tell(f"{src.slice}: {', '.join(f'{w.name} ({w.address})' for w in missing)} published no SSH host keys "
                  f"(guest attributes {hostkeys.NAMESPACE}/) within {self.ssh.wait_s:.0f} s: pinning "
@@ -308,7 +313,7 @@ class Hosts:
         self.conns = [self._connect(w) for w in self.workers]
 
     def _impostor(self, w: Worker, e: paramiko.BadHostKeyException) -> str:
-        pub = self.published[w.index]
+        pub = self.published[_slot(w)]
         same = [k for k in pub if k.get_name() == e.key.get_name()]
         shown = ", ".join(f"{k.get_name()} {hostkeys.fingerprint(k)}" for k in (same or pub))
         return (f"slice {self.ssh.slice or '?'}: worker {w.index} ({w.name}, {w.address}) presented SSH host key "
