@@ -187,7 +187,7 @@ class Hosts:
         self.workers = sorted(workers, key=lambda w: (w.slice or 0, w.index))  # JAX process order
         self.ssh = ssh
         self.layout = layout or HostLayout()
-        self.published: dict[int, list[paramiko.PKey]] = {}  # worker index -> the keys it published
+        self.published: dict[tuple[int, int], list[paramiko.PKey]] = {}  # (slice, worker) -> its published keys
         self._pinned = False
         if ssh.key and not Path(ssh.key).expanduser().exists():
             raise HostError(f"SSH key {ssh.key} does not exist: pass --ssh-key PATH")
@@ -204,7 +204,7 @@ class Hosts:
                   connect_timeout=self.ssh.connect_timeout, connect_kwargs=kw)
         c._proxy_template = self.ssh.proxy_commands.get(w.index)
         c.proxy = None
-        pub = self.published.get(w.index)
+        pub = self.published.get(_slot(w))
         if pub:  # exactly what the VM published: nothing else, and nothing pinned earlier
             for k in pub:
                 c.client.get_host_keys().add(hostkeys.host_id(c.host, c.port), k.get_name(), k)
@@ -232,7 +232,7 @@ class Hosts:
                     c.open()
                     return
                 except paramiko.BadHostKeyException as e:
-                    if w.index in self.published:
+                    if _slot(w) in self.published:
                         raise HostError(self._impostor(w, e)) from None
                     raise HostError(
                         f"{where}: its SSH host key changed since tpuctl first connected ({e.key.get_name()} "
