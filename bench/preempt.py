@@ -26,10 +26,12 @@ ARGS = ["pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq
 
 
 class LocalSpot:
-    """A local TPU API stand-in + GCS emulator + a 2-host local slice NAME in a TPUCTL_HOME of its own."""
+    """A local TPU API stand-in + GCS emulator + a local slice NAME (default a 2-host v4-16; num_slices > 1: a
+    multislice one) in a TPUCTL_HOME of its own."""
 
-    def __init__(self, home: Path, name: str = "pre"):
+    def __init__(self, home: Path, name: str = "pre", accelerator: str = "v4-16", num_slices: int = 1):
         self.home, self.name = Path(home), name
+        self.up_args = ["-a", accelerator] + (["--num-slices", str(num_slices)] if num_slices > 1 else [])
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("TPUCTL_", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_")) and k != "XLA_FLAGS"}
         self.env.update(TPUCTL_HOME=str(self.home), TPUCTL_POLL_S="0.05", CLOUDSDK_CONFIG=str(self.home / "gcloud"),
@@ -43,7 +45,7 @@ class LocalSpot:
         prep = subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", f"gs://{BUCKET}/data"],
                               env={**self.env, **self.emu.env}, capture_output=True, text=True, timeout=300)
         assert prep.returncode == 0, prep.stderr[-2000:]
-        up = self.cli("up", self.name, "--local", "-a", "v4-16")
+        up = self.cli("up", self.name, "--local", *self.up_args)
         assert up.returncode == 0, up.stderr
         self.api = json.loads((self.home / "local" / "fake_tpu_api.json").read_text())
         return self
@@ -62,21 +64,22 @@ class LocalSpot:
     def cli(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run([*self.tpuctl, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
-    def run(self, ckpt: str, preempt_at: tuple[int, ...] = ()) -> tuple[int, dict | None, str]:
-        """`tpuctl run --json` of ARGS into ckpt, preempting the node when attempt k reaches step preempt_at[k].
-        Returns (exit code, the JSON result, stderr)."""
+    def run(self, ckpt: str, preempt_at: tuple[int, ...] = (), *, args: list[str] = ARGS, node: str | None = None,
+            log: str = "w0.log", steps: int = STEPS) -> tuple[int, dict | None, str]:
+        """`tpuctl run --json` of args into ckpt, preempting the node (default: the slice's; a multislice one's:
+        NAME-i) when attempt k's `log` reaches step preempt_at[k]. Returns (exit code, the JSON result, stderr)."""
         from infra.fake_tpu_api import FakeControl
         before = set((self.home / "runs" / self.name).glob("*"))
-        p = subprocess.Popen([*self.tpuctl, "run", self.name, "--local", "--json", "--", *ARGS, "--ckpt-dir", ckpt],
+        p = subprocess.Popen([*self.tpuctl, "run", self.name, "--local", "--json", "--", *args, "--ckpt-dir", ckpt],
                              env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        node = json.loads(self.cli("status", self.name, "--local", "--json").stdout)["node"]
+        node = node or json.loads(self.cli("status", self.name, "--local", "--json").stdout)["node"]
         for k, at in enumerate(preempt_at):
             deadline = time.time() + 600
             while True:
                 runs = sorted(set((self.home / "runs" / self.name).glob("*")) - before)
-                text = (runs[k] / "w0.log").read_text(errors="replace") if len(runs) > k and \
-                    (runs[k] / "w0.log").exists() else ""
-                if re.search(rf"step +{at}/{STEPS}", text):
+                text = (runs[k] / log).read_text(errors="replace") if len(runs) > k and \
+                    (runs[k] / log).exists() else ""
+                if re.search(rf"step +{at}/{steps}", text):
                     break
                 if p.poll() is not None or time.time() > deadline:
                     out, err = p.communicate()

@@ -387,5 +387,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         loader.main(say=say, quick=plan.quick)
     else:
         say("[12] loader: skipped")
+    if "multislice" in sections and not plan.quick:
+        say("== [13] multislice: step time on 2 slices vs 1 slice, same devices and global batch (bench/multislice.py)")
+        from bench import multislice
+        multislice.main(say=say)
+    else:
+        say("[13] multislice: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

@@ -235,7 +235,8 @@ class _QR(_Tracked):
     never_ready: bool = False
     state: str = "ACCEPTED"
     initiator: str = "USER"
-    node: str | None = None
+    node: str | None = None          # its first node (the only one unless multislice)
+    nodes: list[str] = field(default_factory=list)  # every node it provisioned, slice by slice
     t_provision: float | None = None
     t_gone: float | None = None
     error: dict | None = None
@@ -309,21 +310,26 @@ class FakeTpu:
                     q.error = {"code": 8, "message": _stockout_message(q.zone)}
             elif now >= q.t_waiting + self.config.waiting_s:             # capacity (again)
                 self._provision(q, now)
+        mine = [self.nodes[n] for n in q.nodes if n in self.nodes]
         if q.state == "PROVISIONING":
-            node = self.nodes.get(q.node or "")
-            if node is not None and node.state == "READY":
+            # A multislice queued resource is ACTIVE once every slice is READY: all of them or none.
+            if mine and len(mine) == len(q.nodes) and all(n.state == "READY" for n in mine):
                 q.state = "ACTIVE"
         if q.state == "ACTIVE":
-            node = self.nodes.get(q.node or "")
-            if node is not None and node.state in ("PREEMPTED", "TERMINATED"):
-                # The service deletes a preempted queued resource's nodes: SUSPENDING while they go.
+            lost = [n for n in mine if n.state in ("PREEMPTED", "TERMINATED")]
+            if lost or len(mine) < len(q.nodes):
+                # The service deletes a preempted queued resource's preempted nodes: SUSPENDING while they go.
+                # With multislice the job of every slice is lost with one; the healthy slices' nodes stay until
+                # the queued resource is deleted (force) or recreated.
                 q.state, q.initiator = "SUSPENDING", "SERVICE"
-                node.t_suspend = now + self.config.suspend_s   # when the service starts deleting it
+                for node in lost:
+                    node.t_suspend = now + self.config.suspend_s   # when the service starts deleting it
         if q.state == "SUSPENDING":
-            node = self.nodes.get(q.node or "")
-            if node is not None and node.state in ("PREEMPTED", "TERMINATED") and now >= (node.t_suspend or 0):
-                node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
-        if q.state == "SUSPENDING" and (q.node or "") not in self.nodes:
+            for node in mine:
+                if node.state in ("PREEMPTED", "TERMINATED") and now >= (node.t_suspend or 0):
+                    node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
+        if q.state == "SUSPENDING" and not any(n.state in ("PREEMPTED", "TERMINATED", "DELETING") for n in
+                                               (self.nodes[x] for x in q.nodes if x in self.nodes)):
             q.state = "SUSPENDED"
         if q.state == "DELETING" and now >= (q.t_gone or 0):
             self._gone("queuedResource", q)
@@ -334,14 +340,15 @@ class FakeTpu:
 
     def _provision(self, q: _QR, now: float) -> None:
         spec = q.body["tpu"]["nodeSpec"][0]
-        name = f"{spec['parent']}/nodes/{spec['nodeId']}"
         creating = q.slow_creating_s if q.slow_creating_s is not None else self.config.creating_s
-        node = self._new_node(name, q.project, q.zone, spec.get("node") or {}, now,
-                              None if q.never_ready else now + creating)
-        node.qr = q.name
-        if q.body.get("spot") is not None:
-            node.spec.setdefault("schedulingConfig", {})["spot"] = True
-        q.state, q.node, q.t_provision = "PROVISIONING", name, now
+        names = _qr_node_names(q.name, spec)
+        for name in names:  # multislice: capacity for every slice at once, or the queued resource keeps waiting
+            node = self._new_node(name, q.project, q.zone, json.loads(json.dumps(spec.get("node") or {})), now,
+                                  None if q.never_ready else now + creating)
+            node.qr = q.name
+            if q.body.get("spot") is not None:
+                node.spec.setdefault("schedulingConfig", {})["spot"] = True
+        q.state, q.node, q.nodes, q.t_provision = "PROVISIONING", names[0], names, now
 
     def _tick_op(self, op: _Op) -> None:
         if op.done or (op.t_done is not None and time.monotonic() < op.t_done):
@@ -508,8 +515,19 @@ class FakeTpu:
             raise ApiError(400, f"Invalid {what} {rid!r}: must match [a-z]([-a-z0-9]*[a-z0-9])? and be at most 63 characters.")
         if kind == "queuedResource":
             specs = body["tpu"]["nodeSpec"]
-            if len(specs) != 1 or not specs[0].get("nodeId"):
-                raise ApiError(400, "tpu.nodeSpec must hold exactly one node spec with a nodeId.")
+            ms = specs[0].get("multisliceParams") if len(specs) == 1 else None
+            if len(specs) != 1 or not (specs[0].get("nodeId") or ms):
+                raise ApiError(400, "tpu.nodeSpec must hold exactly one node spec with a nodeId or multisliceParams.")
+            if specs[0].get("nodeId") and ms:  # NodeSpec.name_strategy is a oneof in the v2 proto
+                raise ApiError(400, "tpu.nodeSpec[0]: nodeId and multisliceParams exclude each other.")
+            if ms is not None:
+                count = ms.get("nodeCount")
+                if not isinstance(count, int) or count < 2:  # MultisliceParams.node_count: "This needs to be > 1."
+                    raise ApiError(400, f"tpu.nodeSpec[0].multisliceParams.nodeCount must be greater than 1, "
+                                        f"got {count!r}.")
+                prefix = ms.get("nodeIdPrefix") or rid or ""
+                if not _ID_RE.fullmatch(f"{prefix}-{count - 1}"):
+                    raise ApiError(400, f"Invalid multisliceParams.nodeIdPrefix {prefix!r}.")
             parent = f"projects/{project}/locations/{zone}"
             if specs[0].get("parent") != parent:
                 raise ApiError(400, f"tpu.nodeSpec[0].parent must be {parent}.")
@@ -535,8 +553,8 @@ class FakeTpu:
             if sync:
                 raise err
         name = f"projects/{project}/locations/{zone}/{'nodes' if kind == 'node' else 'queuedResources'}/{rid}"
-        node_name = name if kind == "node" else f"projects/{project}/locations/{zone}/nodes/{body['tpu']['nodeSpec'][0]['nodeId']}"
-        if name in (self.nodes if kind == "node" else self.qrs) or node_name in self.nodes:
+        node_names = [name] if kind == "node" else _qr_node_names(name, body["tpu"]["nodeSpec"][0])
+        if name in (self.nodes if kind == "node" else self.qrs) or any(n in self.nodes for n in node_names):
             raise ApiError(409, f"Resource '{name}' already exists.")
         stockout = self._match(("stockout",), project, zone, acc, "create")
         slow = self._match(("slow",), project, zone, acc, "create")
@@ -620,15 +638,16 @@ class FakeTpu:
             q = self.qrs.get(name)
             if q is None:
                 raise ApiError(404, f"Resource '{name}' was not found")
-            node = self.nodes.get(q.node or "")
-            if node is not None and not force:
-                raise ApiError(400, f"Queued resource {name} has an existing node {node.name}; delete with "
+            nodes = [self.nodes[n] for n in q.nodes if n in self.nodes]
+            if nodes and not force:
+                raise ApiError(400, f"Queued resource {name} has an existing node {nodes[0].name}; delete with "
                                     "force=true or delete the node first.", status="FAILED_PRECONDITION")
             if q.state != "DELETING":
                 acc = (((q.body["tpu"]["nodeSpec"][0].get("node") or {}).get("acceleratorType")) or "")
                 q.state, q.t_gone, q.initiator = "DELETING", self._deleting(_shape(acc)[2], now), "USER"
-            if node is not None and node.state != "DELETING":
-                node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
+            for node in nodes:  # force: every node of it, every slice of a multislice one
+                if node.state != "DELETING":
+                    node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
         return self.op_json(self._new_op("delete", kind, project, zone, name, now))
 
     def get_guest_attributes(self, name: str, query_path: str = "", worker_ids: list | None = None) -> dict:
@@ -765,6 +784,17 @@ class FakeTpu:
         self.config = dataclasses.replace(self._initial)
         self.zones = {z: list(t) for z, t in (self.config.zones or default_zones()).items()}
         self.runtime_versions = list(self.config.runtime_versions or default_runtime_versions())
+
+
+def _qr_node_names(qr_name: str, spec: dict) -> list[str]:
+    """The nodes a queued resource's node spec makes: nodeId, or with multisliceParams {nodeCount, nodeIdPrefix}
+    PREFIX-0 .. PREFIX-(nodeCount-1), the prefix defaulting to the queued resource's id (google-cloud-tpu's v2
+    QueuedResource.Tpu.NodeSpec.MultisliceParams)."""
+    ms = spec.get("multisliceParams")
+    if not ms:
+        return [f"{spec['parent']}/nodes/{spec['nodeId']}"]
+    prefix = ms.get("nodeIdPrefix") or qr_name.rsplit("/", 1)[-1]
+    return [f"{spec['parent']}/nodes/{prefix}-{i}" for i in range(int(ms["nodeCount"]))]
 
 
 def _under(full: str, path: str) -> bool:

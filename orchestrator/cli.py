@@ -28,13 +28,21 @@ def _age(s: float) -> str:
 
 
 def _workers_table(workers) -> str:
+    if any(w.slice is not None for w in workers):  # multislice: each slice's workers, slice by slice
+        return _table(["SLICE", "WORKER", "INTERNAL IP", "EXTERNAL IP"],
+                      [[w.slice, w.index, w.internal_ip, w.external_ip or "-"] for w in workers])
     return _table(["WORKER", "INTERNAL IP", "EXTERNAL IP"],
                   [[w.index, w.internal_ip, w.external_ip or "-"] for w in workers])
 
 
+def _worker_json(w) -> dict:
+    d = {"index": w.index, "internal_ip": w.internal_ip, "external_ip": w.external_ip}
+    return d if w.slice is None else {**d, "slice": w.slice}
+
+
 def _status_json(st) -> dict:
     d = st.to_json()
-    d["workers"] = [{"index": w.index, "internal_ip": w.internal_ip, "external_ip": w.external_ip} for w in st.workers]
+    d["workers"] = [_worker_json(w) for w in st.workers]
     return d
 
 
@@ -96,6 +104,10 @@ def cli():
 @click.option("--ttl", metavar="DURATION", help="Expiry (e.g. 8h, 2d) written to the tpuctl-expiry label; "
                                                  "`tpuctl gc` deletes expired slices. Default: none.")
 @click.option("--no-queue", is_flag=True, default=None, help="Create a plain node instead of a queued resource.")
+@click.option("--num-slices", type=int, default=None, metavar="N",
+              help="Multislice: N identical slices (v4 and later) joined by the data-center network, created as one "
+                   "queued resource (nodes NAME-0 .. NAME-(N-1), all or none); `run` runs one job over all of them. "
+                   "Default 1.")
 @click.option("--wait-capacity", is_flag=True, default=None,
               help="On a stockout keep the queued resource waiting for capacity (up to --timeout; after that it "
                    "stays queued and recorded) instead of giving up on the zone.")
@@ -127,7 +139,7 @@ def cli():
 def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation, no_external_ips, ssh_proxy_command,
            iap, network, subnetwork,
            service_account, scopes, runtime_version, labels, ttl, no_queue, wait_capacity, capacity_wait, timeout,
-           keep_on_failure, spec_file, dry_run, fresh_vm, plan_run, as_json, api_endpoint, local, project):
+           keep_on_failure, spec_file, dry_run, fresh_vm, plan_run, as_json, api_endpoint, local, project, num_slices):
     """Create a TPU slice (queued resource) and wait until it is READY.
 
     Validates everything first, prints the plan (chips, hosts, topology, HBM, list $/hour), creates, waits
@@ -143,7 +155,8 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
         no_external_ips=no_external_ips, reservation=reservation, network=network, subnetwork=subnetwork,
         service_account=service_account, scopes=scopes, runtime_version=runtime_version, labels=labels, ttl=ttl,
         capacity_wait=capacity_wait, timeout=timeout, project=project, api_endpoint=api_endpoint,
-        provider=_provider.LOCAL if local else None, fresh_vm=fresh_vm, ssh_proxy_command=ssh_proxy_command, iap=iap)
+        provider=_provider.LOCAL if local else None, fresh_vm=fresh_vm, ssh_proxy_command=ssh_proxy_command, iap=iap,
+        num_slices=num_slices)
 
     line = StatusLine()
     if plan_run or command:
@@ -167,8 +180,7 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
         out = {"name": rec.name, "state": "PLANNED" if dry_run else "READY", "project": rec.project,
                "zone": rec.zone, "accelerator": rec.accelerator, "node": rec.node,
                "queued_resource": rec.queued_resource, "price_per_hour": rec.price_per_hour, "labels": rec.labels,
-               "workers": [{"index": w.index, "internal_ip": w.internal_ip, "external_ip": w.external_ip}
-                           for w in rec.workers],
+               "workers": [_worker_json(w) for w in rec.workers], "slices": rec.slices, "nodes": rec.nodes,
                "attempts": [a.__dict__ for a in res.attempts], "elapsed_s": round(res.elapsed_s, 2),
                "plan": res.plan.__dict__}
         click.echo(json.dumps(out, indent=2))
@@ -177,7 +189,8 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
         click.echo(f"dry run: {rec.name} would be created in {', '.join(res.plan.zones)}; nothing was created")
         return
     n = len(rec.workers)
-    click.echo(f"{rec.name} is READY in {rec.zone} ({rec.accelerator}, {n} worker{'' if n == 1 else 's'}) after "
+    what = rec.accelerator if rec.slices == 1 else f"{rec.slices} slices of {rec.accelerator}"
+    click.echo(f"{rec.name} is READY in {rec.zone} ({what}, {n} worker{'' if n == 1 else 's'}) after "
                f"{_age(res.elapsed_s)}; ${rec.price_per_hour:.2f}/hour list price")
     click.echo(_workers_table(rec.workers))
     click.echo(f"next: tpuctl run {rec.name} -- ...    delete: tpuctl down {rec.name}")
@@ -273,7 +286,12 @@ def status_cmd(name, zone, as_json, api_endpoint, local, project):
                       [_ls_row(st)]))
     if st.queued_resource:
         click.echo(f"queued resource: {st.queued_resource} ({st.queued_state or 'gone'})")
-    click.echo(f"node: {st.node}")
+    if st.slices > 1:
+        for d in st.nodes:
+            click.echo(f"slice {d['slice']}: node {d['node']} {d['state']}" + (f" {d['health']}" if d['health'] else "")
+                       + f", {d['workers']} worker(s)")
+    else:
+        click.echo(f"node: {st.node}")
     if st.error:
         click.echo(f"note: could not read the live state: {st.error}")
     if st.state == "GONE":
@@ -301,7 +319,7 @@ def _last_goodput(name: str) -> dict | None:
 
 def _ls_row(st) -> list:
     return [st.name, st.state + (f" (QR {st.queued_state}: holds quota)" if st.holds_quota else ""), st.health or "-", st.accelerator, st.zone + (" (local)" if st.provider == "local" else ""),
-            f"{len(st.workers)}/{st.hosts}", _age(st.age_s), f"{st.price_per_hour:.2f}", f"{st.cost_so_far:.2f}"]
+            f"{len(st.workers)}/{st.hosts}" + (f" ({st.slices} slices)" if st.slices > 1 else ""), _age(st.age_s), f"{st.price_per_hour:.2f}", f"{st.cost_so_far:.2f}"]
 
 
 @cli.command("ls")

@@ -27,7 +27,13 @@ DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1
 @click.option("--no-cache", is_flag=True, help="Compile again even when this exact plan is cached "
                                                "($TPUCTL_HOME/plans).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout (for scripts).")
-def plan(command, accelerator, steps, mfu, local, no_cache, as_json):
+@click.option("--num-slices", type=int, default=1, show_default=True,
+              help="Multislice: N slices of ACCELERATOR joined by DCN (--mesh is one slice's): each slice's step on "
+                   "its share of the batch, and the gradient all-reduce's bytes and time over DCN per step.")
+@click.option("--dcn-gbps", type=float, default=None,
+              help="With --num-slices: the DCN bandwidth per host assumed for the all-reduce's time (Gbit/s, "
+                   "default 100).")
+def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps):
     """Compile the trainer's real train step for ACCELERATOR's TPU topology on this machine (no TPU, no
     weights, no data) and say whether it fits, what would, and what the run costs.
 
@@ -44,6 +50,8 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json):
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
     from orchestrator.cli_common import StatusLine, TpuctlError
+    if num_slices != 1 or dcn_gbps is not None:
+        _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps)
     try:
         with StatusLine(quiet=False) as line:
             p = P.plan(accelerator, list(command), cpu_devices=provider.chosen(local).cpu_devices, steps=steps,
@@ -54,6 +62,22 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json):
         click.echo("Error: interrupted", err=True)
         sys.exit(130)
     click.echo(json.dumps(p.to_json(), indent=2) if as_json else render(p))
+    sys.exit(0 if p.fits else DOES_NOT_FIT)
+
+
+def _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps) -> None:
+    from orchestrator import plan_dcn
+    from orchestrator.cli_common import StatusLine, TpuctlError
+    try:
+        with StatusLine(quiet=False) as line:
+            p = plan_dcn.plan(accelerator, list(command), num_slices, local=local, steps=steps, mfu=mfu,
+                              dcn_gbps=dcn_gbps or plan_dcn.DEFAULT_DCN_GBPS, progress=line, use_cache=not no_cache)
+    except UserError as e:
+        raise TpuctlError(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("Error: interrupted", err=True)
+        sys.exit(130)
+    click.echo(json.dumps(p.to_json(), indent=2) if as_json else p.render())
     sys.exit(0 if p.fits else DOES_NOT_FIT)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class Target:
     access: HostAccess = HostAccess()
     devices_per_host: int | None = None  # from the accelerator type, when the slice is recorded
     accelerator: str | None = None  # the recorded slice's type (the plan checks the step against it)
+    slices: int = 1                 # a multislice record: one job over this many slices of `accelerator`
 
 
 def _parse_hosts(spec: str) -> list[L.Worker]:
@@ -77,7 +79,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
     if ssh_proxy_command is not None:
         _checked(ssh_proxy_command, "--ssh-proxy-command")
     from orchestrator import catalog, slices, state
-    devices, created, accelerator = None, None, None
+    devices, created, accelerator, n_slices = None, None, None, 1
     rec = state.lookup(name)
     if hosts:
         workers = _parse_hosts(hosts)
@@ -90,7 +92,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
                             "or pass --hosts IP,...")
         where = provider.of(rec)
         ws = slices.workers(name)
-        created = rec.created_at
+        created, n_slices = rec.created_at, rec.slices
         try:
             devices = catalog.lookup(rec.accelerator).devices_per_host
             accelerator = rec.accelerator
@@ -98,7 +100,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
             devices = None
         # A worker without an external IP (--no-external-ips) is reached on its internal one; --internal-ip
         # forces that for all, for a machine inside the VPC.
-        workers = [L.Worker(index=w.index, internal_ip=w.internal_ip,
+        workers = [L.Worker(index=w.index, internal_ip=w.internal_ip, slice=w.slice,
                             external_ip=None if internal_ip else w.external_ip) for w in ws]
         access = where.host_access(name)
     user = ssh_user or os.environ.get("TPUCTL_SSH_USER") or access.user or getpass.getuser()
@@ -126,7 +128,7 @@ def resolve(name: str, *, hosts: str | None = None, local: bool | None = None, s
     if ssh_proxy_command:
         ssh.proxy_commands = {w.index: ssh_proxy_command for w in workers}
     return Target(name=name, workers=workers, ssh=ssh, where=where, access=access, devices_per_host=devices,
-                  accelerator=accelerator)
+                  accelerator=accelerator, slices=n_slices)
 
 
 def _checked(command: str, what: str) -> str:
@@ -141,10 +143,11 @@ def _published_keys(where: Provider, rec) -> hostkeys.Published:
     from orchestrator.cloud import CloudError
     api = []
 
-    def fetch() -> dict[int, list[tuple[str, str]]]:
+    def fetch() -> dict[tuple[int, int], list[tuple[str, str]]]:
         try:
             api[:] = api or [where.api_for(rec)]
-            attrs = api[0].guest_attributes(rec.node, hostkeys.NAMESPACE + "/")
+            # {(slice, worker index): keys}: each slice's node publishes its own workers' (one node on one slice)
+            per_node = [api[0].guest_attributes(node, hostkeys.NAMESPACE + "/") for node in rec.nodes]
         except CloudError as e:
             if e.kind == "permission":
                 raise hostkeys.Unreadable(
@@ -153,7 +156,8 @@ def _published_keys(where: Provider, rec) -> hostkeys.Published:
                     "instead (grant that permission to have tpuctl check the keys the VMs publish)") from None
             raise hostkeys.Unreadable(f"cannot read the workers' published SSH host keys ({e}); pinning each "
                                       "worker's key on first contact instead") from None
-        return {i: [(k, v) for ns, k, v in items if ns == hostkeys.NAMESPACE] for i, items in enumerate(attrs)}
+        return {(sl, i): [(k, v) for ns, k, v in items if ns == hostkeys.NAMESPACE]
+                for sl, attrs in enumerate(per_node) for i, items in enumerate(attrs)}
     return hostkeys.Published(slice=rec.name, fetch=fetch)
 
 
@@ -240,6 +244,10 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
     if argv[:3] != [L.PYTHON, "-m", "trainer"] or not target.accelerator:
         return
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
+    if target.slices > 1:
+        say(f"plan: not checked here for {target.slices} slices (`tpuctl plan -a {target.accelerator} --num-slices "
+            f"{target.slices} -- ...` plans one)")
+        return
     # The planner reads what the trainer would (the data's meta.json: its tokenizer sets the vocabulary) from
     # the storage the run will use: for a local slice, the GCS emulator.
     storage = target.where.local_env(argv)
@@ -274,10 +282,10 @@ def plan_gate(argv: list[str], target: Target, out) -> None:
               help="Also ship this directory (the trainer runs in it, and it is on PYTHONPATH).")
 @click.option("--raw", is_flag=True, help="Run COMMAND as it is (no bundle, no Python environment needed).")
 @click.option("--coordinator-port", type=int, default=L.DEFAULT_COORDINATOR_PORT, show_default=True)
-@click.option("--heartbeat-timeout", type=int, default=10, show_default=True,
-              help="Seconds before jax.distributed declares a silent host dead.")
-@click.option("--init-timeout", type=int, default=60, show_default=True,
-              help="Seconds jax.distributed waits for every host to join.")
+@click.option("--heartbeat-timeout", type=int, default=None,
+              help="Seconds before jax.distributed declares a silent host dead (default 10; 60 on several slices).")
+@click.option("--init-timeout", type=int, default=None,
+              help="Seconds jax.distributed waits for every host to join (default 60; 600 on several slices).")
 @click.option("--json", "as_json", is_flag=True, help="Stream the hosts' output to stderr and print the result as "
               "JSON on stdout.")
 @click.option("--on-preemption", type=click.Choice(["recreate", "fail"]), default="recreate", show_default=True,
@@ -330,6 +338,10 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
                                            progress=lambda m: print(f"[tpuctl] {m}", file=out, flush=True))
     target = resolve(name, hosts=hosts, local=local, ssh_user=ssh_user, ssh_key=ssh_key, ssh_port=ssh_port,
                      ssh_wait=ssh_wait, internal_ip=internal_ip, ssh_proxy_command=ssh_proxy_command, iap=iap)
+    if target.slices > 1:
+        per = len(target.workers) // target.slices
+        print(f"[tpuctl] one job over {target.slices} slices of {target.accelerator} joined by DCN: "
+              f"{len(target.workers)} hosts, process = slice x {per} + worker, coordinator s0w0", file=out, flush=True)
     if not no_plan:
         plan_gate(argv, target, out)
     env = {**target.where.run_env(name, argv, target.devices_per_host), **env}
@@ -349,7 +361,7 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUNNER_PID).write_text(str(os.getpid()))  # `logs --follow` stops once this process is gone
         spec = L.LaunchSpec(argv=argv, env=env, run_id=run_dir.name, coordinator_port=coordinator_port,
-                            heartbeat_timeout_s=heartbeat_timeout, init_timeout_s=init_timeout)
+                            **L.timeouts(target.workers, heartbeat_timeout, init_timeout))
         return run_job(target.workers, spec, ssh=target.ssh, run_dir=run_dir, secret_env=secrets, bundle=bundle,
                        install=install, layout=layout, kill_stale=kill_stale, out=out,
                        watch=Watch(report_failure=bool(hosts), hang_timeout_s=hang_timeout or None))
@@ -460,7 +472,8 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 
 @click.command("logs")
 @click.argument("name")
-@click.option("--worker", "-w", default="all", show_default=True, help="Worker index, or all.")
+@click.option("--worker", "-w", default="all", show_default=True,
+              help="Worker index, a multislice run's host (s1w0), or all.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends (Ctrl-C to stop).")
 @click.option("--run", "run_id", help="Run id (default: the latest run of NAME).")
 @click.option("--tail", type=click.IntRange(min=0), default=0, help="Only the last N lines of each host (0: all).")
@@ -468,11 +481,14 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 def logs(name, worker, follow, run_id, tail):
     """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]."""
     d = _run_dir(name, run_id)
-    files = sorted(d.glob("w*.log"), key=lambda p: int(p.stem[1:]))
+    # One log per host: w<i>.log, or s<slice>w<i>.log on several slices (in process order).
+    files = sorted((f for f in d.glob("*.log") if re.fullmatch(r"(s\d+)?w\d+", f.stem)),
+                   key=lambda p: tuple(int(x) for x in re.findall(r"\d+", p.stem)))
     if worker != "all":
-        if not worker.isdigit():
-            raise UserError(f"--worker {worker}: pick a worker index or all")
-        files = [f for f in files if f.stem == f"w{worker}"]
+        if not re.fullmatch(r"(s\d+)?w?\d+", worker):
+            raise UserError(f"--worker {worker}: pick a worker index, a host such as s1w0, or all")
+        want = worker if not worker.isdigit() else f"w{worker}"
+        files = [f for f in files if f.stem == want]
         if not files:
             raise UserError(f"no log of worker {worker} in {d}")
     prefix = len(files) > 1 or worker == "all"

@@ -122,7 +122,8 @@ class NodeInfo:
 class QueuedInfo:
     name: str
     state: str                # ACCEPTED, WAITING_FOR_RESOURCES, PROVISIONING, ACTIVE, FAILED, SUSPENDED, DELETING
-    node: str = ""            # full name of the node it creates
+    node: str = ""            # full name of the node it creates (multislice: the first, NAME-0)
+    nodes: list[str] = field(default_factory=list)  # every node it creates (multislice: NAME-0 .. NAME-(N-1))
     labels: dict[str, str] = field(default_factory=dict)
     error_code: int = 0
     error_message: str = ""
@@ -150,8 +151,14 @@ def node_info(n: tpu_v2.Node) -> NodeInfo:
 def queued_info(q: tpu_v2.QueuedResource) -> QueuedInfo:
     spec = q.tpu.node_spec[0] if q.tpu.node_spec else None
     err = q.state.failed_data.error
-    return QueuedInfo(name=q.name, state=_enum_name(q.state.state),
-                      node=f"{spec.parent}/nodes/{spec.node_id}" if spec else "",
+    nodes = []
+    if spec is not None and "multislice_params" in spec:  # NodeSpec's name_strategy oneof: node_id or this
+        ms = spec.multislice_params
+        prefix = ms.node_id_prefix or q.name.rsplit("/", 1)[-1]  # the service's default: the queued resource id
+        nodes = [f"{spec.parent}/nodes/{prefix}-{i}" for i in range(ms.node_count)]
+    elif spec is not None:
+        nodes = [f"{spec.parent}/nodes/{spec.node_id}"]
+    return QueuedInfo(name=q.name, state=_enum_name(q.state.state), node=nodes[0] if nodes else "", nodes=nodes,
                       labels=dict(spec.node.labels) if spec else {},
                       error_code=err.code, error_message=err.message, spot="spot" in q)
 
@@ -439,11 +446,19 @@ class Api:
                         retry=frozenset({"rate-limit"}))  # a 503 may have created it: not blindly sent again
 
     def create_queued_resource(self, zone: str, qr_id: str, node_id: str, node: tpu_v2.Node, *, spot: bool = False,
-                               valid_until_s: float | None = None, reservation: str | None = None):
-        """Start creating a queued resource holding one node; returns the Operation. `reservation` (v2's
-        reservationName) consumes that reservation; the node then also carries schedulingConfig.reserved."""
-        qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[
-            tpu_v2.QueuedResource.Tpu.NodeSpec(parent=self.parent(zone), node_id=node_id, node=node)]))
+                               valid_until_s: float | None = None, reservation: str | None = None,
+                               node_count: int = 1):
+        """Start creating a queued resource holding one node, or with node_count > 1 a multislice one (v2's
+        NodeSpec.multisliceParams {nodeCount, nodeIdPrefix=node_id}: nodes node_id-0 .. node_id-(N-1), all
+        provisioned or none); returns the Operation. `reservation` (v2's reservationName) consumes that
+        reservation; the node then also carries schedulingConfig.reserved."""
+        NodeSpec = tpu_v2.QueuedResource.Tpu.NodeSpec
+        if node_count > 1:
+            ns = NodeSpec(parent=self.parent(zone), node=node, multislice_params=NodeSpec.MultisliceParams(
+                node_count=node_count, node_id_prefix=node_id))
+        else:
+            ns = NodeSpec(parent=self.parent(zone), node_id=node_id, node=node)
+        qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[ns]))
         if spot:
             qr.spot = tpu_v2.QueuedResource.Spot()
         if reservation:

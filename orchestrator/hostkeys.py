@@ -45,10 +45,11 @@ def parse(items: list[tuple[str, str]]) -> list[paramiko.PKey]:
 
 @dataclass
 class Published:
-    """Where a slice's workers publish their host keys. `fetch()` answers {worker index: [(type, base64)]}
-    (workers that published nothing are absent), or raises `Unreadable` with the reason (no permission...)."""
+    """Where a slice's workers publish their host keys. `fetch()` answers {(slice, worker index): [(type, base64)]}
+    (slice 0 on a single slice; workers that published nothing are absent), or raises `Unreadable` with the reason
+    (no permission...)."""
     slice: str
-    fetch: Callable[[], dict[int, list[tuple[str, str]]]]
+    fetch: Callable[[], dict[tuple[int, int], list[tuple[str, str]]]]
 
 
 class Unreadable(Exception):

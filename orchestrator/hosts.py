@@ -173,16 +173,21 @@ def file_id(path: Path) -> str:
     return f"{path.stem}-{digest}{path.suffix}"
 
 
+def _slot(w: Worker) -> tuple[int, int]:
+    """Where a worker's published host keys are found: (its slice, its index in the slice's node)."""
+    return (w.slice or 0, w.index)
+
+
 class Hosts:
     """The workers of one slice, over SSH."""
 
     def __init__(self, workers: list[Worker], ssh: SshConfig, layout: HostLayout | None = None):
         if not workers:
             raise HostError("no workers to connect to")
-        self.workers = sorted(workers, key=lambda w: w.index)
+        self.workers = sorted(workers, key=lambda w: (w.slice or 0, w.index))  # JAX process order
         self.ssh = ssh
         self.layout = layout or HostLayout()
-        self.published: dict[int, list[paramiko.PKey]] = {}  # worker index -> the keys it published
+        self.published: dict[tuple[int, int], list[paramiko.PKey]] = {}  # (slice, worker) -> its published keys
         self._pinned = False
         if ssh.key and not Path(ssh.key).expanduser().exists():
             raise HostError(f"SSH key {ssh.key} does not exist: pass --ssh-key PATH")
@@ -199,7 +204,7 @@ class Hosts:
                   connect_timeout=self.ssh.connect_timeout, connect_kwargs=kw)
         c._proxy_template = self.ssh.proxy_commands.get(w.index)
         c.proxy = None
-        pub = self.published.get(w.index)
+        pub = self.published.get(_slot(w))
         if pub:  # exactly what the VM published: nothing else, and nothing pinned earlier
             for k in pub:
                 c.client.get_host_keys().add(hostkeys.host_id(c.host, c.port), k.get_name(), k)
@@ -227,7 +232,7 @@ class Hosts:
                     c.open()
                     return
                 except paramiko.BadHostKeyException as e:
-                    if w.index in self.published:
+                    if _slot(w) in self.published:
                         raise HostError(self._impostor(w, e)) from None
                     raise HostError(
                         f"{where}: its SSH host key changed since tpuctl first connected ({e.key.get_name()} "
@@ -284,8 +289,8 @@ class Hosts:
             except hostkeys.Unreadable as e:
                 tell(f"{src.slice}: {e}")
                 return
-            keys = {w.index: hostkeys.parse(got.get(w.index, [])) for w in self.workers}
-            missing = [w for w in self.workers if not keys[w.index]]
+            keys = {_slot(w): hostkeys.parse(got.get(_slot(w), [])) for w in self.workers}
+            missing = [w for w in self.workers if not keys[_slot(w)]]
             if not missing or time.monotonic() >= deadline:
                 break
             if not waited:
@@ -294,11 +299,11 @@ class Hosts:
                      f"keys (guest attributes {hostkeys.NAMESPACE}/); up to {self.ssh.wait_s:.0f} s")
             time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
         for i, w in enumerate(self.workers):
-            if keys[w.index]:
-                self.published[w.index] = keys[w.index]
+            if keys[_slot(w)]:
+                self.published[_slot(w)] = keys[_slot(w)]
                 if self.ssh.known_hosts:  # the interactive `ssh` and later commands trust the same keys
                     hostkeys.pin(self.ssh.known_hosts, hostkeys.host_id(w.address, w.port or self.ssh.port),
-                                 keys[w.index])
+                                 keys[_slot(w)])
         if missing:
             tell(f"{src.slice}: {', '.join(f'{w.name} ({w.address})' for w in missing)} published no SSH host keys "
                  f"(guest attributes {hostkeys.NAMESPACE}/) within {self.ssh.wait_s:.0f} s: pinning "
@@ -308,7 +313,7 @@ class Hosts:
         self.conns = [self._connect(w) for w in self.workers]
 
     def _impostor(self, w: Worker, e: paramiko.BadHostKeyException) -> str:
-        pub = self.published[w.index]
+        pub = self.published[_slot(w)]
         same = [k for k in pub if k.get_name() == e.key.get_name()]
         shown = ", ".join(f"{k.get_name()} {hostkeys.fingerprint(k)}" for k in (same or pub))
         return (f"slice {self.ssh.slice or '?'}: worker {w.index} ({w.name}, {w.address}) presented SSH host key "
@@ -388,7 +393,7 @@ class Hosts:
         def probe(i: int, c: Connection) -> Probe:
             p = Probe(worker=self.workers[i])
             t0 = time.time()
-            check = coordinator and self.workers[i].index == min(w.index for w in self.workers)
+            check = coordinator and i == 0  # process 0 (workers are in process order)
             try:
                 r = c.run(cmd + (f" --coordinator {shlex.quote(coordinator)}" if check else ""), timeout=60)
             except Exception as e:  # noqa: BLE001

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from orchestrator.state import Worker  # noqa: F401 - the one worker type, used here and by callers as L.Worker
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED = ("TPUCTL_COORDINATOR", "TPUCTL_NUM_PROCESSES", "TPUCTL_PROCESS_ID")
+RESERVED = ("TPUCTL_COORDINATOR", "TPUCTL_NUM_PROCESSES", "TPUCTL_PROCESS_ID", "MEGASCALE_COORDINATOR_ADDRESS",
+            "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")
 DEFAULT_COORDINATOR_PORT = 8476
 HOST_ROOT = ".tpuctl-host"  # relative to the SSH user's home on every host
 HOSTWRAP = "hostwrap.py"
@@ -74,6 +75,21 @@ class LaunchSpec:
     stop_grace_s: float = 10.0
 
 
+# A multislice job's slices become reachable at different times and its compiles are longer: its processes get
+# more patient jax.distributed timeouts (tpuctl's own watch still stops every host at the first failure, so a
+# dead slice is not waited for).
+MULTISLICE_HEARTBEAT_TIMEOUT_S = 60
+MULTISLICE_INIT_TIMEOUT_S = 600
+
+
+def timeouts(workers: list[Worker], heartbeat_s: int | None, init_s: int | None) -> dict[str, int]:
+    """LaunchSpec's heartbeat_timeout_s / init_timeout_s: the user's, else the defaults for one slice or
+    several."""
+    multi = num_slices(workers) > 1
+    return {"heartbeat_timeout_s": heartbeat_s or (MULTISLICE_HEARTBEAT_TIMEOUT_S if multi else 10),
+            "init_timeout_s": init_s or (MULTISLICE_INIT_TIMEOUT_S if multi else 60)}
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
@@ -109,8 +125,19 @@ def read_secrets(names: list[str] | tuple[str, ...], environ: dict[str, str]) ->
     return out
 
 
+def process_order(w: Worker) -> tuple[int, int]:
+    """JAX process order: slice-major (process = slice x hosts_per_slice + worker), as a bare
+    jax.distributed.initialize() computes it on TPU VMs from MEGASCALE_SLICE_ID."""
+    return (w.slice or 0, w.index)
+
+
+def num_slices(workers: list[Worker]) -> int:
+    return 1 + max((w.slice or 0 for w in workers), default=0)
+
+
 def coordinator(workers: list[Worker], port: int = DEFAULT_COORDINATOR_PORT) -> str:
-    w0 = min(workers, key=lambda w: w.index)
+    """Process 0's internal IP (slice 0, worker 0) and the coordination service's port."""
+    w0 = min(workers, key=process_order)
     return f"{w0.internal_ip}:{port}"
 
 
@@ -127,6 +154,14 @@ def host_env(spec: LaunchSpec, workers: list[Worker], index: int) -> dict[str, s
         })
     elif spec.distributed:
         env.update({"TPUCTL_NUM_PROCESSES": "1", "TPUCTL_PROCESS_ID": "0"})
+    if spec.distributed and num_slices(workers) > 1:
+        # What a multislice queued resource's VMs have in their tpu-env metadata, which a bare
+        # jax.distributed.initialize() and libtpu's DCN transport read: set here, before Python starts, since
+        # once jax is imported they are not read again. The address is process 0's host (JAX keeps the host
+        # part and adds its own port).
+        env.update({"MEGASCALE_COORDINATOR_ADDRESS": coordinator(workers).split(":")[0],
+                    "MEGASCALE_NUM_SLICES": str(num_slices(workers)),
+                    "MEGASCALE_SLICE_ID": str(workers[index].slice or 0)})
     return env
 
 

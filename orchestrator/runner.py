@@ -68,8 +68,8 @@ class _HostStream:
     """invoke out_stream for one host: whole lines, secrets masked, to the terminal and the log."""
 
     def __init__(self, index: int, out: TextIO, log: Path, lock: threading.Lock, secrets: list[str],
-                 first_output: dict, t0: float, tail: int, progress: dict | None = None):
-        self.prefix, self.out, self.lock, self.secrets = f"[w{index}] ", out, lock, secrets
+                 first_output: dict, t0: float, tail: int, progress: dict | None = None, name: str = ""):
+        self.prefix, self.out, self.lock, self.secrets = f"[{name or f'w{index}'}] ", out, lock, secrets
         self.log = io.TextIOWrapper(private_open(log), encoding="utf-8", errors="replace")
         self.buf, self.tail = "", deque(maxlen=tail)
         self.index, self.first_output, self.t0 = index, first_output, t0
@@ -175,12 +175,12 @@ def run_job(workers: list[L.Worker], spec: L.LaunchSpec, *, ssh: SshConfig, run_
                 say(w)
         t1 = time.monotonic()
         pushed = hosts.push(bundle, probes, install,
-                            out=lambda i, line: (out.write(f"[w{i}] {line}\n"), out.flush()))
+                            out=lambda i, line: (out.write(f"[{workers[i].name}] {line}\n"), out.flush()))
         timings["push_s"] = time.monotonic() - t1
         if bundle is not None:
             state = {v.split()[0] if v != "cached" else v for v in pushed.values()}
             say(f"bundle {bundle.short}: " + ("unchanged, install skipped on every host" if state == {"cached"}
-                                              else ", ".join(f"w{i} {v}" for i, v in pushed.items())))
+                                              else ", ".join(f"{workers[i].name} {v}" for i, v in pushed.items())))
         record["push"] = pushed
         if secret_env:
             hosts.upload_secrets(L.secrets_upload_command(lay, spec.run_id), L.secrets_payload(secret_env))
@@ -258,8 +258,10 @@ class _Watcher:
         self.first: dict[int, float] = {}                   # index -> first output (s since t0)
         self.progress: dict[int, tuple[int, float]] = {}   # index -> (last reported step, monotonic time)
         secrets = mask_variants(secret_env.values())
-        self.streams = [_HostStream(i, out, run_dir / f"w{i}.log", self.lock, secrets, self.first, t0,
-                                    watch.tail_lines, self.progress) for i in range(n)]
+        names = [w.name for w in hosts.workers]
+        self.names = names
+        self.streams = [_HostStream(i, out, run_dir / f"{names[i]}.log", self.lock, secrets, self.first, t0,
+                                    watch.tail_lines, self.progress, name=names[i]) for i in range(n)]
         self.done: queue.Queue = queue.Queue()
         self.codes: dict[int, int | None] = {i: None for i in range(n)}
         self.failed: int | None = None
@@ -315,7 +317,7 @@ class _Watcher:
             self.failed = culprits[0]
             self.hung = (f"stopped advancing at {self._step_of(self.failed)}: no host reported a new step for "
                          f"{self.watch.hang_timeout_s:.0f} s")
-            self.say(f"w{self.failed} {self.hung}; stopping every host")
+            self.say(f"{self.names[self.failed]} {self.hung}; stopping every host")
             self.stopped = True
             self._stop_all(self.watch.fail_grace_s, running)
 
@@ -328,7 +330,7 @@ class _Watcher:
         if not others:
             return
         if rc == PREEMPTED:  # the others are saving the same step: let them finish
-            self.say(f"w{i} stopped on a preemption notice; waiting for the other hosts to save")
+            self.say(f"{self.names[i]} stopped on a preemption notice; waiting for the other hosts to save")
             self.deadline = time.monotonic() + self.watch.preempt_grace_s
             return
         # A host that stops (SIGSTOP, a hung VM) makes the others fail at jax's heartbeat: name it.
@@ -336,11 +338,12 @@ class _Watcher:
         if stuck:
             self.failed = stuck[0]
             self.hung = f"stopped advancing at {self._step_of(self.failed)} (its trainer does not run)"
-            self.say(f"w{self.failed} {self.hung}; w{i} then failed ({_describe(rc)}): stopping every host")
+            self.say(f"{self.names[self.failed]} {self.hung}; {self.names[i]} then failed ({_describe(rc)}): "
+                     "stopping every host")
         else:
             # A dropped SSH connection may be a preempted VM, not a failure: the caller tells which.
             what = "lost its SSH connection" if rc in (255, -1) else f"failed ({_describe(rc)})"
-            self.say(f"w{i} {what}: stopping {', '.join(f'w{j}' for j in others)}")
+            self.say(f"{self.names[i]} {what}: stopping {', '.join(self.names[j] for j in others)}")
         self.stopped = True
         self._stop_all(self.watch.fail_grace_s, others)
 
@@ -398,9 +401,9 @@ class _Watcher:
         report = []
         if rc_all != 0:
             for i, s in enumerate(self.streams):
-                report.append(f"---- w{i} ({self.hosts.workers[i].address}): {_describe(codes[i])}, "
+                report.append(f"---- {self.names[i]} ({self.hosts.workers[i].address}): {_describe(codes[i])}, "
                               f"last {len(s.tail)} lines ----")
-                report += [f"[w{i}] {line}" for line in s.tail]
+                report += [f"[{self.names[i]}] {line}" for line in s.tail]
             if all_preempted(codes):
                 report.append(f"[tpuctl] preempted: every host saved a checkpoint (exit {PREEMPTED}); run again "
                               f"to resume; logs in {self.run_dir}")

@@ -125,6 +125,25 @@ def split_zones(zones) -> list[str]:
     return out
 
 
+# Multislice joins slices over the data-center network; Cloud TPU offers it from v4 on (v2/v3 slices have no
+# DCN collectives in libtpu). Every slice of one queued resource has the same node spec: one type, topology,
+# runtime and zone by construction.
+MULTISLICE_GENERATIONS = ("v4", "v5p", "v5litepod", "v6e")
+MAX_SLICES = 64
+
+
+def check_num_slices(n, acc: catalog.AcceleratorType, *, queued: bool = True, name: str = "NAME") -> int:
+    """--num-slices N: a whole number >= 1; >= 2 only for v4 and later, and only as a queued resource."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SLICES:
+        raise UserError(f"invalid --num-slices {n!r}: give a whole number from 1 (one slice) to {MAX_SLICES}")
+    if n > 1 and acc.generation.name not in MULTISLICE_GENERATIONS:
+        raise UserError(f"--num-slices {n} needs v4 or later ({acc.name} is {acc.generation.name}): pick a v4 or "
+                        "later type (e.g. -a v4-8), or drop --num-slices")
+    if n > 1 and not queued:
+        raise UserError(f"--num-slices {n} is created as one queued resource (all slices or none); drop --no-queue")
+    return n
+
+
 @dataclass
 class SliceSpec:
     """One slice to create. Durations are seconds."""
@@ -156,6 +175,8 @@ class SliceSpec:
     # How this machine reaches the workers later (recorded with the slice; nothing of it goes to the API).
     ssh_proxy_command: str | None = None               # OpenSSH ProxyCommand (%h %p %r %%) for every connection
     iap: bool = False                                  # the proxy is Cloud IAP TCP forwarding (gcloud start-iap-tunnel)
+    # >1: a multislice queued resource of that many identical slices joined by DCN (nodes NAME-0 .. NAME-(N-1))
+    num_slices: int = 1
 
     def validate(self) -> "SliceSpec":
         check_name(self.name)
@@ -167,6 +188,7 @@ class SliceSpec:
         except catalog.UnknownAccelerator as e:
             raise UserError(f"{e} (see `tpuctl up --help`)") from None
         self.accelerator = acc.name
+        check_num_slices(self.num_slices, acc, queued=self.queued, name=self.name)
         self.zones = split_zones(self.zones)
         for z in self.zones:
             check_zone(z, f"zones offering {acc.generation.name} per the catalog: {', '.join(acc.zone_hints)}")
@@ -219,7 +241,7 @@ class SliceSpec:
                    wait_capacity=None, keep_on_failure=None, no_queue=None, no_external_ips=None, reservation=None,
                    network=None, subnetwork=None, service_account=None, scopes=None, runtime_version=None,
                    labels=(), ttl=None, capacity_wait=None, timeout=None, project=None, api_endpoint=None,
-                   provider=None, fresh_vm=None, ssh_proxy_command=None, iap=None) -> "SliceSpec":
+                   provider=None, fresh_vm=None, ssh_proxy_command=None, iap=None, num_slices=None) -> "SliceSpec":
         """`tpuctl up`'s flags over this spec (a spec file's, or an empty one). A flag not given (None or empty)
         leaves the spec's value alone; durations are parsed here, naming the flag when they are bad."""
         for attr, value in (("name", name), ("accelerator", accelerator), ("reservation", reservation),
@@ -252,6 +274,8 @@ class SliceSpec:
                 setattr(self, attr, parse_duration(value, flag))
         if provider:  # the place the user picked on the command line (--local)
             self.provider = provider
+        if num_slices is not None:
+            self.num_slices = num_slices
         if fresh_vm:
             self.provider_options = {**self.provider_options, "fresh": True}
         return self
@@ -268,6 +292,7 @@ class SliceSpec:
 _FILE_KEYS = ({f.name for f in dataclasses.fields(SliceSpec)} - {"provider", "provider_options"}
               | {"zone", "ttl", "timeout", "capacity_wait", "local"})
 # What each key of a spec file must hold (durations are parsed separately; zones may be a list or "a,b").
+_INT_KEYS = ("num_slices",)
 _STR_KEYS = ("name", "accelerator", "zone", "project", "runtime_version", "api_endpoint", "reservation", "network",
              "subnetwork", "service_account", "ssh_proxy_command")
 _BOOL_KEYS = ("spot", "reserved", "queued", "wait_capacity", "keep_on_failure", "local", "external_ips", "iap")
@@ -282,6 +307,9 @@ def _typed(data: dict) -> dict:
     for key in _STR_KEYS:
         if key in data and data[key] is not None and not isinstance(data[key], str):
             raise bad(key, "a string" + (" (e.g. accelerator: v4-16)" if key == "accelerator" else ""))
+    for key in _INT_KEYS:
+        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)):
+            raise bad(key, "a whole number (e.g. num_slices: 2)")
     for key in _BOOL_KEYS:
         if key in data and not isinstance(data[key], bool):
             raise bad(key, "true or false (unquoted)")

@@ -27,6 +27,7 @@ class Worker:
     internal_ip: str
     external_ip: str | None = None
     port: int | None = None  # SSH port, when this worker's differs from the run's (--hosts ip:port)
+    slice: int | None = None  # its slice in a multislice job (None: a single slice); index counts within it
 
     @property
     def address(self) -> str:
@@ -35,7 +36,7 @@ class Worker:
 
     @property
     def name(self) -> str:
-        return f"w{self.index}"
+        return f"w{self.index}" if self.slice is None else f"s{self.slice}w{self.index}"
 
 
 @dataclass
@@ -69,6 +70,16 @@ class SliceRecord:
     iap: bool = False                     # ... or through Cloud IAP TCP forwarding
     claim: str = ""                    # which `up` wrote it: only that process may drop or replace it
     leftovers: list[str] = field(default_factory=list)  # resources of earlier zones still being deleted
+    slices: int = 1                    # >1: a multislice queued resource; `node` is slice 0's (NAME-0)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Every node's full name, slice by slice: NAME-0 .. NAME-(N-1) for multislice (the service's naming
+        from multisliceParams.nodeIdPrefix), else the one node."""
+        if self.slices <= 1:
+            return [self.node]
+        parent = self.node.rsplit("/", 1)[0]
+        return [f"{parent}/{self.name}-{i}" for i in range(self.slices)]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -24,6 +24,17 @@ LOST = ("PREEMPTED", "TERMINATED", "DELETING", "SUSPENDING", "SUSPENDED", "GONE"
 HOST_LOST = {255, -1}                        # a host whose SSH connection dropped (runner, invoke)
 _STEP = re.compile(r"\bstep\s+(\d+)")
 _START = re.compile(r"resuming from step (\d+)|(starting from scratch)")
+_HOST_LOG = re.compile(r"(s\d+)?w\d+\.log")  # one per host: w<i>.log, or s<slice>w<i>.log for multislice
+
+
+def _host_logs(run_dir: Path) -> list[Path]:
+    return sorted(p for p in Path(run_dir).glob("*.log") if _HOST_LOG.fullmatch(p.name))
+
+
+def process0_log(run_dir: Path) -> Path:
+    """Process 0's log: w0.log, or s0w0.log (slice 0, worker 0) of a multislice run."""
+    single = Path(run_dir) / "w0.log"
+    return single if single.exists() else Path(run_dir) / "s0w0.log"
 
 
 @dataclass
@@ -56,7 +67,7 @@ def node_state(name: str) -> str:
 def latest_step(run_dir: Path | None) -> int | None:
     """The last `step N` any host printed (trainer progress or its preemption save), for the message."""
     best = None
-    for log in sorted(Path(run_dir).glob("w*.log")) if run_dir else []:
+    for log in _host_logs(run_dir) if run_dir else []:
         try:
             steps = _STEP.findall(log.read_text(errors="replace"))
         except OSError:
@@ -69,7 +80,7 @@ def latest_step(run_dir: Path | None) -> int | None:
 def resumed_from(run_dir: Path | None) -> int | None:
     """The step the trainer of this run started from (0: from scratch), as process 0 printed it."""
     try:
-        m = _START.search((Path(run_dir) / "w0.log").read_text(errors="replace")) if run_dir else None
+        m = _START.search(process0_log(run_dir).read_text(errors="replace")) if run_dir else None
     except OSError:
         return None
     return None if m is None else int(m.group(1) or 0)
@@ -211,8 +222,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         if result is None:  # preflight or push never got to run: the whole attempt went to recovering
             attempts[-1]["startup_s"] = attempts[-1]["wall_s"] = t_lost - t_attempt
         step = latest_step(result.run_dir if result else None)
-        what = (f"w{result.failed_worker}'s VM was" if result and result.failed_worker is not None
-                else f"{name}'s VMs were") + f" {_verb(st)}" + (f" at step {step}" if step is not None else "")
+        what = _what_was_lost(name, rec, result) + f" {_verb(st)}" + (f" at step {step}" if step is not None else "")
         if policy.on_preemption == "fail":
             raise Preempted(f"{what} (--on-preemption fail): `tpuctl down {name}` and `tpuctl up {name} ...` again, "
                             f"then rerun (the trainer resumes from the latest step in --ckpt-dir), or pass "
@@ -227,6 +237,23 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         _recreate(name, st, progress)
         recover = time.monotonic() - t_lost
         progress(f"{name} is READY again; relaunching (attempt {restarts + 1})")
+
+
+def _what_was_lost(name: str, rec, result: RunResult | None) -> str:
+    """The subject of the preemption line: the lost slice(s) of a multislice job (every slice's job stops with
+    one), else the host whose connection dropped first, else the slice's VMs."""
+    if rec.slices > 1:
+        try:
+            lost = [d for d in slices.status(name).nodes if d["state"] != "READY"]
+        except UserError:
+            lost = []
+        if lost:
+            which = ", ".join(f"{d['slice']} ({d['node'].rsplit('/', 1)[-1]})" for d in lost)
+            return f"{name}'s slice{'s' if len(lost) > 1 else ''} {which} of {rec.slices} {'were' if len(lost) > 1 else 'was'}"
+        return f"{name}'s VMs ({rec.slices} slices) were"
+    if result and result.failed_worker is not None:
+        return f"w{result.failed_worker}'s VM was"
+    return f"{name}'s VMs were"
 
 
 def _verb(state: str) -> str:

@@ -85,7 +85,11 @@ def _reason(res: dict) -> str:
         bad = [int(i) for i, rc in codes.items() if rc]
         w = bad[0] if bad else 0
     rc = codes.get(str(w), res.get("returncode"))
-    log = Path(res.get("run_dir") or "") / f"w{w}.log"
+    run_dir = Path(res.get("run_dir") or "")
+    log = run_dir / f"w{w}.log"
+    if not log.is_file():  # a multislice run names its hosts s<slice>w<i>, in process order
+        logs = sorted(run_dir.glob("s*w*.log"), key=lambda p: tuple(int(x) for x in p.stem[1:].split("w")))
+        log = logs[w] if w < len(logs) else log
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
     errors = [ln for ln in lines if ln.startswith("error: ")]
     last = errors[-1] if errors else next((ln for ln in reversed(lines) if ln.strip()), "")

@@ -50,7 +50,7 @@ def test_params_optimizer_state_and_batch_carry_the_rule_shardings(mesh, vocab_p
     steps = loop.Steps(cfg, loop.setup_mesh(cfg))
     params, opt_state = steps.init()
     model = "model"  # the rules name mesh axes whatever their size (on 8x1 the model axis has size 1)
-    vocab = ("data", "model") if vocab_parallel == "on" else model
+    vocab = ("dcn", "data", "model") if vocab_parallel == "on" else model  # dcn: the slices (size 1 here)
     want = {
         "wte": P(vocab, None),  # vocab -> model, or every device with --vocab-parallel
         "wpe": P(None, None),
@@ -75,7 +75,7 @@ def test_params_optimizer_state_and_batch_carry_the_rule_shardings(mesh, vocab_p
     wte = params["wte"]
     assert {s.data.shape for s in wte.addressable_shards} == {(wte.shape[0] // n_slices, wte.shape[1])}
     batch = steps.global_batch(np.zeros((8, cfg.model.seq_len + 1), np.int32))
-    assert spec_of(batch) == P("data", None)
+    assert spec_of(batch) == P(("dcn", "data"), None)  # the batch over the slices, then data
     assert {s.data.shape[0] for s in batch.addressable_shards} == {8 // steps.mesh.shape["data"]}
     # The compiled step keeps every parameter in its sharding (outputs = inputs: nothing gathered).
     steps.compile()

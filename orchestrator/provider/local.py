@@ -13,6 +13,7 @@ It is the only module above infra/ that imports a stand-in.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -75,7 +76,7 @@ class LocalProvider(Provider):
         return [spec.accelerator_type.zone_hints[0]]  # the stand-in offers the catalog's zones
 
     def attach(self, api: Api, rec: SliceRecord, progress: Progress) -> list[Worker]:
-        """Give the stand-in's node real hosts (sshd on loopback) so `tpuctl run` can reach them.
+        """Give the stand-in's node(s) real hosts (sshd on loopback) so `tpuctl run` can reach them.
 
         Without root or sshd (or for a huge slice) the node keeps the stand-in's made-up addresses: `up`,
         `status` and `down` still work, and `run` says why it cannot connect."""
@@ -99,41 +100,65 @@ class LocalProvider(Provider):
         others = sorted({u for u, _ in keys if u != "root"})
         if others:
             progress(f"note: the local hosts have only root; ssh-keys for {', '.join(others)} are not installed")
+        # One local slice (its own sshd hosts, its own loopback block) per node: a multislice node's VMs die
+        # with that node alone, as one preempted slice's do.
+        names = _host_slices(rec)
+        per = n // len(names)
+        started: list = []
         try:
-            hosts = LocalSlice.start(rec.name, n, fresh=bool(rec.provider_options.get("fresh")),
-                                     authorized_keys=tuple(k for u, k in keys if u == "root"))
-        except (LocalSliceError, OSError) as e:
-            progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
-            return rec.workers
-        # Without external IPs the workers' internal addresses are ones this machine cannot reach over SSH
-        # (nothing listens there), as a laptop outside the VPC: only a proxy command (--ssh-proxy-command) that
-        # knows the way gets through; `private_address` is that way back.
-        ips = [h.ip if rec.external_ips else private_address(h.ip) for h in hosts.hosts]
-        try:
+            for hname in names:
+                root_keys = tuple(k for u, k in keys if u == "root")
+                if started:  # every slice's hosts let in the one client key that `run` uses (slice 0's)
+                    root_keys += (Path(started[0].ssh_key + ".pub").read_text().strip(),)
+                try:
+                    started.append(LocalSlice.start(hname, per, fresh=bool(rec.provider_options.get("fresh")),
+                                                    authorized_keys=root_keys))
+                except (LocalSliceError, OSError) as e:
+                    progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
+                    for h in started:
+                        h.stop()
+                    return rec.workers
+            # Without external IPs the workers' internal addresses are ones this machine cannot reach over SSH
+            # (nothing listens there), as a laptop outside the VPC: only a proxy command (--ssh-proxy-command)
+            # that knows the way gets through; `private_address` is that way back.
             control = FakeControl(api_url())
-            control.set_node_workers(rec.node, ips)
-            for h in hosts.hosts:  # what each VM's guest agent publishes: its real sshd host keys and its name
-                control.publish_host_keys(rec.node, h.index, hosts.host_keys(h.index))
-                control.set_guest_attributes(rec.node, h.index, [{"key": "hostname", "value": h.hostname}],
-                                             namespace="")
-            node = api.get_node(rec.node)
+            nodes, all_ips = [], []
+            for node_name, hosts in zip(rec.nodes, started):
+                ips = [h.ip if rec.external_ips else private_address(h.ip) for h in hosts.hosts]
+                all_ips += ips
+                control.set_node_workers(node_name, ips)
+                for h in hosts.hosts:  # what each VM's guest agent publishes: its real sshd host keys and its name
+                    control.publish_host_keys(node_name, h.index, hosts.host_keys(h.index))
+                    control.set_guest_attributes(node_name, h.index, [{"key": "hostname", "value": h.hostname}],
+                                                 namespace="")
+                nodes.append(api.get_node(node_name))
         except BaseException:
-            hosts.stop()
+            for h in started:
+                h.stop()
             raise
-        progress(f"{rec.name}: {n} local host(s) up (sshd on {', '.join(h.ip for h in hosts.hosts)}"
-                 + ("" if rec.external_ips else f"; their internal addresses {', '.join(ips)} are not reachable "
+        up = ", ".join(h.ip for hosts in started for h in hosts.hosts)
+        progress(f"{rec.name}: {n} local host(s) up (sshd on {up}"
+                 + (f", {per} per slice" if len(names) > 1 else "")
+                 + ("" if rec.external_ips else f"; their internal addresses {', '.join(all_ips)} are not reachable "
                                                   "from here") + ")")
-        return node.workers
+        if len(nodes) == 1:
+            return nodes[0].workers
+        return [dataclasses.replace(w, slice=s) for s, node in enumerate(nodes) for w in node.workers]
 
     # ---- the VMs' end
     def release(self, name: str, progress: Progress) -> None:
         from infra.local_slice import LocalSlice
-        if LocalSlice.stop_by_name(name):
+        rec = state.lookup(name)
+        if any([LocalSlice.stop_by_name(h) for h in ({name, *(_host_slices(rec) if rec else [])})]):
             progress(f"stopped the local hosts of {name}")
 
     @contextlib.contextmanager
     def while_running(self, name: str, lost: Callable[[], str | None], progress: Progress) -> Iterator[None]:
-        watch = _PreemptionPlayer(name, lost, progress)
+        rec = state.lookup(name)
+        if rec is not None and rec.slices > 1:
+            watch = _PreemptionPlayer(name, lost, progress, per_slice=(self.api_for(rec), rec))
+        else:
+            watch = _PreemptionPlayer(name, lost, progress)
         try:
             yield
         finally:
@@ -146,7 +171,8 @@ class LocalProvider(Provider):
     # ---- running on the hosts
     def host_access(self, name: str) -> HostAccess:
         from infra.local_slice import LocalSlice
-        ls = LocalSlice.load(name)
+        rec = state.lookup(name)
+        ls = LocalSlice.load(_host_slices(rec)[0] if rec else name)  # multislice: slice 0's key reaches them all
         if ls is None or not all(ls.alive()):
             raise UserError(f"the local hosts of {name} are not running: "
                             f"`tpuctl down {name}` then `tpuctl up {name} --local` again")
@@ -183,12 +209,22 @@ def private_address(ip: str) -> str:
     return f"{a}.{int(b) + 1}.{c}.{d}"
 
 
+def _host_slices(rec: SliceRecord) -> list[str]:
+    """The local slices (infra/local_slice.py) holding a record's hosts: its name, or each node's (NAME-i)."""
+    return [rec.name] if rec.slices <= 1 else [n.rsplit("/", 1)[-1] for n in rec.nodes]
+
+
 class _PreemptionPlayer:
     """While a run is on, stop the local hosts once the stand-in says the node is not READY: a real
-    preemption kills the VMs, and their SSH sessions drop with them."""
+    preemption kills the VMs, and their SSH sessions drop with them. On a multislice record (per_slice), only
+    the hosts of the slices whose node is not READY (or gone): the other slices' VMs live on until the queued
+    resource is deleted."""
 
-    def __init__(self, name: str, lost: Callable[[], str | None], progress: Progress, poll_s: float = 2.0):
+    def __init__(self, name: str, lost: Callable[[], str | None], progress: Progress, poll_s: float = 2.0,
+                 per_slice: tuple[Api, SliceRecord] | None = None):
         self.name, self.lost, self.progress, self.poll_s = name, lost, progress, poll_s
+        self.per_slice = per_slice
+        self.stopped: set[str] = set()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name=f"watch-{name}")
         self.thread.start()
@@ -196,6 +232,10 @@ class _PreemptionPlayer:
     def _loop(self) -> None:
         from infra.local_slice import LocalSlice
         while not self.done.wait(self.poll_s):
+            if self.per_slice is not None:
+                if self._slices():
+                    return
+                continue
             try:
                 st = self.lost()
             except Exception:  # noqa: BLE001 - the stand-in is busy or restarting: ask again next time
@@ -205,6 +245,25 @@ class _PreemptionPlayer:
                               "preemption kills the VMs")
                 LocalSlice.stop_by_name(self.name)
                 return
+
+    def _slices(self) -> bool:
+        """Stop the hosts of each slice whose node is lost; True once every slice's are stopped."""
+        from infra.local_slice import LocalSlice
+        api, rec = self.per_slice
+        for node_name, hosts in zip(rec.nodes, _host_slices(rec)):
+            if hosts in self.stopped:
+                continue
+            try:
+                node = api.get_node(node_name)
+            except Exception:  # noqa: BLE001 - the stand-in is busy or restarting: ask again next time
+                continue
+            st = "GONE" if node is None else node.state
+            if st != "READY" and not self.done.is_set():
+                self.progress(f"{hosts} (a slice of {self.name}) is {st} in the stand-in: stopping its local hosts, "
+                              "as a real preemption kills that slice's VMs")
+                LocalSlice.stop_by_name(hosts)
+                self.stopped.add(hosts)
+        return len(self.stopped) == rec.slices
 
     def stop(self) -> None:
         self.done.set()

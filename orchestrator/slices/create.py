@@ -17,7 +17,7 @@ from orchestrator.cloud import Api, CloudError, NodeInfo
 from orchestrator.provider import Provider
 from orchestrator.slices.common import Progress, fmt_duration, noop
 from orchestrator.slices.delete import delete_and_wait, delete_quietly, delete_wait_s, down
-from orchestrator.slices.inspect import status
+from orchestrator.slices.inspect import joined_workers, status
 from orchestrator.slices.plan import Plan, labels_of, make_plan, usable_zones
 from orchestrator.spec import CLOUD_PLATFORM_SCOPE, LABEL_EXPIRY, SliceSpec, UserError
 from orchestrator.state import SliceRecord, Worker
@@ -75,7 +75,8 @@ def up(spec: SliceSpec, *, progress: Progress | None = None, on_plan: Callable[[
         on_plan(plan)
     if dry_run:
         rec = SliceRecord(name=spec.name, project=api.project, zone=zones[0], accelerator=spec.accelerator,
-                          node=f"{api.parent(zones[0])}/nodes/{spec.name}", labels=plan.labels,
+                          node=f"{api.parent(zones[0])}/nodes/{spec.name}" + ("-0" if spec.num_slices > 1 else ""),
+                          slices=spec.num_slices, labels=plan.labels,
                           price_per_hour=plan.price_per_hour, status="planned")
         return UpResult(rec, plan, [], time.monotonic() - t0)
     if oslogin.applies(api.project, spec.metadata, api.endpoint, progress):
@@ -176,11 +177,12 @@ def _record(api: Api, spec: SliceSpec, zone: str, claim_id: str) -> SliceRecord:
     acc = spec.accelerator_type
     return SliceRecord(
         name=spec.name, project=api.project, zone=zone, accelerator=acc.name,
-        node=f"{api.parent(zone)}/nodes/{spec.name}",
+        node=f"{api.parent(zone)}/nodes/{spec.name}" + ("-0" if spec.num_slices > 1 else ""),
         queued_resource=f"{api.parent(zone)}/queuedResources/{spec.name}" if spec.queued else None,
+        slices=spec.num_slices,
         api_endpoint=provider.get(spec.provider).endpoint_of(api), provider=spec.provider,
         provider_options=dict(spec.provider_options), labels=labels_of(spec),
-        price_per_hour=acc.price_per_hour(zone, spec.spot), spot=spec.spot, reserved=spec.reserved,
+        price_per_hour=acc.price_per_hour(zone, spec.spot) * spec.num_slices, spot=spec.spot, reserved=spec.reserved,
         runtime_version=spec.runtime, status="creating", claim=claim_id,
         reservation=api.reservation_path(zone, spec.reservation) if spec.reservation else None,
         external_ips=spec.external_ips, network=spec.network, subnetwork=spec.subnetwork,
@@ -212,7 +214,8 @@ def _create_in_zone(api: Api, where: Provider, spec: SliceSpec, zone: str, deadl
         if spec.queued:
             op = api.create_queued_resource(zone, spec.name, spec.name, body, spot=spec.spot,
                                             valid_until_s=None if spec.wait_capacity else
-                                            valid_until_s(spec.capacity_wait_s), reservation=rec.reservation)
+                                            valid_until_s(spec.capacity_wait_s), reservation=rec.reservation,
+                                            node_count=spec.num_slices)
         else:
             op = api.create_node(zone, spec.name, body)
     except CloudError as e:
@@ -224,7 +227,7 @@ def _create_in_zone(api: Api, where: Provider, spec: SliceSpec, zone: str, deadl
 
     last = {"state": "CREATING"}
     try:
-        node = _wait_ready(api, rec, op, spec, deadline, progress, last)
+        nodes = _wait_ready(api, rec, op, spec, deadline, progress, last)
     except CloudError as e:
         if e.kind == "capacity":
             progress(f"no capacity in {zone}: deleting the {what}")
@@ -240,7 +243,7 @@ def _create_in_zone(api: Api, where: Provider, spec: SliceSpec, zone: str, deadl
         raise _abandon(api, rec, spec, str(e), progress, cause=e) from None
     except KeyboardInterrupt:
         raise _abandon(api, rec, spec, "interrupted while waiting", progress) from None
-    rec.workers, rec.status = node.workers, "ready"
+    rec.workers, rec.status = joined_workers(nodes), "ready"
     rec.workers = where.attach(api, rec, progress)
     _save(rec)
     return rec
@@ -257,7 +260,8 @@ def valid_until_s(capacity_wait_s: float) -> float:
 
 
 def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float, progress: Progress,
-                last: dict) -> NodeInfo:
+                last: dict) -> list[NodeInfo]:
+    """Every node of the record READY with its workers (one, or each slice's of a multislice one)."""
     op_done, waiting_since = False, time.monotonic()
     where = dict(zone=rec.zone, accelerator=rec.accelerator, project=rec.project)
     def out_of_patience(what: str) -> CloudError:  # tpuctl's own limit, reached before the server's validUntil
@@ -274,7 +278,7 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                     and time.monotonic() - waiting_since > spec.capacity_wait_s):
                 raise out_of_patience("create operation still pending")
         q = api.get_queued_resource(rec.queued_resource) if rec.queued_resource and op_done else None
-        node = None
+        nodes: list[NodeInfo | None] = []
         if q is not None:
             last["state"] = q.state
             if q.state == "FAILED":
@@ -288,19 +292,23 @@ def _wait_ready(api: Api, rec: SliceRecord, op, spec: SliceSpec, deadline: float
                 if not spec.wait_capacity and time.monotonic() - waiting_since > spec.capacity_wait_s:
                     raise out_of_patience(f"still {q.state}")
             else:
-                node = api.get_node(rec.node)
+                nodes = [api.get_node(n) for n in rec.nodes]
         elif not rec.queued_resource:
-            node = api.get_node(rec.node)
+            nodes = [api.get_node(rec.node)]
         elif op_done:
             raise CloudError("failed", f"the queued resource {rec.queued_resource} disappeared while waiting "
                                        "(deleted elsewhere?)")
-        if node is not None:
+        seen = [n for n in nodes if n is not None]
+        for node in seen:
             last["state"] = node.state
-            if node.state == "READY" and len(node.workers) > 0:
-                return node
             if node.state in ("PREEMPTED", "TERMINATED", "STOPPED", "DELETING"):
-                raise CloudError("failed", f"the node went {node.state} before it was ready")
-        parts = ([f"queued resource {q.state}"] if q is not None else []) + ([f"node {node.state}"] if node else [])
+                raise CloudError("failed", f"the node {node.name.rsplit('/', 1)[1]} went {node.state} before it "
+                                           "was ready")
+        if seen and len(seen) == len(rec.nodes) and all(n.state == "READY" and n.workers for n in seen):
+            return seen
+        parts = ([f"queued resource {q.state}"] if q is not None else []) + (
+            [f"node {seen[0].state}"] if len(seen) == 1 and rec.slices == 1 else
+            [f"{sum(n.state == 'READY' for n in seen)}/{rec.slices} slices READY"] if seen else [])
         progress(f"{rec.name} in {rec.zone}: {', '.join(parts) or 'creating'}")
         if time.monotonic() > deadline:
             raise CloudError("timeout", f"{rec.name} was not READY within --timeout {fmt_duration(spec.timeout_s)} "
@@ -351,7 +359,8 @@ def spec_of(rec: SliceRecord) -> SliceSpec:
                      provider_options=dict(rec.provider_options), reservation=rec.reservation,
                      external_ips=rec.external_ips, network=rec.network, subnetwork=rec.subnetwork,
                      service_account=rec.service_account, scopes=list(rec.scopes) or [CLOUD_PLATFORM_SCOPE],
-                     metadata=dict(rec.metadata), ssh_proxy_command=rec.ssh_proxy_command, iap=rec.iap)
+                     metadata=dict(rec.metadata), ssh_proxy_command=rec.ssh_proxy_command, iap=rec.iap,
+                     num_slices=rec.slices)
 
 
 def recreate(name: str, *, progress: Progress | None = None, timeout_s: float | None = None) -> UpResult:

@@ -19,7 +19,7 @@ DELETE_WAIT_PER_HOST_S = 30.0
 
 def delete_wait_s(rec: SliceRecord) -> float:
     try:
-        hosts = catalog.lookup(rec.accelerator).hosts
+        hosts = catalog.lookup(rec.accelerator).hosts * rec.slices
     except ValueError:
         hosts = max(1, len(rec.workers))
     return DELETE_WAIT_BASE_S + DELETE_WAIT_PER_HOST_S * hosts
@@ -36,9 +36,9 @@ def delete_quietly(api: Api, rec: SliceRecord) -> list[str]:
 
 
 def _resources(rec: SliceRecord) -> list[str]:
-    """Every cloud resource the record stands for: the queued resource first (force takes its node along), the
-    node, then what earlier zones left being deleted."""
-    out = [r for r in (rec.queued_resource, rec.node) if r]
+    """Every cloud resource the record stands for: the queued resource first (force takes its nodes along), the
+    node(s) (each slice's of a multislice one), then what earlier zones left being deleted."""
+    out = [r for r in (rec.queued_resource, *rec.nodes) if r]
     return out + [r for r in rec.leftovers if r not in out]
 
 

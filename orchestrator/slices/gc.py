@@ -44,7 +44,8 @@ def gc(*, where: Provider | None = None, yes: bool = False, project: str | None 
     api = where.connect(project=project, api_endpoint=api_endpoint)
     recs = {n: r for n, r in state.records().items() if where.owns(r, api)}
     scan = list(zones or []) or sorted({r.zone for r in recs.values()} | set(catalog.all_zones()))
-    recorded = {r.node for r in recs.values()} | {r.queued_resource for r in recs.values() if r.queued_resource}
+    recorded = ({n for r in recs.values() for n in r.nodes}
+                | {r.queued_resource for r in recs.values() if r.queued_resource})
     me = owner_label()
     items: list[GcItem] = []
     skipped: dict[str, str] = {}
@@ -57,7 +58,7 @@ def gc(*, where: Provider | None = None, yes: bool = False, project: str | None 
             continue
         seen.update(q.name for q in qrs)
         seen.update(n.name for n in nodes)
-        owned_nodes = {q.node for q in qrs}
+        owned_nodes = {n for q in qrs for n in q.nodes}  # every slice of a multislice queued resource
         for kind, res in [("queued_resource", q) for q in qrs] + [("node", n) for n in nodes]:
             labels = res.labels
             if LABEL_NAME not in labels:
@@ -76,10 +77,12 @@ def gc(*, where: Provider | None = None, yes: bool = False, project: str | None 
                 items.append(GcItem(kind, res.name, labels[LABEL_NAME], zone, "unrecorded"))
     for r in recs.values():
         young = r.status == "creating" and now - r.created_at < 600  # an `up` may be about to create it
-        if (r.zone in scan and r.zone not in skipped and not young and r.node not in seen
+        if (r.zone in scan and r.zone not in skipped and not young and not seen & set(r.nodes)
                 and (r.queued_resource or "") not in seen):
             items.append(GcItem("record", r.name, r.name, r.zone, "gone"))
     live = set(state.records())
+    # A multislice record's provider-side things carry its nodes' names (NAME-0 ...): they are not orphans.
+    live |= {n.rsplit("/", 1)[-1] for r in state.records().values() if r.slices > 1 for n in r.nodes}
     items += [GcItem("hosts", n, n, "-", "unrecorded") for n in where.orphans(live)]
     if yes:
         for it in items:
@@ -102,6 +105,6 @@ def gc(*, where: Provider | None = None, yes: bool = False, project: str | None 
 
 def _drop_record_of(resource: str) -> None:
     def fix(rs):
-        for n in [n for n, r in rs.items() if resource in (r.node, r.queued_resource)]:
+        for n in [n for n, r in rs.items() if resource in (*r.nodes, r.queued_resource)]:
             del rs[n]
     state.update(fix)

@@ -3,7 +3,7 @@ the local record, and only the commands that promise that (`tpuctl status`) call
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from orchestrator import catalog, provider, state
 from orchestrator.cloud import Api, NodeInfo
@@ -36,6 +36,25 @@ def probe(name: str, where: Provider, *, project: str | None, zone: str | None,
                        provider=where.kind, labels=n.labels if n else (q.labels if q else {}), status="unrecorded")
 
 
+def joined_workers(nodes: list[NodeInfo]) -> list[Worker]:
+    """The workers of a job over these nodes, in JAX process order: one node's as the API lists them; a
+    multislice one's slice-major (slice 0's workers, then slice 1's ...), each tagged with its slice."""
+    if len(nodes) == 1:
+        return list(nodes[0].workers)
+    return [replace(w, slice=s) for s, n in enumerate(nodes) for w in n.workers]
+
+
+def _overall(nodes: list[NodeInfo | None], q) -> str:
+    """One state for the slice(s): READY only when every node is; else the first node that is not (a
+    preempted slice makes the whole multislice job lost); a node gone: its queued resource's state, or GONE."""
+    if nodes and all(n is not None for n in nodes):
+        bad = [n for n in nodes if n.state != "READY"]
+        return bad[0].state if bad else "READY"
+    if any(n is not None for n in nodes) and q is None:
+        return next(n.state for n in nodes if n is not None)
+    return q.state if q is not None else "GONE"
+
+
 @dataclass
 class SliceStatus:
     name: str
@@ -60,29 +79,38 @@ class SliceStatus:
     note: str = ""
     error: str = ""            # why the live state could not be read
     holds_quota: bool = False  # a FAILED or SUSPENDED queued resource: counts against quota until deleted
-    ready_node: NodeInfo | None = field(default=None, repr=False, compare=False)
+    slices: int = 1
+    nodes: list[dict] = field(default_factory=list)  # per slice: name, state, health, workers
+    ready_workers: list[Worker] | None = field(default=None, repr=False, compare=False)  # every node READY
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d.pop("ready_node")
+        d.pop("ready_workers")
         return d
 
 
 def status_of(rec: SliceRecord, api: Api | None, error: str = "") -> SliceStatus:
     now = time.time()
     q = n = None
+    nodes: list[NodeInfo | None] = []
     if api is not None and not error:
         try:
             q = api.get_queued_resource(rec.queued_resource) if rec.queued_resource else None
-            n = api.get_node(rec.node)
+            nodes = [api.get_node(name) for name in rec.nodes]
         except UserError as e:
             error = str(e)
-    st = "UNKNOWN" if error else (n.state if n else (q.state if q else "GONE"))
+    live = [x for x in nodes if x is not None]
+    n = live[0] if live else None
+    st = "UNKNOWN" if error else _overall(nodes, q)
     try:
-        hosts = catalog.lookup(rec.accelerator).hosts
+        hosts = catalog.lookup(rec.accelerator).hosts * rec.slices
     except ValueError:
-        hosts = len(n.workers) if n else 0
-    workers = n.workers if n and n.workers else ([] if (n is None and not error) else rec.workers)
+        hosts = sum(len(x.workers) for x in live)
+    all_ready = bool(nodes) and len(live) == len(nodes) and all(x.state == "READY" for x in live)
+    workers = (joined_workers(live) if live and len(live) == len(nodes) and all(x.workers for x in live)
+               else ([] if (not live and not error) else rec.workers))
+    per_slice = [{"slice": i, "node": name, "state": x.state if x else "GONE", "health": x.health if x else "",
+                  "workers": len(x.workers) if x else 0} for i, (name, x) in enumerate(zip(rec.nodes, nodes))]
     age = max(0.0, now - rec.created_at)
     return SliceStatus(
         name=rec.name, state=st, queued_state=q.state if q else "", health=n.health if n else "",
@@ -91,7 +119,8 @@ def status_of(rec: SliceRecord, api: Api | None, error: str = "") -> SliceStatus
         cost_so_far=round(rec.price_per_hour * age / 3600, 4) if n is not None else 0.0, spot=rec.spot,
         provider=rec.provider, node=rec.node, queued_resource=rec.queued_resource, labels=rec.labels,
         recorded=rec.status != "unrecorded", note=rec.note, error=error,
-        holds_quota=bool(q and q.state in HOLDS_QUOTA), ready_node=n if n is not None and n.state == "READY" else None)
+        holds_quota=bool(q and q.state in HOLDS_QUOTA), slices=rec.slices,
+        nodes=per_slice if rec.slices > 1 else [], ready_workers=workers if all_ready else None)
 
 
 def status(name: str, *, where: Provider | None = None, project: str | None = None, zone: str | None = None,
@@ -110,12 +139,12 @@ def refresh(name: str, **kw) -> SliceStatus:
     """status(), and a READY node's state and workers written into the record (a slice that became READY after
     `up` stopped waiting for it, or whose workers changed)."""
     st = status(name, **kw)
-    n = st.ready_node
-    if n is not None and st.recorded:
+    ready = st.ready_workers
+    if ready is not None and st.recorded:
         def fix(rs):
             rec = rs.get(name)
-            if rec is not None and (rec.status != "ready" or rec.workers != n.workers):
-                rec.status, rec.workers = "ready", n.workers
+            if rec is not None and (rec.status != "ready" or rec.workers != ready):
+                rec.status, rec.workers = "ready", ready
         state.update(fix)
     return st
 

@@ -28,11 +28,16 @@ class Plan:
     project: str
     queued: bool
     labels: dict[str, str]
+    slices: int = 1              # a multislice queued resource of this many slices: the figures are the total
+
 
     def summary(self) -> str:
         kind = "spot" if self.spot else ("reserved" if self.reserved else "on-demand")
         how = "queued resource" if self.queued else "node"
-        return (f"{self.name}: {self.accelerator} = {self.chips} chips on {self.hosts} host(s), topology "
+        if self.slices > 1:
+            how = f"one multislice queued resource (nodes {self.name}-0 .. {self.name}-{self.slices - 1}, all or none)"
+        what = self.accelerator if self.slices == 1 else f"{self.slices} x {self.accelerator} joined by DCN"
+        return (f"{self.name}: {what} = {self.chips} chips on {self.hosts} host(s), topology "
                 f"{self.topology}, {self.hbm_gib:g} GiB HBM ({self.hbm_gib_per_chip:g}/chip), "
                 f"{self.peak_bf16_tflops:,.0f} peak bf16 TFLOP/s; ${self.price_per_hour:.2f}/hour {kind} list price; "
                 f"{how} in {', '.join(self.zones)} (project {self.project}, runtime {self.runtime_version})")
@@ -41,11 +46,13 @@ class Plan:
 def make_plan(spec: SliceSpec, project: str, zones: list[str] | None = None) -> Plan:
     acc = spec.accelerator_type
     zones = zones or spec.zones
-    return Plan(name=spec.name, accelerator=acc.name, chips=acc.chips, hosts=acc.hosts, topology=acc.topology,
-                hbm_gib=acc.hbm_gib, hbm_gib_per_chip=acc.hbm_gib_per_chip, peak_bf16_tflops=acc.peak_bf16_tflops,
-                price_per_hour=acc.price_per_hour(zones[0] if zones else None, spec.spot), spot=spec.spot,
+    n = spec.num_slices
+    return Plan(name=spec.name, accelerator=acc.name, chips=acc.chips * n, hosts=acc.hosts * n,
+                topology=acc.topology + (f" per slice" if n > 1 else ""), hbm_gib=acc.hbm_gib * n,
+                hbm_gib_per_chip=acc.hbm_gib_per_chip, peak_bf16_tflops=acc.peak_bf16_tflops * n,
+                price_per_hour=acc.price_per_hour(zones[0] if zones else None, spec.spot) * n, spot=spec.spot,
                 reserved=spec.reserved, zones=list(zones), runtime_version=spec.runtime, project=project,
-                queued=spec.queued, labels=labels_of(spec))
+                queued=spec.queued, labels=labels_of(spec), slices=n)
 
 
 def labels_of(spec: SliceSpec, now: float | None = None) -> dict[str, str]:

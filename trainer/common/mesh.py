@@ -1,22 +1,27 @@
-"""Processes and devices: jax.distributed from the TPUCTL_* env, the (data, model) mesh, sharding rules.
+"""Processes and devices: jax.distributed from the TPUCTL_* env, the (dcn, data, model) mesh, sharding rules.
 
 Sharding is written once, as logical axis names -> mesh axes (RULES). Parameters carry logical names in
-their `axes` metadata; activations are constrained with the same names; the batch is sharded over `data`.
+their `axes` metadata; activations are constrained with the same names; the batch is sharded over (dcn, data).
+`--mesh data=D,model=M` describes one slice (its ICI); on several slices (multislice, MEGASCALE_NUM_SLICES) the
+outer `dcn` axis runs over the slices, data parallel, so only one set of gradients per slice crosses the
+data-center network. On one slice `dcn` has size 1.
 """
 from __future__ import annotations
 
 import os
 import re
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from trainer.common.config import UsageError
 
-AXES = ("data", "model")
-RULES: dict[str, str | None] = {
-    "batch": "data",
+DCN = "dcn"
+AXES = (DCN, "data", "model")
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": (DCN, "data"),
     "vocab": "model",
     "heads": "model",
     "mlp": "model",
@@ -120,9 +125,78 @@ def one_step_in_flight(mesh: Mesh) -> bool:
 
 
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
-    """devices: default every device of the job; trainer/common/aot.py passes a TPU topology's devices instead."""
+    """One slice's mesh (dcn = 1). devices: default every device of the job; trainer/common/aot.py passes a TPU
+    topology's devices instead."""
     # Auto axes: XLA propagates shardings through gathers (the embedding lookup) that Explicit axes reject.
-    return jax.make_mesh((shape["data"], shape["model"]), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+    return jax.make_mesh((1, shape["data"], shape["model"]), AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def slices() -> tuple[int, int]:
+    """(number of slices, this process's slice) from MEGASCALE_NUM_SLICES / MEGASCALE_SLICE_ID: what a multislice
+    queued resource's TPU VMs have in their tpu-env, and what `tpuctl run` sets on every host. (1, 0) without."""
+    try:
+        n, sid = int(os.environ.get("MEGASCALE_NUM_SLICES") or 1), int(os.environ.get("MEGASCALE_SLICE_ID") or 0)
+    except ValueError:
+        raise UsageError("MEGASCALE_NUM_SLICES / MEGASCALE_SLICE_ID are not integers") from None
+    if n < 1 or not 0 <= sid < n:
+        raise UsageError(f"MEGASCALE_SLICE_ID {sid} is not a slice of MEGASCALE_NUM_SLICES {n}")
+    return n, sid
+
+
+def slice_of_process(process: int, n_processes: int, n_slices: int) -> int:
+    """Processes are slice-major (process = slice x hosts_per_slice + worker), as jax.distributed numbers them
+    on TPU VMs from MEGASCALE_SLICE_ID."""
+    return process // (n_processes // n_slices)
+
+
+def slice_groups(devices, n_slices: int, n_processes: int) -> list[list]:
+    """The devices of each slice, in id order. TPU devices know their slice (`slice_index`); CPU devices do not
+    (theirs is always 0), and jax's own grouping fits only one process per slice: here a slice is H = processes / slices consecutive
+    processes, so a local multislice run builds its mesh on the same code path."""
+    if n_processes % n_slices:
+        raise UsageError(f"{n_processes} processes do not split over {n_slices} slices (MEGASCALE_NUM_SLICES)")
+    groups: list[list] = [[] for _ in range(n_slices)]
+    for d in sorted(devices, key=lambda d: d.id):
+        s = getattr(d, "slice_index", None) if d.platform == "tpu" else None  # jax's CPU devices say slice 0
+        groups[s if s is not None else slice_of_process(d.process_index, n_processes, n_slices)].append(d)
+    if len({len(g) for g in groups}) != 1:
+        raise UsageError(f"the slices hold different device counts ({', '.join(str(len(g)) for g in groups)})")
+    return groups
+
+
+def job_mesh(spec_text: str, devices=None, n_slices: int | None = None, n_processes: int | None = None) -> Mesh:
+    """The run's mesh: --mesh on one slice, or the hybrid (dcn, data, model) mesh over several, --mesh describing
+    each slice. On TPU the hybrid mesh is jax's own (mesh_utils.create_hybrid_device_mesh, by slice_index); on
+    CPU devices each slice's devices (slice_groups) are laid out the same way."""
+    devices = list(devices if devices is not None else jax.devices())
+    n = slices()[0] if n_slices is None else n_slices
+    if n == 1:
+        return make_mesh(parse_mesh(spec_text, len(devices)), devices)
+    if len(devices) % n:
+        raise UsageError(f"{len(devices)} devices do not split over {n} slices")
+    try:
+        shape = parse_mesh(spec_text, len(devices) // n)
+    except UsageError as e:
+        raise UsageError(f"{e} (on each of the {n} slices: --mesh describes one slice)") from None
+    procs = jax.process_count() if n_processes is None else n_processes
+    if all(getattr(d, "slice_index", None) is not None for d in devices) and devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+        arr = mesh_utils.create_hybrid_device_mesh((1, shape["data"], shape["model"]), (n, 1, 1), devices)
+    else:
+        arr = np.array(slice_groups(devices, n, procs), dtype=object).reshape(n, shape["data"], shape["model"])
+    return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def describe(mesh: Mesh) -> str:
+    """'data=4,model=1', or on several slices '2 slices x data=4,model=1'."""
+    ici = f"data={mesh.shape['data']},model={mesh.shape['model']}"
+    return ici if mesh.shape[DCN] == 1 else f"{mesh.shape[DCN]} slices x {ici}"
+
+
+def shape_of(mesh: Mesh) -> dict[str, int]:
+    """The mesh's axis sizes as run_info and plans record them: dcn only when there are several slices."""
+    return {k: int(v) for k, v in mesh.shape.items() if k != DCN or v > 1}
 
 
 def spec(axes: tuple[str | None, ...] | None, rules: dict = RULES) -> P:

@@ -27,10 +27,12 @@ from trainer.models.xent import chunk_of
 
 # The axes come from the sharding rules (trainer/common/mesh.py), written once there: the batch's axis, and the vocab
 # rows over every axis, the batch's first (data-major).
+# The batch's axes are (dcn, data): collectives over DATA run over both (dcn has size 1 on one slice).
 DATA = VOCAB_PARALLEL_RULES["batch"]
+_DATA_AXES = DATA if isinstance(DATA, tuple) else (DATA,)
 ALL = tuple(VOCAB_PARALLEL_RULES["vocab"])
-MODEL = next(a for a in ALL if a != DATA)
-assert ALL == (DATA, MODEL), ALL
+MODEL = next(a for a in ALL if a not in _DATA_AXES)
+assert ALL == (*_DATA_AXES, MODEL), ALL
 TABLE = P(ALL, None)
 ACTS = P(DATA, None, None)
 IDS = P(DATA, None)

@@ -27,11 +27,12 @@ from trainer.models import attention, gpt2
 def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
     """The config against the mesh: clear errors before anything is allocated."""
     m, t = cfg.model, cfg.train
-    d, mp = shape["data"], shape["model"]
+    d, mp = shape["data"] * shape.get(mesh_lib.DCN, 1), shape["model"]  # the batch goes over (dcn, data)
     micro = t.batch_size // t.grad_accum
     if micro % d:
         per = f" (per micro-step {micro} with --grad-accum {t.grad_accum})" if t.grad_accum > 1 else ""
-        raise UsageError(f"--batch-size {t.batch_size}{per} is not divisible by the mesh's data axis ({d}); "
+        raise UsageError(f"--batch-size {t.batch_size}{per} is not divisible by the mesh's data axis ({d}"
+                         + (f" over {shape[mesh_lib.DCN]} slices" if shape.get(mesh_lib.DCN, 1) > 1 else "") + "); "
                          f"use a multiple of {d * t.grad_accum}")
     if t.batch_size % n_processes:
         raise UsageError(f"--batch-size {t.batch_size} is not divisible by the {n_processes} processes")
@@ -45,12 +46,15 @@ def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
                          f"{d * mp} devices; set --vocab-multiple to a multiple of {d * mp}")
 
 
-def use_vocab_parallel(cfg: Config, n_devices: int) -> bool:
+def use_vocab_parallel(cfg: Config, n_devices: int, n_slices: int = 1) -> bool:
     """--vocab-parallel resolved. auto: on when the hidden states of a (micro-)step, which it all-gathers,
-    are smaller than the [V, D] table whose gradient it then no longer all-reduces."""
+    are smaller than the [V, D] table whose gradient it then no longer all-reduces; never on several slices
+    (its gathers would cross DCN every step)."""
     m, t = cfg.model, cfg.train
     if t.vocab_parallel != "auto":
         return t.vocab_parallel == "on"
+    if n_slices > 1:
+        return False
     tokens = t.batch_size // t.grad_accum * m.seq_len
     return n_devices > 1 and m.padded_vocab % n_devices == 0 and tokens < m.padded_vocab
 
@@ -65,7 +69,7 @@ class Steps:
         self.dtype = compute_dtype(t.dtype, platform)
         self.attention = attention.resolve(t.attention, platform, m.seq_len)
         self.graphdef, _ = gpt2.abstract(m)
-        self.vocab_parallel = use_vocab_parallel(cfg, mesh.size)
+        self.vocab_parallel = use_vocab_parallel(cfg, mesh.size, mesh.shape[mesh_lib.DCN])
         self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES
         self.param_sh = gpt2.param_shardings(m, mesh, self.rules)
         self.rep = mesh_lib.replicated(mesh)
@@ -162,9 +166,10 @@ class Steps:
 
 
 def setup_mesh(cfg: Config):
-    shape = mesh_lib.parse_mesh(cfg.train.mesh, jax.device_count())
-    check_fits(cfg, shape, jax.process_count())
-    return mesh_lib.make_mesh(shape)
+    """--mesh over this job's devices: one slice's, or each slice's with the slices on `dcn` (MEGASCALE_*)."""
+    mesh = mesh_lib.job_mesh(cfg.train.mesh)
+    check_fits(cfg, dict(mesh.shape), jax.process_count())
+    return mesh
 
 
 def pretrain(cfg: Config) -> int:
@@ -202,7 +207,10 @@ RUN_INFO = "run_info.json"  # in --ckpt-dir: where the latest start of the run r
 
 def write_run_info(cfg: Config, mesh, steps: "Steps", hosts: list[str], start: int) -> None:
     """The mesh, devices and hosts of this start of the run (a resume after a preemption may have new ones)."""
-    info = {"mesh": dict(mesh.shape), "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+    n_slices, nproc = mesh.shape[mesh_lib.DCN], jax.process_count()
+    info = {"mesh": mesh_lib.shape_of(mesh), "slices": n_slices,
+            "process_slices": [mesh_lib.slice_of_process(p, nproc, n_slices) for p in range(nproc)],
+            "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
             "platform": jax.devices()[0].platform, "processes": jax.process_count(), "hosts": hosts,
             "dtype": jnp.dtype(steps.dtype).name, "vocab_parallel": steps.vocab_parallel, "started_at_step": start,
             "started": time.time()}
@@ -226,7 +234,10 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
     else:
         params, opt_state = steps.init()
     if primary:
-        metrics.say(f"{gpt2.count_params(params):,} params | mesh data={mesh.shape['data']},model={mesh.shape['model']}"
+        if mesh.shape[mesh_lib.DCN] > 1:
+            metrics.say(f"mesh {mesh_lib.describe(mesh)} ({jax.device_count()} devices, {jax.process_count()} "
+                        "processes)")
+        metrics.say(f"{gpt2.count_params(params):,} params | mesh {mesh_lib.describe(mesh)}"
                     f" over {jax.device_count()} {jax.devices()[0].device_kind} devices in {jax.process_count()}"
                     f" process(es) | dtype {jnp.dtype(steps.dtype).name} | "
                     + (f"resuming from step {start}" if start else "starting from scratch"))
