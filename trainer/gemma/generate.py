@@ -199,5 +199,5 @@ def sample_main(args) -> int:
     if jax.process_index() == 0:
         print(file=sys.stdout)
         print(f"[{len(new)} tokens in {dt_s:.2f} s (compile included); {ck.cfg.family} "
-              f"{ck.cfg.n_layers} layers, d_model {ck.cfg.d_model}, mesh {dict(mesh.shape)}]", file=sys.stderr)
+              f"{ck.cfg.n_layers} layers, d_model {ck.cfg.d_model}, mesh {mesh_lib.shape_of(mesh)}]", file=sys.stderr)
     return 0
