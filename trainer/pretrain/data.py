@@ -49,7 +49,10 @@ def resolve(data: str | None, val_fraction: float = DEFAULT_VAL_FRACTION) -> str
     if not (local / META).exists():  # prepared aside and renamed: processes resolving at once never share a folder
         tmp = Path(tempfile.mkdtemp(prefix=".prep.", dir=_mkdir(cache_root())))
         try:
-            prepare([data] if data else None, str(tmp), val_fraction=val_fraction, progress=False)
+            # Into this host's own cache, whole: under tpuctl every host resolves the same text itself, so the
+            # split of the work over hosts (TPUCTL_PROCESS_ID) that `prepare` does on a slice must not apply.
+            prepare([data] if data else None, str(tmp), val_fraction=val_fraction, progress=False,
+                    process_index=0, process_count=1)
             _replace_dir(tmp, local)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
