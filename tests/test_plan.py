@@ -53,7 +53,7 @@ def _arithmetic_state_bytes(argv: list[str], devices: int) -> float:
     """params x 4 bytes x 3 (the params and Adam's two moments, f32), each divided by the shards its logical
     axes get from the rules on the mesh the trainer makes."""
     cfg = config.resolve(parser().parse_args(argv))
-    shape = mesh_lib.parse_mesh(cfg.train.mesh, devices)
+    shape = {"dcn": 1, **mesh_lib.parse_mesh(cfg.train.mesh, devices)}  # one slice
     rules = mesh_lib.VOCAB_PARALLEL_RULES if loop.use_vocab_parallel(cfg, devices) else mesh_lib.RULES
     shapes = gpt2.abstract(cfg.model)[1]
     sizes = nnx.to_pure_dict(shapes, extract_fn=lambda v: math.prod(v.get_value().shape))
