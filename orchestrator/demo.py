@@ -30,7 +30,7 @@ TOKENIZER = "gpt2-4k"
 # Two layers of width 128 over 64 tokens of context: chosen by step time on 2 cores and by what the sample shows
 # after STEPS steps (docs/demo.md has the numbers).
 MODEL = ["--n-layer", "2", "--n-head", "4", "--d-model", "128", "--seq-len", "64", "--dropout", "0"]
-STEPS = 300
+STEPS = 400
 SAMPLE = ["--prompt", PROMPT, "--max-new-tokens", "200", "--temperature", "0.5", "--top-k", "10", "--seed", "0"]
 # The sweep: one layer at three widths, the same steps and data; its report plots validation loss against compute.
 SWEEP = ["--set", "d_model=32,64,128"]

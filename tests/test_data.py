@@ -118,3 +118,9 @@ def test_missing_path_and_short_split_errors(corpus, tmp_path):
         data.BatchLoader(d, "val", seq_len=10**6, global_batch=2, seed=0)
     with pytest.raises(data.DataError, match="not divisible"):
         data.BatchLoader(d, "train", 16, 6, 0, process_index=0, process_count=4)
+
+
+def test_the_vocabulary_table_is_each_tokenizers_own():
+    assert set(tokenizers.VOCABS) == set(tokenizers.NAMES)
+    for name, n in tokenizers.VOCABS.items():
+        assert tokenizers.get(name).n_vocab == n, name

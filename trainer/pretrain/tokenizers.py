@@ -76,6 +76,7 @@ class Bytes:
 
 
 NAMES = {"gpt2": TOKENIZER_ID, "gpt2-4k": "gpt2-4k", "bytes": "bytes"}  # flag value -> the id meta.json records
+VOCABS = {"gpt2": VOCAB_SIZE, "gpt2-4k": SMALL_VOCAB, "bytes": Bytes.n_vocab}  # ids each one makes
 
 
 def of_data(data: str) -> str:
@@ -126,7 +127,9 @@ def follow_data(args) -> None:
         raise DataError(f"--tokenizer {args.tokenizer}: the data at {args.data or 'the default corpus'} was "
                         f"prepared with {found}; leave --tokenizer out to follow the data")
     if getattr(args, "vocab_size", None) is None:
-        args.vocab_size = get(args.tokenizer).n_vocab
+        # From the table, not by building the tokenizer: a host training on token files never loads a
+        # vocabulary (tiktoken would cache one in the host's temp folder).
+        args.vocab_size = VOCABS[args.tokenizer]
 
 
 def get(name: str):
