@@ -31,7 +31,7 @@ TOKENIZER = "gpt2-4k"
 # after STEPS steps (docs/demo.md has the numbers).
 MODEL = ["--n-layer", "2", "--n-head", "4", "--d-model", "128", "--seq-len", "64", "--dropout", "0"]
 STEPS = 400
-SAMPLE = ["--prompt", PROMPT, "--max-new-tokens", "200", "--temperature", "0.5", "--top-k", "10", "--seed", "0"]
+SAMPLE = ["--prompt", PROMPT, "--max-new-tokens", "200", "--temperature", "0.6", "--top-k", "10", "--seed", "2"]
 # The sweep: one layer at three widths, the same steps and data; its report plots validation loss against compute.
 SWEEP = ["--set", "d_model=32,64,128"]
 SWEEP_TRIAL = ["--n-layer", "1", "--n-head", "4", "--seq-len", "64", "--dropout", "0", "--batch-size", "32",
