@@ -85,7 +85,7 @@ def os_login(project: str, where: Provider, tpu_endpoint: str | None = None) -> 
     from orchestrator import oslogin
     endpoint = os.environ.get(oslogin.ENV_COMPUTE) or None
     tpu = where.endpoint(tpu_endpoint) or ""
-    if not endpoint and (where.kind == provider.LOCAL or tpu.startswith("http://")):
+    if not endpoint and tpu.startswith("http://"):  # a local slice's TPU API is its stand-in too
         # A stand-in TPU API is no project of Google's: its Compute Engine API is a stand-in too, or none.
         return Item("OS Login", None, f"not checked: the TPU API is a stand-in and no Compute Engine API is given "
                                       f"(set {oslogin.ENV_COMPUTE} to a stand-in)")
