@@ -50,7 +50,7 @@ class Job:
     eval_every: int                                 # 0: only at the last step
     ckpt_every: int                                 # 0: only at the end and on a notice
     tokens_per_step: int
-    step: Callable[[Any, Any, int], tuple[Any, dict]]   # (state, local batch, step) -> (state, {loss, grad_norm, lr})
+    step: Callable[[Any, Any, int], tuple]          # (state, local batch, step) -> (*state, {loss, grad_norm, lr})
     evaluate: Callable[[Any], float | None]         # state -> validation loss
     save: Callable[[checkpoint.Checkpointer, int, Any], None]  # write step's state (and the job's meta)
     saved_what: str = "checkpoint"                  # the last line: "done: step N, <saved_what> in DIR"
@@ -81,7 +81,8 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     try:
         last_t, last_step = time.perf_counter(), start
         for step, local in batches:
-            state, out = job.step(state, local, step)
+            *new, out = job.step(state, local, step)
+            state = tuple(new)
             last = step == job.total
             if step == start + 1 or step % job.log_every == 0 or last:
                 rec = {"step": step, "loss": finite(float(out["loss"]), step, ckpt)}  # waits for the step

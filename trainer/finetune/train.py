@@ -251,16 +251,12 @@ def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, 
     job = loop.Job(
         ckpt_dir=run.ckpt_dir, total=total, log_every=run.log_every, eval_every=run.eval_every,
         ckpt_every=run.ckpt_every, tokens_per_step=batches.global_batch * run.seq_len,
-        step=lambda state, local, step: _split(steps.step(*state, base, local, step)),
+        step=lambda state, local, step: steps.step(*state, base, local, step),
         evaluate=lambda state: steps.evaluate(state[0], base, val_rows),
         save=lambda ck, step, state: ck.save(step, *state, meta), saved_what="adapters")
     return loop.run(job, ckpt, (lora, opt_state), start,
                     ((step, batches.local_batch(step)) for step in range(start + 1, total + 1)))
 
-
-def _split(out):
-    lora, opt_state, scalars = out
-    return (lora, opt_state), scalars
 
 
 def load_adapters(directory: str, cfg: gemma.GemmaConfig, mesh, step: int | None = None):

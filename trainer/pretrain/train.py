@@ -254,14 +254,9 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
     job = loop.Job(
         ckpt_dir=t.ckpt_dir, total=t.steps, log_every=t.log_every, eval_every=t.eval_every, ckpt_every=t.ckpt_every,
         tokens_per_step=t.batch_size * m.seq_len,
-        step=lambda state, local, step: _split(steps.step(*state, local, step)),
+        step=lambda state, local, step: steps.step(*state, local, step),
         evaluate=lambda state: steps.evaluate(state[0], val, t.eval_batches),
         save=lambda ck, step, state: ck.save(step, *state, cfg),
         flops_per_token=metrics.flops_per_token(m),
         peak_flops=metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops))
     return loop.run(job, ckpt, (params, opt_state), start, loader.iterate(start + 1), wandb)
-
-
-def _split(out):
-    params, opt_state, scalars = out
-    return (params, opt_state), scalars
