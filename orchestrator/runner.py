@@ -10,7 +10,6 @@ import io
 import json
 import os
 import queue
-import re
 import signal
 import sys
 import threading
@@ -31,11 +30,7 @@ HUNG = 124      # a host stopped advancing: every host was stopped
 # first step are not judged (they come before a host's first report); saves are bounded by the trainer itself.
 DEFAULT_HANG_TIMEOUT_S = 300.0
 PROGRESS = "TPUCTL_PROGRESS step="  # every trainer process prints it at each logged step (docs/CONTRACTS.md)
-# A line that is noise in the streamed view, kept in the per-host logs only: tensorstore's own (statically
-# linked, never initialised) absl logging writes this INFO line to stderr in every process that opens gs:// with
-# the GCS emulator's test token, and has no level to set from outside. (Gloo's connection report is silenced by
-# the trainer itself: trainer/common/process.py.)
-QUIET = re.compile(r"google_auth_provider\.cc.*GOOGLE_AUTH_TOKEN_FOR_TESTING")
+
 
 
 @dataclass
@@ -96,8 +91,6 @@ class _HostStream:
             return
         self.log.write(line + "\n")
         self.log.flush()
-        if QUIET.search(line):
-            return
         self.tail.append(line)
         with self.lock:
             self.out.write(self.prefix + line + "\n")

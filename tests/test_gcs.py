@@ -77,3 +77,31 @@ def test_prepare_to_a_missing_bucket_is_one_line(emu, tmp_path):
     assert r.stderr.splitlines() == ["error: --out gs://no-such-bucket-x/tok: cannot write to gs://no-such-bucket-x "
                                      "(the bucket does not exist); create it (`gcloud storage buckets create "
                                      "gs://no-such-bucket-x`) or pick a bucket you can write"], r.stderr
+
+
+QUIET_PROBE = """
+import sys
+from trainer.common import process
+if sys.argv[1] == "quiet":
+    assert process.quiet_tensorstore(), "tensorstore's absl::SetMinLogLevel was not found"
+import tensorstore as ts
+kv = ts.KvStore.open({"driver": "gcs", "bucket": "tpuctl-nowhere",
+                      "context": {"gcs_request_retries": {"max_retries": 1, "initial_delay": "10ms"}}}).result()
+try:
+    kv.read("x").result()
+except Exception as e:  # noqa: BLE001 - nothing listens there: only the log line before the request matters
+    print("read failed", type(e).__name__)
+"""
+
+
+def test_tensorstore_credentials_line_is_silenced_at_its_log_level():
+    """tensorstore logs the credentials it picks at INFO on first use; the trainer lowers tensorstore's own
+    absl level to WARNING before that (trainer/common/process.py). Without it the line is there: the check can
+    fail."""
+    env = dict(os.environ, GOOGLE_AUTH_TOKEN_FOR_TESTING="t", TENSORSTORE_GCS_HTTP_URL="http://127.0.0.1:1")
+    out = {m: subprocess.run([sys.executable, "-c", QUIET_PROBE, m], env=env, capture_output=True, text=True,
+                             timeout=120) for m in ("loud", "quiet")}
+    for p in out.values():
+        assert p.returncode == 0 and "read failed" in p.stdout, p.stderr[-2000:]
+    assert "GOOGLE_AUTH_TOKEN_FOR_TESTING" in out["loud"].stderr
+    assert "google_auth_provider" not in out["quiet"].stderr, out["quiet"].stderr

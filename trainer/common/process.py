@@ -101,6 +101,68 @@ def quiet_native_logs() -> None:
         os.environ.setdefault(k, v)
     if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(d) for d in ACCELERATOR_DEVICES):
         os.environ["JAX_PLATFORMS"] = "cpu"
+    quiet_tensorstore()
+
+
+# tensorstore (Orbax's array I/O on gs://) links its own copy of absl logging, sets it to print INFO lines when
+# imported, and names the credentials it picks at INFO on first use ("Using GOOGLE_AUTH_TOKEN_FOR_TESTING" against
+# the GCS emulator, "Running on GCE, using GCE Auth Provider" on a TPU VM). No environment variable or flag it
+# reads lowers that level, so its own absl::SetMinLogLevel is called, found by name in the module's symbol table.
+# Its warnings and errors still reach stderr. A tensorstore built without that symbol is left as it is.
+_ABSL_SET_MIN_LOG_LEVEL = b"_ZN4absl14SetMinLogLevelENS_18LogSeverityAtLeastE"
+_WARNING = 1  # absl::LogSeverityAtLeast::kWarning
+
+
+def quiet_tensorstore() -> bool:
+    """Set tensorstore's absl logging to WARNING and above. True when it was set."""
+    try:
+        import tensorstore
+    except ImportError:
+        return False
+    import ctypes
+    import glob
+    so = next(iter(glob.glob(os.path.join(os.path.dirname(tensorstore.__file__), "_tensorstore*.so"))), None)
+    if so is None:
+        return False
+    offset, base = _elf_symbol(so, _ABSL_SET_MIN_LOG_LEVEL), _load_address(so)
+    if offset is None or base is None:
+        return False
+    ctypes.CFUNCTYPE(None, ctypes.c_int)(base + offset)(_WARNING)
+    return True
+
+
+def _elf_symbol(path: str, name: bytes) -> int | None:
+    """The value of `name` in a 64-bit little-endian ELF file's static symbol table (.symtab), or None."""
+    import mmap
+    import struct
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:6] != b"\x7fELF\x02\x01":
+            return None
+        shoff, = struct.unpack_from("<Q", m, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", m, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", m, shoff + i * shentsize) for i in range(shnum)]
+        for _, kind, _, _, off, size, link, _, _, entsize in sections:
+            if kind != 2 or entsize != 24:  # SHT_SYMTAB
+                continue
+            strings = sections[link][4]
+            at = m.find(name + b"\0", strings, strings + sections[link][5])
+            if at < 0:
+                return None
+            for sym in range(off, off + size, 24):
+                if struct.unpack_from("<I", m, sym)[0] == at - strings:
+                    return struct.unpack_from("<Q", m, sym + 8)[0]
+    return None
+
+
+def _load_address(path: str) -> int | None:
+    """Where this process mapped the start of the shared object at `path`."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == real and int(fields[2], 16) == 0:
+                return int(fields[0].split("-")[0], 16)
+    return None
 
 
 def native_stdout_off() -> None:
