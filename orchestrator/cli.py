@@ -437,9 +437,13 @@ def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, 
 @click.option("--ssh-proxy-command", metavar="CMD", help="Each trial's `run` reaches the workers through CMD (as "
                                                          "`tpuctl run --ssh-proxy-command`).")
 @click.option("--iap", is_flag=True, help="Each trial's `run` reaches the workers through Cloud IAP (as `run --iap`).")
+@click.option("--env", "envs", multiple=True, metavar="K=V", help="Set K=V in every trial's environment on every "
+                                                                  "host (as `tpuctl run --env`; repeatable).")
+@click.option("--no-plan", is_flag=True, help="Launch each trial without first checking its train step against the "
+                                              "slice (as `tpuctl run --no-plan`).")
 @_json_option
 @_errors
-def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, iap, as_json):
+def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, iap, envs, no_plan, as_json):
     """Run every trial of a grid on slice NAME, one after another; or `tpuctl sweep report DIR`.
 
     \b
@@ -477,7 +481,11 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
             sshproxy.check(ssh_proxy_command)
         except sshproxy.ProxyError as e:
             raise UserError(str(e)) from None
-    run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else [])
+    for kv in envs:
+        if "=" not in kv or not kv.split("=", 1)[0]:
+            raise UserError(f"--env {kv}: expected K=V")
+    run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else []) \
+        + [a for kv in envs for a in ("--env", kv)] + (["--no-plan"] if no_plan else [])
     res = sweep.sweep(name, grid_args, out or "", command, run_flags=run_flags)
     if as_json:
         click.echo(json.dumps(res.to_json()))

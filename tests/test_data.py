@@ -1,5 +1,7 @@
 """trainer.pretrain.data: offline tokenizer, prepare/resolve with caching, process-count-invariant batches."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +126,22 @@ def test_the_vocabulary_table_is_each_tokenizers_own():
     assert set(tokenizers.VOCABS) == set(tokenizers.NAMES)
     for name, n in tokenizers.VOCABS.items():
         assert tokenizers.get(name).n_vocab == n, name
+
+
+def test_the_plays_tokenizer_is_rebuilt_identically_and_makes_names_and_line_starts_single_tokens():
+    """plays-4k is fitted to the corpus on first use, in every process that needs it (prepare's workers, sample):
+    two processes must build the same merges. It is a BPE: it round-trips any text, bytes included."""
+    probe = ("import hashlib, sys; from trainer.pretrain import tokenizers; "
+             "e = tokenizers.get('plays-4k'); "
+             "print(hashlib.sha256(repr(sorted(e._mergeable_ranks.items())).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                              check=True).stdout for _ in range(2)}
+    assert len(digests) == 1
+    enc = tokenizers.get("plays-4k")
+    assert enc.n_vocab == 4096 and enc.eot_token == 4095
+    text = "Good night.\n\nROMEO:\nAnd I will kiss thee, 42 times; naïve 日本\n"
+    ids = enc.encode_ordinary(text)
+    assert enc.decode(ids) == text and max(ids) < 4095
+    pieces = [enc.decode([i]) for i in ids]
+    assert "\nROMEO" in pieces and "\nAnd" in pieces and " kiss" in pieces, pieces
+    assert len(ids) < len(tokenizers.get("gpt2-4k").encode_ordinary(text))

@@ -26,8 +26,9 @@ def add_prepare(sub) -> None:
                                                  "unfinished or finished output)")
     pr.add_argument("--val-fraction", type=float, default=0.05, metavar="X",
                     help="share of documents that go to val, chosen by a hash of each document (default 0.05)")
-    pr.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "gpt2-4k", "bytes"),
-                    help="gpt2: GPT-2 BPE (tiktoken); gpt2-4k: its first 4,096 ids; bytes: UTF-8 bytes, 257 ids "
+    pr.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "gpt2-4k", "plays-4k", "bytes"),
+                    help="gpt2: GPT-2 BPE (tiktoken); gpt2-4k: its first 4,096 ids; plays-4k: a 4,096-id BPE "
+                         "fitted to the default corpus (Shakespeare's plays; the demo's); bytes: UTF-8 bytes, 257 ids "
                          "(default gpt2)")
     pr.add_argument("--text-field", default="text", metavar="NAME",
                     help="the jsonl field / parquet column that holds a document's text (default text)")

@@ -136,7 +136,7 @@ def tokenize_piece(out: str, index: int, items: list[Item], sources: list[Source
 _worker_ctx: dict = {}
 
 
-def _worker_init(out, sources, settings, q):
+def _worker_init(out, sources, settings, q, enc=None):
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if sys.platform == "linux":  # a parent killed with SIGKILL takes its workers along (no orphan tokenising on)
@@ -144,6 +144,8 @@ def _worker_init(out, sources, settings, q):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _worker_ctx.update(out=out, sources=sources, settings=settings, q=q)
+    from trainer.pretrain import tokenizers
+    tokenizers.hand_over(settings.tokenizer, enc)  # one the parent built (plays-4k) is not built again
     _tokenizer(settings.tokenizer)
 
 
@@ -310,7 +312,9 @@ def _run_pieces(out, todo, pieces, srcs, settings, workers, bar) -> None:
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold threads (gcsfs, grain)
     q = ctx.Queue()
-    pool = ctx.Pool(workers, initializer=_worker_init, initargs=(out, srcs, settings, q), maxtasksperchild=None)
+    from trainer.pretrain import tokenizers
+    pool = ctx.Pool(workers, initializer=_worker_init,
+                    initargs=(out, srcs, settings, q, tokenizers.built(settings.tokenizer)), maxtasksperchild=None)
     try:
         # Big pieces first: the last worker to finish is not the one that drew the largest file last.
         jobs = sorted(((i, pieces[i]) for i in todo), key=lambda j: -sum(it.weight for it in j[1]))
