@@ -36,3 +36,21 @@ def test_a_failed_trial_is_described_by_its_host_and_the_trainers_error_line(tmp
     assert sweep._reason(res) == "w1 exited 2: error: --batch-size 6 is not divisible by the 4 processes"
     res = {"run_dir": str(tmp_path), "exit_codes": {"0": -9, "1": None}, "failed_worker": None, "returncode": 1}
     assert sweep._reason(res) == "w0 exited -9: step 1/4"
+
+
+def test_env_and_no_plan_reach_every_trials_run_and_a_bad_env_is_refused(tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def fake_sweep(name, grid_args, out, base, *, run_flags=None, **_):
+        seen.update(name=name, run_flags=run_flags)
+        return sweep.SweepResult(name, out)
+
+    monkeypatch.setattr(sweep, "sweep", fake_sweep)
+    argv = ["sweep", "s", "--set", "n_layer=1,2", "--out", str(tmp_path / "sw"), "--env", "A=1", "--env", "B=x=y",
+            "--no-plan", "--", "pretrain"]
+    assert main(argv) == 0
+    assert seen == {"name": "s", "run_flags": ["--env", "A=1", "--env", "B=x=y", "--no-plan"]}
+    seen.clear()
+    assert main(["sweep", "s", "--set", "n_layer=1", "--out", str(tmp_path / "sw"), "--env", "NOVALUE", "--",
+                 "pretrain"]) == 1
+    assert "--env NOVALUE: expected K=V" in capsys.readouterr().err and seen == {}
