@@ -95,10 +95,11 @@ def test_two_slices_one_job_survive_a_slice_preemption_bit_equal(tmp_path):
         # 2 + 3. Both slices as one job; slice 1 preempted after step 15; both recreated; resumed to step 30.
         rc, res, err = spot.run(f"gs://{BUCKET}/ms", (15,), args=args, node="ms-1", log="s0w0.log", steps=STEPS)
         assert rc == 0, err[-4000:]
-        # Every host's lines carry its slice and worker (process 1 prints little beyond jax's own lines).
+        # Every host's lines carry its slice and worker; each host has its log (process 1 writes nothing of its
+        # own: its progress reports are the runner's, and no native library logs at INFO).
         assert "one job over 2 slices of v4-8" in err and "[s0w0] step 30/30" in err
         assert "[s0w0] mesh 2 slices x data=4,model=1 (8 devices, 2 processes)" in err
-        assert all((Path(res["run_dir"]) / f"s{s}w0.log").stat().st_size > 0 for s in (0, 1))
+        assert all((Path(res["run_dir"]) / f"s{s}w0.log").is_file() for s in (0, 1))
         first, second = res["attempts"]
         assert first["outcome"] == "preempted" and second["outcome"] == "done", res["attempts"]
         assert second["resumed_from"] in (10, 15), res["attempts"]
