@@ -481,9 +481,8 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
             sshproxy.check(ssh_proxy_command)
         except sshproxy.ProxyError as e:
             raise UserError(str(e)) from None
-    for kv in envs:
-        if "=" not in kv or not kv.split("=", 1)[0]:
-            raise UserError(f"--env {kv}: expected K=V")
+    from orchestrator import launch
+    launch.parse_env(envs)  # `tpuctl run --env`'s own check, before any trial starts
     run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else []) \
         + [a for kv in envs for a in ("--env", kv)] + (["--no-plan"] if no_plan else [])
     res = sweep.sweep(name, grid_args, out or "", command, run_flags=run_flags)

@@ -32,7 +32,6 @@ DEFAULT_HANG_TIMEOUT_S = 300.0
 PROGRESS = "TPUCTL_PROGRESS step="  # every trainer process prints it at each logged step (docs/CONTRACTS.md)
 
 
-
 @dataclass
 class RunResult:
     run_id: str

@@ -53,4 +53,4 @@ def test_env_and_no_plan_reach_every_trials_run_and_a_bad_env_is_refused(tmp_pat
     seen.clear()
     assert main(["sweep", "s", "--set", "n_layer=1", "--out", str(tmp_path / "sw"), "--env", "NOVALUE", "--",
                  "pretrain"]) == 1
-    assert "--env NOVALUE: expected K=V" in capsys.readouterr().err and seen == {}
+    assert "--env 'NOVALUE' is not K=V: write --env NAME=value" in capsys.readouterr().err and seen == {}
