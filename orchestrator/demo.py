@@ -155,11 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"metrics and TensorBoard events: {run}/metrics.jsonl, {run}/tensorboard/")
         if not args.no_sweep:
             sweep = f"gs://{BUCKET}/{args.name}-sweep"
-            sh(tpuctl + ["sweep", args.name, *SWEEP, *RUN_ENV, "--no-plan", "--out", sweep, "--", "pretrain", "--data", data,
-                         *SWEEP_TRIAL], env, check=False)
+            # A failed trial is recorded and the sweep goes on to the next and to its report, then exits 1: the
+            # report is shown either way, and the demo fails with it.
+            rc = sh(tpuctl + ["sweep", args.name, *SWEEP, *RUN_ENV, "--no-plan", "--out", sweep, "--", "pretrain",
+                              "--data", data, *SWEEP_TRIAL], env, check=False)
             report = Path(args.home) / "sweeps" / args.name / "report"
             print(f"\nsweep report: {report / 'report.html'}")
             print("pictures: " + ", ".join(str(p) for p in sorted(report.glob("*.png"))))
+            if rc != 0:
+                raise SystemExit(f"demo: the sweep failed with exit code {rc} (its report above says which trial)")
         print(f"\ndemo done in {time.monotonic() - t0:.0f} s: {args.name} trained on {args.accelerator} (local), "
               f"checkpoints in {run}")
         return 0

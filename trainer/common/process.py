@@ -101,7 +101,7 @@ def quiet_native_logs() -> None:
         os.environ.setdefault(k, v)
     if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(d) for d in ACCELERATOR_DEVICES):
         os.environ["JAX_PLATFORMS"] = "cpu"
-    quiet_tensorstore()
+    quiet_tensorstore_when_imported()
 
 
 # tensorstore (Orbax's array I/O on gs://) links its own copy of absl logging, sets it to print INFO lines when
@@ -111,6 +111,35 @@ def quiet_native_logs() -> None:
 # Its warnings and errors still reach stderr. A tensorstore built without that symbol is left as it is.
 _ABSL_SET_MIN_LOG_LEVEL = b"_ZN4absl14SetMinLogLevelENS_18LogSeverityAtLeastE"
 _WARNING = 1  # absl::LogSeverityAtLeast::kWarning
+
+
+class _QuietTensorstoreOnImport:
+    """A finder on sys.meta_path that lets the usual finders find tensorstore and quiets it as soon as its module
+    has run: only the processes that use it (Orbax checkpoints, gs:// token files) pay for its import, about 1 s,
+    and none misses the setting."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "tensorstore":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run_module = spec.loader.exec_module
+
+            def run_then_quiet(module):
+                run_module(module)
+                quiet_tensorstore()
+            spec.loader.exec_module = run_then_quiet
+        return spec
+
+
+def quiet_tensorstore_when_imported() -> None:
+    """quiet_tensorstore() now if tensorstore is loaded, else at its first import."""
+    if "tensorstore" in sys.modules:
+        quiet_tensorstore()
+    elif not any(isinstance(f, _QuietTensorstoreOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietTensorstoreOnImport())
 
 
 def quiet_tensorstore() -> bool:
