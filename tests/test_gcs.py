@@ -97,8 +97,8 @@ except Exception as e:  # noqa: BLE001 - nothing listens there: only the log lin
 
 def test_tensorstore_credentials_line_is_silenced_at_its_log_level():
     """tensorstore logs the credentials it picks at INFO on first use; the trainer lowers tensorstore's own
-    absl level to WARNING when tensorstore is first imported (trainer/common/process.py). Without it the line is there: the check can
-    fail."""
+    absl level to WARNING when tensorstore is first imported (trainer/common/process.py). Without it the line is
+    there: the check can fail."""
     env = dict(os.environ, GOOGLE_AUTH_TOKEN_FOR_TESTING="t", TENSORSTORE_GCS_HTTP_URL="http://127.0.0.1:1")
     out = {m: subprocess.run([sys.executable, "-c", QUIET_PROBE, m], env=env, capture_output=True, text=True,
                              timeout=120) for m in ("loud", "quiet")}
