@@ -1,4 +1,4 @@
-"""Issue 4's bench: `tpuctl run` on a local slice of 1, 4, 16 real sshd hosts (orchestrator.runner.run_job).
+"""Issue 4's bench: `tpuctl run` on a local slice of 1, 4, 16 real sshd hosts (orchestrator.jobs.runner.run_job).
 
 Per host count: push+install time of this checkout's bundle (a cold dependency layer installed from the
 machine's already-filled wheelhouse, so no download is timed, then a second run whose unchanged bundle
@@ -61,10 +61,10 @@ def _wheelhouse_root() -> Path:
 
 def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None:
     from infra.local_slice import LocalSlice
-    from orchestrator import bundle as B
-    from orchestrator import launch as L
-    from orchestrator.hosts import InstallOptions, SshConfig
-    from orchestrator.runner import RunFailed, run_job
+    from orchestrator.jobs import bundle as B
+    from orchestrator.jobs import launch as L
+    from orchestrator.access.hosts import InstallOptions, SshConfig
+    from orchestrator.jobs.runner import RunFailed, run_job
     from trainer.pretrain import prepare
 
     if os.geteuid() != 0 or not os.access("/usr/sbin/sshd", os.X_OK):

@@ -7,6 +7,10 @@ its sshd listens on 127.0.B.I). Only loopback destinations are allowed. As a Pro
 
     --ssh-proxy-command "python -m infra.ssh_hop --log /tmp/hop.log --map 127.1.=127.0. %h %p"
 
+`--outage FILE` plays the network going away on this machine's side: while FILE exists, the hop cuts the
+connections it carries and refuses new ones (a laptop asleep, a Wi-Fi change); the hosts see their clients
+vanish, as they would.
+
 With `--as-gcloud` it takes gcloud's IAP form instead (`compute start-iap-tunnel VM PORT --listen-on-stdin
 --zone=Z --project=P ...`) and reaches VM through `--vm NAME=ADDRESS` maps: a `gcloud` on PATH for tests.
 """
@@ -32,13 +36,15 @@ def _log(path: str | None, entry: dict) -> None:
         os.close(fd)
 
 
-def pump(sock: socket.socket) -> None:
-    """stdin -> sock, sock -> stdout, until either side ends."""
+def pump(sock: socket.socket, outage: str | None = None) -> None:
+    """stdin -> sock, sock -> stdout, until either side ends (or the outage file appears)."""
     sel = selectors.DefaultSelector()
     sel.register(0, selectors.EVENT_READ, "in")
     sel.register(sock, selectors.EVENT_READ, "sock")
     while True:
-        for key, _ in sel.select():
+        if outage and os.path.exists(outage):
+            return
+        for key, _ in sel.select(timeout=0.5 if outage else None):
             if key.data == "in":
                 data = os.read(0, 65536)
                 if not data:
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--map", action="append", default=[], metavar="FROM=TO", help="destination prefix rewrite")
     ap.add_argument("--vm", action="append", default=[], metavar="NAME=ADDRESS", help="(--as-gcloud) VM addresses")
     ap.add_argument("--as-gcloud", action="store_true", help="take gcloud's start-iap-tunnel arguments")
+    ap.add_argument("--outage", metavar="FILE", help="while FILE exists: cut every connection, refuse new ones")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     entry = {"argv": a.rest, "pid": os.getpid(), "time": time.time()}
@@ -93,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"ssh_hop: refusing {host}: only loopback destinations", file=sys.stderr)
         return 2
+    if a.outage and os.path.exists(a.outage):
+        _log(a.log, {**entry, "error": "outage"})
+        print(f"ssh_hop: cannot connect to {host}:{port}: network is unreachable (outage)", file=sys.stderr)
+        return 1
     try:
         sock = socket.create_connection((host, int(port)), timeout=10)
     except OSError as e:
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     sock.settimeout(None)
     _log(a.log, entry)
     try:
-        pump(sock)
+        pump(sock, a.outage)
     except (BrokenPipeError, ConnectionResetError):
         pass
     finally:

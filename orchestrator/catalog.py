@@ -43,7 +43,7 @@ class Generation:
     zones: tuple[str, ...]        # hints only [6]
     topologies: dict[int, tuple[str, int]]  # size in the name -> (topology, VMs)
     devices_per_chip: int = 1     # JAX devices: one per chip (megacore, v5e, v6e); v2/v3: one per TensorCore
-    # Ahead-of-time compile (orchestrator/plan.py): libtpu's name for the generation ("" = none) and chip
+    # Ahead-of-time compile (orchestrator/plan/step.py): libtpu's name for the generation ("" = none) and chip
     # config; megacore makes one device per chip, as the runtime on these VMs has [21].
     aot_name: str = ""
     aot_chip_config: str = "default"

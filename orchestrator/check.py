@@ -11,7 +11,9 @@ import socket
 import uuid
 from dataclasses import asdict, dataclass
 
-from orchestrator import catalog, cloud, provider, sshkeys
+from orchestrator import catalog, provider
+from orchestrator.provider import cloud
+from orchestrator.access import sshkeys
 from orchestrator.provider import Provider
 from orchestrator.spec import UserError
 
@@ -82,7 +84,7 @@ def api_and_zone(api, project: str, zone: str | None, accelerator: str | None) -
 
 def os_login(project: str, where: Provider, tpu_endpoint: str | None = None) -> Item:
     """Whether the project enforces OS Login (its common metadata, read through the Compute Engine API)."""
-    from orchestrator import oslogin
+    from orchestrator.access import oslogin
     endpoint = os.environ.get(oslogin.ENV_COMPUTE) or None
     tpu = where.endpoint(tpu_endpoint) or ""
     if not endpoint and tpu.startswith("http://"):  # a local slice's TPU API is its stand-in too

@@ -102,10 +102,9 @@ def prefetch(home: str) -> int:
     """Fill the wheelhouse under `home` that the demo's local hosts install the trainer's dependencies from: the
     download `tpuctl run` would otherwise do on the demo's first run (once per dependency list)."""
     os.environ["TPUCTL_HOME"] = home
-    from orchestrator import bundle
-    from orchestrator.cli_run import trainer_extras
-    from orchestrator.launch import PYTHON
-    b = bundle.build(extras=trainer_extras([PYTHON, "-m", "trainer", "pretrain"]))
+    from orchestrator.jobs import bundle
+    from orchestrator.jobs.launch import PYTHON
+    b = bundle.build(extras=bundle.trainer_extras([PYTHON, "-m", "trainer", "pretrain"], PYTHON))
     wh = bundle.fill_wheelhouse(b, Path(home) / "wheelhouse", log=lambda m: print(f"demo: {m}", flush=True))
     print(f"demo: the hosts' wheelhouse is ready ({wh})")
     return 0

@@ -224,7 +224,7 @@ class SliceSpec:
                 raise UserError(f"invalid scope {sc!r}: give full scope URLs such as {CLOUD_PLATFORM_SCOPE} (or the "
                                 "short name cloud-platform)")
         if self.ssh_proxy_command is not None:
-            from orchestrator import sshproxy
+            from orchestrator.access import sshproxy
             try:
                 sshproxy.check(self.ssh_proxy_command)
             except sshproxy.ProxyError as e:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from infra.local_slice import SSHD, LocalSlice, _pids_in_ns
-from orchestrator.hosts import SshConfig
-from orchestrator.launch import Worker
+from orchestrator.access.hosts import SshConfig
+from orchestrator.jobs.launch import Worker
 
 # The wheelhouse, uv cache and dependency layers are a machine-wide cache (as $TPUCTL_HOME/wheelhouse is for
 # users): filled once per dependency list, then reused by every test run on this machine.

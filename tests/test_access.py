@@ -12,7 +12,9 @@ import pytest
 from _local_hosts import TEST_CACHE, needs_hosts
 from infra import gcs
 from infra.fake_tpu_api import FakeControl, start_in_thread
-from orchestrator import cloud, hostkeys, sshproxy
+from orchestrator.provider import cloud
+from orchestrator.access import hostkeys
+from orchestrator.access import sshproxy
 
 pytestmark = needs_hosts
 
@@ -107,6 +109,9 @@ def test_host_keys_are_pinned_from_guest_attributes_and_an_impostor_gets_nothing
     r = tpuctl("ssh", "hk", "-w", "all", "--ssh-wait", "1", "--", "true", env=env)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("pinning its key on first contact instead") == 1 and "w1 (" in r.stderr, r.stderr
+    # ... and once its key is pinned, later commands on the same VMs use the pin at once: no wait, no notice.
+    r = tpuctl("ssh", "hk", "-w", "all", "--ssh-wait", "120", "--", "true", env=env, timeout=60)
+    assert r.returncode == 0 and "first contact" not in r.stderr and "waiting for" not in r.stderr, r.stderr
 
     ctl.publish_host_keys(node, 1, sl.host_keys(1))  # ... until its guest agent has published them
 
@@ -184,10 +189,10 @@ def test_private_workers_are_reached_only_through_the_proxy_for_every_connection
     assert {u["argv"][0] for u in uses} == set(internal) and all("error" not in u for u in uses), uses
 
     # The stop that ends every host on a failure or Ctrl-C opens fresh connections: through the proxy too.
-    from orchestrator.cli_run import resolve
-    from orchestrator.hosts import Hosts
+    from orchestrator.access.reach import reach
+    from orchestrator.access.hosts import Hosts
     monkeypatch.setenv("TPUCTL_HOME", str(home))
-    target = resolve("pv")
+    target = reach("pv")
     log.write_text("")
     with Hosts(target.workers, target.ssh) as h:
         assert [r.exited for r in h.stop("true").values()] == [0, 0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import bundle as B
+from orchestrator.jobs import bundle as B
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_hash_is_stable_and_follows_the_code(tmp_path):
 def test_wheel_carries_the_packages_and_installs_no_deps(tmp_path):
     b = B.build(ROOT, cache_dir=tmp_path / "c")
     names = zipfile.ZipFile(b.wheel).namelist()
-    assert "trainer/__main__.py" in names and "orchestrator/launch.py" in names
+    assert "trainer/__main__.py" in names and "orchestrator/jobs/launch.py" in names
     assert "orchestrator/host/bootstrap.sh" in names and "orchestrator/host/hostwrap.py" in names  # package data
     # The stand-ins and local-mode machinery stay on this machine: nothing of infra/ goes to the hosts.
     assert not [n for n in names if n.startswith("infra/")], [n for n in names if n.startswith("infra/")]
@@ -49,7 +49,7 @@ def test_wheel_carries_the_packages_and_installs_no_deps(tmp_path):
     target = tmp_path / "app"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
                     str(target), str(b.wheel)], check=True, capture_output=True)
-    p = subprocess.run([sys.executable, "-S", "-c", "import orchestrator.launch as m; print(m.__file__)"],
+    p = subprocess.run([sys.executable, "-S", "-c", "import orchestrator.jobs.launch as m; print(m.__file__)"],
                        capture_output=True, text=True, env={"PYTHONPATH": str(target)}, check=True, cwd=tmp_path)
     assert p.stdout.strip().startswith(str(target))
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server  # noqa: F401
 from infra import gcs
-from orchestrator.cli import cli
+from orchestrator.cli.app import cli
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_os_login_enforced_by_the_project_is_reported_and_a_403_names_the_role(f
 def test_os_login_registers_the_key_with_its_expiry_and_gives_the_posix_name(login):
     """import_ssh_public_key through the real client: the POSIX user to SSH as, the key kept until --ttl."""
     import time
-    from orchestrator import oslogin
+    from orchestrator.access import oslogin
     key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIC9h2pV9Q3c4y0Ckq2o1hZ5sXlq5V4Y2b0m1n2o3p4q5"
     t0 = time.time()
     user = oslogin.register(key, project=PROJECT, account_email="alice@example.com", ttl_s=3600)

@@ -18,7 +18,7 @@ from _local_hosts import needs_hosts
 from infra.fake_tpu_api import FakeControl
 from orchestrator import state
 from orchestrator.provider import local as local_provider
-from orchestrator.cli import cli
+from orchestrator.cli.app import cli
 
 
 def run(*args, ok=True):

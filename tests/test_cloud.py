@@ -9,8 +9,9 @@ import time
 import pytest
 
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live, make_spec  # noqa: F401
-from orchestrator import cloud, slices, state
-from orchestrator.cloud import CloudError
+from orchestrator import slices, state
+from orchestrator.provider import cloud
+from orchestrator.provider.cloud import CloudError
 from orchestrator.spec import UserError
 
 

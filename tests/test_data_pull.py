@@ -17,7 +17,8 @@ import pytest
 from _trainer_util import REPO, TINY, env as trainer_env, losses, session_cache
 from infra import gcs
 from infra.fake_kaggle import FakeKaggle
-from orchestrator import datasets as D, weights as W
+from orchestrator.artifacts import datasets as D
+from orchestrator.artifacts import weights as W
 from orchestrator.spec import UserError
 
 KEY = "k-secret-d47a"  # must never show up in any output

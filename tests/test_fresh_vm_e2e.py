@@ -26,7 +26,7 @@ def tpuctl(*args, env, timeout=900):
 
 def test_a_two_host_run_on_fresh_vms_bootstraps_from_the_index_and_trains(tmp_path):
     from infra.local_slice import LocalSlice
-    from orchestrator import cloud
+    from orchestrator.provider import cloud
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TPUCTL_", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_")) and k != "XLA_FLAGS"}

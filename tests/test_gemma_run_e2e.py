@@ -11,9 +11,10 @@ import _gemma_ckpt as gc
 from _local_hosts import needs_hosts, ssh_config, start, wait_idle, workers
 from infra import gcs
 from infra.fake_kaggle import FakeKaggle
-from orchestrator import bundle as B, weights as W
-from orchestrator.launch import LaunchSpec
-from orchestrator.runner import run_job, shared_install
+from orchestrator.jobs import bundle as B
+from orchestrator.artifacts import weights as W
+from orchestrator.jobs.launch import LaunchSpec
+from orchestrator.jobs.runner import run_job, shared_install
 from trainer.models import gemma
 
 pytestmark = needs_hosts

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from _local_hosts import host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
-from orchestrator.hosts import HostError, Hosts, SshConfig
-from orchestrator.launch import Worker
+from orchestrator.access.hosts import HostError, Hosts, SshConfig
+from orchestrator.jobs.launch import Worker
 
 pytestmark = needs_hosts
 

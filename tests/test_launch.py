@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from orchestrator import launch as L
+from orchestrator.jobs import launch as L
 
 WORKERS = [L.Worker(0, "10.0.0.2", "34.1.1.1"), L.Worker(1, "10.0.0.3", "34.1.1.2")]
 NASTY = "a b 'single' \"double\" $(touch PWNED) `touch PWNED2`; touch PWNED3 && echo $HOME\nnewline \\ back"
@@ -50,9 +50,51 @@ def test_command_passes_nasty_args_and_env_through_a_real_shell_unchanged(tmp_pa
     p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
                        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stdout + p.stderr
-    args, env = json.loads(p.stdout.strip().splitlines()[-1])
+    *_, last, end = p.stdout.strip().splitlines()
+    assert end == "TPUCTL_EXIT 0"
+    args, env = json.loads(last)
     assert args == [NASTY, "--flag=" + NASTY, ";", "&&", "*"] and env == NASTY
     assert not list(tmp_path.glob("PWNED*")) and not list((tmp_path / "root").glob("**/PWNED*"))
+
+
+def test_the_run_outlives_its_follower_and_a_new_follower_goes_on_from_a_line(tmp_path):
+    """hostwrap keeps the run detached from the session that started it: killing the follower (an SSH session
+    that drops) leaves the command running and writing its log; `follow --skip-lines N` prints the rest and the
+    exit status; a `stop` ends it and says so."""
+    root = tmp_path / "root"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "hostwrap.py").write_text(open("orchestrator/host/hostwrap.py").read())
+    lay = L.HostLayout(root=str(root))
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    code = "import sys, time\nfor i in range(1, 7):\n    print('line', i, flush=True); time.sleep(0.4)\nsys.exit(3)"
+    spec = L.LaunchSpec(argv=[sys.executable, "-c", code], distributed=False)
+    cmd = L.host_command(spec, WORKERS, 0, layout=lay, wrap_python=sys.executable, wrap_script="hostwrap.py",
+                         tag="t1")
+    f = subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    assert f.stdout.readline().strip() == "TPUCTL_FOLLOW 0"
+    assert f.stdout.readline().strip() == "line 1"
+    f.kill()  # the session goes away
+    f.wait()
+    follow = L.follow_command(lay, spec.run_id, skip_lines=2, wrap_python=sys.executable, wrap_script="hostwrap.py")
+    p = subprocess.run(["sh", "-c", follow], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=30)
+    assert p.returncode == 3
+    assert p.stdout.splitlines() == ["TPUCTL_FOLLOW 2", "line 3", "line 4", "line 5", "line 6", "TPUCTL_EXIT 3"]
+    assert (root / "logs" / f"{spec.run_id}.log").read_text().splitlines() == [f"line {i}" for i in range(1, 7)]
+    runs = subprocess.run(["sh", "-c", L.runs_command(lay, wrap_python=sys.executable, wrap_script="hostwrap.py")],
+                          capture_output=True, text=True, env=env).stdout
+    [r] = json.loads(runs.split("TPUCTL_RUNS ", 1)[1])
+    assert (r["run_id"], r["running"], r["rc"], r["stopped"]) == (spec.run_id, False, 3, False)
+
+    # A run that is stopped: its followers get the signal's status, marked as a stop (not a failure).
+    spec2 = L.LaunchSpec(argv=[sys.executable, "-c", "import time\nprint('up', flush=True); time.sleep(60)"],
+                         distributed=False)
+    cmd2 = L.host_command(spec2, WORKERS, 0, layout=lay, wrap_python=sys.executable, wrap_script="hostwrap.py")
+    f2 = subprocess.Popen(["sh", "-c", cmd2], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    assert [f2.stdout.readline().strip() for _ in range(2)] == ["TPUCTL_FOLLOW 0", "up"]
+    stop = L.stop_command(lay, spec2.run_id, wrap_python=sys.executable, grace=2, wrap_script="hostwrap.py")
+    subprocess.run(["sh", "-c", stop], check=True, capture_output=True, env=env, cwd=tmp_path)
+    rest = f2.communicate(timeout=30)[0]
+    assert rest.splitlines()[-1] == "TPUCTL_EXIT 143 stopped" and f2.returncode == 143
 
 
 def test_secrets_are_never_in_the_command_line():

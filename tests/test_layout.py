@@ -105,3 +105,31 @@ def test_the_checks_can_fail():
     assert _cycles({"a": {"b"}, "b": set()}) == []
     known = _modules()
     assert "trainer.common.config" in imports_of(ROOT / "trainer" / "common" / "process.py", known)
+
+
+def test_the_orchestrator_top_level_is_small_and_its_folders_are_its_concerns():
+    top = sorted(p.name for p in (ROOT / "orchestrator").glob("*.py"))
+    assert len(top) <= 6, top
+    folders = {p.name for p in (ROOT / "orchestrator").iterdir() if (p / "__init__.py").exists()}
+    assert {"cli", "access", "jobs", "plan", "artifacts", "provider", "slices", "host"} <= folders, folders
+
+
+def test_no_two_orchestrator_modules_share_a_file_name():
+    names: dict[str, list[str]] = {}
+    for p in (ROOT / "orchestrator").rglob("*.py"):
+        if p.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert {n: ps for n, ps in names.items() if len(ps) > 1} == {}
+
+
+def test_nothing_below_the_command_line_imports_it():
+    """The orchestrator's command line (orchestrator.cli) is on top: its own modules may import each other, no
+    other module of the project imports any of them (a package's `__main__` runs it). The trainer's top level is
+    its command line (cli, plan): no module in its folders imports it."""
+    known = _modules()
+    above = {"orchestrator.cli": lambda m: m.startswith("orchestrator.cli") or m.endswith("__main__"),
+             "trainer.cli": lambda m: m.count(".") == 1}
+    for cli, is_above in above.items():
+        users = {m: sorted(i for i in imports_of(p, known) if i == cli or i.startswith(cli + "."))
+                 for m, p in known.items() if not is_above(m)}
+        assert {m: v for m, v in users.items() if v} == {}, cli

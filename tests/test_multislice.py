@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live, make_spec  # noqa: F401
-from orchestrator import launch as L
-from orchestrator import slices, state, supervise
+from orchestrator.jobs import launch as L
+from orchestrator import slices, state
+from orchestrator.jobs import supervise
 from orchestrator.spec import SliceSpec, UserError, slice_spec_from_mapping
 from orchestrator.state import Worker
 
@@ -108,7 +109,7 @@ def test_spec_file_num_slices_is_typed():
 
 def test_the_stand_in_refuses_a_multislice_spec_the_service_refuses(fake):
     from google.api_core import exceptions as gexc
-    from orchestrator import cloud
+    from orchestrator.provider import cloud
     api = cloud.connect(api_endpoint=fake.url, project=PROJECT)
     body = api.node_body("v4-8", "tpu-ubuntu2204-base", {"tpuctl-name": "m1"}, in_queue=True)
     with pytest.raises(UserError, match="nodeCount must be greater than 1"):
@@ -165,7 +166,9 @@ def test_one_job_over_two_slices_gets_slice_major_ids_and_megascale_env():
 
 def test_multislice_plan_arithmetic_dcn_bytes_and_time_beside_compute():
     """The DCN figures from one slice's compiled figures (no compile here: the figures are given)."""
-    from orchestrator import catalog, plan as P, plan_dcn
+    from orchestrator import catalog
+    from orchestrator.plan import step as P
+    from orchestrator.plan import dcn as plan_dcn
     figs = {"params_bytes": 2 ** 30, "grad_bytes": 2 ** 30, "optimizer_bytes": 2 ** 31, "temp_bytes": 2 ** 30,
             "total_bytes": 5 * 2 ** 30, "flops": 4e12, "model_flops_per_token": 1e9, "tokens_per_step": 4096,
             "devices": 8, "mesh": {"data": 4, "model": 2}, "settings": {"batch_size": 32}, "argument_bytes": 0,

@@ -21,10 +21,11 @@ from click.testing import CliRunner
 from flax import nnx
 
 from _local_hosts import TEST_CACHE, local_mode, needs_hosts
-from orchestrator import catalog, cli_run, state
-from orchestrator import plan as P
-from orchestrator.cli import cli
-from orchestrator.cli_plan import render
+from orchestrator import catalog, state
+from orchestrator.cli import run_verbs as cli_run
+from orchestrator.plan import step as P
+from orchestrator.cli.app import cli
+from orchestrator.cli.plan_verbs import render
 from trainer.common import aot
 from trainer.common import config
 from trainer.pretrain import train as loop

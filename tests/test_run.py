@@ -23,12 +23,12 @@ from click.testing import CliRunner
 
 from _local_hosts import cmdline, host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
 from infra import gcs
-from orchestrator import bundle as B
-from orchestrator import cli_run
-from orchestrator.hosts import HostError
-from orchestrator.cli import cli as cli_main
-from orchestrator.launch import LaunchSpec
-from orchestrator.runner import RunFailed, Watch, run_job, shared_install
+from orchestrator.jobs import bundle as B
+from orchestrator.cli import run_verbs as cli_run
+from orchestrator.access.hosts import HostError
+from orchestrator.cli.app import cli as cli_main
+from orchestrator.jobs.launch import LaunchSpec
+from orchestrator.jobs.runner import RunFailed, Watch, run_job, shared_install
 
 pytestmark = needs_hosts
 
@@ -202,10 +202,10 @@ def test_push_installs_once_per_hash_and_a_code_change_keeps_the_dependency_laye
     small = lambda: dataclasses.replace(B.build(proj, cache_dir=tmp_path / "bundles"), requirements=[], no_deps=[])  # noqa: E731
     b1 = small()
     install, layout = shared_install(sl.wheelhouse, b1, python=sl.python)
-    argv = ["python", "-c", "import orchestrator.launch as m, sys; print('FROM', m.__file__, sys.version_info[:2])"]
+    argv = ["python", "-c", "import orchestrator.jobs.launch as m, sys; print('FROM', m.__file__, sys.version_info[:2])"]
     r1, out1 = _run(sl, argv, tmp_path / "1", bundle=b1, install=install, layout=layout)
     assert r1.ok and all("app=installed" in v for v in r1.push.values()), r1.push
-    assert out1.count(f".tpuctl-host/app/{b1.short}/orchestrator/launch.py (3, 11)") == 3
+    assert out1.count(f".tpuctl-host/app/{b1.short}/orchestrator/jobs/launch.py (3, 11)") == 3
     r2, out2 = _run(sl, argv, tmp_path / "2", bundle=small(), install=install, layout=layout)
     assert r2.ok and r2.push == {0: "cached", 1: "cached", 2: "cached"} and "install skipped" in out2
     with open(proj / "orchestrator" / "launch.py", "a") as f:
@@ -239,7 +239,7 @@ def _cli_flags(sl):
 
 def _sleeping_run(sl, tmp_path) -> subprocess.Popen:
     """`tpuctl run` of a long sleep on all 3 hosts, in its own session, returned once every host said ready."""
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli_run", "run", "runs", *_cli_flags(sl), "--raw", "--",
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.run_verbs", "run", "runs", *_cli_flags(sl), "--raw", "--",
                           *py("print('ready', flush=True); time.sleep(300)")],
                          env=_cli_env(sl, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
@@ -277,16 +277,44 @@ def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
     assert res.exit_code == 1 and "no runs of nothing yet" in res.output
 
 
-def test_a_killed_tpuctl_takes_its_trainers_with_it(sl, tmp_path, clean):
-    """No Ctrl-C handler runs when tpuctl is SIGKILLed (or the laptop sleeps): the SSH sessions end, and the
-    wrapper on every host notices and kills its trainer's process group."""
+def test_a_killed_tpuctl_leaves_the_run_going_and_attach_and_cancel_reach_it(sl, tmp_path, clean):
+    """No Ctrl-C handler runs when tpuctl is SIGKILLed (or the laptop sleeps): the run belongs to the hosts and
+    goes on. Another command is refused with the way to the run; the same command follows it instead of starting a
+    second one; `cancel` from anywhere stops every host within 30 s, and the follower says it was cancelled."""
     p = _sleeping_run(sl, tmp_path)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    time.sleep(1)
+    assert all(any("time.sleep(300)" in c for _, c in host_processes(sl, i)) for i in range(3))
+    env = _cli_env(sl, tmp_path)
+    other = CliRunner().invoke(cli_run.run, ["runs", *_cli_flags(sl), "--raw", "--", "true"], env=env)
+    assert other.exit_code == 1 and "a tpuctl run is still going on these hosts" in other.output, other.output
+    assert "`tpuctl attach runs` follows it, `tpuctl cancel runs` stops it" in other.output
+    again = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.run_verbs", "run", "runs", *_cli_flags(sl),
+                              "--raw", "--", *py("print('ready', flush=True); time.sleep(300)")], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        assert all(any("time.sleep(300)" in c for _, c in host_processes(sl, i)) for i in range(3))
+        seen = []
+        for line in again.stdout:
+            seen.append(line)
+            if sum(1 for ln in seen if re.match(r"\[w\d\] ready", ln)) == 3:
+                break
+        assert "of this same command is still going on the hosts: following it" in "".join(seen), seen
+        assert sum(1 for c in (cmdline(pid) for i in range(3) for pid, _ in host_processes(sl, i))
+                   if "time.sleep(300)" in c and "hostwrap" not in c) == 3  # one run, not two
+        t0 = time.monotonic()
+        res = CliRunner().invoke(cli_run.cancel, ["runs", *_cli_flags(sl)], env=env)
+        assert res.exit_code == 0 and "stopped run" in res.output, res.output
+        assert time.monotonic() - t0 < 30
+        rest = again.communicate(timeout=60)[0]
     finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    # the `clean` fixture then waits for every host to be empty
+        if again.poll() is None:
+            os.killpg(again.pid, signal.SIGKILL)
+    assert again.returncode == 130 and "cancelled" in rest, rest
+    assert wait_idle(sl) == {}
+    for verb in (cli_run.cancel, cli_run.attach):
+        res = CliRunner().invoke(verb, ["runs", *_cli_flags(sl)], env=env)
+        assert res.exit_code == 1 and "no tpuctl run is going on the hosts of runs" in res.output, res.output
 
 
 def test_ssh_runs_on_one_or_all_workers(sl, tmp_path, clean):

@@ -1,5 +1,6 @@
 """End to end: the real trainer over 2 SSH hosts x 4 CPU devices (one global mesh of 8), checkpoints in the GCS
 emulator; the loss curve equals the single-process 8-device run's; a second run resumes and skips the install."""
+import dataclasses
 import json
 import os
 import re
@@ -7,15 +8,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from _local_hosts import start, ssh_config, wait_idle, workers, needs_hosts
+from _local_hosts import needs_hosts, ssh, ssh_config, start, wait_idle, workers
 from infra import gcs
-from orchestrator import bundle as B
-from orchestrator.launch import LaunchSpec
-from orchestrator.runner import RunFailed, Watch, run_job, shared_install
+from orchestrator.jobs import bundle as B
+from orchestrator.jobs.launch import LaunchSpec
+from orchestrator.jobs.runner import RunFailed, Watch, run_job, shared_install
 
 pytestmark = needs_hosts
 
@@ -67,8 +70,37 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
         one_host = {f.name: f.read_bytes() for f in (tmp_path / "tok1").glob("*.bin")}
         assert len(one_host) >= 3
         assert {n: client.bucket("e2e").blob(f"tok/{n}").download_as_bytes() for n in one_host} == one_host
-        r1 = run_job(workers(sl), LaunchSpec([*args, "--steps", "8"], env=genv), run_dir=tmp_path / "r1", **kw)
+        # The first run's connections go through a hop on this machine that cuts every connection and refuses
+        # new ones for 30 s once the trainer is at step 2 (a laptop asleep, the network gone): the trainers go on,
+        # tpuctl reconnects and follows each host's log from where it left off, and the losses below still equal
+        # the one-process run's.
+        outage = tmp_path / "outage"
+        hop = f"{sys.executable} -m infra.ssh_hop --outage {outage} %h %p"
+        cut = dataclasses.replace(kw["ssh"], proxy_commands={0: hop, 1: hop}, wait_s=120)
+
+        def network_away():
+            log = tmp_path / "r1" / "w0.log"
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline and not (log.exists() and "step 2/" in log.read_text()):
+                time.sleep(0.1)
+            outage.touch()
+            time.sleep(30)
+            outage.unlink()
+        away = threading.Thread(target=network_away, daemon=True)
+        away.start()
+        with open(tmp_path / "r1.out", "w") as said:
+            r1 = run_job(workers(sl), LaunchSpec([*args, "--steps", "8"], env=genv), run_dir=tmp_path / "r1",
+                         **{**kw, "ssh": cut}, out=said)
+        away.join(timeout=60)
         assert r1.ok and r1.exit_codes == {0: 0, 1: 0}
+        said = (tmp_path / "r1.out").read_text()
+        assert said.count("lost the SSH connection to") == 1 and said.count("reconnected to w0, w1") + \
+            said.count("reconnected to w1, w0") == 1, said[-3000:]
+        assert re.findall(r"step (\d+)/", (tmp_path / "r1" / "w0.log").read_text()) == [str(s) for s in range(1, 9)]
+        for i in (0, 1):  # each host's log arrived whole and once: this machine's copy is the host's own
+            host_log = ssh(sl, i, f"cat .tpuctl-host/logs/{r1.run_id}.log").stdout
+            assert (tmp_path / "r1" / f"w{i}.log").read_text() == \
+                "".join(ln for ln in host_log.splitlines(keepends=True) if not ln.startswith("TPUCTL_PROGRESS"))
         log0 = (tmp_path / "r1" / "w0.log").read_text()
         assert "in 2 process(es)" in log0, log0[-2000:]
         for w in ("w0", "w1"):  # every line is the trainer's: no Gloo report, glog line (tensorstore's among them)

@@ -205,8 +205,8 @@ def test_trainer_report_charts_the_run_and_summarises_mesh_hosts_and_sample(trai
 
 @pytest.mark.slow
 def test_tpuctl_report_finds_the_latest_run_and_includes_its_goodput(trained, emu, home, tmp_path):
-    from orchestrator import launch as L
-    from orchestrator.supervise import goodput
+    from orchestrator.jobs import launch as L
+    from orchestrator.jobs.supervise import goodput
     runs = home / "runs" / NAME
     old, new = runs / "20260101-000000-aaaaaa", runs / "20260101-000100-bbbbbb"
     for d, argv in ((old, ["pretrain", "--ckpt-dir", "gs://runs/older"]), (new, ["pretrain", f"--ckpt-dir={CKPT}"])):
@@ -238,7 +238,7 @@ def test_tpuctl_report_finds_the_latest_run_and_includes_its_goodput(trained, em
 
 def test_tpuctl_report_without_a_run_says_so(tmp_path):
     from click.testing import CliRunner
-    from orchestrator.cli import cli
+    from orchestrator.cli.app import cli
     r = CliRunner().invoke(cli, ["report", "nothing-here"], env={"TPUCTL_HOME": str(tmp_path)})
     assert r.exit_code == 1
     assert r.output.strip() == (f"Error: no runs of nothing-here yet (they are kept in {tmp_path}/runs/nothing-here): "

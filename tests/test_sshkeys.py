@@ -6,7 +6,7 @@ import subprocess
 import paramiko
 import pytest
 
-from orchestrator import sshkeys
+from orchestrator.access import sshkeys
 
 
 def test_a_missing_key_is_made_once_and_reused(tmp_path, monkeypatch):

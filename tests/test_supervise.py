@@ -56,7 +56,7 @@ def _second_attempt_cmd(marker):
 
 def _run_until_ready(name, environ, argv, flags=()):
     """Start `tpuctl run NAME --raw` and return (process, output so far) once every worker said ready."""
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli_run", "run", name, "--local", *flags, "--raw",
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.run_verbs", "run", name, "--local", *flags, "--raw",
                           "--", *argv], env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     guard = threading.Timer(90, os.killpg, (p.pid, signal.SIGKILL))  # never wait on a hung run
@@ -105,7 +105,7 @@ def test_a_preempted_slice_is_recreated_and_the_command_runs_again(env, marker):
 def test_a_crash_on_a_ready_slice_is_not_retried(env):
     environ, ctl = env
     node = _up("sup-b", environ)
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli_run", "run", "sup-b", "--local", "--raw", "--",
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli.run_verbs", "run", "sup-b", "--local", "--raw", "--",
                         "sh", "-c", "exit $((TPUCTL_PROCESS_ID * 3))"],
                        capture_output=True, text=True, timeout=120, env=environ)
     assert r.returncode == 3, r.stdout + r.stderr
@@ -156,7 +156,7 @@ def test_a_slice_preempted_between_runs_is_recreated_by_the_next_run(env):
     qr = [q for q in ctl.state()["queued_resources"] if q["name"].endswith("/sup-e")][0]
     assert qr["state"]["state"] == "SUSPENDED" and qr["history"][-2:] == ["SUSPENDING", "SUSPENDED"]
     assert [g["history"] for g in ctl.state()["gone"] if g["name"] == node][-1][-2:] == ["PREEMPTED", "DELETING"]
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli_run", "run", "sup-e", "--local", "--raw", "--",
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli.run_verbs", "run", "sup-e", "--local", "--raw", "--",
                         "echo", "after"], capture_output=True, text=True, timeout=120, env=environ)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "sup-e's VMs were preempted before this run; recreating sup-e (1/3)" in r.stdout + r.stderr

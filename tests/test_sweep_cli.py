@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 from _sweep_util import lr_sweep
-from orchestrator import sweep
-from orchestrator.cli import main
+from orchestrator.jobs import sweep
+from orchestrator.cli.app import main
 
 
 def test_sweep_refuses_a_missing_slice_and_anything_but_pretrain(tmp_path, monkeypatch, capsys):

@@ -16,7 +16,7 @@ import _gemma_ckpt as gc
 from _trainer_util import REPO
 from infra import gcs
 from infra.fake_kaggle import FakeKaggle
-from orchestrator import weights as W
+from orchestrator.artifacts import weights as W
 from orchestrator.spec import UserError
 from trainer.models import gemma
 

@@ -106,7 +106,8 @@ def find_stale(root):
             members.append(wrapper)
         if members:
             stale.append({"kind": "trainer", "path": pidfile, "pid": rec.get("pgid") or wrapper,
-                          "pgid": rec.get("pgid"), "run_id": rec.get("run_id"), "cmd": cmdline(members[0])})
+                          "pgid": rec.get("pgid"), "run_id": rec.get("run_id"), "tag": rec.get("tag", ""),
+                          "cmd": cmdline(members[0])})
         else:
             os.unlink(pidfile)  # a record of a run that is gone: not a problem, just litter
     return stale

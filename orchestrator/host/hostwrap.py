@@ -1,14 +1,27 @@
-"""The wrapper every trainer runs under on a host (stdlib only, Python >= 3.8).
+"""The keeper of one run on a host, and the tools tpuctl reaches it with (stdlib only, Python >= 3.8).
 
-run:  loads the run's secrets from a 0600 file (written from stdin, deleted as soon as it is read) into
-      the child's environment, starts the command in its own process group, records
-      {wrapper_pid, pgid, run_id} in a pidfile (so `stop` and the next preflight find the whole tree),
-      copies the output to a host-side log, forwards SIGTERM/SIGINT/SIGHUP to the group, kills the group if
-      the SSH session that started it goes away, and exits with the child's status (128+N for signal N).
-stop: SIGTERM to the recorded group, SIGKILL after a grace period, also to the wrapper.
-state: one line with the group's processes and their /proc state (T: stopped), to name a host that hangs.
+A run belongs to the host, not to the SSH session that started it: a laptop that sleeps, a dropped connection or
+a killed tpuctl changes nothing for the trainer. Only `stop` (Ctrl-C in an attached terminal, `tpuctl cancel`, the
+first failure on another host), the trainer's own end, or the VM going away end it.
 
-usage: hostwrap.py run --pidfile F --run-id ID [--log F] [--secrets F] [--cwd D] [--grace S] -- CMD...
+run:    starts the run's keeper, detached from this SSH session, then follows its log like `follow`. A run
+        whose keeper is already going (same pidfile) is only followed.
+keep:   the detached keeper: loads the run's secrets from a 0600 file (deleted as soon as it is read) into the
+        child's environment, starts the command in its own process group, records {wrapper_pid, pgid, run_id,
+        tag, started} in the pidfile (so `stop` and the next preflight find the whole tree), copies the output
+        to the host's log (secrets masked, always valid UTF-8), forwards SIGTERM/SIGINT/SIGHUP to the group,
+        and writes the exit file ({rc}) when the command ends (128+N for signal N).
+follow: prints the log from line --skip-lines on, as it grows, until the run has ended and the log is read;
+        then `TPUCTL_EXIT <rc>[ stopped]` on a line of its own ("stopped": `stop` ended it), and exits with rc. Its first line is `TPUCTL_FOLLOW <n>`.
+        Killing it (the SSH session went away) does nothing to the run.
+runs:   `TPUCTL_RUNS [{run_id, tag, started, running, rc}]`: the runs this host knows (live, or ended with an
+        exit file).
+stop:   SIGTERM to the recorded group, SIGKILL after a grace period, also to the keeper.
+state:  one line with the group's processes and their /proc state (T: stopped), to name a host that hangs.
+
+usage: hostwrap.py run --pidfile F --run-id ID --log F [--tag T] [--secrets F] [--cwd D] [--grace S] -- CMD...
+       hostwrap.py follow --pidfile F --log F [--skip-lines N]
+       hostwrap.py runs --dir RUNDIR
        hostwrap.py stop --pidfile F [--grace S]
 """
 import argparse
@@ -81,7 +94,39 @@ def private_open(path, mode="ab"):
     return os.fdopen(fd, mode)
 
 
-def cmd_run(a, argv):
+EXIT_MARK = "TPUCTL_EXIT "
+FOLLOW_MARK = "TPUCTL_FOLLOW "
+GONE = 137  # the keeper vanished without an exit status: killed (SIGKILL), or the VM rebooted
+
+
+def exit_file(pidfile):
+    return pidfile[:-len(".pid")] + ".exit" if pidfile.endswith(".pid") else pidfile + ".exit"
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % int(pid)) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def cmd_keep(a, argv):
     env = dict(os.environ)
     masks = []
     if a.secrets:
@@ -90,16 +135,19 @@ def cmd_run(a, argv):
         os.unlink(a.secrets)  # nothing of it stays on disk
         env.update(secrets)
         masks = [m.encode() for m in mask_variants(secrets.values())]
-    if a.log:
-        os.makedirs(os.path.dirname(a.log) or ".", mode=0o700, exist_ok=True)
-    log = private_open(a.log) if a.log else None
-    child = subprocess.Popen(argv, env=env, cwd=a.cwd or None, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    os.makedirs(os.path.dirname(a.log) or ".", mode=0o700, exist_ok=True)
+    log = private_open(a.log)
+    try:
+        child = subprocess.Popen(argv, env=env, cwd=a.cwd or None, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:
+        log.write(("hostwrap: cannot start %s: %s\n" % (argv[0], e)).encode())
+        log.close()
+        _write_json(exit_file(a.pidfile), {"rc": 127, "run_id": a.run_id, "ended": time.time()})
+        return 127
     pgid = child.pid
-    tmp = a.pidfile + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"wrapper_pid": os.getpid(), "pgid": pgid, "run_id": a.run_id, "started": time.time()}, f)
-    os.replace(tmp, a.pidfile)
+    _write_json(a.pidfile, {"wrapper_pid": os.getpid(), "pgid": pgid, "run_id": a.run_id, "tag": a.tag,
+                            "started": time.time()})
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
@@ -109,38 +157,118 @@ def cmd_run(a, argv):
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    parent = os.getppid()
-
-    def watch_parent():  # the SSH session died (controller killed, connection lost): take the tree down
-        while child.poll() is None:
-            if os.getppid() != parent:
-                on_signal(signal.SIGHUP, None)
-                return
-            time.sleep(0.5)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
-    out = sys.stdout.buffer
     for line in iter(child.stdout.readline, b""):
         for m in masks:  # a trainer that prints its secrets does not put them in any log
             line = line.replace(m, b"***")
-        if log:
-            log.write(line)
-            log.flush()
-        try:
-            out.write(line)
-            out.flush()
-        except (BrokenPipeError, OSError):
-            on_signal(signal.SIGHUP, None)
+        # Valid UTF-8, so that every reader counts the same lines and characters.
+        log.write(line.decode("utf-8", "replace").encode("utf-8"))
+        log.flush()
     rc = child.wait()
     _killpg(pgid, signal.SIGKILL)  # whatever the command left behind in its group (loader workers, ...)
+    rc = rc if rc >= 0 else 128 - rc
+    log.close()
+    stopped = os.path.exists(a.pidfile + ".stopping")  # `stop` ended it (Ctrl-C, cancel, another host's failure)
+    _write_json(exit_file(a.pidfile), {"rc": rc, "run_id": a.run_id, "ended": time.time(), "stopped": stopped})
     try:
-        with open(a.pidfile) as f:
-            if json.load(f).get("wrapper_pid") == os.getpid():
-                os.unlink(a.pidfile)
-    except (OSError, ValueError):
+        os.unlink(a.pidfile + ".stopping")
+    except OSError:
         pass
-    return rc if rc >= 0 else 128 - rc
+    rec = _read_json(a.pidfile)
+    if rec and rec.get("wrapper_pid") == os.getpid():
+        try:
+            os.unlink(a.pidfile)
+        except OSError:
+            pass
+    return rc
+
+
+def _status(pidfile):
+    """(running, rc, stopped): the run's keeper is alive; its exit status once it has written one, and whether
+    `stop` ended it."""
+    ended = _read_json(exit_file(pidfile)) or {}
+    rec = _read_json(pidfile)
+    running = bool(rec) and (_alive(rec.get("wrapper_pid", 0)) or _group_alive(int(rec.get("pgid") or 0)))
+    return running, ended.get("rc"), bool(ended.get("stopped"))
+
+
+def cmd_follow(a):
+    out = sys.stdout.buffer
+    out.write((FOLLOW_MARK + "%d\n" % a.skip_lines).encode())
+    out.flush()
+    gone_since = None
+    f = None
+    skip, partial = a.skip_lines, b""
+    while True:
+        if f is None and os.path.exists(a.log):
+            f = open(a.log, "rb")
+        chunk = f.read(1 << 16) if f is not None else b""
+        if chunk:
+            partial += chunk
+            *lines, partial = partial.split(b"\n")
+            for line in lines:
+                if skip:
+                    skip -= 1
+                    continue
+                out.write(line + b"\n")
+            out.flush()
+            continue
+        running, rc, stopped = _status(a.pidfile)
+        if rc is not None or not running:
+            if rc is None:  # the keeper is gone without a word: give a dying keeper a moment to write it
+                gone_since = gone_since or time.time()
+                if time.time() - gone_since < 2:
+                    time.sleep(0.1)
+                    continue
+                rc = GONE
+            rest = (f.read() if f is not None else b"")
+            partial += rest
+            *lines, partial = partial.split(b"\n")
+            for line in lines:
+                if skip:
+                    skip -= 1
+                    continue
+                out.write(line + b"\n")
+            if partial and not skip:
+                out.write(partial + b"\n")
+            out.write((EXIT_MARK + "%d%s\n" % (rc, " stopped" if stopped else "")).encode())
+            out.flush()
+            return rc
+        time.sleep(0.1)
+
+
+def cmd_run(a, argv):
+    running, rc, _ = _status(a.pidfile)
+    if not running and rc is None:
+        os.makedirs(os.path.dirname(a.pidfile) or ".", exist_ok=True)
+        keep = [sys.executable, os.path.abspath(__file__), "keep", "--pidfile", a.pidfile, "--run-id", a.run_id,
+                "--log", a.log, "--grace", str(a.grace), "--tag", a.tag or ""]
+        if a.secrets:
+            keep += ["--secrets", a.secrets]
+        if a.cwd:
+            keep += ["--cwd", a.cwd]
+        # Its own session, no terminal and no pipe to this one: the end of the SSH session is nothing to it.
+        k = subprocess.Popen(keep + ["--"] + argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        while k.poll() is None and not os.path.exists(a.pidfile):
+            time.sleep(0.02)
+    a.skip_lines = 0
+    return cmd_follow(a)
+
+
+def cmd_runs(a):
+    out = []
+    names = sorted(os.listdir(a.dir)) if os.path.isdir(a.dir) else []
+    for n in names:
+        if n.endswith(".pid") or (n.endswith(".exit") and n[:-len(".exit")] + ".pid" not in names):
+            pidfile = os.path.join(a.dir, n[:-len(".exit")] + ".pid" if n.endswith(".exit") else n)
+            rec = _read_json(pidfile) or {}
+            running, rc, stopped = _status(pidfile)
+            ended = _read_json(exit_file(pidfile)) or {}
+            out.append({"run_id": rec.get("run_id") or ended.get("run_id") or os.path.basename(pidfile)[:-4],
+                        "tag": rec.get("tag", ""), "started": rec.get("started"), "running": running, "rc": rc,
+                        "stopped": stopped, "ended": ended.get("ended")})
+    print("TPUCTL_RUNS " + json.dumps(out))
+    return 0
 
 
 def cmd_state(a):
@@ -173,6 +301,8 @@ def cmd_stop(a):
     except (OSError, ValueError):
         print("hostwrap: nothing running (%s)" % a.pidfile)
         return 0
+    with open(a.pidfile + ".stopping", "w"):
+        pass
     stop_group(int(rec["pgid"]), a.grace)
     wrapper = rec.get("wrapper_pid")
     deadline = time.time() + 2
@@ -197,24 +327,32 @@ def main():
     opts = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="hostwrap")
     sub = ap.add_subparsers(dest="verb", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--pidfile", required=True)
-    r.add_argument("--run-id", default="")
-    r.add_argument("--log")
-    r.add_argument("--secrets")
-    r.add_argument("--cwd")
-    r.add_argument("--grace", type=float, default=10.0)
+    for verb in ("run", "keep"):
+        r = sub.add_parser(verb)
+        r.add_argument("--pidfile", required=True)
+        r.add_argument("--run-id", default="")
+        r.add_argument("--log", required=True)
+        r.add_argument("--tag", default="")
+        r.add_argument("--secrets")
+        r.add_argument("--cwd")
+        r.add_argument("--grace", type=float, default=10.0)
+    f = sub.add_parser("follow")
+    f.add_argument("--pidfile", required=True)
+    f.add_argument("--log", required=True)
+    f.add_argument("--skip-lines", type=int, default=0)
+    rs = sub.add_parser("runs")
+    rs.add_argument("--dir", required=True)
     s = sub.add_parser("stop")
     s.add_argument("--pidfile", required=True)
     s.add_argument("--grace", type=float, default=3.0)
     st = sub.add_parser("state")
     st.add_argument("--pidfile", required=True)
     a = ap.parse_args(opts)
-    if a.verb == "run":
+    if a.verb in ("run", "keep"):
         if not cmd:
-            ap.error("run needs a command after --")
-        return cmd_run(a, cmd)
-    return cmd_state(a) if a.verb == "state" else cmd_stop(a)
+            ap.error("%s needs a command after --" % a.verb)
+        return cmd_run(a, cmd) if a.verb == "run" else cmd_keep(a, cmd)
+    return {"follow": cmd_follow, "runs": cmd_runs, "state": cmd_state, "stop": cmd_stop}[a.verb](a)
 
 
 if __name__ == "__main__":

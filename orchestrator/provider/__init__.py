@@ -1,7 +1,7 @@
 """Where slices live, behind one interface: the real Cloud TPU API (`gcp`) or this machine (`local`).
 
 Everything above this package (slices, run, supervise, the CLI) talks to a `Provider` and never asks which one
-it is. Both speak the real Cloud TPU API through the real client (`orchestrator.cloud.Api`): the local provider
+it is. Both speak the real Cloud TPU API through the real client (`orchestrator.provider.cloud.Api`): the local provider
 only points it at the stand-in, and owns what the stand-in cannot be: hosts (sshd on loopback), the GCS
 emulator, emulated devices, and the VMs dying with a preemption.
 

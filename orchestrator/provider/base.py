@@ -6,8 +6,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from orchestrator import cloud
-from orchestrator.cloud import Api
+from orchestrator.provider import cloud
+from orchestrator.provider.cloud import Api
 from orchestrator.spec import SliceSpec, UserError
 from orchestrator.state import SliceRecord, Worker
 

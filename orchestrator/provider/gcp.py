@@ -1,8 +1,8 @@
 """The real Cloud TPU API: slices are nodes and queued resources in a Google Cloud project."""
 from __future__ import annotations
 
-from orchestrator import cloud
-from orchestrator.cloud import Api
+from orchestrator.provider import cloud
+from orchestrator.provider.cloud import Api
 from orchestrator.provider.base import GCP, Provider
 from orchestrator.state import SliceRecord
 

@@ -26,9 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
-from orchestrator import cloud, state
-from orchestrator.procs import pid_alive
-from orchestrator.cloud import Api
+from orchestrator import state
+from orchestrator.provider import cloud
+from orchestrator.jobs.procs import pid_alive
+from orchestrator.provider.cloud import Api
 from orchestrator.provider.base import LOCAL, HostAccess, Progress, Provider
 from orchestrator.spec import LOCAL_PROJECT, SliceSpec, UserError
 from orchestrator.state import SliceRecord, Worker
@@ -82,7 +83,7 @@ class LocalProvider(Provider):
         `status` and `down` still work, and `run` says why it cannot connect."""
         from infra.fake_tpu_api import FakeControl
         from infra.local_slice import LocalSlice, LocalSliceError
-        from orchestrator.sshkeys import parse_metadata
+        from orchestrator.access.sshkeys import parse_metadata
 
         n = len(rec.workers)
         if n > MAX_HOSTS:
@@ -92,7 +93,7 @@ class LocalProvider(Provider):
         # only root: keys for other users are not installed.
         meta = api.get_node(rec.node)
         keys = parse_metadata((meta.metadata if meta else {}).get("ssh-keys", ""))
-        from orchestrator import oslogin
+        from orchestrator.access import oslogin
         if oslogin.applies(rec.project, meta.metadata if meta else {}, api.endpoint, progress):
             # An OS Login VM lets in the keys of the account's login profile, as its POSIX user.
             user, login_keys = oslogin.profile_keys(oslogin.account(), rec.project)

@@ -13,7 +13,7 @@ from orchestrator.slices.create import (VALID_UNTIL_MARGIN_S, Attempt, Interrupt
 from orchestrator.slices.delete import DELETE_WAIT_BASE_S, DELETE_WAIT_PER_HOST_S, DownResult, delete_wait_s, down
 from orchestrator.slices.gc import GcItem, GcResult, gc
 from orchestrator.slices.inspect import SliceStatus, ls, node, refresh, status, workers
-from orchestrator.slices.plan import Plan, make_plan
+from orchestrator.slices.quote import Plan, make_plan
 
 __all__ = ["HOLDS_QUOTA", "fmt_duration", "VALID_UNTIL_MARGIN_S", "Attempt", "Interrupted", "UpResult",
            "_check_name_free", "recreate", "spec_of", "up", "valid_until_s", "DELETE_WAIT_BASE_S",

@@ -12,13 +12,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator import cloud, oslogin, provider, state
-from orchestrator.cloud import Api, CloudError, NodeInfo
+from orchestrator import provider, state
+from orchestrator.provider import cloud
+from orchestrator.access import oslogin
+from orchestrator.provider.cloud import Api, CloudError, NodeInfo
 from orchestrator.provider import Provider
 from orchestrator.slices.common import Progress, fmt_duration, noop
 from orchestrator.slices.delete import delete_and_wait, delete_quietly, delete_wait_s, down
 from orchestrator.slices.inspect import joined_workers, status
-from orchestrator.slices.plan import Plan, labels_of, make_plan, usable_zones
+from orchestrator.slices.quote import Plan, labels_of, make_plan, usable_zones
 from orchestrator.spec import CLOUD_PLATFORM_SCOPE, LABEL_EXPIRY, SliceSpec, UserError
 from orchestrator.state import SliceRecord, Worker
 
@@ -133,7 +135,7 @@ def _finish_failed(api: Api, spec: SliceSpec, zone: str, claim_id: str, leftover
 
 def _add_ssh_key(spec: SliceSpec, progress: Progress) -> None:
     """A new VM lets in only the keys it is given: put the user's (made if missing) in the node's ssh-keys."""
-    from orchestrator import sshkeys
+    from orchestrator.access import sshkeys
     if "ssh-keys" in spec.metadata:
         return
     try:
@@ -148,7 +150,7 @@ def _add_ssh_key(spec: SliceSpec, progress: Progress) -> None:
 
 def _register_os_login(spec: SliceSpec, project: str, progress: Progress) -> None:
     """OS Login: the user's key (made if missing) goes to the account's login profile, kept as long as the slice."""
-    from orchestrator import sshkeys
+    from orchestrator.access import sshkeys
     try:
         path, pub, created = sshkeys.ensure_key()
     except (sshkeys.SshKeyError, OSError) as e:

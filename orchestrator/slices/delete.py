@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from orchestrator import catalog, provider, state
-from orchestrator.cloud import Api, CloudError
+from orchestrator.provider.cloud import Api, CloudError
 from orchestrator.provider import Provider
 from orchestrator.slices.common import Progress, fmt_duration, noop
 from orchestrator.slices.inspect import api_of, probe

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator import catalog, provider, state
-from orchestrator.cloud import CloudError
+from orchestrator.provider.cloud import CloudError
 from orchestrator.provider import Provider
 from orchestrator.slices.common import HOLDS_QUOTA, noop
 from orchestrator.spec import LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, check_zone, owner_label

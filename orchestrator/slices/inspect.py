@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from orchestrator import catalog, provider, state
-from orchestrator.cloud import Api, NodeInfo
+from orchestrator.provider.cloud import Api, NodeInfo
 from orchestrator.provider import Provider
 from orchestrator.slices.common import HOLDS_QUOTA
 from orchestrator.spec import UserError, check_name, check_zone

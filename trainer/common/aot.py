@@ -49,7 +49,7 @@ class Built:
     mesh: dict[str, int]
     dtype: str                  # compute dtype the step was built with
     settings: dict              # the flags the plan's suggestions change, as the run has them
-    levers: tuple[str, ...]     # suggestions this command can take (orchestrator/plan.py knows each kind)
+    levers: tuple[str, ...]     # suggestions this command can take (orchestrator/plan/step.py knows each kind)
     trained: Any = None         # the abstract params that get gradients, when not all of them do (LoRA)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from trainer.common.config import UsageError
 from trainer.models import gemma
 
-MANIFEST = "tpuctl-manifest.json"  # written last by `tpuctl weights pull` (orchestrator/weights.py)
+MANIFEST = "tpuctl-manifest.json"  # written last by `tpuctl weights pull` (orchestrator/artifacts/weights.py)
 # Test hook: called as on_read(tensor_name, n_bytes) for every byte range read from a safetensors file.
 on_read: Callable[[str, int], None] | None = None
 

@@ -5,7 +5,7 @@ import difflib
 import time
 from dataclasses import dataclass
 
-from orchestrator.cloud import Api, CloudError
+from orchestrator.provider.cloud import Api, CloudError
 from orchestrator.slices.common import Progress
 from orchestrator.spec import LABEL_EXPIRY, LABEL_NAME, LABEL_OWNER, SliceSpec, UserError, owner_label
 

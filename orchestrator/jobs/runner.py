@@ -3,6 +3,10 @@
 Every host's output streams to the terminal with a [wI] prefix and into run_dir/wI.log. The first
 non-zero exit stops every other host's process group (over SSH, through hostwrap's pidfile), shows each
 host's last lines and names the failing worker. Ctrl-C stops every host the same way.
+
+The run belongs to the hosts, not to the SSH connections that follow it (hostwrap keeps it, detached): a
+connection that drops is opened again for up to Watch.reconnect_s, and the host's log is followed on from the
+last line received. `attach` follows a run that is already going, started from anywhere.
 """
 from __future__ import annotations
 
@@ -17,12 +21,12 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
-from orchestrator.host.hostwrap import mask_variants, private_open
-from orchestrator import launch as L
-from orchestrator.bundle import Bundle
-from orchestrator.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig  # noqa: F401 - HostError: raised from here
+from orchestrator.host.hostwrap import EXIT_MARK, FOLLOW_MARK, mask_variants, private_open
+from orchestrator.jobs import launch as L
+from orchestrator.jobs.bundle import Bundle
+from orchestrator.access.hosts import HostError, Hosts, InstallOptions, Probe, SshConfig  # noqa: F401 - HostError: raised from here
 
 PREEMPTED = 42  # the trainer saved a checkpoint on a preemption notice (docs/CONTRACTS.md)
 HUNG = 124      # a host stopped advancing: every host was stopped
@@ -42,6 +46,7 @@ class RunResult:
     push: dict[int, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     interrupted: bool = False
+    cancelled: bool = False   # stopped on the hosts from elsewhere (`tpuctl cancel`, another terminal's Ctrl-C)
     report: str = ""      # each host's last lines and the FAILED line, when the run failed
     hung: str = ""        # why the failed worker is named as the one that stopped advancing
     attempts: list[dict] = field(default_factory=list)  # across preemptions (supervise): one summary each
@@ -69,6 +74,14 @@ class _HostStream:
         self.index, self.first_output, self.t0 = index, first_output, t0
         self.progress = progress if progress is not None else {}  # index -> (step, monotonic time)
         self.first_progress: dict = {}                            # index -> (step, monotonic time)
+        self.following = False   # past hostwrap's TPUCTL_FOLLOW line: what follows are the host log's lines
+        self.lines = 0           # the host log's complete lines received: where a reconnect follows on from
+        self.exit_rc: int | None = None  # hostwrap's TPUCTL_EXIT: the run ended on this host with this status
+        self.stopped = False             # ... because a stop ended it (Ctrl-C, `tpuctl cancel`, a failure elsewhere)
+
+    def resume(self) -> None:
+        """A new connection follows the log on from self.lines: a line cut off by the drop comes again whole."""
+        self.buf, self.following = "", False
 
     def write(self, s: str) -> int:
         self.buf += s
@@ -78,6 +91,15 @@ class _HostStream:
         return len(s)
 
     def _line(self, line: str) -> None:
+        if line.startswith(FOLLOW_MARK):
+            self.following = True
+            return
+        words = line[len(EXIT_MARK):].split() if self.following and line.startswith(EXIT_MARK) else []
+        if words and words[0].lstrip("-").isdigit():
+            self.exit_rc, self.stopped = int(words[0]), words[1:] == ["stopped"]
+            return
+        if self.following:
+            self.lines += 1
         line = line.rstrip("\r")
         for v in self.secrets:
             line = line.replace(v, "***")
@@ -104,6 +126,16 @@ class _HostStream:
             self.buf = ""
         self.log.close()
 
+    def note(self, text: str) -> None:
+        """A line of tpuctl's own in this host's view (not from the host's log)."""
+        following, self.following = self.following, False
+        self._line(text)
+        self.following = following
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
 
 def _describe(rc: int | None) -> str:
     if rc is None:
@@ -123,6 +155,12 @@ class Watch:
     preempt_grace_s: float = 120.0
     hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S
     report_failure: bool = True
+    # A dropped connection is opened again for this long (the run goes on on the host meanwhile); 0: never;
+    # None: as long as a new connection may take (SshConfig.wait_s, `--ssh-wait`).
+    reconnect_s: float | None = None
+    # Asked while reconnecting: True when the hosts are gone for good (the slice was preempted), so that the
+    # caller's recovery starts at once instead of after reconnect_s.
+    slice_lost: Callable[[], bool] | None = None
 
 
 def run_job(workers: list[L.Worker], spec: L.LaunchSpec, *, ssh: SshConfig, run_dir: Path | str,
@@ -194,12 +232,80 @@ def run_job(workers: list[L.Worker], spec: L.LaunchSpec, *, ssh: SshConfig, run_
     return result
 
 
+def live_runs(hosts: Hosts) -> dict[str, dict]:
+    """The runs the hosts know, by run id: {tag, started, running (on any host), rc (per host index, once ended),
+    hosts (indices that know it)}. Hosts that do not answer are left out."""
+    hosts.ensure_helpers()
+    cmd = L.runs_command(hosts.layout, wrap_python="python3", wrap_script=hosts.helpers[L.HOSTWRAP])
+    out: dict[str, dict] = {}
+    for i, r in enumerate(hosts.each(lambda i, c: c.run(cmd, warn=True, timeout=30))):
+        line = next((ln for ln in getattr(r, "stdout", "").splitlines() if ln.startswith("TPUCTL_RUNS ")), None)
+        for run in json.loads(line[len("TPUCTL_RUNS "):]) if line else []:
+            d = out.setdefault(run["run_id"], {"tag": run.get("tag", ""), "started": run.get("started"),
+                                               "running": False, "rc": {}, "hosts": []})
+            d["running"] = d["running"] or bool(run.get("running"))
+            d["tag"] = d["tag"] or run.get("tag", "")
+            d["hosts"].append(i)
+            if run.get("rc") is not None:
+                d["rc"][i] = run["rc"]
+    return out
+
+
+def attach_job(workers: list[L.Worker], run_id: str, *, ssh: SshConfig, run_dir: Path | str,
+               layout: L.HostLayout | None = None, watch: Watch = Watch(), out: TextIO | None = None,
+               stop_grace_s: float = 10.0) -> RunResult:
+    """Follow a run that is already going on the hosts (started from another terminal or machine, or by a tpuctl
+    that was killed), as run_job follows its own: each host's log from its first line into run_dir, the first
+    failure stops the others, Ctrl-C stops every host. Raises RunFailed like run_job."""
+    out = out or sys.stdout
+    run_dir = Path(run_dir)
+    _private_dirs(run_dir)
+    for f in run_dir.glob("*.log"):  # written again from the hosts' logs, whole
+        f.unlink()
+    t0 = time.monotonic()
+    say = lambda msg: (out.write(f"[tpuctl] {msg}\n"), out.flush())  # noqa: E731
+    hosts = Hosts(workers, ssh, layout)
+    workers = hosts.workers
+    path = run_dir / "run.json"
+    record = json.loads(path.read_text()) if path.exists() else {"run_id": run_id, "started": None}
+    record.update(workers=[asdict(w) for w in workers], attached=time.time())
+    record.pop("returncode", None)
+    write_json(path, record)
+    timings: dict[str, float] = {}
+    try:
+        hosts.wait_reachable(say)
+        hosts.ensure_helpers()
+        wrap = hosts.helpers[L.HOSTWRAP]
+        cmds = [L.follow_command(hosts.layout, run_id, skip_lines=0, wrap_python="python3", wrap_script=wrap)
+                for _ in workers]
+        spec = L.LaunchSpec(argv=record.get("argv") or ["?"], run_id=run_id, stop_grace_s=stop_grace_s)
+        result = _Watcher(hosts, spec, cmds, run_dir, out, {}, watch, t0, timings, say).run()
+    except BaseException:
+        hosts.close()
+        raise
+    record.update(returncode=result.returncode, exit_codes=result.exit_codes, failed_worker=result.failed_worker,
+                  finished=time.time())
+    write_json(path, record)
+    hosts.close()
+    if not result.ok:
+        raise RunFailed(result_message(result, workers), result)
+    return result
+
+
+def stop_run(hosts: Hosts, run_id: str, grace: float = 10.0) -> dict[int, int | None]:
+    """Stop run_id on every host (SIGTERM to its process group, SIGKILL after `grace`); {index: exit of the stop}."""
+    hosts.ensure_helpers()
+    cmd = L.stop_command(hosts.layout, run_id, wrap_python="python3", grace=grace,
+                         wrap_script=hosts.helpers[L.HOSTWRAP])
+    return {i: getattr(r, "exited", None) for i, r in hosts.stop(cmd, timeout=grace + 30).items()}
+
+
 def shared_install(machine_dir: str | Path, bundle: Bundle, python: str | None = None,
                   log=print) -> tuple[InstallOptions, L.HostLayout]:
     """Install options for hosts that share this machine (the local slice): a wheelhouse filled once from
     the package index, one uv cache, and one dependency layer per dependency hash for all of them
     (machine_dir must be visible at the same path on every host: LocalSlice.wheelhouse is)."""
-    from orchestrator.bundle import fill_wheelhouse
+    from orchestrator.jobs.bundle import fill_wheelhouse
     machine_dir = Path(machine_dir)
     wh = fill_wheelhouse(bundle, machine_dir, log=log)
     opts = InstallOptions(wheelhouse=str(wh), uv_cache=str(machine_dir / "uv-cache"), python=python)
@@ -214,6 +320,8 @@ def all_preempted(exit_codes: dict[int, int | None]) -> bool:
 def result_message(r: RunResult, workers: list[L.Worker]) -> str:
     if r.interrupted:
         return "interrupted: stopped the run on every host"
+    if r.cancelled:
+        return "cancelled: the run was stopped on its hosts from elsewhere (`tpuctl cancel`, or another terminal)"
     if all_preempted(r.exit_codes):
         return "stopped on a preemption notice after every host saved a checkpoint; run again to resume"
     if r.failed_worker is not None:
@@ -227,13 +335,15 @@ def result_message(r: RunResult, workers: list[L.Worker]) -> str:
 def _command(spec: L.LaunchSpec, workers: list[L.Worker], i: int, lay: L.HostLayout, probe: Probe,
              bundle: Bundle | None, wrap: str) -> str:
     if bundle is None:
-        return L.host_command(spec, workers, i, layout=lay, wrap_python="python3", wrap_script=wrap)
+        return L.host_command(spec, workers, i, layout=lay, wrap_python="python3", wrap_script=wrap,
+                              tag=L.command_tag(spec.argv, spec.env))
     py = lay.python(probe.deps_key)
     app = lay.app(bundle.short)
     path = [app] + ([f"{app}/tpuctl_workdir"] if bundle.has_workdir else [])
     # hostwrap needs only a python3 (stdlib): the host's own, which preflight already used.
     return L.host_command(spec, workers, i, layout=lay, wrap_python="python3", env_python=py, pythonpath=path,
-                          cwd=f"{app}/tpuctl_workdir" if bundle.has_workdir else None, wrap_script=wrap)
+                          cwd=f"{app}/tpuctl_workdir" if bundle.has_workdir else None, wrap_script=wrap,
+                          tag=L.command_tag(spec.argv, spec.env))
 
 
 class _Watcher:
@@ -258,21 +368,78 @@ class _Watcher:
         self.codes: dict[int, int | None] = {i: None for i in range(n)}
         self.failed: int | None = None
         self.hung = ""
-        self.stopped = self.interrupted = False
+        self.stopped = self.interrupted = self.cancelled = False
         self.deadline: float | None = None   # set by a preemption notice: when the others must have saved
+        self.lost: set[int] = set()   # hosts whose connection dropped and is not back yet
+        self.back: set[int] = set()   # hosts reconnected since the last "reconnected" line
 
     # ---- the hosts
     def _host(self, i: int) -> None:
+        s, cmd, rc = self.streams[i], self.cmds[i], None
         try:
-            r = self.hosts.conns[i].run(self.cmds[i], out_stream=self.streams[i], err_stream=self.streams[i],
-                                        hide=False, warn=True, pty=False)
-            rc = r.exited
-        except Exception as e:  # noqa: BLE001 - the connection dropped: that host failed
-            self.streams[i].write(f"tpuctl: lost the SSH connection: {e}\n")
-            rc = 255
+            while True:
+                err = None
+                try:
+                    rc = self.hosts.conns[i].run(cmd, out_stream=s, err_stream=s, hide=False, warn=True,
+                                                 pty=False).exited
+                except Exception as e:  # noqa: BLE001 - the connection dropped (or never opened)
+                    err, rc = e, None
+                if s.exit_rc is not None:  # hostwrap says how the run ended on this host
+                    rc = s.exit_rc
+                    break
+                if rc not in (None, -1) and not s.following:  # the host command failed before the run began
+                    break
+                # The connection dropped: the run goes on on the host. Follow its log again on a new one.
+                if self.stopped or self.interrupted or not self._reconnect(i, err):
+                    s.note(f"tpuctl: lost the SSH connection{': ' + _one_line(err) if err else ''}")
+                    rc = 255
+                    break
+                cmd = L.follow_command(self.hosts.layout, self.spec.run_id, skip_lines=s.lines,
+                                       wrap_python="python3", wrap_script=self.hosts.helpers[L.HOSTWRAP])
         finally:
-            self.streams[i].close()
+            s.close()
         self.done.put((i, rc))
+
+    def _reconnect(self, i: int, err: BaseException | None) -> bool:
+        """Open worker i's connection again, for up to watch.reconnect_s; False when that fails, the run is being
+        stopped, or the slice is gone (watch.slice_lost). Says once that connections dropped, once that they
+        are back."""
+        limit = self.hosts.ssh.wait_s if self.watch.reconnect_s is None else self.watch.reconnect_s
+        if not limit:
+            return False
+        with self.lock:
+            if not self.lost:
+                why = f" ({_one_line(err)})" if err else ""
+                self.say(f"lost the SSH connection to {self.names[i]}{why}: the run goes on on the hosts; "
+                         f"reconnecting for up to {limit:.0f} s")
+            self.lost.add(i)
+        deadline = time.monotonic() + limit
+        next_check = 0.0
+        while time.monotonic() < deadline and not (self.stopped or self.interrupted):
+            if self.watch.slice_lost and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 10
+                try:
+                    if self.watch.slice_lost():
+                        return False
+                except Exception:  # noqa: BLE001 - the API unreachable too: keep trying the host
+                    pass
+            try:
+                self.hosts.reopen(i)
+            except Exception:  # noqa: BLE001 - not yet
+                time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+                continue
+            self.streams[i].resume()
+            with self.lock:
+                self.lost.discard(i)
+                self.back.add(i)
+                now = time.monotonic()  # the time away is not a hang
+                self.progress.update({j: (st, now) for j, (st, _) in self.progress.items()})
+                if not self.lost:
+                    self.say(f"reconnected to {', '.join(self.names[j] for j in sorted(self.back))}: following "
+                             "each host's log from where it left off")
+                    self.back.clear()
+            return True
+        return False
 
     def _running(self) -> list[int]:
         return [j for j in range(self.n) if self.codes[j] is None]
@@ -302,7 +469,8 @@ class _Watcher:
         if self.deadline is not None and time.monotonic() >= self.deadline and not self.stopped:
             self.stopped = True
             self._stop_all(self.watch.fail_grace_s, self._running())
-        elif (self.watch.hang_timeout_s and self.failed is None and not self.stopped and len(self.progress) == self.n
+        elif (self.watch.hang_timeout_s and self.failed is None and not self.stopped and not self.lost
+              and len(self.progress) == self.n
               and time.monotonic() - max(t for _, t in self.progress.values()) > self.watch.hang_timeout_s):
             running = self._running()
             culprits = self._stopped_hosts(running) or [min(running, key=lambda j: self.progress[j][0])]
@@ -315,7 +483,13 @@ class _Watcher:
 
     def _ended(self, i: int, rc: int | None) -> None:
         self.codes[i] = rc
-        if rc == 0 or self.failed is not None:
+        if rc and self.streams[i].stopped and not (self.stopped or self.interrupted):
+            if not self.cancelled:  # stopped from elsewhere: `tpuctl cancel`, Ctrl-C in another terminal
+                self.cancelled = True
+                self.say(f"the run was stopped on {self.names[i]} from elsewhere (`tpuctl cancel`, or Ctrl-C in "
+                         "another terminal that follows it)")
+            return
+        if rc == 0 or self.failed is not None or self.cancelled:
             return
         self.failed = i
         others = self._running()
@@ -382,7 +556,7 @@ class _Watcher:
         if self.streams and self.streams[0].first_progress:
             (s0, f0), (s1, f1) = self.streams[0].first_progress[0], self.progress[0]
             timings.update(first_step=s0, first_step_s=f0 - self.t0, last_step=s1, last_step_s=f1 - self.t0)
-        if self.interrupted:
+        if self.interrupted or self.cancelled:
             rc_all = 130
         elif self.hung:
             rc_all = HUNG
@@ -391,7 +565,7 @@ class _Watcher:
         else:
             rc_all = 0
         report = []
-        if rc_all != 0:
+        if rc_all != 0 and not self.cancelled:  # a cancel asked for this end: no failure to explain
             for i, s in enumerate(self.streams):
                 report.append(f"---- {self.names[i]} ({self.hosts.workers[i].address}): {_describe(codes[i])}, "
                               f"last {len(s.tail)} lines ----")
@@ -399,7 +573,7 @@ class _Watcher:
             if all_preempted(codes):
                 report.append(f"[tpuctl] preempted: every host saved a checkpoint (exit {PREEMPTED}); run again "
                               f"to resume; logs in {self.run_dir}")
-            elif failed is not None and not self.interrupted:
+            elif failed is not None and not (self.interrupted or self.cancelled):
                 w = self.hosts.workers[failed]
                 report.append(f"[tpuctl] FAILED: worker {w.name} ({w.address}) "
                               f"{self.hung or _describe(codes[failed])}; logs in {self.run_dir}")
@@ -408,8 +582,9 @@ class _Watcher:
                     self.out.writelines(line + "\n" for line in report)
                     self.out.flush()
         return RunResult(run_id=self.spec.run_id, run_dir=self.run_dir, returncode=rc_all, exit_codes=codes,
-                         failed_worker=None if self.interrupted else failed, timings=timings,
-                         interrupted=self.interrupted, report="\n".join(report), hung=self.hung)
+                         failed_worker=None if (self.interrupted or self.cancelled) else failed, timings=timings,
+                         interrupted=self.interrupted, cancelled=self.cancelled, report="\n".join(report),
+                         hung=self.hung)
 
 
 def write_json(path: Path, obj: dict) -> None:

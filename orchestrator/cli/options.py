@@ -75,8 +75,8 @@ class PassThrough(click.Command):
 def _user_errors() -> tuple[type, ...]:
     """The exceptions that carry one line for the user. Modules not loaded yet cannot have raised theirs."""
     kinds: list[type] = [UserError]
-    for mod, name in (("orchestrator.launch", "LaunchError"), ("orchestrator.hosts", "HostError"),
-                      ("orchestrator.bundle", "BundleError")):
+    for mod, name in (("orchestrator.jobs.launch", "LaunchError"), ("orchestrator.access.hosts", "HostError"),
+                      ("orchestrator.jobs.bundle", "BundleError")):
         if mod in sys.modules:
             kinds.append(getattr(sys.modules[mod], name))
     return tuple(kinds)

@@ -48,7 +48,7 @@ class Handle:
     def page(self) -> str:
         return f"kaggle.com/models/{self.owner}/{self.model}"
 
-    # What the shared staging (pull/stage below, orchestrator/datasets.py) asks of a handle.
+    # What the shared staging (pull/stage below, orchestrator/artifacts/datasets.py) asks of a handle.
     kind = "model"
     use_as = "load it with --weights"
     fields = "owner/model/framework/variation/version"
@@ -291,7 +291,7 @@ def pull(handle: str, dest: str, *, endpoint: str | None = None, say: Callable[[
 
 def stage(h, dest: str, *, endpoint: str | None = None, say: Callable[[str], None] = print, progress: bool = True,
           given: str | None = None, files: Sequence[str] | None = None) -> PullResult:
-    """Stage a parsed handle (a model's here, a dataset's from orchestrator/datasets.py) under `dest`: resolve
+    """Stage a parsed handle (a model's here, a dataset's from orchestrator/artifacts/datasets.py) under `dest`: resolve
     its version, skip it if staged, download through kagglehub (the whole version, or only `files`), upload
     what the bucket lacks, write the manifest last."""
     bucket = Bucket(dest)

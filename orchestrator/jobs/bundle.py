@@ -12,6 +12,7 @@ import base64
 import fnmatch
 import hashlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -21,6 +22,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.spec import UserError
 from orchestrator.state import home as _home
 
 WORKDIR_PKG = "tpuctl_workdir"  # where the user's working dir lands inside the wheel (and on hosts)
@@ -55,7 +57,7 @@ class Bundle:
 
 
 def project_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 def _pyproject(root: Path) -> dict:
@@ -218,3 +220,17 @@ def fill_wheelhouse(bundle: Bundle, wheelhouse: Path | str, *, python: str | Non
                 raise BundleError(f"could not download the dependencies into {wh}: {tail[0]}")
         done.write_text(bundle.deps_hash + "\n")
     return wh
+
+
+def trainer_extras(argv: list[str], python: str) -> list[str]:
+    """The optional dependency groups a trainer command needs on the hosts (e.g. wandb for --wandb), as the
+    trainer itself reads its flags (`python -m trainer extras`, jax-free). A command it refuses stops here,
+    with its message, before anything is pushed. `python` is what the host command names the bundle's Python."""
+    if argv[:3] != [python, "-m", "trainer"]:
+        return []
+    p = subprocess.run([sys.executable, "-m", "trainer", "extras", "--", *argv[3:]], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        err = [ln[len("error: "):] for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+        raise UserError(f"the trainer refuses the command: {err[-1] if err else p.stderr.strip()[-300:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])

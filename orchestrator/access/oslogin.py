@@ -9,7 +9,7 @@ when sshd asks it; without it the login is refused like an unknown key.
 Both APIs are reached with the official clients over REST (`google-cloud-compute` ProjectsClient.get for the common
 metadata, `google-cloud-os-login` OsLoginServiceClient): the default endpoints with Application Default
 Credentials, or the URL in TPUCTL_COMPUTE_API_ENDPOINT / TPUCTL_OSLOGIN_API_ENDPOINT (http:// = a stand-in,
-anonymous credentials), as orchestrator/cloud.py does for the TPU API.
+anonymous credentials), as orchestrator/provider/cloud.py does for the TPU API.
 """
 from __future__ import annotations
 

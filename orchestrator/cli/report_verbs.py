@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from orchestrator.cli_common import errors
+from orchestrator.cli.options import errors
 from orchestrator.spec import UserError
 from orchestrator.state import home
 
@@ -57,7 +57,8 @@ def find_run(name: str, run_id: str | None = None) -> tuple[Path, dict, str]:
 def report(name: str, run_id: str | None = None, out: str | None = None,
            say=lambda m: print(f"[tpuctl] {m}", file=sys.stderr, flush=True)) -> dict:
     """Make the report of NAME's latest (or run_id's) run; the trainer's report result plus which run it was."""
-    from orchestrator import provider, state, sweep
+    from orchestrator import provider, state
+    from orchestrator.jobs import sweep
     run_dir, rec, ckpt = find_run(name, run_id)
     if "://" not in ckpt and not Path(ckpt).is_absolute():
         raise UserError(f"run {run_dir.name} of {name} wrote to --ckpt-dir {ckpt}, a path relative to each host's "

@@ -1,4 +1,4 @@
-"""`tpuctl data pull`: the click layer over orchestrator/datasets.py."""
+"""`tpuctl data pull`: the click layer over orchestrator/artifacts/datasets.py."""
 from __future__ import annotations
 
 import os
@@ -32,6 +32,6 @@ def pull(handle, dest, files, kaggle_endpoint, as_json):
     Pulling a version that is already staged copies nothing; a pull that was cut short resumes.
     Credentials: KAGGLE_USERNAME / KAGGLE_KEY, or ~/.kaggle/kaggle.json (never passed on the command line).
     """
-    from orchestrator import datasets as D
-    from orchestrator.cli_weights import run_pull
+    from orchestrator.artifacts import datasets as D
+    from orchestrator.cli.weights_verbs import run_pull
     run_pull(lambda say: D.pull(handle, dest, files=files, endpoint=kaggle_endpoint, say=say), as_json)

@@ -476,3 +476,29 @@ def gate(accelerator: str, argv: list[str], *, cpu_devices: bool, progress: Call
         raise PlanError(f"plan: {p.verdict()}{fix}; `tpuctl plan -a {p.accelerator.name} -- ...` shows the whole "
                         f"plan, {skip_flag} skips this check")
     return p
+
+
+def check_before_run(accelerator: str | None, slices: int, argv: list[str], storage_env: dict[str, str], *,
+                     cpu_devices: bool, say: Callable[[str], None]) -> None:
+    """`tpuctl run`'s gate: a trainer step (argv after `python -m trainer`) on a slice of known type is planned
+    first and refused (PlanError) when it does not fit. storage_env points the planner at the storage the run
+    will use (for a local slice, the GCS emulator): it reads what the trainer would, e.g. the data's meta.json,
+    whose tokenizer sets the vocabulary."""
+    if not accelerator:
+        return
+    if slices > 1:
+        say(f"plan: not checked here for {slices} slices (`tpuctl plan -a {accelerator} --num-slices {slices} -- "
+            "...` plans one)")
+        return
+    saved = {k: os.environ.get(k) for k in storage_env}
+    os.environ.update(storage_env)
+    try:
+        p = gate(accelerator, argv, cpu_devices=cpu_devices, progress=say)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if p is not None:
+        say(f"plan: {p.verdict()}")

@@ -1,4 +1,4 @@
-"""`tpuctl plan`: a click command over orchestrator/plan.py (registered into the `tpuctl` group by cli.py), and the
+"""`tpuctl plan`: a click command over orchestrator/plan/step.py (registered into the `tpuctl` group by cli/app.py), and the
 plan as text."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import sys
 
 import click
 
-from orchestrator import plan as P, provider
-from orchestrator.cli_common import PassThrough
+from orchestrator import provider
+from orchestrator.plan import step as P
+from orchestrator.cli.options import PassThrough
 from orchestrator.spec import UserError
 
 DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1)
@@ -49,7 +50,7 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
     time, tokens/s, wall time and $ (list price, on-demand and spot) at the chip's peak and at --mfu.
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
-    from orchestrator.cli_common import StatusLine, TpuctlError
+    from orchestrator.cli.options import StatusLine, TpuctlError
     if num_slices != 1 or dcn_gbps is not None:
         _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps)
     try:
@@ -66,8 +67,8 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
 
 
 def _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps) -> None:
-    from orchestrator import plan_dcn
-    from orchestrator.cli_common import StatusLine, TpuctlError
+    from orchestrator.plan import dcn as plan_dcn
+    from orchestrator.cli.options import StatusLine, TpuctlError
     try:
         with StatusLine(quiet=False) as line:
             p = plan_dcn.plan(accelerator, list(command), num_slices, local=local, steps=steps, mfu=mfu,

@@ -1,4 +1,4 @@
-"""`tpuctl weights pull`: the click layer over orchestrator/weights.py."""
+"""`tpuctl weights pull`: the click layer over orchestrator/artifacts/weights.py."""
 from __future__ import annotations
 
 import contextlib
@@ -35,13 +35,13 @@ def pull(handle, dest, kaggle_endpoint, as_json):
     Credentials: KAGGLE_USERNAME / KAGGLE_KEY, or ~/.kaggle/kaggle.json (never passed on the command line).
     Gemma needs its licence accepted once on kaggle.com by the account whose key is used.
     """
-    from orchestrator import weights as W
+    from orchestrator.artifacts import weights as W
     run_pull(lambda say: W.pull(handle, dest, endpoint=kaggle_endpoint, say=say), as_json)
 
 
 def run_pull(pull_fn, as_json: bool) -> None:
     """Run a Kaggle pull (weights or data): progress on stdout, or on stderr with --json; errors one line."""
-    from orchestrator import weights as W
+    from orchestrator.artifacts import weights as W
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     try:
         if as_json:  # stdout carries only the JSON: kagglehub's console log and notices go to stderr

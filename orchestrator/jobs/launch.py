@@ -94,6 +94,13 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
+def command_tag(argv: list[str], env: dict[str, str]) -> str:
+    """What names a job's command on the hosts (hostwrap's --tag): its argv and --env, not its run id. The same
+    `tpuctl run` given while that run is going attaches to it instead of starting a second run."""
+    import hashlib
+    return hashlib.sha256(json.dumps([list(argv), sorted(env.items())]).encode()).hexdigest()[:16]
+
+
 def parse_env(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
     """--env K=V values (V may hold anything, '=' included)."""
     out = {}
@@ -174,8 +181,10 @@ def _home_path(path: str) -> str:
 
 def host_command(spec: LaunchSpec, workers: list[Worker], index: int, *, layout: HostLayout,
                  wrap_python: str, env_python: str | None = None, pythonpath: list[str] = (),
-                 cwd: str | None = None, wrap_script: str = HOSTWRAP) -> str:
-    """The shell command that runs worker `index`'s part of the job under hostwrap.
+                 cwd: str | None = None, wrap_script: str = HOSTWRAP, tag: str = "") -> str:
+    """The shell command that runs worker `index`'s part of the job under hostwrap: it starts the run's keeper,
+    detached from the SSH session, and follows its log (docs/CONTRACTS.md). `tag` names the command (the same
+    command given again attaches to the run instead of starting another).
 
     wrap_python: the interpreter that runs hostwrap (any python3); env_python: the bundle environment's
     interpreter that replaces argv[0] == "python" (None: the command needs no environment).
@@ -202,6 +211,8 @@ def host_command(spec: LaunchSpec, workers: list[Worker], index: int, *, layout:
     wrap = [_home_path(wrap_python), _home_path(layout.bin(wrap_script)), "run",
             "--pidfile", _home_path(layout.pidfile(spec.run_id)), "--run-id", shlex.quote(spec.run_id),
             "--log", _home_path(layout.log(spec.run_id)), "--grace", str(spec.stop_grace_s)]
+    if tag:
+        wrap += ["--tag", shlex.quote(tag)]
     if spec.secret_names:
         wrap += ["--secrets", _home_path(layout.secrets(spec.run_id))]
     if cwd:
@@ -226,6 +237,20 @@ def state_command(layout: HostLayout, run_id: str, *, wrap_python: str, wrap_scr
     """Prints `TPUCTL_STATE {json}`: the run's processes on the host and their state (R, S, T stopped, ...)."""
     return (f"{_home_path(wrap_python)} {_home_path(layout.bin(wrap_script))} state "
             f"--pidfile {_home_path(layout.pidfile(run_id))}")
+
+
+def follow_command(layout: HostLayout, run_id: str, *, skip_lines: int, wrap_python: str,
+                   wrap_script: str = HOSTWRAP) -> str:
+    """Follows a run's host log from line `skip_lines` on, until the run ends: `TPUCTL_EXIT <rc>` then."""
+    return (f"{_home_path(wrap_python)} {_home_path(layout.bin(wrap_script))} follow "
+            f"--pidfile {_home_path(layout.pidfile(run_id))} --log {_home_path(layout.log(run_id))} "
+            f"--skip-lines {int(skip_lines)} 2>&1")
+
+
+def runs_command(layout: HostLayout, *, wrap_python: str, wrap_script: str = HOSTWRAP) -> str:
+    """Prints `TPUCTL_RUNS [{run_id, tag, started, running, rc, ended}]`: the runs the host knows."""
+    return (f"{_home_path(wrap_python)} {_home_path(layout.bin(wrap_script))} runs "
+            f"--dir {_home_path(layout.root + '/run')}")
 
 
 def stop_command(layout: HostLayout, run_id: str, *, wrap_python: str, grace: float = 3.0,

@@ -26,14 +26,16 @@ from typing import Callable
 import paramiko
 from fabric import Config, Connection, ThreadingGroup
 
-from orchestrator import hostkeys, oslogin, sshproxy
-from orchestrator.bundle import Bundle
-from orchestrator.launch import HOSTWRAP, HostLayout, Worker, _home_path
+from orchestrator.access import hostkeys
+from orchestrator.access import oslogin
+from orchestrator.access import sshproxy
+from orchestrator.jobs.bundle import Bundle
+from orchestrator.jobs.launch import HOSTWRAP, HostLayout, Worker, _home_path
 
 # paramiko logs a failed handshake (with a traceback) from its transport thread; tpuctl reports it in one line.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
-HOST_DIR = Path(__file__).resolve().parent / "host"  # the files pushed to every host
+HOST_DIR = Path(__file__).resolve().parents[1] / "host"  # the files pushed to every host
 MIN_FREE_GB = 2.0
 MAX_SKEW_S = 60.0     # TLS to GCS and the coordinator's deadlines go wrong past this
 WARN_SKEW_S = 2.0
@@ -41,6 +43,15 @@ WARN_SKEW_S = 2.0
 
 class HostError(RuntimeError):
     """What went wrong on which host, one line each."""
+
+
+class RunGoing(HostError):
+    """Preflight found a tpuctl run still going on the hosts (hostwrap keeps runs past their SSH sessions)."""
+
+    def __init__(self, message: str, runs: dict[str, str], hosts: dict[str, list[int]]):
+        super().__init__(message)
+        self.runs = runs    # run id -> its command's tag
+        self.hosts = hosts  # run id -> the worker indices it runs on
 
 
 def _default_key() -> str | None:
@@ -291,7 +302,10 @@ class Hosts:
                 return
             keys = {_slot(w): hostkeys.parse(got.get(_slot(w), [])) for w in self.workers}
             missing = [w for w in self.workers if not keys[_slot(w)]]
-            if not missing or time.monotonic() >= deadline:
+            # A worker whose key was pinned on first contact before (this slice's known_hosts file is this
+            # incarnation's own: same VMs) is not waited for again: its pin is what a publication would give.
+            pinned = self._first_contact_pins(missing)
+            if not [w for w in missing if w not in pinned] or time.monotonic() >= deadline:
                 break
             if not waited:
                 waited = True
@@ -304,6 +318,7 @@ class Hosts:
                 if self.ssh.known_hosts:  # the interactive `ssh` and later commands trust the same keys
                     hostkeys.pin(self.ssh.known_hosts, hostkeys.host_id(w.address, w.port or self.ssh.port),
                                  keys[_slot(w)])
+        missing = [w for w in missing if w not in pinned]
         if missing:
             tell(f"{src.slice}: {', '.join(f'{w.name} ({w.address})' for w in missing)} published no SSH host keys "
                  f"(guest attributes {hostkeys.NAMESPACE}/) within {self.ssh.wait_s:.0f} s: pinning "
@@ -311,6 +326,13 @@ class Hosts:
                  "contact instead")
         # Nothing was opened yet: the connections start afresh, trusting what was published.
         self.conns = [self._connect(w) for w in self.workers]
+
+    def _first_contact_pins(self, workers: list[Worker]) -> list[Worker]:
+        """The workers whose host key this slice's known_hosts file already holds."""
+        if not workers or not self.ssh.known_hosts or not os.path.exists(self.ssh.known_hosts):
+            return []
+        known = paramiko.HostKeys(self.ssh.known_hosts)
+        return [w for w in workers if known.lookup(hostkeys.host_id(w.address, w.port or self.ssh.port))]
 
     def _impostor(self, w: Worker, e: paramiko.BadHostKeyException) -> str:
         pub = self.published[_slot(w)]
@@ -320,6 +342,18 @@ class Hosts:
                 f"{e.key.get_name()} {hostkeys.fingerprint(e.key)}, but the VM published {shown} in its guest "
                 f"attributes ({hostkeys.NAMESPACE}/): refused, nothing was sent to it. Something other than that "
                 f"VM answers at {w.address}; do not trust it")
+
+    def reopen(self, i: int) -> Connection:
+        """A fresh connection to worker i in place of one that dropped (its proxy, if any, started anew). Raises
+        what opening raises: the caller decides how long to keep trying."""
+        try:
+            self.conns[i].close()
+        except Exception:  # noqa: BLE001 - a dead transport: nothing to close cleanly
+            pass
+        c = self._connect(self.workers[i])
+        c.open()
+        self.conns[i] = c
+        return c
 
     def group(self, indices: list[int] | None = None) -> ThreadingGroup:
         conns = [self.conns[i] for i in (range(len(self.conns)) if indices is None else indices)]
@@ -419,11 +453,38 @@ class Hosts:
             return p
 
         probes = self.each(probe)
+        going: dict[str, str] = {}
+        on: dict[str, list[int]] = {}
+        for i, p in enumerate(probes):
+            for st in p.stale:
+                if st["kind"] == "trainer" and st.get("run_id"):
+                    going[st["run_id"]] = st.get("tag") or ""
+                    on.setdefault(st["run_id"], []).append(i)
+        if going and not kill_stale:
+            where = "; ".join(f"run {r} on {', '.join(self.workers[i].name for i in ix)}" for r, ix in on.items())
+            raise RunGoing(f"a tpuctl run is still going on these hosts ({where})", going, on)
         problems = [line for p in probes for line in p.problems()]
         if problems:
             raise HostError("preflight: " + "\n  ".join(problems) if len(problems) > 1 else
                             "preflight: " + problems[0])
         return probes
+
+    def ensure_helpers(self) -> None:
+        """The host-side helpers (hostwrap) of this tpuctl on every host, for verbs that reach a run without a
+        preflight (attach, cancel, the runs list): one `test -f` where they are there already."""
+        lay = self.layout
+        names = " ".join(_home_path(lay.bin(n)) for n in self.helpers.values())
+
+        def put(i: int, c: Connection) -> None:
+            if c.run(f"for f in {names}; do test -f $f || exit 1; done", warn=True).exited == 0:
+                return
+            c.run(f"mkdir -p {_home_path(lay.bin())}", warn=False)
+            home = c.run("echo $HOME", warn=False).stdout.strip()
+            for src, name in self.helpers.items():
+                _put(c, HOST_DIR / src, f"{home}/{lay.bin(name)}")
+        errors = {i: e for i, e in enumerate(self.each(put)) if isinstance(e, Exception)}
+        if errors:
+            raise HostError("; ".join(f"{self.workers[i].name}: {_one_line(e)}" for i, e in errors.items()))
 
     # ---------------------------------------------------------------- push
     def push(self, bundle: Bundle | None, probes: list[Probe], install: InstallOptions | None = None, *,

@@ -1,6 +1,6 @@
 """`tpuctl data pull OWNER/DATASET[/versions/N] --to gs://BUCKET/PREFIX`: a Kaggle dataset staged once in GCS.
 
-The same contract as `tpuctl weights pull`, through the same code (orchestrator/weights.py `stage`): kagglehub
+The same contract as `tpuctl weights pull`, through the same code (orchestrator/artifacts/weights.py `stage`): kagglehub
 downloads on the user's machine (its cache, its resume of a cut file, its md5 check), each file is uploaded
 under the prefix, and the manifest is written last; a pull cut short resumes; credentials are kagglehub's
 and never pass through tpuctl. Hosts then read the prefix with `--data gs://BUCKET/PREFIX`: a nanoGPT folder
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from orchestrator import weights as W
+from orchestrator.artifacts import weights as W
 from orchestrator.spec import UserError
 
 _SLUG = r"[A-Za-z0-9][A-Za-z0-9_.-]*"

@@ -8,11 +8,11 @@ import threading
 
 import click
 
-from orchestrator.cli_common import StatusLine
-from orchestrator.cli_common import api_options as _api_options
-from orchestrator.cli_common import PassThrough
-from orchestrator.cli_common import errors as _errors
-from orchestrator.cli_common import json_option as _json_option
+from orchestrator.cli.options import StatusLine
+from orchestrator.cli.options import api_options as _api_options
+from orchestrator.cli.options import PassThrough
+from orchestrator.cli.options import errors as _errors
+from orchestrator.cli.options import json_option as _json_option
 from orchestrator.spec import UserError
 
 
@@ -198,7 +198,7 @@ def up_cmd(name, command, accelerator, zone, zones, spot, reserved, reservation,
 
 def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> None:
     """`up --plan -- ARGS`: nobody creates a slice for a train step that cannot fit on it."""
-    from orchestrator import plan
+    from orchestrator.plan import step as plan
     if not plan_run:
         raise UserError(f"arguments after NAME ({' '.join(command)}) are the run's command, read only with --plan: "
                         "`tpuctl up NAME -a TYPE --plan -- pretrain ...`")
@@ -456,7 +456,7 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
     finished trials are skipped, an unfinished one resumes from its checkpoint. A failed trial is recorded and
     the sweep goes on; the summary names it and why. Exit 0 all done, 1 some failed, 130 interrupted.
     """
-    from orchestrator import sweep
+    from orchestrator.jobs import sweep
     if name == "report":
         if len(command) != 1:
             raise UserError("write `tpuctl sweep report DIR` (DIR: the sweep's --out)")
@@ -476,12 +476,12 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
         raise UserError("a sweep runs the trainer's pretrain: `tpuctl sweep NAME --set K=V1,V2 --out DIR -- pretrain ...`")
     grid_args = (["--grid", grid] if grid else []) + [a for s in sets for a in ("--set", s)] + (["--zip"] if zip_ else [])
     if ssh_proxy_command:
-        from orchestrator import sshproxy
+        from orchestrator.access import sshproxy
         try:
             sshproxy.check(ssh_proxy_command)
         except sshproxy.ProxyError as e:
             raise UserError(str(e)) from None
-    from orchestrator import launch
+    from orchestrator.jobs import launch
     launch.parse_env(envs)  # `tpuctl run --env`'s own check, before any trial starts
     run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else []) \
         + [a for kv in envs for a in ("--env", kv)] + (["--no-plan"] if no_plan else [])
@@ -495,25 +495,13 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
     sys.exit(res.returncode)
 
 
-# ---- the verbs that cross SSH live in cli_run.py ----------------------------------------------------------
+# ---- the other verbs live in one module per family; none of them imports this module ------------------------
 
-from orchestrator import cli_run  # noqa: E402  (after `cli` exists; cli_run does not import this module)
+from orchestrator.cli import data_verbs, plan_verbs, report_verbs, run_verbs, weights_verbs  # noqa: E402
 
-for _cmd in (cli_run.run, cli_run.ssh, cli_run.logs):
+for _cmd in (run_verbs.run, run_verbs.attach, run_verbs.cancel, run_verbs.ssh, run_verbs.logs, weights_verbs.weights, data_verbs.data, plan_verbs.plan,
+             report_verbs.report_cmd):
     cli.add_command(_cmd)
-
-from orchestrator import cli_data, cli_weights  # noqa: E402
-
-cli.add_command(cli_weights.weights)
-cli.add_command(cli_data.data)
-
-from orchestrator import cli_plan  # noqa: E402
-
-cli.add_command(cli_plan.plan)
-
-from orchestrator import cli_report  # noqa: E402
-
-cli.add_command(cli_report.report_cmd)
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 outer data-parallel axis over the data-center network (DCN), so each slice runs the step on its share of the global
 batch and, once per step, the slices all-reduce one set of gradients over DCN.
 
-The per-device figures are one slice's step compiled (orchestrator/plan.py) at batch / N. The DCN traffic is
+The per-device figures are one slice's step compiled (orchestrator/plan/step.py) at batch / N. The DCN traffic is
 arithmetic on the compiler's gradient bytes: a ring all-reduce over N slices moves 2 (N - 1) / N of the gradient
 through each slice, split across the slice's hosts (each host carries its devices' part). Its time is at a stated
 DCN bandwidth per host, shown beside the step's compute time: an assumption, labelled as one.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator import plan as P
+from orchestrator.plan import step as P
 from orchestrator.spec import UserError, check_num_slices
 
 # A stated assumption, not a measurement: the DCN bandwidth one TPU VM host gets to the other slices.

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator import provider, slices, state
-from orchestrator.hosts import HostError
-from orchestrator.runner import PREEMPTED, RunFailed, RunResult, write_json
+from orchestrator.access.hosts import HostError
+from orchestrator.jobs.runner import PREEMPTED, RunFailed, RunResult, write_json
 from orchestrator.spec import UserError
 
 # The VMs are gone: recreate. Under a queued resource the service deletes a preempted node, so a node DELETING,

@@ -1,0 +1,1 @@
+"""Kaggle artifacts (model weights, datasets) pulled once and staged in GCS."""
