@@ -201,16 +201,25 @@ DEMO_ROWS = [{"trial": f"d_model-{d}", "status": "done", "params": p, "params_no
                                        (128, 731_008, 198_528, 7.2478e11, 6.5545, 6.5337)]]
 
 
+def _live(fig):
+    """A figure the report already saved and closed gets a canvas to draw on again."""
+    if not hasattr(fig.canvas, "get_renderer"):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        FigureCanvasAgg(fig)
+    return fig
+
+
 def _boxes(fig, texts):
     r = fig.canvas.get_renderer()
     return [t.get_window_extent(r) for t in texts if t.get_visible() and t.get_text()]
 
 
 def _no_overlaps(fig):
-    """Every axis of every panel has at least 2 tick labels, none touching another."""
-    fig.canvas.draw()
+    """Every axis of every panel has at least 2 tick labels, none touching another (minor ones included)."""
+    _live(fig).canvas.draw()
     for ax in fig.axes:
-        for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        for labels in (ax.get_xticklabels() + ax.get_xticklabels(minor=True),
+                       ax.get_yticklabels() + ax.get_yticklabels(minor=True)):
             boxes = _boxes(fig, labels)
             assert len(boxes) >= 2, [t.get_text() for t in labels]
             for i, a in enumerate(boxes):
@@ -219,16 +228,25 @@ def _no_overlaps(fig):
 
 
 def _labels_beside_points(fig):
-    """Each trial's name is drawn next to its point, not over it."""
+    """Each trial's name is drawn next to its own point: over no point (a marker is 6 pt wide), over no other
+    name, and nearer its own point than any other."""
+    import math
+    from matplotlib.transforms import Bbox
     from trainer.experiments import charts
-    fig.canvas.draw()
+    _live(fig).canvas.draw()
     n = 0
     for ax in fig.axes:
-        for t in ax.texts:
-            if t.get_gid() == charts.POINT_LABEL_GID:
-                px, py = ax.transData.transform(t.xy)
-                assert not t.get_window_extent().contains(px, py), (t.get_text(), t.xy)
-                n += 1
+        labels = [t for t in ax.texts if t.get_gid() == charts.POINT_LABEL_GID]
+        pts = ax.transData.transform([t.xy for t in labels])
+        r = 3 * fig.dpi / 72
+        marks = [Bbox.from_extents(x - r, y - r, x + r, y + r) for x, y in pts]
+        boxes = [t.get_window_extent() for t in labels]
+        for i, (t, box) in enumerate(zip(labels, boxes)):
+            assert not any(box.overlaps(m) for m in marks), t.get_text()
+            assert not any(box.overlaps(b) for j, b in enumerate(boxes) if j != i), t.get_text()
+            dist = [math.hypot(max(box.x0 - x, 0, x - box.x1), max(box.y0 - y, 0, y - box.y1)) for x, y in pts]
+            assert min(range(len(pts)), key=dist.__getitem__) == i, (t.get_text(), dist)
+        n += len(labels)
     return n
 
 
@@ -271,6 +289,8 @@ def test_three_sizes_are_too_few_for_the_fit_the_chart_says_so_and_draws_no_curv
     assert not [ln for ln in compute_ax.lines if ln.get_gid() == charts.FIT_GID] and compute_ax.get_legend() is None
     (text,) = [t for t in compute_ax.texts if t.get_gid() == charts.NO_FIT_GID]
     assert " ".join(text.get_text().split()) == note and "at least 4 model sizes, this sweep has 2" in note
+    assert _labels_beside_points(fig) == 2 * 6  # two trials of each size a few pixels apart among them
+    _no_overlaps(fig)
 
     demo = real(DEMO_ROWS, None, "no power-law fit: it needs finished trials of at least 4 model sizes, this "
                                  "sweep has 3")

@@ -99,17 +99,82 @@ def label_log_axis(ax, which: str = "x") -> None:
 
 # --- the charts -------------------------------------------------------------------------------------
 
-def _label_points(ax, points: list[tuple[float, float, str]]) -> None:
-    """Each point's name beside it: above and to the right, or for points in the right third below and to the
-    left (inside the axes, and on the far side of a falling curve through the points)."""
+# Where a label may go around its point, in points: (dx, dy, ha, va), beside it, then above or below it.
+_AROUND = [(6, 6, "left", "bottom"), (6, -6, "left", "top"), (-6, 6, "right", "bottom"), (-6, -6, "right", "top"),
+           (8, 0, "left", "center"), (-8, 0, "right", "center"), (0, 8, "center", "bottom"), (0, -8, "center", "top")]
+MARKER_PT = 4  # half a scatter marker's width (its default size is 36 pt²), plus a little air
+
+
+def _clashes(box, taken, frame, pad: float = 2.0) -> int:
+    """How many of `taken` the box touches (within pad pixels), plus one if it leaves the frame."""
+    inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+    return sum(box.padded(pad).overlaps(t) for t in taken) + (0 if inside else 1)
+
+
+def _distance(box, p) -> float:
+    return math.hypot(max(box.x0 - p[0], 0.0, p[0] - box.x1), max(box.y0 - p[1], 0.0, p[1] - box.y1))
+
+
+def _label_points(ax, points: list[tuple[float, float, str]]) -> list:
+    """Each point's name beside it, clear of every point and of the names placed before it, inside the axes:
+    first choice above and to the right, or for points in the right third below and to the left (the far side
+    of a falling curve through the points), else the first free place around it. Returns the display boxes
+    taken (points and names)."""
+    from matplotlib.transforms import Bbox
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    r = MARKER_PT * fig.dpi / 72
+    centres = ax.transData.transform([(x, y) for x, y, _ in points])
+    taken = [Bbox.from_extents(px - r, py - r, px + r, py + r) for px, py in centres]
     lo, hi = ax.get_xlim()
     log = ax.get_xscale() == "log"
-    for x, y, name in points:
+    for i, (x, y, name) in enumerate(points):
         frac = (math.log(x / lo) / math.log(hi / lo)) if log else (x - lo) / ((hi - lo) or 1)
-        right = frac > 0.66
-        ax.annotate(name, (x, y), xytext=(-6, -6) if right else (6, 6), textcoords="offset points",
-                    ha="right" if right else "left", va="top" if right else "bottom", fontsize=7,
-                    gid=POINT_LABEL_GID)
+        order = ([_AROUND[3], _AROUND[1], _AROUND[2], _AROUND[0]] if frac > 0.66 else _AROUND[:4]) + _AROUND[4:]
+        ann = ax.annotate(name, (x, y), textcoords="offset points", xytext=(0, 0), fontsize=7, gid=POINT_LABEL_GID)
+        best = None
+        for dx, dy, ha, va in order:
+            ann.xyann = (dx, dy)
+            ann.set_ha(ha)
+            ann.set_va(va)
+            box = ann.get_window_extent(renderer)
+            own = _distance(box, centres[i])  # a name nearer another point would read as that point's
+            n = _clashes(box, taken, frame) + sum(_distance(box, c) < own for j, c in enumerate(centres) if j != i)
+            if best is None or n < best[0]:
+                best = (n, (dx, dy, ha, va), box)
+            if n == 0:
+                break
+        _, (dx, dy, ha, va), box = best
+        ann.xyann = (dx, dy)
+        ann.set_ha(ha)
+        ann.set_va(va)
+        taken.append(box)
+    return taken
+
+
+def _note(ax, text: str, taken: list) -> None:
+    """A boxed note in the first corner of the axes clear of `taken` (points and their names)."""
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    t = ax.text(0, 0, text, transform=ax.transAxes, fontsize=8, multialignment="left",
+                bbox=dict(boxstyle="round", fc="white", ec="0.7"), gid=NO_FIT_GID)
+    best = None
+    for x, y, ha, va in ((0.97, 0.96, "right", "top"), (0.03, 0.04, "left", "bottom"),
+                         (0.03, 0.96, "left", "top"), (0.97, 0.04, "right", "bottom")):
+        t.set_position((x, y))
+        t.set_ha(ha)
+        t.set_va(va)
+        n = _clashes(t.get_window_extent(renderer), taken, frame)  # the text's box; its frame adds a few px
+        if best is None or n < best[0]:
+            best = (n, (x, y, ha, va))
+        if n == 0:
+            break
+    x, y, ha, va = best[1]
+    t.set_position((x, y))
+    t.set_ha(ha)
+    t.set_va(va)
 
 
 def fit_label(fit: PowerLaw) -> str:
@@ -134,11 +199,6 @@ def final_loss_figure(done: list[dict], fit: PowerLaw | None, no_fit: str | None
         xs = np.geomspace(min(flops), max(flops), 100)
         ax2.plot(xs, fit(xs), "--", color="C3", lw=1.5, label=fit_label(fit), gid=FIT_GID)
         ax2.legend(fontsize=8, loc="best")
-    elif no_fit:
-        text = textwrap.fill(no_fit.replace(LAW, LAW.replace(" ", "\u00a0")), 48)  # the law on one line
-        ax2.text(0.97, 0.96, text, transform=ax2.transAxes, ha="right", va="top", fontsize=8,
-                 multialignment="left",
-                 bbox=dict(boxstyle="round", fc="white", ec="0.7"), gid=NO_FIT_GID)
     ax1.set(xlabel="non-embedding parameters", ylabel="final loss (best val, else train)",
             title="Final loss against parameters", xscale="log", yscale="log")
     ax2.set(xlabel="training FLOPs $C$", ylabel="final loss $L$", title="Final loss against compute",
@@ -148,7 +208,9 @@ def final_loss_figure(done: list[dict], fit: PowerLaw | None, no_fit: str | None
         ax.grid(alpha=0.3, which="both")
         label_log_axis(ax, "x")
         label_log_axis(ax, "y")
-        _label_points(ax, [(x, y, r["trial"]) for x, y, r in zip(xs, loss, done)])
+        taken = _label_points(ax, [(x, y, r["trial"]) for x, y, r in zip(xs, loss, done)])
+    if fit is None and no_fit:
+        _note(ax2, textwrap.fill(no_fit.replace(LAW, LAW.replace(" ", "\u00a0")), 48), taken)  # the law unbroken
     return fig
 
 
