@@ -77,14 +77,14 @@ def label_log_axis(ax, which: str = "x") -> None:
     if axis.get_scale() != "log":
         return
     fig = ax.figure
-    fig.canvas.draw()  # settles the view limits and the renderer
+    ax.autoscale_view()  # settles the view limits
     lo, hi = sorted(ax.get_xlim() if which == "x" else ax.get_ylim())
     renderer = fig.canvas.get_renderer()
     pad = 4 * fig.dpi / 72  # 4 points between labels
 
     def fits(ticks) -> bool:
         axis.set_major_locator(FixedLocator(ticks))
-        fig.canvas.draw()
+        axis.draw(renderer)  # lays out this axis's tick labels (the figure is drawn afresh when saved)
         return not _overlap([t.get_window_extent(renderer) for t in axis.get_ticklabels() if t.get_text()], pad)
 
     axis.set_major_formatter(FuncFormatter(lambda v, _: tick_text(v)))
@@ -122,7 +122,7 @@ def _label_points(ax, points: list[tuple[float, float, str]]) -> list:
     taken (points and names)."""
     from matplotlib.transforms import Bbox
     fig = ax.figure
-    fig.canvas.draw()
+    ax.autoscale_view()
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
     r = MARKER_PT * fig.dpi / 72
