@@ -6,7 +6,6 @@ writes one small object and deletes it.
 """
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from dataclasses import asdict, dataclass
@@ -82,25 +81,68 @@ def api_and_zone(api, project: str, zone: str | None, accelerator: str | None) -
     return items + [Item("zone", True, f"{zone} answers ({len(offered)} accelerator types)")]
 
 
-def os_login(project: str, where: Provider, tpu_endpoint: str | None = None) -> Item:
-    """Whether the project enforces OS Login (its common metadata, read through the Compute Engine API)."""
+def os_login(project: str, where: Provider, tpu_endpoint: str | None = None) -> tuple[Item, object]:
+    """Whether the project enforces OS Login (its common metadata, read through the Compute Engine API): what
+    `up` goes by for a new slice whose metadata does not say. Also returns what was read (True/False, the
+    UserError, or None when there was nothing to ask) for `slice_os_login`."""
     from orchestrator.access import oslogin
-    endpoint = os.environ.get(oslogin.ENV_COMPUTE) or None
-    tpu = where.endpoint(tpu_endpoint) or ""
-    if not endpoint and tpu.startswith("http://"):  # a local slice's TPU API is its stand-in too
+    if oslogin.nothing_to_ask(where.endpoint(tpu_endpoint)):  # a local slice's TPU API is its stand-in too
         # A stand-in TPU API is no project of Google's: its Compute Engine API is a stand-in too, or none.
         return Item("OS Login", None, f"not checked: the TPU API is a stand-in and no Compute Engine API is given "
-                                      f"(set {oslogin.ENV_COMPUTE} to a stand-in)")
+                                      f"(set {oslogin.ENV_COMPUTE} to a stand-in)"), None
     try:
-        on = oslogin.project_enforces(project, endpoint)
+        on = oslogin.project_enforces(project)
     except UserError as e:
-        return Item("OS Login", False, str(e))
+        return Item("OS Login", False, str(e)), e
     if on:
         return Item("OS Login", True, f"enforced in {project} (enable-oslogin=TRUE): keys in ssh-keys metadata are "
                                       f"ignored; your account needs {oslogin.ROLES} and the SSH user is its POSIX "
-                                      "name (a node's own enable-oslogin metadata can still override)")
+                                      "name (a node's own enable-oslogin metadata can still override)"), True
     return Item("OS Login", True, f"not enforced in {project}'s common metadata: `up` puts your key in each VM's "
-                                  "ssh-keys metadata")
+                                  "ssh-keys metadata"), False
+
+
+def slice_os_login(rec, project: str, project_read) -> Item:
+    """Whether slice `rec`'s VMs use OS Login, decided as `run` and `ssh` decide (oslogin.decide): each node's own
+    `enable-oslogin` metadata, read from the TPU API (the record's, what `up` sent, for a node that is gone), else
+    the project's (`project_read`, what `os_login` read, when it is rec's project)."""
+    from orchestrator import provider as providers
+    from orchestrator.access import oslogin
+    name = f"OS Login on {rec.name}"
+    where = providers.of(rec)
+    try:
+        tpu = where.endpoint(rec.api_endpoint)
+        api = where.api_for(rec)
+        infos = [api.get_node(n) for n in rec.nodes]
+    except (cloud.CloudError, UserError) as e:
+        return Item(name, False, f"cannot read its node(s) from the TPU API ({' '.join(str(e).split())[:200]})")
+
+    def project_value() -> bool:
+        if isinstance(project_read, Exception):
+            raise project_read
+        return bool(project_read)
+    cached = project_value if project == rec.project and project_read is not None else None
+    try:
+        ds = [oslogin.decide(rec.project, info.metadata if info else rec.metadata, tpu, cached) for info in infos]
+    except UserError:
+        return Item(name, None, f"not known: its VMs have no enable-oslogin metadata of their own and {rec.project}'s "
+                                "common metadata cannot be read; `run` assumes OS Login is off")
+    if len(set(ds)) > 1:  # one node spec makes every slice's VMs: only a node changed since would differ
+        return Item(name, False, "its nodes disagree on enable-oslogin: " + "; ".join(
+            f"{n.rsplit('/', 1)[-1]} {'on' if d.on else 'off'} (by the {d.by})" for n, d in zip(rec.nodes, ds)))
+    gone = [n.rsplit("/", 1)[-1] for n, info in zip(rec.nodes, infos) if info is None]
+    note = f" (node(s) {', '.join(gone)} gone: the record's metadata, what `up` sent)" if gone else ""
+    d = ds[0]
+    then = ("`run` registers your key with OS Login and logs in as your account's POSIX user" if d.on else
+            "`run` logs in with the key in the VMs' ssh-keys metadata")
+    if d.by == "node":
+        why = f"its VMs' own metadata says enable-oslogin={d.value}, which wins over the project's"
+    elif d.by == "project":
+        why = (f"its VMs have no enable-oslogin of their own, so {rec.project}'s applies "
+               f"({'enforced' if d.on else 'not enforced'})")
+    else:
+        why = "its VMs have no enable-oslogin of their own and its TPU API is a stand-in with no project to ask"
+    return Item(name, True, f"{'on' if d.on else 'off'}: {why}{note}; {then}")
 
 
 def ssh_key(path: str | None) -> Item:
@@ -140,11 +182,17 @@ def bucket(url: str | None, project: str | None, zone: str | None) -> Item:
 
 def run_checks(*, project: str | None = None, zone: str | None = None, accelerator: str | None = None,
                bucket_url: str | None = None, api_endpoint: str | None = None, where: Provider | None = None,
-               ssh_key_path: str | None = None) -> list[Item]:
+               ssh_key_path: str | None = None, slice_name: str | None = None) -> list[Item]:
+    """slice_name: a recorded slice, whose VMs' own OS Login setting is checked too."""
+    from orchestrator import state
+    rec = state.lookup(slice_name) if slice_name else None
+    if slice_name and rec is None:
+        raise UserError(f"no slice named {slice_name} in the local record: `tpuctl ls` lists them; leave NAME out "
+                        "to check the project alone")
     where = where or provider.chosen(False)
     endpoint = where.endpoint(api_endpoint)
     items = [credentials(endpoint)]
-    pitem, p = project_item(project or where.default_project)
+    pitem, p = project_item(project or (rec.project if rec else None) or where.default_project)
     items.append(pitem)
     if items[0].ok and p:
         try:
@@ -153,7 +201,10 @@ def run_checks(*, project: str | None = None, zone: str | None = None, accelerat
             items += [Item("TPU API", False, " ".join(str(e).split())), Item("zone", None, "not checked")]
         else:
             items += api_and_zone(api, p, zone, accelerator)
-        items.append(os_login(p, where, api_endpoint))
+        login, read = os_login(p, where, api_endpoint)
+        items.append(login)
+        if rec is not None:
+            items.append(slice_os_login(rec, p, read))
     else:
         items += [Item("TPU API", None, "not checked: no credentials or project"), Item("zone", None, "not checked")]
     items.append(ssh_key(ssh_key_path))

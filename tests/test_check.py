@@ -114,6 +114,53 @@ def test_os_login_enforced_by_the_project_is_reported_and_a_403_names_the_role(f
     assert "roles/compute.viewer" in lines(res)["OS Login"]
 
 
+def test_check_name_reads_the_nodes_own_enable_oslogin_as_run_decides(fake, login, tmp_path, monkeypatch):
+    """`check NAME`: the VMs' own enable-oslogin metadata, read from the TPU API, wins over the project's; without
+    it the project's applies; each line agrees with oslogin.applies, what `run` goes by."""
+    from orchestrator import slices
+    from orchestrator.access import oslogin
+    from orchestrator.provider import cloud
+    from _tpu_fixtures import make_spec
+    monkeypatch.setenv("TPUCTL_ACCOUNT", "alice@example.com")  # `up` of an OS Login slice registers the key
+    for name, own in (("own-off", "FALSE"), ("own-on", "true"), ("plain", None)):
+        slices.up(make_spec(fake, name, "v4-8", metadata={"enable-oslogin": own} if own else {}))
+    api = cloud.connect(api_endpoint=fake.url, project=PROJECT)
+
+    def agrees(name, line):  # the check's verdict is run's
+        meta = api.get_node(f"{api.parent(ZONE)}/nodes/{name}").metadata
+        assert line.startswith("✔ OS Login on " + name + ": " + ("on" if oslogin.applies(PROJECT, meta, fake.url)
+                                                                else "off") + ": "), line
+
+    login.control.set_project_metadata(PROJECT, {"enable-oslogin": "TRUE"})
+    got = lines(check(fake, tmp_path, "own-off"))
+    assert got["OS Login"].startswith("✔ OS Login: enforced in " + PROJECT)
+    assert "its VMs' own metadata says enable-oslogin=FALSE, which wins over the project's" in got["OS Login on own-off"]
+    assert "ssh-keys metadata" in got["OS Login on own-off"]
+    agrees("own-off", got["OS Login on own-off"])
+    got = lines(check(fake, tmp_path, "plain"))
+    assert f"no enable-oslogin of their own, so {PROJECT}'s applies (enforced)" in got["OS Login on plain"]
+    agrees("plain", got["OS Login on plain"])
+
+    login.control.set_project_metadata(PROJECT, {})
+    res = check(fake, tmp_path, "own-on")
+    got = lines(res)
+    assert res.exit_code == 0 and got["OS Login"].startswith("✔ OS Login: not enforced"), res.output
+    assert got["OS Login on own-on"].startswith("✔ OS Login on own-on: on: its VMs' own metadata says "
+                                                "enable-oslogin=true, which wins")
+    assert "registers your key with OS Login" in got["OS Login on own-on"]
+    agrees("own-on", got["OS Login on own-on"])
+    agrees("plain", lines(check(fake, tmp_path, "plain"))["OS Login on plain"])
+    # Without a Compute Engine API to ask (a stand-in TPU API): the project is not checked, the node still decides.
+    monkeypatch.delenv("TPUCTL_COMPUTE_API_ENDPOINT")
+    got = lines(check(fake, tmp_path, "own-on"))
+    assert got["OS Login"].startswith("- OS Login: not checked") and got["OS Login on own-on"].startswith(
+        "✔ OS Login on own-on: on: its VMs' own metadata"), got
+    assert "stand-in with no project to ask" in lines(check(fake, tmp_path, "plain"))["OS Login on plain"]
+    # A name the record does not hold: one line before anything is checked.
+    res = check(fake, tmp_path, "nope")
+    assert res.exit_code != 0 and "no slice named nope in the local record" in res.output and "✔" not in res.output
+
+
 def test_os_login_registers_the_key_with_its_expiry_and_gives_the_posix_name(login):
     """import_ssh_public_key through the real client: the POSIX user to SSH as, the key kept until --ttl."""
     import time

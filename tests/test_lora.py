@@ -339,6 +339,62 @@ def test_long_examples_truncated_or_dropped_with_counts():
         sft_data.build_rows(ex[1:2], 12, long="drop")
 
 
+class _OnProcess:
+    """A CPU device that says it belongs to process `process_index`: one process of 8 emulated devices stands in
+    for 4 processes of 2, as local multislice runs have them (CPU devices carry no slice_index)."""
+
+    def __init__(self, device, process_index: int):
+        self.device, self.process_index = device, process_index
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+def test_lora_on_two_slices_builds_pretrains_hybrid_mesh_and_steps_as_on_one(bases, facts, monkeypatch):
+    """MEGASCALE_NUM_SLICES=2 over 4 processes x 2 devices: `lora` lays the devices out as `pretrain` does
+    (dcn over the slices, each slice's processes together), checks the batch against dcn x data, and its step
+    on that hybrid mesh gives the losses of the same step on one slice's mesh."""
+    from trainer.common.config import PRESETS, Config
+    from trainer.pretrain import train as pretrain
+    real = jax.devices()
+    fake = [_OnProcess(d, d.id // 2) for d in real]
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "0")
+    with monkeypatch.context() as m:
+        m.setattr(jax, "devices", lambda *a: list(fake))
+        m.setattr(jax, "process_count", lambda *a: 4)
+        m_cfg, t_cfg = PRESETS["gpt2-tiny"]
+        theirs = pretrain.setup_mesh(Config("gpt2-tiny", m_cfg, dataclasses.replace(t_cfg, mesh="data=2,model=2")))
+        run = _run(bases["gemma2"], facts, "unused", mesh="data=2,model=2", batch_size=8)
+        ours, batch = finetune.setup_mesh(run)
+        with pytest.raises(UsageError, match=r"--batch-size 6 is not divisible by the mesh's data axis \(4 over 2 "
+                                             r"slices\)"):
+            finetune.setup_mesh(dataclasses.replace(run, batch_size=6))
+    ids = lambda mesh: np.vectorize(lambda d: d.id)(mesh.devices).tolist()  # noqa: E731
+    assert dict(ours.shape) == {"dcn": 2, "data": 2, "model": 2} and ours.axis_names == theirs.axis_names
+    assert ids(ours) == ids(theirs) and batch == 8
+    assert ids(ours)[0] == [[0, 1], [2, 3]]  # slice 0: processes 0 and 1
+    assert mesh_lib.describe(ours) == "2 slices x data=2,model=2"
+
+    hybrid = jax.sharding.Mesh(np.vectorize(lambda d: d.device)(ours.devices), ours.axis_names,
+                               axis_types=ours.axis_types)
+    losses = {}
+    for name, mesh in (("one slice", mesh_lib.make_mesh({"data": 4, "model": 2})), ("two slices", hybrid)):
+        ck, base = weights.load(bases["gemma2"], mesh)
+        steps = finetune.Steps(run, ck.cfg, mesh, 10, batch)
+        assert steps.batch_sh.spec[0] == ("dcn", "data")
+        tok = tok_lib.load(bases["gemma2"], ck.cfg.vocab)
+        rows = sft_data.build_rows([sft_data.encode(tok, r) for r in sft_data.read_jsonl(facts)], 48)
+        batches = sft_data.Batches(rows, batch, 0)
+        lora, opt = steps.init()
+        losses[name] = []
+        for s in range(1, 4):
+            lora, opt, out = steps.step(lora, opt, base, batches.local_batch(s), s)
+            losses[name].append(float(out["loss"]))
+    np.testing.assert_allclose(losses["two slices"], losses["one slice"], rtol=1e-5)
+    assert losses["one slice"][-1] < losses["one slice"][0]
+
+
 def test_global_batch_is_a_function_of_seed_and_step_only():
     ex = [sft_data.Example(list(range(3 + i % 5)), [True] * (3 + i % 5)) for i in range(40)]
     rows = sft_data.build_rows(ex, 8, packing=False)

@@ -191,6 +191,117 @@ def test_report_writes_table_charts_and_a_self_contained_html(tmp_path, capsys):
     assert (tmp_path / "elsewhere" / "report.html").exists()
 
 
+# --- the final-loss chart: the fit as a line, labels that do not collide ------------------------------
+
+# The demo's sweep (docs/demo.md): three widths of one layer, 40 steps of 64 x 64 tokens; its report's rows.
+DEMO_ROWS = [{"trial": f"d_model-{d}", "status": "done", "params": p, "params_non_embedding": ne, "flops": f,
+              "best_val_loss": l, "final_train_loss": t}
+             for d, p, ne, f, l, t in [(32, 145_888, 12_768, 1.4496e11, 6.9166, 6.8962),
+                                       (64, 316_352, 50_112, 3.1407e11, 6.6532, 6.6185),
+                                       (128, 731_008, 198_528, 7.2478e11, 6.5545, 6.5337)]]
+
+
+def _live(fig):
+    """A figure the report already saved and closed gets a canvas to draw on again."""
+    if not hasattr(fig.canvas, "get_renderer"):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        FigureCanvasAgg(fig)
+    return fig
+
+
+def _boxes(fig, texts):
+    r = fig.canvas.get_renderer()
+    return [t.get_window_extent(r) for t in texts if t.get_visible() and t.get_text()]
+
+
+def _no_overlaps(fig):
+    """Every axis of every panel has at least 2 tick labels, none touching another (minor ones included)."""
+    _live(fig).canvas.draw()
+    for ax in fig.axes:
+        for labels in (ax.get_xticklabels() + ax.get_xticklabels(minor=True),
+                       ax.get_yticklabels() + ax.get_yticklabels(minor=True)):
+            boxes = _boxes(fig, labels)
+            assert len(boxes) >= 2, [t.get_text() for t in labels]
+            for i, a in enumerate(boxes):
+                for b in boxes[i + 1:]:
+                    assert not a.overlaps(b), ([t.get_text() for t in labels], a, b)
+
+
+def _labels_beside_points(fig):
+    """Each trial's name is drawn next to its own point: over no point (a marker is 6 pt wide), over no other
+    name, and nearer its own point than any other."""
+    import math
+    from matplotlib.transforms import Bbox
+    from trainer.experiments import charts
+    _live(fig).canvas.draw()
+    n = 0
+    for ax in fig.axes:
+        labels = [t for t in ax.texts if t.get_gid() == charts.POINT_LABEL_GID]
+        pts = ax.transData.transform([t.xy for t in labels])
+        r = 3 * fig.dpi / 72
+        marks = [Bbox.from_extents(x - r, y - r, x + r, y + r) for x, y in pts]
+        boxes = [t.get_window_extent() for t in labels]
+        for i, (t, box) in enumerate(zip(labels, boxes)):
+            assert not any(box.overlaps(m) for m in marks), t.get_text()
+            assert not any(box.overlaps(b) for j, b in enumerate(boxes) if j != i), t.get_text()
+            dist = [math.hypot(max(box.x0 - x, 0, x - box.x1), max(box.y0 - y, 0, y - box.y1)) for x, y in pts]
+            assert min(range(len(pts)), key=dist.__getitem__) == i, (t.get_text(), dist)
+        n += len(labels)
+    return n
+
+
+def test_the_final_loss_chart_draws_the_fit_with_its_exponent_and_uncertainty():
+    from trainer.experiments import charts
+    C = np.geomspace(1e15, 1e19, 6)
+    L = (350.0 * C**-0.12 + 1.8) * (1 + 0.002 * np.random.default_rng(1).standard_normal(C.size))
+    rows = [{"trial": f"size-{i}", "status": "done", "params": 10**6 * (i + 1), "params_non_embedding": 10**6 * i + 5,
+             "flops": c, "best_val_loss": l, "final_train_loss": l} for i, (c, l) in enumerate(zip(C, L))]
+    fit = scaling.fit_power_law(*zip(*report.frontier(rows)))
+    assert fit.b == pytest.approx(0.12, rel=0.1) and 0 < fit.b_err < 0.05
+    fig = charts.final_loss_figure(rows, fit)
+    params_ax, compute_ax = fig.axes
+    (line,) = [ln for ln in compute_ax.lines if ln.get_gid() == charts.FIT_GID]
+    x, y = line.get_data()
+    assert x.min() == pytest.approx(C.min()) and x.max() == pytest.approx(C.max())
+    np.testing.assert_allclose(y, fit.a * x**-fit.b + fit.c, rtol=1e-9)
+    label = line.get_label()
+    assert f"$b$ = {scaling.plus_minus(fit.b, fit.b_err)}" in label and "C^{-b}" in label
+    assert label in [t.get_text() for t in compute_ax.get_legend().get_texts()]
+    assert not [t for t in compute_ax.texts if t.get_gid() == charts.NO_FIT_GID]
+    assert _labels_beside_points(fig) == 2 * len(rows)
+    _no_overlaps(fig)
+    assert scaling.plus_minus(0.05234, 0.0041) == "0.0523 ± 0.0041" and scaling.plus_minus(6.2, 0.13) == "6.20 ± 0.13"
+
+
+def test_three_sizes_are_too_few_for_the_fit_the_chart_says_so_and_draws_no_curve(monkeypatch, tmp_path):
+    """The demo's sweep: 3 model sizes for a law of 3 parameters. Through the report's own path (its notes and the
+    figure it drew), and the axes that once read "3×10⁴4×10⁴"."""
+    from trainer.experiments import charts
+    figs = []
+    real = charts.final_loss_figure
+    monkeypatch.setattr(charts, "final_loss_figure", lambda *a, **k: figs.append(real(*a, **k)) or figs[-1])
+    root, _ = lr_sweep(tmp_path / "lr")  # two sizes
+    res = report.report(str(root))
+    assert res["fit"] is None
+    (note,) = [n for n in res["notes"] if n.startswith("no power-law fit")]
+    (fig,) = figs
+    compute_ax = fig.axes[1]
+    assert not [ln for ln in compute_ax.lines if ln.get_gid() == charts.FIT_GID] and compute_ax.get_legend() is None
+    (text,) = [t for t in compute_ax.texts if t.get_gid() == charts.NO_FIT_GID]
+    assert " ".join(text.get_text().split()) == note and "at least 4 model sizes, this sweep has 2" in note
+    assert _labels_beside_points(fig) == 2 * 6  # two trials of each size a few pixels apart among them
+    _no_overlaps(fig)
+
+    demo = real(DEMO_ROWS, None, "no power-law fit: it needs finished trials of at least 4 model sizes, this "
+                                 "sweep has 3")
+    assert [t.get_text() for t in demo.axes[1].texts if t.get_gid() == charts.NO_FIT_GID]
+    assert not [ln for ax in demo.axes for ln in ax.lines if ln.get_gid() == charts.FIT_GID]
+    assert _labels_beside_points(demo) == 6
+    _no_overlaps(demo)
+    assert charts.tick_text(3e4) == r"$3\times10^{4}$" and charts.tick_text(1e11) == "$10^{11}$"
+    assert charts.tick_text(6.6) == "6.6"
+
+
 def dataclasses_replace_layers(n):
     import dataclasses
     return dataclasses.replace(PRESETS["gpt2-tiny"][0], n_layer=n)

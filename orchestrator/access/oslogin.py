@@ -16,6 +16,7 @@ from __future__ import annotations
 import configparser
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from google.api_core import exceptions as gexc
@@ -65,19 +66,40 @@ def node_enforces(metadata: dict[str, str], project_value: bool) -> bool:
     return project_value if own is None else own
 
 
+@dataclass(frozen=True)
+class Decision:
+    """Whether a slice's VMs use OS Login, and what decided it: `node` (the VMs' own enable-oslogin metadata),
+    `project` (its common metadata) or `nobody` (a stand-in TPU API with no Compute Engine API to ask: off)."""
+    on: bool
+    by: str
+    value: str = ""  # the deciding enable-oslogin value as written ("" when nobody decided)
+
+
+def nothing_to_ask(tpu_endpoint: str | None) -> bool:
+    """A stand-in TPU API (http://) belongs to no Google project: without a Compute Engine endpoint given there is
+    no project metadata to read."""
+    return not os.environ.get(ENV_COMPUTE) and (tpu_endpoint or "").startswith("http://")
+
+
+def decide(project: str, node_metadata: dict[str, str], tpu_endpoint: str | None,
+           project_value=None) -> Decision:
+    """The VMs' own `enable-oslogin` metadata, else the project's (`project_value()`: default, read it; raises
+    UserError when it cannot be read). What `up`, `run`, `ssh` and `tpuctl check NAME` all go by."""
+    own = node_metadata.get(KEY)
+    if enabled(own) is not None:
+        return Decision(bool(enabled(own)), "node", own)
+    if nothing_to_ask(tpu_endpoint):
+        return Decision(False, "nobody")
+    on = project_value() if project_value else project_enforces(project, os.environ.get(ENV_COMPUTE) or None)
+    return Decision(on, "project", "TRUE" if on else "FALSE or unset")
+
+
 def applies(project: str, node_metadata: dict[str, str], tpu_endpoint: str | None,
             say=None) -> bool:
-    """Whether a slice's VMs use OS Login: their own `enable-oslogin` metadata, else the project's. A stand-in TPU
-    API (http://) belongs to no Google project: without a Compute Engine endpoint given there is nothing to ask.
-    A project that cannot be read counts as not enforcing (said through `say`)."""
-    own = enabled(node_metadata.get(KEY))
-    if own is not None:
-        return own
-    compute = os.environ.get(ENV_COMPUTE) or None
-    if not compute and (tpu_endpoint or "").startswith("http://"):
-        return False
+    """Whether a slice's VMs use OS Login (`decide`). A project that cannot be read counts as not enforcing (said
+    through `say`)."""
     try:
-        return project_enforces(project, compute)
+        return decide(project, node_metadata, tpu_endpoint).on
     except UserError as e:
         if say:
             say(f"note: {e}; assuming OS Login is off (`tpuctl check` tells)")

@@ -391,6 +391,7 @@ def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
 # ---- check -----------------------------------------------------------------------------------------------
 
 @cli.command("check")
+@click.argument("name", required=False)
 @click.option("-z", "--zone", metavar="ZONE", help="The zone you will create in (the TPU API is asked there).")
 @click.option("-a", "--accelerator", metavar="TYPE", help="Also check that the zone offers this accelerator.")
 @click.option("--bucket", metavar="gs://B[/PREFIX]", help="The checkpoint bucket: checked writable by you "
@@ -400,19 +401,23 @@ def gc_cmd(yes, zones, as_json, api_endpoint, local, project):
 @_json_option
 @_api_options
 @_errors
-def check_cmd(zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, project):
+def check_cmd(name, zone, accelerator, bucket, ssh_key, as_json, api_endpoint, local, project):
     """Check what a first run needs, one line each (✔ / ✘ and the fix); exit 1 if anything is ✘.
 
     \b
       tpuctl check --zone us-central2-b -a v4-16 --bucket gs://my-bucket
+      tpuctl check NAME        # also whether slice NAME's VMs use OS Login
 
     Credentials (Application Default Credentials), the project, the Cloud TPU API enabled, the zone usable and
-    offering the accelerator, an SSH key for new VMs, the bucket writable. Creates nothing in the cloud.
+    offering the accelerator, whether the project enforces OS Login, an SSH key for new VMs, the bucket
+    writable. With NAME (a recorded slice), also whether its VMs use OS Login: their own enable-oslogin
+    metadata, else the project's, as `run` decides. Creates nothing in the cloud.
     """
     from orchestrator import provider
     from orchestrator.check import run_checks
     items = run_checks(project=project, zone=zone, accelerator=accelerator, bucket_url=bucket,
-                       api_endpoint=api_endpoint, where=provider.chosen(local), ssh_key_path=ssh_key)
+                       api_endpoint=api_endpoint, where=provider.chosen(local), ssh_key_path=ssh_key,
+                       slice_name=name)
     failed = [i for i in items if i.ok is False]
     if as_json:
         click.echo(json.dumps({"ok": not failed, "items": [i.to_json() for i in items]}, indent=1))

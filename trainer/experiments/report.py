@@ -1,5 +1,6 @@
 """Reports from what runs leave in their --ckpt-dir (config.json, metrics.jsonl, trial.json): a results table,
-the power-law fit (trainer/experiments/scaling.py), PNG charts (matplotlib) and one self-contained HTML page.
+the power-law fit (trainer/experiments/scaling.py), PNG charts (trainer/experiments/charts.py) and one
+self-contained HTML page.
 
 `python -m trainer report --ckpt-dir DIR`: DIR holding sweep.json is a sweep (one row per trial), any other
 DIR is one run. Jax-free: it reads files, local or gs://.
@@ -15,7 +16,10 @@ import math
 import statistics
 
 from trainer.common.config import Config, UsageError
-from trainer.experiments.scaling import PowerLaw, fit_power_law
+from trainer.experiments import charts as charts_lib
+from trainer.experiments.scaling import LAW, MIN_POINTS, PARAMETERS, fit_power_law, final_loss, frontier
+
+__all__ = ["final_loss", "frontier"]  # the fit's own (trainer/experiments/scaling.py), read here too
 
 COLUMNS = ["trial", "status", "params", "params_non_embedding", "tokens", "flops", "final_train_loss",
            "best_val_loss", "val_ppl", "tokens_per_s", "mfu", "wall_s"]
@@ -89,22 +93,6 @@ def row(name: str, run: dict) -> dict:
     return out
 
 
-def final_loss(r: dict) -> float | None:
-    """The loss a trial is judged by: its best validation loss, else its last training loss."""
-    return r["best_val_loss"] if r.get("best_val_loss") is not None else r.get("final_train_loss")
-
-
-def frontier(rows: list[dict]) -> list[tuple[float, float]]:
-    """(FLOPs, loss) of the best finished trial of each model size: what a scaling law in compute describes
-    (the other axes of the sweep, such as the learning rate, are tuned away)."""
-    best: dict[int, dict] = {}
-    for r in rows:
-        if r["status"] == "done" and r.get("flops") and final_loss(r) is not None:
-            if r["params"] not in best or final_loss(r) < final_loss(best[r["params"]]):
-                best[r["params"]] = r
-    return sorted((r["flops"], final_loss(r)) for r in best.values())
-
-
 def _flat(cfg: Config) -> dict:
     import dataclasses
     return {**dataclasses.asdict(cfg.model), **dataclasses.asdict(cfg.train)}
@@ -166,122 +154,6 @@ def to_text(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
-# --- charts ----------------------------------------------------------------------------------------
-
-def _plt():
-    try:
-        import matplotlib
-    except ImportError:
-        raise UsageError("charts need matplotlib: pip install 'tpuctl[report]' (make setup installs it)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _plain_log_ticks(ax) -> None:
-    """Losses span less than a decade: label them 8.2, 8.4 (not 8.4x10^0); minor x labels only where the
-    axis spans too little for major ones."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-    if ax.get_yscale() == "log":
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    lo, hi = ax.get_xlim()
-    if ax.get_xscale() == "log" and lo > 0 and hi / lo > 30:  # major labels are enough
-        ax.xaxis.set_minor_formatter(NullFormatter())
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
-    return buf.getvalue()
-
-
-def sweep_charts(rows: list[dict], runs: list[dict], axes: dict, fit: PowerLaw | None) -> dict[str, bytes]:
-    """name -> PNG bytes."""
-    from trainer.common.metrics import flops_per_token
-    plt = _plt()
-    charts = {}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r, run in zip(rows, runs):
-        recs = sorted((m for m in run["metrics"] if isinstance(m.get("loss"), (int, float))), key=lambda m: m["step"])
-        if not recs or run["config"] is None:
-            continue
-        c = run["config"]
-        per_step = c.train.batch_size * c.model.seq_len * flops_per_token(c.model)
-        steps = [m["step"] for m in recs]
-        ax1.plot(steps, [m["loss"] for m in recs], label=r["trial"])
-        ax2.plot([s * per_step for s in steps], [m["loss"] for m in recs], label=r["trial"])
-    ax1.set(xlabel="step", ylabel="train loss", title="Loss against steps")
-    ax2.set(xlabel="training FLOPs", ylabel="train loss", title="Loss against compute", xscale="log")
-    _plain_log_ticks(ax2)
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-    ax1.legend(fontsize=7)
-    charts["loss_curves"] = _png(fig)
-
-    done = [r for r in rows if r.get("final_train_loss") is not None and r.get("params")]
-    if done:
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        loss = [final_loss(r) for r in done]
-        ax1.scatter([r["params_non_embedding"] or r["params"] for r in done], loss)
-        ax2.scatter([r["flops"] for r in done], loss)
-        for r, l in zip(done, loss):
-            ax1.annotate(r["trial"], (r["params_non_embedding"] or r["params"], l), fontsize=6)
-        if fit is not None:
-            import numpy as np
-            xs = np.geomspace(min(r["flops"] for r in done), max(r["flops"] for r in done), 100)
-            ax2.plot(xs, fit(xs), "r--", label=f"fit: {fit.a:.3g}·C^-{fit.b:.3g} + {fit.c:.3g}")
-            ax2.legend(fontsize=8)
-        ax1.set(xlabel="non-embedding parameters", ylabel="final loss (best val, else train)",
-                title="Final loss against parameters", xscale="log", yscale="log")
-        ax2.set(xlabel="training FLOPs", ylabel="final loss", title="Final loss against compute",
-                xscale="log", yscale="log")
-        for ax in (ax1, ax2):
-            ax.grid(alpha=0.3, which="both")
-            _plain_log_ticks(ax)
-        charts["final_loss"] = _png(fig)
-
-    if "lr" in axes and len(axes["lr"]) > 1 and done:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        by_size: dict[int, list] = {}
-        for r, l in zip(done, loss):
-            by_size.setdefault(r["params"], []).append((r["lr"], l))
-        for size, pts in sorted(by_size.items()):
-            pts.sort()
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{size:,} params")
-            best = min(pts, key=lambda p: p[1])
-            ax.plot([best[0]], [best[1]], "*", ms=16, color=line.get_color(), markeredgecolor="k")
-        ax.set(xscale="log", xlabel="learning rate", ylabel="final loss", title="Loss against LR (★ best per size)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        charts["loss_vs_lr"] = _png(fig)
-    return charts
-
-
-def run_chart(run: dict) -> bytes:
-    plt = _plt()
-    recs = sorted(run["metrics"], key=lambda m: m.get("step", 0))
-    fig, axs = plt.subplots(2, 2, figsize=(11, 7))
-    steps = [m["step"] for m in recs]
-    axs[0, 0].plot(steps, [m.get("loss") for m in recs], label="train")
-    val = [(m["step"], m["val_loss"]) for m in recs if m.get("val_loss") is not None]
-    if val:
-        axs[0, 0].plot(*zip(*val), "o-", label="val")
-    axs[0, 0].set(title="loss", xlabel="step")
-    axs[0, 0].legend()
-    axs[0, 1].plot(steps, [m.get("lr") for m in recs])
-    axs[0, 1].set(title="learning rate", xlabel="step")
-    axs[1, 0].plot(steps, [m.get("tokens_per_s") for m in recs])
-    axs[1, 0].set(title="tokens/s (global)", xlabel="step")
-    axs[1, 1].plot(steps, [m.get("grad_norm") for m in recs])
-    axs[1, 1].set(title="gradient norm", xlabel="step")
-    for ax in axs.flat:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()  # the lower charts' titles clear the upper charts' axis labels
-    return _png(fig)
-
-
 # --- the HTML page ----------------------------------------------------------------------------------
 
 def html_page(title: str, rows: list[dict], charts: dict[str, bytes], notes: list[str],
@@ -336,22 +208,24 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodp
         if goodput:
             raise UsageError(f"--goodput applies to one run's --ckpt-dir; {ckpt_dir} is a sweep dir")
         rec, rows, runs = sweep_rows(ckpt_dir)
-        fit, notes = None, []
+        fit, no_fit, notes = None, None, []
         pts = frontier(rows)
-        if len(pts) >= 4:
+        if len(pts) >= MIN_POINTS:
             try:
                 fit = fit_power_law(*zip(*pts))
                 notes.append("Fit over the best final loss of each model size against its training FLOPs: "
                              + fit.describe())
             except (RuntimeError, ValueError) as e:  # scipy's curve_fit gives up with RuntimeError
-                notes.append(f"no power-law fit: {str(e).splitlines()[0]}")
+                no_fit = f"no power-law fit: {str(e).splitlines()[0]}"
         else:
-            notes.append(f"no power-law fit: it needs finished trials of at least 4 model sizes, this sweep has "
-                         f"{len(pts)}")
+            no_fit = (f"no power-law fit: it needs finished trials of at least {MIN_POINTS} model sizes, this sweep "
+                      f"has {len(pts)} ({LAW} has {PARAMETERS} parameters: a curve of it passes through "
+                      f"any {PARAMETERS} points)")
+        notes += [no_fit] if no_fit else []
         failed = [f"{r['trial']}: {r['reason']}" for r in rows if r["status"] == "failed"]
         if failed:
             notes.append("failed: " + "; ".join(failed))
-        pngs = sweep_charts(rows, runs, rec["axes"], fit) if charts else {}
+        pngs = charts_lib.sweep_charts(rows, runs, rec["axes"], fit, no_fit) if charts else {}
         files = {"results.csv": to_csv(rows), "results.md": to_markdown(rows),
                  "results.json": json.dumps(_json_rows(rows), indent=1) + "\n",
                  **{f"{k}.png": v for k, v in pngs.items()}}
@@ -371,7 +245,7 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodp
     r = row(ckpt_dir.rsplit("/", 1)[-1], run)
     facts = run_facts(ckpt_dir, goodput)
     sections = summary(run, r, facts)
-    pngs = {"run": run_chart(run)} if charts and run["metrics"] else {}
+    pngs = {"run": charts_lib.run_chart(run)} if charts and run["metrics"] else {}
     files = {"results.json": json.dumps(_json_rows([r]), indent=1) + "\n",
              "summary.json": json.dumps({**facts, "summary": sections}, indent=1) + "\n",
              **{f"{k}.png": v for k, v in pngs.items()}}

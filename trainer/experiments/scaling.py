@@ -1,4 +1,4 @@
-"""The scaling-law fit of a sweep: L(C) = a * C^-b + c over the best trial of each model size.
+"""The scaling-law fit of a sweep: L(C) = a * C^-b + c over the best trial of each model size (`frontier`).
 
 Least squares with one-sigma uncertainties from the fit's covariance: scipy's curve_fit when scipy is there,
 else a numpy Levenberg-Marquardt with the same covariance. Jax-free.
@@ -9,6 +9,12 @@ import math
 from dataclasses import dataclass
 
 from trainer.common.config import UsageError
+
+PARAMETERS = 3  # a, b, c
+# More points than parameters: through PARAMETERS points or fewer some curve of the law passes exactly, and the
+# fit would say nothing about the law (nor have an uncertainty).
+MIN_POINTS = PARAMETERS + 1
+LAW = "L = a·C^-b + c"
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,30 @@ class PowerLaw:
                 f"{self.b_err:.2g}, c = {self.c:.4g} ± {self.c_err:.2g} ({self.n} points)")
 
 
+def final_loss(r: dict) -> float | None:
+    """The loss a trial is judged by: its best validation loss, else its last training loss."""
+    return r["best_val_loss"] if r.get("best_val_loss") is not None else r.get("final_train_loss")
+
+
+def frontier(rows: list[dict]) -> list[tuple[float, float]]:
+    """(FLOPs, loss) of the best finished trial of each model size: what a scaling law in compute describes
+    (the other axes of the sweep, such as the learning rate, are tuned away)."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        if r["status"] == "done" and r.get("flops") and final_loss(r) is not None:
+            if r["params"] not in best or final_loss(r) < final_loss(best[r["params"]]):
+                best[r["params"]] = r
+    return sorted((r["flops"], final_loss(r)) for r in best.values())
+
+
+def plus_minus(value: float, err: float) -> str:
+    """'0.0523 ± 0.0041': the error to 2 significant digits, the value to the same decimals."""
+    if not (math.isfinite(err) and err > 0):
+        return f"{value:.4g} ± ?"
+    decimals = max(0, 1 - math.floor(math.log10(err)))
+    return f"{value:.{decimals}f} ± {err:.{decimals}f}"
+
+
 def fit_power_law(x, y, use_scipy: bool = True) -> PowerLaw:
     """Least-squares fit of y = a * x^-b + c (b > 0, c < min y). x is scaled by its geometric mean for the
     fit (x spans many decades), then a and its error are mapped back by the delta method."""
@@ -38,8 +68,9 @@ def fit_power_law(x, y, use_scipy: bool = True) -> PowerLaw:
     x, y = np.asarray(x, float), np.asarray(y, float)
     ok = np.isfinite(x) & np.isfinite(y) & (x > 0)
     x, y = x[ok], y[ok]
-    if len(x) < 4:
-        raise UsageError(f"a power-law fit needs at least 4 finished points with loss and compute, got {len(x)}")
+    if len(x) < MIN_POINTS:
+        raise UsageError(f"a power-law fit needs at least {MIN_POINTS} finished points with loss and compute, "
+                         f"got {len(x)}")
     x0 = float(np.exp(np.mean(np.log(x))))
     u = x / x0
     f = lambda u, a, b, c: a * u ** -b + c

@@ -158,9 +158,8 @@ def finetune(run: LoraRun) -> int:
     run.check()
     distributed = mesh_lib.init_distributed()
     loop.enable_compile_cache()
-    mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh(run.mesh, jax.device_count()))
+    mesh, global_batch = setup_mesh(run)
     pid, nproc = jax.process_index(), jax.process_count()
-    global_batch = batch_of(run, jax.device_count(), mesh.shape["data"])
     ck = weights.inspect(run.weights, family=run.family)
     check_size(run, ck.cfg)
     tok = tok_lib.load(ck.path, ck.cfg.vocab, run.tokenizer or None)
@@ -183,11 +182,22 @@ def finetune(run: LoraRun) -> int:
         ckpt.close()
 
 
-def batch_of(run: LoraRun, devices: int, data: int) -> int:
-    """The global batch in rows: --batch-size, or 4 per device; the mesh's data axis must divide it."""
+def setup_mesh(run: LoraRun):
+    """(mesh, global batch): --mesh over this job's devices, one slice's or, on several slices (MEGASCALE_*),
+    each slice's with the slices on `dcn`: pretrain's mesh (mesh.job_mesh). The base stays fsdp over `data`
+    inside each slice and the batch goes over (dcn, data), so only the adapters' gradients cross the DCN."""
+    mesh = mesh_lib.job_mesh(run.mesh)
+    n_slices = mesh.shape[mesh_lib.DCN]
+    return mesh, batch_of(run, jax.device_count(), mesh.shape["data"] * n_slices, n_slices)
+
+
+def batch_of(run: LoraRun, devices: int, data: int, n_slices: int = 1) -> int:
+    """The global batch in rows: --batch-size, or 4 per device; the mesh's batch axes (dcn x data) must divide
+    it."""
     global_batch = run.batch_size or 4 * devices
     if global_batch % data:
-        raise UsageError(f"--batch-size {global_batch} is not divisible by the mesh's data axis ({data}); "
+        where = f" over {n_slices} slices" if n_slices > 1 else ""
+        raise UsageError(f"--batch-size {global_batch} is not divisible by the mesh's data axis ({data}{where}); "
                          "use a multiple of it")
     return global_batch
 
@@ -237,9 +247,8 @@ def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, 
         n_lora, n_base = lora_lib.count(cfg, lc), gemma.count_params(cfg)
         metrics.say(data_msg)
         metrics.say(f"LoRA rank {lc.rank} alpha {lc.alpha:g} on {','.join(lc.targets)}: {n_lora:,} trainable params "
-                    f"({100 * n_lora / n_base:.3f}% of {n_base:,}) | mesh data={steps.mesh.shape['data']},"
-                    f"model={steps.mesh.shape['model']} over {jax.device_count()} devices in {jax.process_count()} "
-                    f"process(es) | " + (f"resuming from step {start}" if start else "starting from the base"))
+                    f"({100 * n_lora / n_base:.3f}% of {n_base:,}) | mesh {mesh_lib.describe(steps.mesh)} over "
+                    f"{jax.device_count()} devices in {jax.process_count()} process(es) | " + (f"resuming from step {start}" if start else "starting from the base"))
     if start >= total:
         if primary:
             metrics.say(f"already at step {start} >= {total}: nothing to do")
