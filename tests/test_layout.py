@@ -133,3 +133,16 @@ def test_nothing_below_the_command_line_imports_it():
         users = {m: sorted(i for i in imports_of(p, known) if i == cli or i.startswith(cli + "."))
                  for m, p in known.items() if not is_above(m)}
         assert {m: v for m, v in users.items() if v} == {}, cli
+
+
+def test_help_and_the_command_lines_import_no_cloud_client_or_ssh_library():
+    """Every `tpuctl` command pays for what it imports: `--help` (and every verb's module) loads none of the TPU,
+    Compute Engine or storage clients, fabric or jax; a verb that uses one imports it when it runs."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom orchestrator.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = ('google.cloud.tpu_v2', 'google.cloud.compute_v1', 'google.cloud.storage', 'fabric', 'paramiko',"
+            " 'jax')\nprint('LOADED', sorted(m for m in heavy if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "LOADED []", p.stdout[-500:]

@@ -7,9 +7,8 @@ import sys
 
 import click
 
-from orchestrator import provider
-from orchestrator.plan import step as P
 from orchestrator.cli.options import PassThrough
+from orchestrator.plan import step as P
 from orchestrator.spec import UserError
 
 DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1)
@@ -55,6 +54,7 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
         _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps)
     try:
         with StatusLine(quiet=False) as line:
+            from orchestrator import provider  # the TPU API client: loaded by the verb that asks it
             p = P.plan(accelerator, list(command), cpu_devices=provider.chosen(local).cpu_devices, steps=steps,
                        mfu=mfu, progress=line, use_cache=not no_cache)
     except UserError as e:

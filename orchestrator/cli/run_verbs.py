@@ -16,8 +16,6 @@ from pathlib import Path
 
 import click
 
-from orchestrator.access.hosts import Hosts
-from orchestrator.access.reach import SshFlags, reach
 from orchestrator.cli.options import PassThrough, local_option
 from orchestrator.cli.options import errors as _errors
 from orchestrator.jobs import launch as L
@@ -36,6 +34,7 @@ def _ssh_options(verb):
     """The flags of every verb that crosses SSH, handed to it as one `flags: SshFlags`."""
     @functools.wraps(verb)
     def f(*args, **kwargs):
+        from orchestrator.access.reach import SshFlags  # fabric and the TPU client load only for a verb that runs
         return verb(*args, flags=SshFlags(**{k: kwargs.pop(k) for k in _SSH_FLAGS}), **kwargs)
     f = click.option("--internal-ip", is_flag=True,
                      help="Connect to the workers' internal IPs even where they have external ones (this machine "
@@ -226,6 +225,8 @@ def ssh(name, command, worker, flags):
       tpuctl ssh NAME --worker all -- nproc
       tpuctl ssh NAME --worker 1
     """
+    from orchestrator.access.hosts import Hosts
+    from orchestrator.access.reach import reach
     target = reach(name, flags, say=_note)
     idx = _select(target.workers, worker)
     if not command:
