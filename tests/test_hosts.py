@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from _local_hosts import host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
-from orchestrator.access.hosts import HostError, Hosts, SshConfig
+from orchestrator.access.hosts import HostError, Hosts, RunGoing, SshConfig
 from orchestrator.jobs.launch import Worker
 
 pytestmark = needs_hosts
@@ -81,10 +81,13 @@ def test_a_lockfile_nobody_holds_and_a_leftover_tpuctl_trainer(hosts, sl):
     hosts.push(None, probes)  # uploads the wrapper
     wrap = hosts.helpers["hostwrap.py"]
     ssh(sl, 1, f"mkdir -p ~/.tpuctl-host/run; cd; setsid nohup python3 .tpuctl-host/bin/{wrap} run "
-               "--pidfile .tpuctl-host/run/old.pid --run-id old -- sleep 600 >/dev/null 2>&1 < /dev/null &")
+               "--pidfile .tpuctl-host/run/old.pid --run-id old --log .tpuctl-host/logs/old.log -- sleep 600 "
+               ">/dev/null 2>&1 < /dev/null &")
     _wait_for(lambda: (Path(sl.hosts[1].home) / ".tpuctl-host/run/old.pid").exists())
-    with pytest.raises(HostError, match=r"w1 .*: PID \d+ \(sleep 600\) is a tpuctl trainer still running \(run old\)"):
+    with pytest.raises(RunGoing, match=r"a tpuctl run is still going on these hosts \(run old on w1: PID \d+ "
+                                       r"\(sleep 600\)\)") as going:
         hosts.preflight()
+    assert going.value.runs == {"old": ""} and going.value.hosts == {"old": [1]}
     probes = hosts.preflight(kill_stale=True)
     assert [c["kind"] for c in probes[1].cleared] == ["trainer"]
     assert not any("sleep 600" in c for _, c in host_processes(sl, 1))

@@ -455,13 +455,16 @@ class Hosts:
         probes = self.each(probe)
         going: dict[str, str] = {}
         on: dict[str, list[int]] = {}
+        what: dict[str, str] = {}
         for i, p in enumerate(probes):
             for st in p.stale:
                 if st["kind"] == "trainer" and st.get("run_id"):
                     going[st["run_id"]] = st.get("tag") or ""
                     on.setdefault(st["run_id"], []).append(i)
+                    what.setdefault(st["run_id"], f"PID {st.get('pid')} ({st.get('cmd', '')[:80]})")
         if going and not kill_stale:
-            where = "; ".join(f"run {r} on {', '.join(self.workers[i].name for i in ix)}" for r, ix in on.items())
+            where = "; ".join(f"run {r} on {', '.join(self.workers[i].name for i in ix)}: {what[r]}"
+                              for r, ix in on.items())
             raise RunGoing(f"a tpuctl run is still going on these hosts ({where})", going, on)
         problems = [line for p in probes for line in p.problems()]
         if problems:

@@ -63,11 +63,8 @@ def run_dir_for(name: str, run_id: str) -> Path:
 def _slice_lost(name: str) -> Callable[[], bool]:
     """While a connection is away: is the slice itself gone (preempted, deleted)? Then supervise recovers it now
     instead of after the whole --ssh-wait."""
-    def lost() -> bool:
-        from orchestrator import slices
-        node = slices.node(name)
-        return node is None or node.state in ("PREEMPTED", "TERMINATED", "DELETING", "STOPPED")
-    return lost
+    from orchestrator.jobs import supervise
+    return lambda: supervise.lost(name) is not None
 
 
 def run(name: str, command: list[str], flags: SshFlags = SshFlags(), opts: RunOptions = RunOptions(), *,

@@ -189,7 +189,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             raise UserError(f"no slice named {name} in the local record (see `tpuctl ls`)")
         try:
             t_attempt = time.monotonic()
-            with provider.of(rec).while_running(name, lambda: _lost(name), progress):
+            with provider.of(rec).while_running(name, lambda: lost(name), progress):
                 result = run_once(restarts)
             attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None))
             attempts[-1]["recover_s"] = recover
@@ -261,7 +261,8 @@ def _verb(state: str) -> str:
                                     else state.lower())
 
 
-def _lost(name: str) -> str | None:
+def lost(name: str) -> str | None:
+    """The slice's state when its VMs are gone (preempted, terminated, deleted), else None."""
     st = node_state(name)
     return st if st in LOST else None
 
