@@ -176,7 +176,7 @@ class ComputeInstances:
             if st == "GONE":
                 del self.instances[key]
                 self.gone.append({"project": inst.project, "zone": inst.zone, "name": inst.name,
-                                  "ip": inst.ip, "at": now})
+                                  "ip": inst.ip, "at": now, "history": inst.history})
         for op in self.ops.values():
             if op.status == "DONE":
                 continue
