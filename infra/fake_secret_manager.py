@@ -173,13 +173,11 @@ class SecretsState:
     def _find(self, project: str, sid: str) -> _Secret | None:
         return self.secrets.get((_number(project), sid))
 
-    def _need(self, caller: str, perm: str, project: str, sid: str, what: str = "secret") -> _Secret:
+    def _need(self, caller: str, perm: str, project: str, sid: str) -> _Secret:
         s = self._find(project, sid)
         self.check(caller, perm, _number(project), s, f"projects/{project}/secrets/{sid}")
         if s is None:
-            name = f"projects/{_number(project)}/secrets/{sid}"
-            raise SecretsError(404, "NOT_FOUND", f"Secret [{name}] not found or has no versions."
-                               if what == "version" else f"Secret [{name}] not found.")
+            raise SecretsError(404, "NOT_FOUND", f"Secret [projects/{_number(project)}/secrets/{sid}] not found.")
         return s
 
     def create(self, caller: str, project: str, sid: str, body: dict) -> dict:

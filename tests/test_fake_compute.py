@@ -138,6 +138,12 @@ def test_refusals_as_the_client_raises_them(fk, clients):
         assert e.value.metadata["activationUrl"].startswith(
             "https://console.developers.google.com/apis/api/compute.googleapis.com/overview?project=")
 
+    fk.control.deny("compute")  # the caller lacks the IAM permission
+    with pytest.raises(gexc.Forbidden, match="Permission 'compute.instances.create' denied") as e:
+        ic.insert(project=P, zone=Z, instance_resource=_vm("y"))
+    assert e.value.reason == "IAM_PERMISSION_DENIED"
+    fk.control.reset()
+
     with pytest.raises(gexc.BadRequest, match="Machine type with name 'e2-giant' does not exist"):
         ic.insert(project=P, zone=Z, instance_resource=_vm("x", machine="e2-giant"))
     with pytest.raises(gexc.BadRequest, match="resource.name"):
