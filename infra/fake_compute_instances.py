@@ -6,7 +6,9 @@ Source of the wire format: the installed client (google-cloud-compute 1.57.0): t
 `Operation`, `Errors`, `ErrorDetails`, `QuotaExceededInfo` in `compute_v1/types/compute.py`, and how an operation
 ends in `google/api_core/extended_operation.py`: `insert()`/`delete()` return the Operation at once, `.result()`
 polls `zoneOperations.get` until `status: DONE`, and a DONE operation with `httpErrorStatusCode` and
-`httpErrorMessage` raises `from_http_status(code, message, errors=error.errors)`. The refusals' wording is the
+`httpErrorMessage` raises `from_http_status(code, message, errors=error.errors)`. That polling goes through a
+ZoneOperationsClient the library builds without the caller's client_options (`instances/transports/base.py`,
+`_zone_operations_client`), so against this stand-in a caller waits with its own ZoneOperationsClient. The refusals' wording is the
 real API's as users have quoted it (gcloud, Terraform): "Quota 'CPUS' exceeded.  Limit: 24.0 in region R." with
 its quotaInfo (metric compute.googleapis.com/cpus, limit CPUS-per-project-region); HTTP 412 conditionNotMet
 "Constraint constraints/compute.vmExternalIpAccess violated for project NUMBER. Add instance ... to the constraint
