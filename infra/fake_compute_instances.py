@@ -8,9 +8,10 @@ ends in `google/api_core/extended_operation.py`: `insert()`/`delete()` return th
 polls `zoneOperations.get` until `status: DONE`, and a DONE operation with `httpErrorStatusCode` and
 `httpErrorMessage` raises `from_http_status(code, message, errors=error.errors)`. That polling goes through a
 ZoneOperationsClient the library builds without the caller's client_options (`instances/transports/base.py`,
-`_zone_operations_client`), so against this stand-in a caller waits with its own ZoneOperationsClient. The refusals' wording is the
-real API's as users have quoted it (gcloud, Terraform): "Quota 'CPUS' exceeded.  Limit: 24.0 in region R." with
-its quotaInfo (metric compute.googleapis.com/cpus, limit CPUS-per-project-region); HTTP 412 conditionNotMet
+`_zone_operations_client`), so against this stand-in a caller waits with its own ZoneOperationsClient. The
+refusals' wording is the real API's as users have quoted it (gcloud, Terraform): "Quota 'CPUS' exceeded.  Limit:
+24.0 in region R." with its quotaInfo (metric compute.googleapis.com/cpus, limit CPUS-per-project-region); HTTP 412
+conditionNotMet
 "Constraint constraints/compute.vmExternalIpAccess violated for project NUMBER. Add instance ... to the constraint
 to use external IP with it."; 403 SERVICE_DISABLED with the API's activation URL. The wording of the 400s for a
 malformed instance is this stand-in's own.

@@ -159,7 +159,8 @@ class SecretsState:
                     if inj["times"] <= 0:
                         self.injections.remove(inj)
                 num = _number(project)
-                url = f"https://console.developers.google.com/apis/api/secretmanager.googleapis.com/overview?project={num}"
+                url = ("https://console.developers.google.com/apis/api/secretmanager.googleapis.com/overview"
+                       f"?project={num}")
                 raise SecretsError(403, "PERMISSION_DENIED", (
                     f"Secret Manager API has not been used in project {num} before or it is disabled. Enable it by "
                     f"visiting {url} then retry. If you enabled this API recently, wait a few minutes for the action "

@@ -1,6 +1,11 @@
 """Compute Engine instances in the login stand-in, through the real google-cloud-compute client (REST)."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
+
 import pytest
 from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
@@ -38,8 +43,9 @@ def _vm(name="ctl", external=True, machine="e2-small", labels=None) -> compute_v
         nic.access_configs = [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")]
     return compute_v1.Instance(
         name=name, machine_type=f"zones/{Z}/machineTypes/{machine}", network_interfaces=[nic],
-        disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
-            source_image="projects/debian-cloud/global/images/family/debian-12"))],
+        disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True,
+                                       initialize_params=compute_v1.AttachedDiskInitializeParams(
+                                           source_image="projects/debian-cloud/global/images/family/debian-12"))],
         service_accounts=[compute_v1.ServiceAccount(email="default",
                                                     scopes=["https://www.googleapis.com/auth/cloud-platform"])],
         metadata=compute_v1.Metadata(items=[compute_v1.Items(key="startup-script", value="#!/bin/sh\necho up")]),
@@ -148,3 +154,26 @@ def test_refusals_as_the_client_raises_them(fk, clients):
         ic.insert(project=P, zone=Z, instance_resource=_vm("x", machine="e2-giant"))
     with pytest.raises(gexc.BadRequest, match="resource.name"):
         ic.insert(project=P, zone=Z, instance_resource=_vm("Bad_Name"))
+
+
+def test_the_command_serves_instances(tmp_path):
+    """`python -m infra.fake_login_apis`: how local mode runs it, as a process of its own."""
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "infra.fake_login_apis", "--ready-file", str(ready)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        kw = {"transport": "rest", "credentials": AnonymousCredentials(),
+              "client_options": {"api_endpoint": json.loads(ready.read_text())["url"]}}
+        ic, oc = compute_v1.InstancesClient(**kw), compute_v1.ZoneOperationsClient(**kw)
+        op = ic.insert(project=P, zone=Z, instance_resource=_vm(external=False))
+        assert oc.wait(project=P, zone=Z, operation=op.name).status == compute_v1.Operation.Status.DONE
+        vm = ic.get(project=P, zone=Z, instance="ctl")
+        assert vm.status == "RUNNING" and vm.network_interfaces[0].network_i_p.startswith("10.128.0.")
+        assert not vm.network_interfaces[0].access_configs
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
