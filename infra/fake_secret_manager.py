@@ -330,7 +330,7 @@ def _handler(state: SecretsState, log: Callable[[str], None] | None):
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, *a):  # the default would log nothing secret either, but say exactly what is logged
+        def log_message(self, *a):  # the one log is `log` in _do: method, path, caller, status; never a body
             pass
 
         def _send(self, code: int, obj: dict) -> None:
