@@ -1,10 +1,14 @@
-"""Local stand-ins of the two Google APIs OS Login involves, so the real `google-cloud-compute` and
-`google-cloud-os-login` clients (REST transport) are what tests exercise. One server answers both:
+"""Local stand-ins of Compute Engine (project metadata, VM instances) and OS Login, so the real
+`google-cloud-compute` and `google-cloud-os-login` clients (REST transport) are what tests exercise. One server
+answers both:
 
   Compute Engine v1   GET  /compute/v1/projects/P            a Project (compute_v1 types Project / Metadata /
                                                              Items): `commonInstanceMetadata.items` [{key, value}],
                                                              where `enable-oslogin: TRUE` turns OS Login on for
                                                              every VM of the project
+                      instances insert/get/list/delete and zoneOperations get/wait under
+                      /compute/v1/projects/P/zones/Z/: infra/fake_compute_instances.py (its docstring has the
+                      routes, the life of an instance and the sources of the wire format)
   OS Login v1         POST /v1/users/U:importSshPublicKey    body SshPublicKey {key, expirationTimeUsec},
                                                              ?projectId=P; answers ImportSshPublicKeyResponse
                                                              {loginProfile: LoginProfile}
@@ -13,7 +17,8 @@
   fingerprint, and the POSIX user name is the account's email with every character that is not a letter or a
   digit turned into `_`, as OS Login names accounts of the account's own domain.)
 
-Errors are google.rpc shapes: {"error": {code, message, status, details: [ErrorInfo]}}.
+Errors are google.rpc shapes: {"error": {code, message, status, details: [ErrorInfo]}}; Compute Engine's own add
+`errors: [{message, domain, reason}]`.
 
 Control under /_fake/ (JSON, FakeLoginControl is its client):
   POST project_metadata {project, items: {key: value}}   the project's common metadata
@@ -21,18 +26,49 @@ Control under /_fake/ (JSON, FakeLoginControl is its client):
   POST username {account, username}                      the POSIX name the profile reports for an account
   GET  state                                              imported keys per account, with their expiry
   POST reset
+  Compute Engine instances (FakeLoginControl has a method for each):
+  POST compute_ips {ip, external?}                        instances inserted afterwards report this networkIP
+                                                          (and natIP: external, else ip); null: 10.128.0.N
+  POST compute_instance_ip {project, zone, name, ip, external?}   change an existing instance's
+  POST compute_inject {kind, op?, project?, zone?, times?, ...}   a refusal as the real API gives it:
+         quota {quota?: CPUS, limit?: 0, sync?}    the insert operation ends QUOTA_EXCEEDED (quotaInfo), or
+                                                   sync: HTTP 403 quotaExceeded; no instance is made
+         org_policy {constraint?}                 HTTP 412 conditionNotMet; vmExternalIpAccess (the default)
+                                                   refuses only an instance that asks for an external IP
+         service_disabled                         HTTP 403 SERVICE_DISABLED with the activation URL (op: any)
+       op: insert (default) | get | list | delete | operation | project | any; times: None = until reset
+  POST compute_config {provisioning_s, staging_s, stopping_s, terminated_s, wait_max_s}
+  GET  compute_state                                      instances (with status history and the insert body),
+                                                          gone ones, insert bodies, operations, injections
+
+Run: python -m infra.fake_login_apis --port 0 --ready-file F    or, in tests: start_in_thread().
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
 import re
+import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from infra.fake_compute_instances import ComputeError, ComputeInstances, InstancesConfig
+
+_ZONE = r"/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)"
+_COMPUTE_ROUTES = [
+    ("POST", re.compile(_ZONE + r"/instances"), "insert"),
+    ("GET", re.compile(_ZONE + r"/instances"), "list"),
+    ("GET", re.compile(_ZONE + r"/instances/(?P<n>[^/]+)"), "get"),
+    ("DELETE", re.compile(_ZONE + r"/instances/(?P<n>[^/]+)"), "delete"),
+    ("GET", re.compile(_ZONE + r"/operations/(?P<n>[^/]+)"), "get_op"),
+]
+_WAIT = re.compile(_ZONE + r"/operations/(?P<n>[^/]+)/wait")
 
 
 class _Err(Exception):
@@ -55,8 +91,14 @@ class LoginState:
     denied: dict[str, str] = field(default_factory=dict)                # compute|oslogin -> permission
     usernames: dict[str, str] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    compute: ComputeInstances = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.compute is None:
+            self.compute = ComputeInstances(lock=self.lock)
 
     def project(self, project: str) -> dict:
+        self.compute.check_service("project", project)
         self._check("compute", f"compute.projects.get on projects/{project}")
         items = [{"key": k, "value": v} for k, v in self.metadata.get(project, {}).items()]
         fp = hashlib.md5(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
@@ -116,11 +158,17 @@ def _handler(state: LoginState):
             q = parse_qs(url.query)
             n = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(n) or b"{}") if n else {}
+            path = unquote(url.path)
             try:
+                if method == "POST" and (m := _WAIT.fullmatch(path)):  # sleeps: must not hold the lock
+                    self._send(200, state.compute.wait_op(m["p"], m["z"], m["n"]))
+                    return
                 with state.lock:
-                    self._send(200, self._route(method, unquote(url.path), body, q))
-            except _Err as e:
+                    self._send(200, self._route(method, path, body, q))
+            except (_Err, ComputeError) as e:
                 self._send(e.code, e.body())
+            except (ValueError, KeyError, TypeError) as e:  # a control call's bad argument
+                self._send(400, {"error": {"code": 400, "message": str(e), "status": "INVALID_ARGUMENT"}})
 
         def _route(self, method: str, path: str, body: dict, q: dict) -> dict:
             project = (q.get("projectId") or [None])[0]
@@ -134,11 +182,44 @@ def _handler(state: LoginState):
                 if method == "GET":
                     state._check("oslogin", "oslogin.users.get")  # noqa: SLF001
                     return state.profile(m.group(1), project)
+            for verb, rx, name in _COMPUTE_ROUTES:
+                if verb == method and (m := rx.fullmatch(path)):
+                    return self._compute(name, m, body, q)
             if path.startswith("/_fake/"):
                 return self._control(method, path[len("/_fake/"):], body)
             raise _Err(404, "NOT_FOUND", f"no such method: {method} {path}")
 
+        def _compute(self, name: str, m: re.Match, body: dict, q: dict) -> dict:
+            c, p, z = state.compute, m["p"], m["z"]
+            perm = {"insert": "compute.instances.create", "list": "compute.instances.list",
+                    "get": "compute.instances.get", "delete": "compute.instances.delete",
+                    "get_op": "compute.zoneOperations.get"}[name]
+            state._check("compute", perm)  # noqa: SLF001
+            if name == "insert":
+                return c.insert(p, z, body)
+            if name == "list":
+                return c.list(p, z, q)
+            return {"get": c.get, "delete": c.delete, "get_op": c.get_op}[name](p, z, m["n"])
+
         def _control(self, method: str, what: str, body: dict) -> dict:
+            c = state.compute
+            if what == "compute_ips" and method == "POST":
+                c.set_ips(body.get("ip"), body.get("external"))
+                return {"ok": True}
+            if what == "compute_instance_ip" and method == "POST":
+                return c.set_instance_ip(body["project"], body["zone"], body["name"], body["ip"],
+                                         body.get("external"))
+            if what == "compute_inject" and method == "POST":
+                return c.inject(body)
+            if what == "compute_config" and method == "POST":
+                for k, v in body.items():
+                    if k not in InstancesConfig.__dataclass_fields__:
+                        raise ValueError(f"unknown compute_config field {k!r}")
+                    setattr(c.config, k, float(v))
+                return c.config.__dict__
+            if what == "compute_state":
+                c.tick()
+                return c.snapshot()
             if what == "project_metadata" and method == "POST":
                 state.metadata[body["project"]] = dict(body.get("items") or {})
                 return {"ok": True}
@@ -152,6 +233,7 @@ def _handler(state: LoginState):
                 return {"keys": state.keys, "metadata": state.metadata, "denied": state.denied}
             if what == "reset" and method == "POST":
                 state.metadata.clear(), state.keys.clear(), state.denied.clear(), state.usernames.clear()
+                c.reset()
                 return {"ok": True}
             raise _Err(404, "NOT_FOUND", f"no such control endpoint: {method} /_fake/{what}")
 
@@ -160,6 +242,9 @@ def _handler(state: LoginState):
 
         def do_POST(self):
             self._do("POST")
+
+        def do_DELETE(self):
+            self._do("DELETE")
 
     return H
 
@@ -187,6 +272,41 @@ class FakeLoginControl:
     def state(self) -> dict:
         return self.call("GET", "state")
 
+    # Compute Engine instances
+    def set_ips(self, ip: str | None, external: str | None = None) -> dict:
+        """Instances inserted afterwards report `ip` as networkIP (and `external`, else `ip`, as an access
+        config's natIP); None: 10.128.0.N."""
+        return self.call("POST", "compute_ips", {"ip": ip, "external": external})
+
+    def set_instance_ip(self, project: str, zone: str, name: str, ip: str, external: str | None = None) -> dict:
+        return self.call("POST", "compute_instance_ip", {"project": project, "zone": zone, "name": name, "ip": ip,
+                                                         "external": external})
+
+    def inject(self, kind: str, **kw) -> dict:
+        return self.call("POST", "compute_inject", {"kind": kind, **{k: v for k, v in kw.items() if v is not None}})
+
+    def quota(self, *, quota: str = "CPUS", limit: float = 0, sync: bool = False, times: int | None = None,
+              **kw) -> dict:
+        """An instance insert refused for quota: the operation ends QUOTA_EXCEEDED (sync: HTTP 403)."""
+        return self.inject("quota", quota=quota, limit=limit, sync=sync or None, times=times, **kw)
+
+    def org_policy(self, constraint: str | None = None, *, times: int | None = None, **kw) -> dict:
+        """HTTP 412 conditionNotMet "Constraint ... violated for project NUMBER ..." on insert."""
+        return self.inject("org_policy", constraint=constraint, times=times, **kw)
+
+    def service_disabled(self, *, op: str = "any", times: int | None = None, **kw) -> dict:
+        """HTTP 403 SERVICE_DISABLED: the Compute Engine API is not enabled in the project."""
+        return self.inject("service_disabled", op=op, times=times, **kw)
+
+    def compute_config(self, **kw) -> dict:
+        return self.call("POST", "compute_config", kw)
+
+    def compute_state(self) -> dict:
+        return self.call("GET", "compute_state")
+
+    def reset(self) -> dict:
+        return self.call("POST", "reset", {})
+
 
 @dataclass
 class RunningLogin:
@@ -211,3 +331,36 @@ def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningLogin:
                          name="fake-login-apis")
     t.start()
     return RunningLogin(server, t, f"http://{host}:{server.server_address[1]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infra.fake_login_apis", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port (see --ready-file)")
+    ap.add_argument("--ready-file", help="write {pid, host, port, url} as JSON here once listening")
+    a = ap.parse_args(argv)
+    try:
+        server = ThreadingHTTPServer((a.host, a.port), _handler(LoginState()))
+    except OSError as e:
+        print(f"error: cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port", file=sys.stderr)
+        return 2
+    server.daemon_threads = True
+    port = server.server_address[1]
+    info = {"pid": os.getpid(), "host": a.host, "port": port, "url": f"http://{a.host}:{port}"}
+    if a.ready_file:
+        tmp = f"{a.ready_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, a.ready_file)
+    print(f"Compute Engine and OS Login stand-in listening on {info['url']}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from infra.gcp_ids import project_number
+
 OP_META = "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata"
 T_NODE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 T_QR = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
@@ -836,9 +838,7 @@ def _stockout_message(zone: str) -> str:
             "are offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0xfa4e]")
 
 
-def _project_number(project: str) -> int:
-    """A stable made-up project number for a project id (the real API knows the real one)."""
-    return 100000000000 + sum((i + 1) * ord(c) for i, c in enumerate(project)) * 7919 % 900000000000
+_project_number = project_number
 
 
 def _region(zone: str) -> str:
