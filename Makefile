@@ -35,8 +35,9 @@ $(BIN)/.demo-wheelhouse: $(BIN)/tpuctl
 	$(BIN)/python -m orchestrator.demo --prefetch
 	@touch $@
 
+# The 15 slowest tests are printed at the end of every run: the next slow test is seen the day it lands.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"

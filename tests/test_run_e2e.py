@@ -228,5 +228,41 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         assert r.failed_worker == 1 and r.returncode == 124, out.getvalue()[-3000:]
         assert "worker w1" in str(e.value) and "stopped advancing at step" in str(e.value), str(e.value)
         assert wait_idle(sl, timeout=30) == {}
+
+        # With no tpuctl to stop anything (this machine's network gone), a host that dies still ends the run on
+        # every host: the trainers' own jax.distributed heartbeat, not an SSH session, owns the run's life.
+        outage = tmp_path / "outage"
+        hop = f"{sys.executable} -m infra.ssh_hop --outage {outage} %h %p"
+        cut = dataclasses.replace(kw["ssh"], proxy_commands={0: hop, 1: hop}, wait_s=300)
+        out2 = io.StringIO()
+
+        def trainer(i):
+            return [pid for pid, cmd in host_processes(sl, i) if "trainer pretrain" in cmd and "hostwrap" not in cmd]
+
+        def kill_w1_with_no_tpuctl():
+            deadline = time.time() + 300
+            while not re.search(r"step +5/", out2.getvalue()) and time.time() < deadline:
+                time.sleep(0.1)
+            outage.touch()
+            time.sleep(2)
+            for pid in trainer(1):
+                os.kill(pid, sig.SIGKILL)
+            deadline = time.time() + 60
+            while trainer(0) and time.time() < deadline:
+                time.sleep(0.2)
+            box["w0_left"] = trainer(0)
+            outage.unlink()
+        box = {}
+        t = threading.Thread(target=kill_w1_with_no_tpuctl, daemon=True)
+        t.start()
+        with pytest.raises(RunFailed) as e:
+            run_job(workers(sl), LaunchSpec(args, env=CPU), run_dir=tmp_path / "run2", out=out2,
+                    watch=Watch(hang_timeout_s=20), **{**kw, "ssh": cut})
+        t.join(5)
+        assert box.get("w0_left") == [], out2.getvalue()[-3000:]  # w0's trainer ended while nobody watched
+        assert e.value.result.exit_codes[1] == 137 and e.value.result.exit_codes[0] not in (0, None, 255), \
+            e.value.result.exit_codes
+        assert "reconnected to" in out2.getvalue()
+        assert wait_idle(sl, timeout=30) == {}
     finally:
         sl.stop()
