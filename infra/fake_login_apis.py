@@ -48,16 +48,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from infra import serving
+from infra.serving import Control, Running
 from infra.fake_compute_instances import ComputeError, ComputeInstances, InstancesConfig
 
 _ZONE = r"/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)"
@@ -249,16 +249,7 @@ def _handler(state: LoginState):
     return H
 
 
-class FakeLoginControl:
-    def __init__(self, url: str):
-        self.url = url.rstrip("/")
-
-    def call(self, method: str, what: str, payload: dict | None = None) -> dict:
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(f"{self.url}/_fake/{what}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read() or b"{}")
+class FakeLoginControl(Control):
 
     def set_project_metadata(self, project: str, items: dict[str, str]) -> dict:
         return self.call("POST", "project_metadata", {"project": project, "items": items})
@@ -308,29 +299,11 @@ class FakeLoginControl:
         return self.call("POST", "reset", {})
 
 
-@dataclass
-class RunningLogin:
-    server: ThreadingHTTPServer
-    thread: threading.Thread
-    url: str
-
-    @property
-    def control(self) -> FakeLoginControl:
-        return FakeLoginControl(self.url)
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
 
 
-def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningLogin:
-    server = ThreadingHTTPServer((host, port), _handler(LoginState()))
-    server.daemon_threads = True
-    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
-                         name="fake-login-apis")
-    t.start()
-    return RunningLogin(server, t, f"http://{host}:{server.server_address[1]}")
+def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> Running:
+    return serving.in_thread(ThreadingHTTPServer((host, port), _handler(LoginState())), "fake-login-apis",
+                             FakeLoginControl)
 
 
 def main(argv=None) -> int:
@@ -344,22 +317,7 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port", file=sys.stderr)
         return 2
-    server.daemon_threads = True
-    port = server.server_address[1]
-    info = {"pid": os.getpid(), "host": a.host, "port": port, "url": f"http://{a.host}:{port}"}
-    if a.ready_file:
-        tmp = f"{a.ready_file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(info, fh)
-        os.replace(tmp, a.ready_file)
-    print(f"Compute Engine and OS Login stand-in listening on {info['url']}", flush=True)
-    try:
-        server.serve_forever(poll_interval=0.1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return serving.serve(server, a.host, a.ready_file, "Compute Engine and OS Login stand-in")
 
 
 if __name__ == "__main__":

@@ -45,13 +45,10 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import re
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -59,6 +56,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import google_crc32c
 
+from infra import serving
+from infra.serving import Control, Running
 from infra.gcp_ids import project_number
 
 T_ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
@@ -412,19 +411,7 @@ def _handler(state: SecretsState, log: Callable[[str], None] | None):
     return H
 
 
-class FakeSecretsControl:
-    def __init__(self, url: str, timeout: float = 10.0):
-        self.url, self.timeout = url.rstrip("/"), timeout
-
-    def call(self, method: str, what: str, payload: dict | None = None) -> dict:
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(f"{self.url}/_fake/{what}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"/_fake/{what}: {e.code} {e.read().decode(errors='replace')}") from None
+class FakeSecretsControl(Control):
 
     def grant(self, project: str, member: str, role: str) -> dict:
         """A project-level role for `member` (`serviceAccount:EMAIL`, `user:EMAIL`)."""
@@ -440,20 +427,6 @@ class FakeSecretsControl:
         return self.call("POST", "reset", {})
 
 
-@dataclass
-class RunningSecrets:
-    server: ThreadingHTTPServer
-    thread: threading.Thread
-    url: str
-
-    @property
-    def control(self) -> FakeSecretsControl:
-        return FakeSecretsControl(self.url)
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0,
@@ -464,13 +437,9 @@ def make_server(host: str = "127.0.0.1", port: int = 0,
 
 
 def start_in_thread(host: str = "127.0.0.1", port: int = 0,
-                    log: Callable[[str], None] | None = None) -> RunningSecrets:
+                    log: Callable[[str], None] | None = None) -> Running:
     """Serve in a daemon thread of this process; call .stop() when done. `log` gets one line per API request."""
-    server = make_server(host, port, log)
-    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
-                         name="fake-secret-manager")
-    t.start()
-    return RunningSecrets(server, t, f"http://{host}:{server.server_address[1]}")
+    return serving.in_thread(make_server(host, port, log), "fake-secret-manager", FakeSecretsControl)
 
 
 def main(argv=None) -> int:
@@ -486,21 +455,7 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port", file=sys.stderr)
         return 2
-    port = server.server_address[1]
-    info = {"pid": os.getpid(), "host": a.host, "port": port, "url": f"http://{a.host}:{port}"}
-    if a.ready_file:
-        tmp = f"{a.ready_file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(info, fh)
-        os.replace(tmp, a.ready_file)
-    print(f"Secret Manager stand-in listening on {info['url']}", flush=True)
-    try:
-        server.serve_forever(poll_interval=0.1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return serving.serve(server, a.host, a.ready_file, "Secret Manager stand-in")
 
 
 if __name__ == "__main__":

@@ -58,12 +58,11 @@ import re
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from infra.serving import Control
 from infra.gcp_ids import project_number
 
 OP_META = "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata"
@@ -1123,21 +1122,8 @@ def make_server(host: str = "127.0.0.1", port: int = 0, config: FakeConfig | Non
     return server
 
 
-class FakeControl:
+class FakeControl(Control):
     """A small client of the control API (tests, local mode)."""
-
-    def __init__(self, url: str, timeout: float = 10.0):
-        self.url, self.timeout = url.rstrip("/"), timeout
-
-    def call(self, method: str, what: str, payload: dict | None = None) -> dict:
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(f"{self.url}/_fake/{what}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"/_fake/{what}: {e.code} {e.read().decode(errors='replace')}") from None
 
     def health(self) -> dict:
         return self.call("GET", "health")
