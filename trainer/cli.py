@@ -54,14 +54,21 @@ def run(args: argparse.Namespace) -> int:
                  else ""))
         return 0
     if args.cmd == "pretrain":
-        from trainer.common import config
+        from trainer.common import config, profiling
         from trainer.pretrain import tokenizers, train
         tokenizers.follow_data(args)
-        return train.pretrain(config.resolve(args))
+        cfg = config.resolve(args)
+        profiling.check_window(profiling.parse_window(cfg.train.profile), cfg.train.steps)
+        return train.pretrain(cfg)
     if args.cmd == "lora":
-        from trainer.finetune import train as finetune
+        from trainer.common import profiling
         from trainer.finetune.flags import lora_run
-        return finetune.finetune(lora_run(args))
+        run = lora_run(args)
+        window = profiling.parse_window(run.profile)
+        if run.steps:  # else the last step follows from --epochs and the data: checked once the data is read
+            profiling.check_window(window, run.steps)
+        from trainer.finetune import train as finetune
+        return finetune.finetune(run)
     if args.cmd == "extras":
         import json
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
