@@ -90,7 +90,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
         last_t, last_step = time.perf_counter(), start
         batches, step = iter(batches), start
         while True:
-            prof.begin(step + 1)
+            last_t += prof.begin(step + 1)  # the profiler's own start and stop stay out of step times
             with prof.annotate(step + 1):  # the trace's step: waiting for the batch, then the step itself
                 waiting = time.perf_counter()
                 nxt = next(batches, None)
@@ -100,7 +100,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                 input_wait_s, dispatch_t = time.perf_counter() - waiting, time.time()
                 *new, out = job.step(state, local, step)
             state = tuple(new)
-            prof.end(step, state)
+            last_t += prof.end(step, state)
             last = step == job.total
             if step == start + 1 or step % job.log_every == 0 or last:
                 rec = {"step": step, "loss": finite(float(out["loss"]), step, ckpt)}  # waits for the step

@@ -147,7 +147,9 @@ class Recorder:
     """Traces the window's steps on this process and keeps the trace under the run's --ckpt-dir.
 
     The loop calls `begin(step)` before dispatching each step, `annotate(step)` around it and `end(step, state)`
-    after it; `close()` at the end, also when the run stops inside the window (what was traced is kept)."""
+    after it; `close()` at the end, also when the run stops inside the window (what was traced is kept).
+    `begin` and `end` return the seconds they took (starting the trace; stopping it and copying it out), which
+    the loop keeps out of its step times: the profiler's own cost is not a step's."""
 
     def __init__(self, window: Window | None, ckpt_dir: str, process: int, run: str | None = None):
         self.window, self.ckpt_dir, self.process = window, ckpt_dir, process
@@ -159,13 +161,15 @@ class Recorder:
     def dest(self) -> str:
         return f"{self.ckpt_dir.rstrip('/')}/{PROFILES}/{self.run}/plugins/profile/{self.window.session}"
 
-    def begin(self, step: int) -> None:
+    def begin(self, step: int) -> float:
         if self.window is None or self._tmp is not None or step not in self.window:
-            return
+            return 0.0
         import jax
+        t0 = time.perf_counter()
         self.run = self.run or run_id()
         self._tmp = tempfile.mkdtemp(prefix="tpuctl-profile-")
         jax.profiler.start_trace(self._tmp)
+        return time.perf_counter() - t0
 
     def annotate(self, step: int):
         if self._tmp is None:
@@ -173,11 +177,14 @@ class Recorder:
         import jax
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
-    def end(self, step: int, state) -> None:
-        if self._tmp is not None and step == self.window.last:
-            import jax
-            jax.block_until_ready(state)  # the device's last ops of the window are in the trace
-            self._stop()
+    def end(self, step: int, state) -> float:
+        if self._tmp is None or step != self.window.last:
+            return 0.0
+        import jax
+        jax.block_until_ready(state)  # the device's last ops of the window are in the trace, and in the step
+        t0 = time.perf_counter()
+        self._stop()
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         if self._tmp is not None:
