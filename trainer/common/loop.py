@@ -80,9 +80,9 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     ckpt.watch_interrupt()  # from here on Ctrl-C would lose steps: save them first
     report_progress = "TPUCTL_PROCESS_ID" in os.environ
     prof = profiling.Recorder(job.profile, job.ckpt_dir, jax.process_index())
-    if profiling.start_server() is None and os.environ.get(profiling.PORT_ENV, "") != "0":
-        metrics.say(f"profiler server: no free port from {os.environ.get(profiling.PORT_ENV) or profiling.PROFILER_PORT} "
-                    f"on this host: no live capture from process {jax.process_index()}")
+    port, why = profiling.start_server(jax.process_index())  # for a live capture (TensorBoard, tpuctl profile)
+    if port is None and why.startswith("port"):
+        metrics.say(f"profiler server of process {jax.process_index()}: {why}; no live capture from it")
     if primary and job.profile is not None and job.profile.last <= start:
         metrics.say(f"--profile {job.profile}: those steps were done before step {start}, where this run resumes; "
                     "no trace is taken")

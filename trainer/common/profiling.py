@@ -7,9 +7,10 @@ plugin layout (`tensorboard --logdir CKPT_DIR/profiles/RUN_ID` or the whole --ck
 The host part of the name carries the process id because several processes may share a host name (local mode).
 The session name is the window, the same on every process, so one session holds every host's trace.
 
-Every training process also serves jax.profiler on PROFILER_PORT (TPUCTL_PROFILER_PORT overrides; 0 = off), so
-that TensorBoard's "capture profile" (and `tpuctl profile`) can take a trace of a running job: where several
-processes share a machine, each takes the next free port, up to PORT_TRIES.
+Every training process also serves jax.profiler on PROFILER_PORT + its process id (TPUCTL_PROFILER_PORT sets the
+base; 0 = off), so that TensorBoard's "capture profile" (and `tpuctl profile`) can take a trace of a running job.
+The process id is added so that processes sharing a machine (local mode) never race for one port; a port some
+other program holds is reported in one line and the run goes on without a server.
 """
 from __future__ import annotations
 
@@ -26,9 +27,8 @@ from pathlib import Path
 from trainer.common.config import UsageError
 
 PROFILES = "profiles"             # under --ckpt-dir
-PROFILER_PORT = 9999              # jax.profiler's server (docs/CONTRACTS.md); TPUCTL_PROFILER_PORT overrides
+PROFILER_PORT = 9999              # jax.profiler's server: this + the process id (docs/CONTRACTS.md)
 PORT_ENV = "TPUCTL_PROFILER_PORT"
-PORT_TRIES = 16                   # processes sharing a machine take PORT, PORT+1, ...
 RUN_ID_ENV = "TPUCTL_RUN_ID"      # set by `tpuctl run` for every host of one run
 RUN_ID_KEY = "tpuctl_run_id"      # the coordination service key process 0 shares its id under otherwise
 
@@ -110,21 +110,26 @@ def host_name(process: int) -> str:
 _server: tuple | None = None  # (server, port): one per process, kept for its life
 
 
-def start_server() -> int | None:
-    """Serve jax.profiler on the first free port from TPUCTL_PROFILER_PORT (default PROFILER_PORT); the port, or
-    None when it is off (0) or every port tried is taken (jax's server only logs a failed bind)."""
+def server_port(process: int) -> int | None:
+    """The profiler server's port of process `process` (None: off)."""
+    base = int(os.environ.get(PORT_ENV, PROFILER_PORT) or 0)
+    return base + process if base else None
+
+
+def start_server(process: int) -> tuple[int | None, str]:
+    """Serve jax.profiler on server_port(process): (the port, "") or (None, why not). jax's server only logs a
+    failed bind, so the port is tried first."""
     global _server
     if _server is not None:
-        return _server[1]
-    base = int(os.environ.get(PORT_ENV, PROFILER_PORT) or 0)
-    if not base:
-        return None
+        return _server[1], ""
+    port = server_port(process)
+    if port is None:
+        return None, f"{PORT_ENV}=0"
+    if not _free(port):
+        return None, f"port {port} is taken on this host (set {PORT_ENV} to another base)"
     import jax
-    for port in range(base, base + PORT_TRIES):
-        if _free(port):
-            _server = (jax.profiler.start_server(port), port)
-            return port
-    return None
+    _server = (jax.profiler.start_server(port), port)
+    return port, ""
 
 
 def _free(port: int) -> bool:

@@ -1,0 +1,71 @@
+"""The profile window's flag, the straggler rule over each host's records, and per-host step times (no jax run:
+the traces themselves are checked on real runs in test_trainer_train.py and test_trainer_multiproc.py)."""
+from __future__ import annotations
+
+import pytest
+
+from trainer.common import profiling, steptimes
+from trainer.common.config import UsageError
+from trainer.experiments import profiles, where_time_goes
+
+
+def test_a_window_is_a_half_open_range_of_steps_named_by_its_session():
+    w = profiling.parse_window("5:8")
+    assert (w.start, w.end, w.last, w.session, str(w)) == (5, 8, 7, "steps_5_8", "5:8")
+    assert [s for s in range(1, 12) if s in w] == [5, 6, 7]
+    assert profiling.parse_window("") is None
+    profiling.check_window(w, 7)  # the last step may be the run's last
+    with pytest.raises(UsageError, match="ends at step 6"):
+        profiling.check_window(w, 6)
+    assert profiles.window_of(w.session) == (5, 8) and profiles.window_of("2026_12_02_16_29_22") is None
+
+
+@pytest.mark.parametrize("text, needle", [("5:5", "empty"), ("8:5", "reversed"), ("0:2", "start at 1"),
+                                          ("5", "START:END"), (":8", "START:END"), ("a:b", "START:END")])
+def test_a_bad_window_is_one_line(text, needle):
+    with pytest.raises(UsageError, match=needle) as e:
+        profiling.parse_window(text)
+    assert "\n" not in str(e.value)
+
+
+def test_collectives_are_named_by_kind_whatever_the_backend_calls_them():
+    assert profiles.kind_of("all_gather.22") == "all-gather"  # XLA:CPU
+    assert profiles.kind_of("all-reduce-start.3") == "all-reduce"  # async on TPU
+    assert profiles.kind_of("reduce-scatter-done") == "reduce-scatter"
+    assert profiles.kind_of("fusion.7", "all-to-all") == "all-to-all"  # xprof's category wins
+    assert profiles.kind_of("collective-permute.1") == "other collective"
+    assert profiles.kind_of("ynn_fusion.40") is None and profiles.kind_of("all-reduce-fusion.1") is None
+
+
+def _records(lag_of_1: list[float], wait_of_1: float = 0.0, step_s: float = 0.1) -> list[dict]:
+    """Three hosts dispatching logged steps 10, 20, ...; host 1 late by lag_of_1[i] at the i-th."""
+    out = []
+    for i, lag in enumerate(lag_of_1):
+        t = 1000.0 + i * 10 * step_s
+        out.append({"step": 10 * (i + 1), "step_time_s": step_s, "hosts": [
+            {"dispatch_t": t, "input_wait_s": 0.0}, {"dispatch_t": t + lag, "input_wait_s": wait_of_1},
+            {"dispatch_t": t + 0.001, "input_wait_s": 0.0}]})
+    return out
+
+
+def test_the_host_that_dispatches_last_in_most_recent_steps_is_the_straggler():
+    s = steptimes.straggler(_records([0.3, 0.3, 0.0, 0.3, 0.3]))
+    assert s == {"process": 1, "lag_s": pytest.approx(0.299), "steps": 4, "of": 5, "input_bound": False}
+    assert steptimes.straggler(_records([0.3] * 5, wait_of_1=0.28))["input_bound"] is True
+    # Late in half or fewer of the recent steps, or within the margin: nobody is named.
+    assert steptimes.straggler(_records([0.3, 0.0, 0.3, 0.0])) is None
+    assert steptimes.straggler(_records([0.01] * 5)) is None
+    # Only the last RECENT records count: an old slow patch is forgotten.
+    assert steptimes.straggler(_records([0.3] * 5 + [0.0] * 10)) is None
+    # One process, or records from before per-host records existed: nothing to compare.
+    assert steptimes.straggler([{"step": 1, "hosts": [{"dispatch_t": 1.0, "input_wait_s": 0}]}, {"step": 2}]) is None
+
+
+def test_each_host_s_step_time_comes_from_its_own_dispatch_times():
+    recs = _records([0.0, 0.5, 0.5])
+    times = where_time_goes.host_step_times(recs)
+    assert [s for s, _ in times[0]] == [20, 30]
+    assert times[0][0][1] == pytest.approx(0.1) and times[1][0][1] == pytest.approx(0.15)  # (1 s + 0.5) / 10
+    assert times[1][1][1] == pytest.approx(0.1)
+    text = where_time_goes.section("/nonexistent", recs, read_profiles=False)["text"]
+    assert "Straggler: process 1" in text and "not its input" in text and "No profile" in text
