@@ -43,7 +43,9 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     one = procs.start([*args, "--steps", str(CURVE), "--emulate-devices", "8", "--ckpt-dir", str(tmp_path / "one")],
                       env(cache, devices=None), tmp_path / "one.log")
     port, two = free_port(), tmp_path / "two"
-    pair = [procs.start([*args, "--steps", "1000", "--emulate-devices", "4", "--ckpt-dir", str(two)],
+    # The pair also profiles steps 2 and 3 (the unprofiled single process's loss curve must still be theirs).
+    pair = [procs.start([*args, "--steps", "1000", "--emulate-devices", "4", "--ckpt-dir", str(two),
+                         "--profile", "2:4"],
                         env(cache, devices=None, TPUCTL_COORDINATOR=f"127.0.0.1:{port}", TPUCTL_NUM_PROCESSES="2",
                             TPUCTL_PROCESS_ID=str(i), TPUCTL_HEARTBEAT_TIMEOUT_S="20", TPUCTL_INIT_TIMEOUT_S="120"),
                         tmp_path / f"w{i}.log") for i in range(2)]
@@ -71,6 +73,18 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     assert sorted(a) == list(range(1, CURVE + 1)) and sorted(b) == list(range(1, saved + 1))
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-5, (s, a[s], b[s])
+
+    # Both processes' traces of the window, in one session of one run (the run id process 0 shared).
+    traces = sorted(two.glob("profiles/*/plugins/profile/*/*.xplane.pb"))
+    assert [(p.parents[3].name == traces[0].parents[3].name, p.parent.name, p.name.rsplit("-", 1)[-1])
+            for p in traces] == [(True, "steps_2_4", "p0.xplane.pb"), (True, "steps_2_4", "p1.xplane.pb")], traces
+    assert all(p.stat().st_size > 0 for p in traces)
+    # Every logged step holds both processes' dispatch times and input waits, and each process printed its own.
+    for r in metrics(two):
+        assert len(r["hosts"]) == 2 and all(h["dispatch_t"] > 0 and h["input_wait_s"] >= 0 for h in r["hosts"]), r
+    for p in pair:
+        assert re.search(r"^TPUCTL_PROGRESS step=2 dispatch_t=[\d.]+ input_wait_s=[\d.]+ step_time_s=[\d.]+$",
+                         p.log.read_text(), re.M), tail(p.log)
 
 
 def byte_corpus(root) -> str:
