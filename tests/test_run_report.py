@@ -77,7 +77,8 @@ def trained(emu, home, tmp_path_factory):
                 p = subprocess.Popen([sys.executable, "-m", "trainer", "pretrain", "--data", data, *TINY,
                                       "--emulate-devices", "2", "--mesh", "data=2,model=2", "--steps", "4",
                                       "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
-                                      "--ckpt-every", "0", "--wandb", "tpuctl-test", "--ckpt-dir", CKPT],
+                                      "--ckpt-every", "0", "--wandb", "tpuctl-test", "--ckpt-dir", CKPT,
+                                      "--profile", "2:4"],
                                      cwd=cwd, env={**e, "PYTHONPATH": str(REPO)}, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
             p.log = tmp / f"w{i}.log"
@@ -110,6 +111,11 @@ def test_events_and_metrics_stay_under_the_gs_prefix_and_nothing_in_the_start_fo
     names = [b.name for b in client.list_blobs("runs", prefix="r/")]
     events = [n for n in names if n.startswith("r/tensorboard/events.out.tfevents.")]
     assert len(events) == 1, names  # process 0's
+    # --profile 2:4: each process's trace, written locally then copied up whole, in one session of one run.
+    traces = [n.split("/") for n in names if n.endswith(".xplane.pb")]
+    assert [t[:2] + t[3:6] for t in traces] == [["r", "profiles", "plugins", "profile", "steps_2_4"]] * 2, names
+    assert len({t[2] for t in traces}) == 1 and sorted(t[6][-len("-p0.xplane.pb"):] for t in traces) == [
+        "-p0.xplane.pb", "-p1.xplane.pb"]
     lines = client.bucket("runs").blob("r/metrics.jsonl").download_as_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == [1, 2, 3, 4]
     # TensorBoard's reader, pointed at gs:// as `tensorboard --logdir gs://runs/r/tensorboard` would be.
@@ -201,6 +207,13 @@ def test_trainer_report_charts_the_run_and_summarises_mesh_hosts_and_sample(trai
     res = json.loads(p.stdout)
     _check_report(res, lambda f: (out / f).read_bytes())
     assert res["summary"]["goodput"].startswith("not known here") and res["goodput"] is None
+    # Both hosts' traces, read from gs:// with xprof, whose native log lines stay out of the output.
+    win, = res["profiles"]
+    assert win["window"] == [2, 4] and sorted(h["host"][-2:] for h in win["hosts"]) == ["p0", "p1"]
+    assert all([s["step"] for s in h["steps"]] == [2, 3] and h["mean"]["compute_s"] > 0 for h in win["hosts"])
+    assert "serving tool" not in p.stderr and "UnifiedProfileProcessor" not in p.stderr, p.stderr[-3000:]
+    text = res["summary"]["where the time goes"]
+    assert "From the trace" in text and "Per host" in text and "process 1" in text
 
 
 @pytest.mark.slow

@@ -36,7 +36,8 @@ def read_plan(path: str | None) -> dict | None:
     from etils import epath
     p = epath.Path(path)
     if not p.exists():
-        raise UsageError(f"--plan {path} does not exist (write one with `tpuctl plan -a TYPE --json -- CMD ... > FILE`)")
+        raise UsageError(f"--plan {path} does not exist (write one with "
+                         "`tpuctl plan -a TYPE --json -- CMD ... > FILE`)")
     try:
         return json.loads(p.read_text())
     except ValueError:
