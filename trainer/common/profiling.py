@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -210,3 +211,64 @@ class Recorder:
                 self.kept = str(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- a live capture from a running process's server ----------------------------------------------------
+
+CAPTURE_OPTIONS = {"host_tracer_level": 2, "device_tracer_level": 1, "python_tracer_level": 0}
+
+
+class CaptureFailed(RuntimeError):
+    """The profiler server did not answer, or sent no trace (one line)."""
+
+
+@contextlib.contextmanager
+def _native_output_to(path: str):
+    """The capture client (native) prints its progress to stdout and its connection errors, with a source
+    trace, to stderr: both go to `path` while it runs; the caller names a failure in one line."""
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def capture(out: str, duration_ms: int, port: int, session: str, host: str, address: str = "localhost") -> str:
+    """Trace the process serving jax.profiler at address:port for duration_ms, with the client TensorBoard's
+    "capture profile" uses (xprof's), into `out/plugins/profile/<session>/<host>.xplane.pb` (gs:// too: written
+    locally, then copied up whole). Returns the path written."""
+    try:
+        from xprof.convert import _pywrap_profiler_plugin as client
+    except ImportError:
+        raise UsageError("capture needs xprof: pip install 'tpuctl[profile]'") from None
+    from etils import epath
+    tmp = tempfile.mkdtemp(prefix="tpuctl-capture-")
+    try:
+        try:
+            with _native_output_to(os.path.join(tmp, "client.log")):
+                client.trace(f"{address}:{port}", tmp, "", False, int(duration_ms), 1, dict(CAPTURE_OPTIONS))
+        except Exception as e:  # noqa: BLE001 - the client raises RuntimeError with gRPC's status text
+            said = Path(tmp, "client.log").read_text(errors="replace")
+            why = re.search(r"(UNAVAILABLE|DEADLINE_EXCEEDED|NOT_FOUND|UNIMPLEMENTED|INTERNAL)[^\n]*", said)
+            raise CaptureFailed(f"the profiler server at {address}:{port} did not answer or sent no trace ("
+                                + (why.group(0) if why else str(e).splitlines()[0] if str(e) else type(e).__name__)
+                                + ")") from None
+        found = sorted(Path(tmp).glob("plugins/profile/*/*.xplane.pb"))
+        if not found:
+            raise CaptureFailed(f"the profiler server at {address}:{port} sent no trace")
+        dest = epath.Path(out.rstrip("/")) / "plugins" / "profile" / session
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / f"{host}.xplane.pb"
+        target.write_bytes(found[-1].read_bytes())
+        return str(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
