@@ -69,3 +69,33 @@ def test_each_host_s_step_time_comes_from_its_own_dispatch_times():
     assert times[1][1][1] == pytest.approx(0.1)
     text = where_time_goes.section("/nonexistent", recs, read_profiles=False)["text"]
     assert "Straggler: process 1" in text and "not its input" in text and "No profile" in text
+
+
+def _gviz(cols: list[str], rows: list[list], p: dict | None = None) -> dict:
+    return {"cols": [{"id": c} for c in cols], "rows": [{"c": [{"v": v} for v in r]} for r in rows], "p": p or {}}
+
+
+def test_on_tpu_the_split_and_the_ops_are_xprof_s_own_breakdown_and_hlo_stats(monkeypatch):
+    """No TPU here: xprof's tables in the shape its overview_page and hlo_stats have (their column ids as xprof
+    2.24.2 names them on a CPU trace, rows as a TPU trace fills them)."""
+    step_cols = ["stepnum", "deviceComputeTimeMs", "deviceToDeviceTimeMs", "deviceCollectivesTimeMs",
+                 "hostComputeTimeMs", "kernelLaunchTimeMs", "infeedTimeMs", "outfeedTimeMs", "compileTimeMs",
+                 "otherTimeMs", "tooltip", "stepTimeMs"]
+    overview = [_gviz(["selfTimePercent"], []), _gviz(step_cols, [
+        ["train 5", 80.0, 2.0, 10.0, 1.0, 0.0, 5.0, 0.0, 0.0, 2.0, "", 100.0],
+        ["train 6", 70.0, 0.0, 20.0, 1.0, 0.0, 5.0, 0.0, 0.0, 4.0, "", 100.0]], {"hardware_type": "TPU"})]
+    ops = [("fusion.1", "convolution fusion", 100.0), ("all-reduce.2", "all-reduce", 40.0),
+           ("all-gather-start.1", "all-gather", 20.0), ("fusion.2", "loop fusion", 30.0)]
+    ops += [(f"fusion.{i}", "loop fusion", 1.0) for i in range(10, 20)]
+    hlo = _gviz(["rank", "category", "hlo_op_name", "total_self_time"], [[0, c, n, us] for n, c, us in ops])
+    monkeypatch.setattr(profiles, "tool", lambda path, name: {"overview_page": overview, "hlo_stats": hlo}[name])
+    h = profiles.summarize("/x/t1v-w0-p0.xplane.pb")
+    assert (h["host"], h["hardware"]) == ("t1v-w0-p0", "TPU") and "hlo_stats" in h["source"]
+    assert [(s["step"], s["compute_s"], s["collective_s"]) for s in h["steps"]] == [
+        (5, pytest.approx(0.08), pytest.approx(0.012)), (6, pytest.approx(0.07), pytest.approx(0.02))]
+    assert h["steps"][0]["idle_s"] == pytest.approx(0.008) and h["mean"]["step_s"] == pytest.approx(0.1)
+    assert h["collectives"] == {"all-reduce": pytest.approx(20e-6), "all-gather": pytest.approx(10e-6)}  # per step
+    assert [o["op"] for o in h["top_ops"][:4]] == ["fusion.1", "all-reduce.2", "fusion.2", "all-gather-start.1"]
+    assert len(h["top_ops"]) == 10 and h["top_ops"][0]["share"] == pytest.approx(100 / 200)
+    text = profiles.describe({"run": "r", "session": "steps_5_7", "window": (5, 7), "hosts": [h]})
+    assert "steps 5 to 6" in text and "compute 75.0 ms (75%)" in text and "all-reduce 20 µs" in text

@@ -258,6 +258,11 @@ def summarize_run(ckpt_dir: str) -> list[dict]:
              "hosts": [summarize(p, h) for h, p in s["hosts"].items()]} for s in sessions(ckpt_dir)]
 
 
+def _t(s: float) -> str:
+    """Seconds for people: ms from 1 ms up, else µs."""
+    return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs"
+
+
 def describe(win: dict) -> str:
     """One window as report text: per host the split of its mean step, its collectives, its top ops."""
     w = win["window"]
@@ -266,15 +271,14 @@ def describe(win: dict) -> str:
     for h in win["hosts"]:
         m = h["mean"]
         pct = lambda v: f"{100 * v / m['step_s']:.0f}%" if m["step_s"] else "-"  # noqa: E731
-        lines.append(f"{h['host']} ({h['hardware']}): step {m['step_s'] * 1e3:.1f} ms = compute "
-                     f"{m['compute_s'] * 1e3:.1f} ms ({pct(m['compute_s'])}) + collectives "
-                     f"{m['collective_s'] * 1e3:.1f} ms ({pct(m['collective_s'])}) + host/idle "
-                     f"{m['idle_s'] * 1e3:.1f} ms ({pct(m['idle_s'])}), mean of {len(h['steps'])} step(s)")
+        lines.append(f"{h['host']} ({h['hardware']}): step {_t(m['step_s'])} = compute {_t(m['compute_s'])} "
+                     f"({pct(m['compute_s'])}) + collectives {_t(m['collective_s'])} ({pct(m['collective_s'])}) + "
+                     f"host/idle {_t(m['idle_s'])} ({pct(m['idle_s'])}), mean of {len(h['steps'])} step(s)")
         if h["collectives"]:
             lines.append("  collectives per step: " + ", ".join(
-                f"{k} {v * 1e3:.1f} ms" for k, v in sorted(h["collectives"].items(), key=lambda kv: -kv[1])))
+                f"{k} {_t(v)}" for k, v in sorted(h["collectives"].items(), key=lambda kv: -kv[1])))
         for i, op in enumerate(h["top_ops"], 1):
-            lines.append(f"  {i:>2}. {op['op']} [{op['category']}] {op['self_s'] * 1e3:.2f} ms/step, "
+            lines.append(f"  {i:>2}. {op['op']} [{op['category']}] {_t(op['self_s'])}/step, "
                          f"{100 * op['share']:.1f}% of op time")
         lines.append(f"  source: {h['source']}")
     return "\n".join(lines)

@@ -282,6 +282,35 @@ def run_chart(run: dict) -> bytes:
     return _png(fig)
 
 
+def hosts_chart(records: list[dict], strag: dict | None) -> bytes | None:
+    """Per-host step time and dispatch lag over the run (PNG), the straggler drawn thicker; None with records of
+    fewer than 2 processes."""
+    from trainer.common import steptimes
+    from trainer.experiments.where_time_goes import host_step_times
+    per_host = host_step_times(records)
+    if len(per_host) < 2:  # one process: the run chart's tokens/s says it all
+        return None
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    slow = strag["process"] if strag else None
+    for p, xs in sorted(per_host.items()):
+        label = f"process {p}" + (" (straggler)" if p == slow else "")
+        ax1.plot([s for s, _ in xs], [t * 1e3 for _, t in xs], lw=2.5 if p == slow else 1, label=label)
+    rows = sorted((r for r in records if r.get("hosts")), key=lambda r: r["step"])
+    for p in sorted(per_host):
+        pts = [(r["step"], lag) for r in rows for q, lag in enumerate(steptimes.lags(r["hosts"])) if q == p
+               and lag is not None]
+        ax2.plot([s for s, _ in pts], [lag * 1e3 for _, lag in pts], lw=2.5 if p == slow else 1,
+                 label=f"process {p}")
+    ax1.set(title="step time per host (own clock)", xlabel="step", ylabel="ms")
+    ax2.set(title="dispatch after the median host", xlabel="step", ylabel="ms")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
 # --- the HTML page ----------------------------------------------------------------------------------
 
 def html_page(title: str, rows: list[dict], charts: dict[str, bytes], notes: list[str],
@@ -377,7 +406,7 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodp
     time_goes = where_time_goes.section(ckpt_dir, run["metrics"], where_time_goes.read_plan(plan))
     sections["where the time goes"] = time_goes["text"]
     pngs = {"run": run_chart(run)} if charts and run["metrics"] else {}
-    hosts_png = where_time_goes.chart(run["metrics"], time_goes["straggler"]) if charts else None
+    hosts_png = hosts_chart(run["metrics"], time_goes["straggler"]) if charts else None
     if hosts_png:
         pngs["hosts"] = hosts_png
     files = {"results.json": json.dumps(_json_rows([r]), indent=1) + "\n",

@@ -86,31 +86,3 @@ def section(ckpt_dir: str, records: list[dict], plan: dict | None = None, read_p
                          f"{steptimes.MARGIN_S * 1e3:.0f} ms.")
     return {"text": "\n".join(lines), "windows": windows, "straggler": strag,
             "hosts": {str(p): xs for p, xs in per_host.items()}}
-
-
-def chart(records: list[dict], strag: dict | None) -> bytes | None:
-    """Per-host step time and dispatch lag over the run (PNG), the straggler drawn thicker; None with no
-    per-host records."""
-    per_host = host_step_times(records)
-    if not per_host:
-        return None
-    from trainer.experiments.report import _plt, _png
-    plt = _plt()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    slow = strag["process"] if strag else None
-    for p, xs in sorted(per_host.items()):
-        label = f"process {p}" + (" (straggler)" if p == slow else "")
-        ax1.plot([s for s, _ in xs], [t * 1e3 for _, t in xs], lw=2.5 if p == slow else 1, label=label)
-    rows = sorted((r for r in records if r.get("hosts")), key=lambda r: r["step"])
-    for p in sorted(per_host):
-        pts = [(r["step"], lag) for r in rows for q, lag in enumerate(steptimes.lags(r["hosts"])) if q == p
-               and lag is not None]
-        ax2.plot([s for s, _ in pts], [lag * 1e3 for _, lag in pts], lw=2.5 if p == slow else 1,
-                 label=f"process {p}")
-    ax1.set(title="step time per host (own clock)", xlabel="step", ylabel="ms")
-    ax2.set(title="dispatch after the median host", xlabel="step", ylabel="ms")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return _png(fig)
