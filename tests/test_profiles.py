@@ -37,28 +37,61 @@ def test_collectives_are_named_by_kind_whatever_the_backend_calls_them():
     assert profiles.kind_of("ynn_fusion.40") is None and profiles.kind_of("all-reduce-fusion.1") is None
 
 
-def _records(lag_of_1: list[float], wait_of_1: float = 0.0, step_s: float = 0.1) -> list[dict]:
-    """Three hosts dispatching logged steps 10, 20, ...; host 1 late by lag_of_1[i] at the i-th."""
+def _records(lag_of_1: list[float], wait_of_1: float = 0.0, stall_of_1: list[float] | None = None,
+             step_s: float = 0.1) -> list[dict]:
+    """Three hosts dispatching logged steps 10, 20, ...; host 1 late by lag_of_1[i] at the i-th, or stalled."""
     out = []
     for i, lag in enumerate(lag_of_1):
         t = 1000.0 + i * 10 * step_s
         out.append({"step": 10 * (i + 1), "step_time_s": step_s, "hosts": [
-            {"dispatch_t": t, "input_wait_s": 0.0}, {"dispatch_t": t + lag, "input_wait_s": wait_of_1},
-            {"dispatch_t": t + 0.001, "input_wait_s": 0.0}]})
+            {"dispatch_t": t, "input_wait_s": 0.0, "stalled_s": 0.0},
+            {"dispatch_t": t + lag, "input_wait_s": wait_of_1, "stalled_s": (stall_of_1 or [0.0] * 99)[i]},
+            {"dispatch_t": t + 0.001, "input_wait_s": 0.0, "stalled_s": 0.0}]})
     return out
 
 
-def test_the_host_that_dispatches_last_in_most_recent_steps_is_the_straggler():
+def test_the_host_late_on_average_over_recent_steps_is_the_straggler():
     s = steptimes.straggler(_records([0.3, 0.3, 0.0, 0.3, 0.3]))
-    assert s == {"process": 1, "lag_s": pytest.approx(0.299), "steps": 4, "of": 5, "input_bound": False}
+    assert s == {"process": 1, "lag_s": pytest.approx(0.2995), "steps": 4, "of": 5, "input_bound": False,
+                 "stalled": False}
     assert steptimes.straggler(_records([0.3] * 5, wait_of_1=0.28))["input_bound"] is True
-    # Late in half or fewer of the recent steps, or within the margin: nobody is named.
-    assert steptimes.straggler(_records([0.3, 0.0, 0.3, 0.0])) is None
+    # Held up inside the steps (the others wait for it in the collectives and all dispatch together), in every
+    # other step, as SIGSTOP pulses do: its stalls name it.
+    s = steptimes.straggler(_records([0.0] * 10, stall_of_1=[0.3, 0.0] * 5))
+    assert (s["process"], s["steps"], s["of"], s["stalled"]) == (1, 5, 10, True)
+    # Late now and then, or always within the margin: nobody is named.
+    assert steptimes.straggler(_records([0.05] + [0.0] * 9)) is None
     assert steptimes.straggler(_records([0.01] * 5)) is None
     # Only the last RECENT records count: an old slow patch is forgotten.
     assert steptimes.straggler(_records([0.3] * 5 + [0.0] * 10)) is None
     # One process, or records from before per-host records existed: nothing to compare.
     assert steptimes.straggler([{"step": 1, "hosts": [{"dispatch_t": 1.0, "input_wait_s": 0}]}, {"step": 2}]) is None
+
+
+def test_the_stall_clock_counts_the_time_its_process_was_stopped():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    code = ("import sys, time\nfrom trainer.common.steptimes import StallClock\nc = StallClock()\n"
+            "print('ready', flush=True)\nsys.stdin.readline()\nprint(round(c.take(), 2), flush=True)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.3)  # running: nothing counted
+        for _ in range(2):
+            p.send_signal(signal.SIGSTOP)
+            time.sleep(0.4)
+            p.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert 0.6 <= float(p.stdout.readline()) <= 1.2  # two stops of 0.4 s (a loaded machine adds a little)
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_each_host_s_step_time_comes_from_its_own_dispatch_times():
@@ -68,7 +101,7 @@ def test_each_host_s_step_time_comes_from_its_own_dispatch_times():
     assert times[0][0][1] == pytest.approx(0.1) and times[1][0][1] == pytest.approx(0.15)  # (1 s + 0.5) / 10
     assert times[1][1][1] == pytest.approx(0.1)
     text = where_time_goes.section("/nonexistent", recs, read_profiles=False)["text"]
-    assert "Straggler: process 1" in text and "not its input" in text and "No profile" in text
+    assert "Straggler: process 1" in text and "not its input and not a stall" in text and "No profile" in text
 
 
 def _gviz(cols: list[str], rows: list[list], p: dict | None = None) -> dict:

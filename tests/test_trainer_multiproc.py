@@ -1,10 +1,10 @@
 """One process x 8 devices vs two processes x 4 devices joined by jax.distributed on 127.0.0.1.
 
 Same config, dropout on: the loss curves must agree (the global batch and the dropout masks depend
-on (seed, step) only, never on how many processes share the work), with a `--profile` window traced by both and a
-live capture taken from one. Then a preemption notice sent to one of the two processes makes both save the same
-step and exit 42. (One pair of processes serves
-both checks: starting jax.distributed twice would double this test's time.)
+on (seed, step) only, never on how many processes share the work), with a `--profile` window traced by both,
+a live capture taken from one, and that one named as the straggler while it is slowed on purpose. Then a
+preemption notice sent to one of the two processes makes both save the same step and exit 42. (One pair of
+processes serves all these checks: starting jax.distributed twice would double this test's time.)
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from collections import deque
 import pytest
 
 from _trainer_util import REPO, TINY, Procs, env, losses, metrics, session_cache, shakespeare, tail
+from trainer.common import steptimes
 from trainer.common.checkpoint import Checkpointer
 
 RUN = [*TINY, "--mesh", "data=4,model=2", "--log-every", "1", "--ckpt-every", "0", "--eval-every", "0",
@@ -78,6 +79,17 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
                           timeout=120, cwd=tmp_path)
     assert dead.returncode == 1 and dead.stdout == "" and len(dead.stderr.strip().splitlines()) == 1, dead.stderr
     assert dead.stderr.startswith("error: the profiler server at localhost:") and "did not answer" in dead.stderr
+    # Process 1 slowed on purpose (SIGSTOP/SIGCONT pulses of 0.3 s): the hosts' records name it, not process 0.
+    assert steptimes.straggler(metrics(two)) is None, metrics(two)[-3:]
+    n, t0 = len(metrics(two)), time.time()
+    while time.time() - t0 < 6 or len(metrics(two)) < n + 10:
+        assert time.time() - t0 < 120, logs()
+        pair[1].send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        pair[1].send_signal(signal.SIGCONT)
+        time.sleep(0.3)
+    slow = steptimes.straggler(metrics(two))
+    assert slow and slow["process"] == 1 and slow["stalled"] and not slow["input_bound"], (slow, metrics(two)[-3:])
     # A preemption notice to process 1 only: JAX's coordination service tells process 0, and both
     # agree on the step to save.
     pair[1].send_signal(signal.SIGTERM)
@@ -99,9 +111,11 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     assert all(p.stat().st_size > 0 for p in traces)
     # Every logged step holds both processes' dispatch times and input waits, and each process printed its own.
     for r in metrics(two):
-        assert len(r["hosts"]) == 2 and all(h["dispatch_t"] > 0 and h["input_wait_s"] >= 0 for h in r["hosts"]), r
+        assert len(r["hosts"]) == 2 and all(h["dispatch_t"] > 0 and h["input_wait_s"] >= 0 and h["stalled_s"] >= 0
+                                            for h in r["hosts"]), r
     for p in pair:
-        assert re.search(r"^TPUCTL_PROGRESS step=2 dispatch_t=[\d.]+ input_wait_s=[\d.]+ step_time_s=[\d.]+$",
+        assert re.search(r"^TPUCTL_PROGRESS step=2 dispatch_t=[\d.]+ input_wait_s=[\d.]+ stalled_s=[\d.]+ "
+                         r"step_time_s=[\d.]+$",
                          p.log.read_text(), re.M), tail(p.log)
 
 

@@ -86,6 +86,8 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     if primary and job.profile is not None and job.profile.last <= start:
         metrics.say(f"--profile {job.profile}: those steps were done before step {start}, where this run resumes; "
                     "no trace is taken")
+    # How long this process was itself not running (a straggler's mark when the others wait for it inside steps).
+    stall_clock = steptimes.StallClock() if jax.process_count() > 1 else None
     try:
         last_t, last_step = time.perf_counter(), start
         batches, step = iter(batches), start
@@ -111,7 +113,8 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                     rec["mfu"] = tps * job.flops_per_token / (job.peak_flops * jax.device_count()) \
                         if job.peak_flops else None
                 rec.update(step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
-                mine = {"dispatch_t": dispatch_t, "input_wait_s": input_wait_s}
+                mine = {"dispatch_t": dispatch_t, "input_wait_s": input_wait_s,
+                        "stalled_s": stall_clock.take() if stall_clock else 0.0}
                 hosts = steptimes.gather(step, mine)  # every process's record, on process 0
                 if last or (job.eval_every and step % job.eval_every == 0):
                     rec["val_loss"] = job.evaluate(state)
@@ -121,7 +124,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                     metrics.say(metrics.progress(rec, job.total))
                 if report_progress:  # every process: tpuctl names a host that stops advancing, and the slow one
                     print(f"TPUCTL_PROGRESS step={step} dispatch_t={dispatch_t:.6f} input_wait_s={input_wait_s:.6f} "
-                          f"step_time_s={dt:.6f}", flush=True)
+                          f"stalled_s={mine['stalled_s']:.6f} step_time_s={dt:.6f}", flush=True)
                 last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
             preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
             interrupted = ckpt.interrupted and not last
@@ -139,6 +142,8 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
             if last:
                 break
     finally:
+        if stall_clock:
+            stall_clock.close()
         prof.close()
         log.close()
         wandb.close()

@@ -14,6 +14,10 @@ from trainer.common import steptimes
 from trainer.common.config import UsageError
 
 
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.0f} ms"
+
+
 def host_step_times(records: list[dict]) -> dict[int, list[tuple[int, float]]]:
     """process -> [(step, its own step time)]: the time between its dispatches of two logged steps, over the
     steps between them, on its own clock."""
@@ -77,12 +81,13 @@ def section(ckpt_dir: str, records: list[dict], plan: dict | None = None, read_p
         lines.append("Per host, from each host's own dispatch times (metrics.jsonl hosts): median step " + ", ".join(
             f"process {p} {t * 1e3:.1f} ms" for p, t in sorted(med.items())))
         if strag:
-            lines.append(f"Straggler: process {strag['process']}, last to dispatch in {strag['steps']} of the last "
-                         f"{strag['of']} logged steps, {strag['lag_s'] * 1e3:.0f} ms after the median host"
-                         + ("; its input batch was the cause (it waited for it)" if strag["input_bound"] else
-                            "; not its input (it did not wait for its batch)"))
+            cause = ("its input batch (it waited for it)" if strag["input_bound"] else
+                     "the host itself: it was not running (stopped, descheduled or paused)" if strag["stalled"] else
+                     "late dispatches, not its input and not a stall")
+            lines.append(f"Straggler: process {strag['process']}, late in {strag['steps']} of the last {strag['of']} "
+                         f"logged steps by {_ms(strag['lag_s'])} (median) beyond the other hosts; cause: {cause}")
         else:
-            lines.append("No straggler: no host dispatched last in most of the recent logged steps by more than "
-                         f"{steptimes.MARGIN_S * 1e3:.0f} ms.")
+            lines.append("No straggler: no host was late on average over the last logged steps by more than "
+                         f"{_ms(steptimes.MARGIN_S)} beyond the other hosts (dispatch or stall).")
     return {"text": "\n".join(lines), "windows": windows, "straggler": strag,
             "hosts": {str(p): xs for p, xs in per_host.items()}}
