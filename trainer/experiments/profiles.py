@@ -159,13 +159,16 @@ def summarize(path: str, host: str = "") -> dict:
     return out
 
 
+def _s(row: dict, ms_column: str) -> float:
+    return float(row.get(ms_column) or 0.0) / 1e3
+
+
 def _device_split(path: str, rows: list[dict]) -> dict:
     """TPU/GPU: xprof's own step breakdown and HLO op statistics."""
     steps = []
     for r in rows:
-        ms = lambda k: float(r.get(k) or 0.0) / 1e3  # noqa: E731
-        step_s, compute = ms("stepTimeMs"), ms("deviceComputeTimeMs")
-        coll = ms("deviceCollectivesTimeMs") + ms("deviceToDeviceTimeMs")
+        step_s, compute = _s(r, "stepTimeMs"), _s(r, "deviceComputeTimeMs")
+        coll = _s(r, "deviceCollectivesTimeMs") + _s(r, "deviceToDeviceTimeMs")
         steps.append({"step": _step_of(r.get("stepnum")), "step_s": step_s, "compute_s": compute,
                       "collective_s": coll, "idle_s": max(0.0, step_s - compute - coll)})
     stats = tool(path, "hlo_stats") or {}
@@ -270,7 +273,9 @@ def describe(win: dict) -> str:
     lines = [head]
     for h in win["hosts"]:
         m = h["mean"]
-        pct = lambda v: f"{100 * v / m['step_s']:.0f}%" if m["step_s"] else "-"  # noqa: E731
+
+        def pct(v: float, step: float = m["step_s"]) -> str:
+            return f"{100 * v / step:.0f}%" if step else "-"
         lines.append(f"{h['host']} ({h['hardware']}): step {_t(m['step_s'])} = compute {_t(m['compute_s'])} "
                      f"({pct(m['compute_s'])}) + collectives {_t(m['collective_s'])} ({pct(m['collective_s'])}) + "
                      f"host/idle {_t(m['idle_s'])} ({pct(m['idle_s'])}), mean of {len(h['steps'])} step(s)")
