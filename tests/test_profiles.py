@@ -132,3 +132,33 @@ def test_on_tpu_the_split_and_the_ops_are_xprof_s_own_breakdown_and_hlo_stats(mo
     assert len(h["top_ops"]) == 10 and h["top_ops"][0]["share"] == pytest.approx(100 / 200)
     text = profiles.describe({"run": "r", "session": "steps_5_7", "window": (5, 7), "hosts": [h]})
     assert "steps 5 to 6" in text and "compute 75.0 ms (75%)" in text and "all-reduce 20 µs" in text
+
+
+def test_the_plan_s_expected_step_stands_beside_the_measured_one_each_named(tmp_path):
+    plan = {"accelerator": "v5litepod-8", "timing": {"step_s_at_peak": 0.05, "step_s_at_mfu": 0.1,
+                                                     "mfu_assumed": 0.5}}
+    (tmp_path / "plan.json").write_text(__import__("json").dumps(plan))
+    recs = _records([0.0] * 4, step_s=0.2)
+    text = where_time_goes.section("/nonexistent", recs, where_time_goes.read_plan(str(tmp_path / "plan.json")),
+                                   read_profiles=False)["text"]
+    assert "Measured by the training loop (metrics.jsonl, wall clock of process 0): median step 200.0 ms" in text
+    assert ("Expected by the compiler's plan (tpuctl plan, v5litepod-8): 50.0 ms at the chips' peak, 100.0 ms at "
+            "50% MFU (measured / plan at that MFU: 2.00x)") in text
+    with pytest.raises(UsageError, match="--plan .* does not exist"):
+        where_time_goes.read_plan(str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("plan: yes")
+    with pytest.raises(UsageError, match="is not JSON"):
+        where_time_goes.read_plan(str(tmp_path / "bad.json"))
+
+
+def test_without_xprof_the_report_names_the_windows_it_could_not_read(tmp_path, monkeypatch):
+    session = tmp_path / "profiles" / "r1" / "plugins" / "profile" / "steps_2_4"
+    session.mkdir(parents=True)
+    (session / "h-p0.xplane.pb").write_bytes(b"")
+
+    def no_xprof():
+        raise UsageError("reading profiles needs xprof: pip install 'tpuctl[profile]' (make setup installs it)")
+    monkeypatch.setattr(profiles, "_xprof", no_xprof)
+    text = where_time_goes.section(str(tmp_path), _records([0.0] * 3))["text"]
+    assert f"1 profiled window(s) under {tmp_path}/profiles, not read: reading profiles needs xprof" in text
+    assert "Measured by the training loop" in text and "No profile" not in text

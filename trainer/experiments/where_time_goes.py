@@ -54,11 +54,16 @@ def section(ckpt_dir: str, records: list[dict], plan: dict | None = None, read_p
     windows = []
     if read_profiles:
         from trainer.experiments import profiles
-        windows = profiles.summarize_run(ckpt_dir)
+        try:
+            windows = profiles.summarize_run(ckpt_dir)
+        except UsageError as e:  # no xprof here: the rest of the report still stands
+            found = profiles.sessions(ckpt_dir)
+            lines.append(f"{len(found)} profiled window(s) under {ckpt_dir}/profiles, not read: {e}")
+            windows = []
         for w in windows:
             lines.append("From the trace (xprof, per host; each host's source named below):")
             lines.append(profiles.describe(w))
-    if not windows:
+    if not windows and not lines:
         lines.append("No profile: `--profile START:END` on pretrain or lora traces those steps on every host.")
     times = [r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float))]
     measured = statistics.median(times[1:] or times) if times else None
