@@ -211,6 +211,17 @@ def test_trainer_report_charts_the_run_and_summarises_mesh_hosts_and_sample(trai
     win, = res["profiles"]
     assert win["window"] == [2, 4] and sorted(h["host"][-2:] for h in win["hosts"]) == ["p0", "p1"]
     assert all([s["step"] for s in h["steps"]] == [2, 3] and h["mean"]["compute_s"] > 0 for h in win["hosts"])
+    # Process 0's compute + collectives + host/idle, from its trace, within 5% of the step time the training loop
+    # measured on its own clock (metrics.jsonl: process 0's; another process's trace step starts where it
+    # finished waiting for the previous step, not where process 0 did).
+    lines = _client(emu).bucket("runs").blob("r/metrics.jsonl").download_as_text().splitlines()
+    measured = {json.loads(ln)["step"]: json.loads(ln)["step_time_s"] for ln in lines}
+    for h in win["hosts"]:
+        for s in h["steps"]:
+            split = s["compute_s"] + s["collective_s"] + s["idle_s"]
+            assert s["collective_s"] > 0 and split == pytest.approx(s["step_s"]), (h["host"], s)
+            if h["host"].endswith("-p0"):
+                assert split == pytest.approx(measured[s["step"]], rel=0.05), (h["host"], s, measured)
     assert "serving tool" not in p.stderr and "UnifiedProfileProcessor" not in p.stderr, p.stderr[-3000:]
     text = res["summary"]["where the time goes"]
     assert "From the trace" in text and "Per host" in text and "process 1" in text

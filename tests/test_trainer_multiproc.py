@@ -80,7 +80,6 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     assert dead.returncode == 1 and dead.stdout == "" and len(dead.stderr.strip().splitlines()) == 1, dead.stderr
     assert dead.stderr.startswith("error: the profiler server at localhost:") and "did not answer" in dead.stderr
     # Process 1 slowed on purpose (SIGSTOP/SIGCONT pulses of 0.3 s): the hosts' records name it, not process 0.
-    assert steptimes.straggler(metrics(two)) is None, metrics(two)[-3:]
     n, t0 = len(metrics(two)), time.time()
     while time.time() - t0 < 6 or len(metrics(two)) < n + 10:
         assert time.time() - t0 < 120, logs()
@@ -109,6 +108,18 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     assert [(p.parents[3].name == traces[0].parents[3].name, p.parent.name, p.name.rsplit("-", 1)[-1])
             for p in traces] == [(True, "steps_2_4", "p0.xplane.pb"), (True, "steps_2_4", "p1.xplane.pb")], traces
     assert all(p.stat().st_size > 0 for p in traces)
+    # TensorBoard's profile plugin, by its own loader, lists that session with both hosts (per-host tools: the
+    # trace viewer; the overview merges them as ALL_HOSTS).
+    import argparse
+
+    from tensorboard.plugins.base_plugin import TBContext
+    from xprof.profile_plugin import ProfilePlugin
+    plugin = ProfilePlugin(TBContext(logdir=str(two), data_provider=None,
+                                     flags=argparse.Namespace(master_tpu_unsecure_channel="")))
+    session = f"profiles/{traces[0].parents[3].name}/steps_2_4"
+    assert session in plugin.runs_imp()
+    assert sorted(h["hostname"] for h in plugin.host_impl(session, "trace_viewer")) == sorted(
+        p.name[:-len(".xplane.pb")] for p in traces)
     # Every logged step holds both processes' dispatch times and input waits, and each process printed its own.
     for r in metrics(two):
         assert len(r["hosts"]) == 2 and all(h["dispatch_t"] > 0 and h["input_wait_s"] >= 0 and h["stalled_s"] >= 0
