@@ -64,6 +64,14 @@ def test_the_host_late_on_average_over_recent_steps_is_the_straggler():
     assert steptimes.straggler(_records([0.01] * 5)) is None
     # Only the last RECENT records count: an old slow patch is forgotten.
     assert steptimes.straggler(_records([0.3] * 5 + [0.0] * 10)) is None
+    # A trace started or stopped (--profile) in a step's interval: each host pays its own, the step is left out.
+    recs = _records([0.0] * 10)
+    for r in recs[:6]:
+        r["hosts"][1].update(dispatch_t=r["hosts"][1]["dispatch_t"] + 0.4, profiler_s=0.4)
+    assert steptimes.straggler(recs) is None
+    for r in recs[:6]:
+        r["hosts"][1]["profiler_s"] = 0.0
+    assert steptimes.straggler(recs)["process"] == 1
     # One process, or records from before per-host records existed: nothing to compare.
     assert steptimes.straggler([{"step": 1, "hosts": [{"dispatch_t": 1.0, "input_wait_s": 0}]}, {"step": 2}]) is None
 

@@ -90,9 +90,10 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     stall_clock = steptimes.StallClock() if jax.process_count() > 1 else None
     try:
         last_t, last_step = time.perf_counter(), start
-        batches, step = iter(batches), start
+        batches, step, profiler_s = iter(batches), start, 0.0
         while True:
-            last_t += prof.begin(step + 1)  # the profiler's own start and stop stay out of step times
+            spent = prof.begin(step + 1)  # the profiler's own start and stop stay out of step times
+            last_t, profiler_s = last_t + spent, profiler_s + spent
             with prof.annotate(step + 1):  # the trace's step: waiting for the batch, then the step itself
                 waiting = time.perf_counter()
                 nxt = next(batches, None)
@@ -102,7 +103,8 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                 input_wait_s, dispatch_t = time.perf_counter() - waiting, time.time()
                 *new, out = job.step(state, local, step)
             state = tuple(new)
-            last_t += prof.end(step, state)
+            spent = prof.end(step, state)
+            last_t, profiler_s = last_t + spent, profiler_s + spent
             last = step == job.total
             if step == start + 1 or step % job.log_every == 0 or last:
                 rec = {"step": step, "loss": finite(float(out["loss"]), step, ckpt)}  # waits for the step
@@ -114,7 +116,8 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                         if job.peak_flops else None
                 rec.update(step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
                 mine = {"dispatch_t": dispatch_t, "input_wait_s": input_wait_s,
-                        "stalled_s": stall_clock.take() if stall_clock else 0.0}
+                        "stalled_s": stall_clock.take() if stall_clock else 0.0, "profiler_s": profiler_s}
+                profiler_s = 0.0
                 hosts = steptimes.gather(step, mine)  # every process's record, on process 0
                 if last or (job.eval_every and step % job.eval_every == 0):
                     rec["val_loss"] = job.evaluate(state)

@@ -98,12 +98,15 @@ def stalls(hosts: list[dict | None]) -> list[float | None]:
 
 
 def straggler(records: list[dict], recent: int = RECENT, margin_s: float = MARGIN_S) -> dict | None:
-    """From metrics.jsonl records (those with `hosts` from 2+ processes, the last `recent`): the process most late
+    """From metrics.jsonl records (those with `hosts` from 2+ processes and no trace started or stopped, the last
+    `recent`): the process most late
     on average, where that average is over margin_s. A process's lateness at a step is the later of its dispatch
     after the other processes' median and its stall beyond theirs (0 if neither). Returns {process, lag_s (its
     median lateness over the steps it was late by over margin_s), steps (how many), of (out of), input_bound (its
     input wait there was at least half of that), stalled (its stalls were)}, or None."""
-    rows = [r for r in records if len([h for h in (r.get("hosts") or []) if h]) >= 2][-recent:]
+    # A step whose interval held a trace's start or stop (--profile) is left out: each host pays its own.
+    rows = [r for r in records if len([h for h in (r.get("hosts") or []) if h]) >= 2
+            and not any(h and h.get("profiler_s") for h in r["hosts"])][-recent:]
     if not rows:
         return None
     late: dict[int, list[tuple[float, float, float]]] = {}
