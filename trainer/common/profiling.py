@@ -149,6 +149,16 @@ def _free(port: int) -> bool:
 
 # --- one window's trace ----------------------------------------------------------------------------
 
+def trace_options():
+    """jax.profiler's defaults but for its Python tracer (level 0): that one hooks every Python call on every thread
+    of the process (W&B's, the stall clock's) for the whole window, which the split and the ops never read (they
+    come from XLA's and the runtime's own events, and the steps from the loop's annotations)."""
+    import jax
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    return opts
+
+
 class Recorder:
     """Traces the window's steps on this process and keeps the trace under the run's --ckpt-dir.
 
@@ -174,7 +184,7 @@ class Recorder:
         t0 = time.perf_counter()
         self.run = self.run or run_id()
         self._tmp = tempfile.mkdtemp(prefix="tpuctl-profile-")
-        jax.profiler.start_trace(self._tmp)
+        jax.profiler.start_trace(self._tmp, profiler_options=trace_options())
         return time.perf_counter() - t0
 
     def annotate(self, step: int):
