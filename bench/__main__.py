@@ -11,7 +11,8 @@ compiler's verdict on a gpt2-124m step for v5e-8 and v4-8 (XLA vs splash attenti
 remat policies: bytes accessed, temporaries, memory vs compute time; needs libtpu, the `plan` extra); `prepare`
 on a 300 MB web-shaped corpus against tiktoken's bare one-core speed (--workers 1 and 2, process-tree peak memory
 at two corpus sizes); the pretraining loader's tokens/s from gs:// beside a local file; and one job's step time on 2 slices against
-1 slice of the same devices and global batch (the multislice mesh's extra axis). Numbers on a
+1 slice of the same devices and global batch (the multislice mesh's extra axis); and the step time outside a
+`--profile` window against unprofiled runs (with and without the profiler server). Numbers on a
 shared machine are noisy: read the ratios, not the absolute values.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 
 from bench.devices import emulate
 
-SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt", "tpu", "prepare", "loader", "multislice")
+SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt", "tpu", "prepare", "loader", "multislice",
+            "profile")
 
 
 def parse(argv):

@@ -393,5 +393,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         multislice.main(say=say)
     else:
         say("[13] multislice: skipped" + (" (--quick)" if plan.quick else ""))
+    if "profile" in sections:
+        say("== [14] --profile: step time outside the traced window vs unprofiled runs (bench/profile_cost.py)")
+        from bench import profile_cost
+        profile_cost.main(say=say, quick=plan.quick)
+    else:
+        say("[14] profile: skipped")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=420):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # the bench must set up its own 8 devices
     return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, capture_output=True,
@@ -39,6 +39,8 @@ def test_quick_bench_prints_ratios():
     m = re.search(r"^\[11\] ratio gs/local: ([0-9.]+)x; gs:// against the 2M tokens/s a host needs: ([0-9.]+)x", out,
                   re.M)
     assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out
+    m = re.search(r"^     ratio to off: profiled ([0-9.]+)x; inside the window [0-9.]+ ms", out, re.M)
+    assert m and float(m.group(1)) > 0, out
 
 
 def test_bad_flag_is_one_line_error():

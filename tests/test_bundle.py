@@ -86,5 +86,6 @@ def test_the_trainer_names_the_extras_of_its_own_flags():
                                     text=True, cwd=ROOT)
     assert run("pretrain", "--preset", "gpt2-tiny", "--wandb", "proj").stdout.strip() == '["wandb"]'
     assert run("pretrain", "--preset", "gpt2-tiny").stdout.strip() == "[]"
+    assert run("capture", "--out", "gs://b/p", "--duration-ms", "500").stdout.strip() == '["profile"]'  # xprof
     bad = run("pretrain", "--no-such-flag")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: unrecognized arguments: --no-such-flag"

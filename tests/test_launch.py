@@ -19,6 +19,7 @@ def test_coordinator_is_worker0_internal_ip_and_every_host_gets_its_id():
         assert e["TPUCTL_NUM_PROCESSES"] == "2" and e["TPUCTL_PROCESS_ID"] == str(i)
         assert int(e["TPUCTL_HEARTBEAT_TIMEOUT_S"]) < 100 and int(e["TPUCTL_INIT_TIMEOUT_S"]) < 300
         assert e["A"] == "1"
+        assert e["TPUCTL_RUN_ID"] == spec.run_id  # the trainer keeps each run's profiles under it
     assert WORKERS[0].address == "34.1.1.1" and L.Worker(0, "10.0.0.2").address == "10.0.0.2"
 
 

@@ -436,6 +436,11 @@ def test_bad_input_one_line_each(bases, facts, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "no Gemma checkpoint there" in _cli(capsys, "--weights", str(empty), "--data", facts, "--ckpt-dir", ck)
+    assert "--profile 2:2: the window is empty" in _cli(capsys, *common, "--ckpt-dir", ck, "--profile", "2:2")
+    assert "the run ends at step 1" in _cli(capsys, *common, "--ckpt-dir", ck, "--profile", "1:3")
+    # --epochs sets the last step: the window is checked against it once the data is read, before any step.
+    epochs = ["--weights", bases["gemma2"], "--data", facts, "--mesh", MESH, "--seq-len", "48", "--epochs", "0.5"]
+    assert "--profile 50:52: the run ends at step" in _cli(capsys, *epochs, "--ckpt-dir", ck, "--profile", "50:52")
     assert not os.path.exists(ck)  # nothing was written for any of them
 
 

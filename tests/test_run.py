@@ -485,7 +485,9 @@ def test_a_taken_coordinator_port_is_a_preflight_error_not_a_crash(sl, tmp_path,
 def test_a_host_that_stops_advancing_is_named_and_every_host_is_stopped(sl, tmp_path, clean):
     """Every host reported steps, then none advances: past --hang-timeout the run stops everywhere, naming the
     host whose trainer is stopped (here w1 SIGSTOPs itself; the others wait as they would in a collective)."""
-    code = (f"i = {ID}\nfor s in range(1, 4):\n    print('TPUCTL_PROGRESS step=%d' % s, flush=True)\n"
+    code = (f"i = {ID}\nfor s in range(1, 4):\n"  # a progress line as the trainer prints it: the step, then fields
+            "    print('TPUCTL_PROGRESS step=%d dispatch_t=%f input_wait_s=0.0 step_time_s=0.2' % (s, time.time()), "
+            "flush=True)\n"
             "    print('step', s, flush=True)\n    time.sleep(0.2)\n"
             "if i == 1:\n    import signal; os.kill(os.getpid(), signal.SIGSTOP)\ntime.sleep(600)")
     e, out = _run(sl, py(code), tmp_path, hang_timeout_s=3)

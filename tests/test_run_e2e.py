@@ -116,9 +116,36 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
         saved = {b.name.split("/")[1] for b in client.list_blobs("e2e", prefix="run/") if b.name.endswith("commit_success.txt")}
         assert {"4", "8"} <= saved, saved
 
-        # A second run to step 12: same bundle (install skipped everywhere), resumes from step 8.
-        r2 = run_job(workers(sl), LaunchSpec([*args, "--steps", "12"], env=genv), run_dir=tmp_path / "r2", **kw)
+        # A second run to step 12: same bundle (install skipped everywhere), resumes from step 8; it profiles
+        # steps 10 and 11 on both hosts.
+        r2 = run_job(workers(sl), LaunchSpec([*args, "--steps", "12", "--profile", "10:12"], env=genv),
+                     run_dir=tmp_path / "r2", **kw)
         assert r2.ok and r2.push == {0: "cached", 1: "cached"}
+        # Each host's trace, written locally then copied up whole, in one session under the run's id.
+        traces = [b.name.split("/") for b in client.list_blobs("e2e", prefix="run/profiles/")
+                  if b.name.endswith(".xplane.pb")]
+        assert [t[:6] for t in traces] == [["run", "profiles", r2.run_id, "plugins", "profile", "steps_10_12"]] * 2
+        assert sorted(t[6][-len("-p0.xplane.pb"):] for t in traces) == ["-p0.xplane.pb", "-p1.xplane.pb"]
+        # The report reads both traces from gs:// with xprof (whose native log lines stay out of the output):
+        # process 0's compute + collectives + host/idle within 5% of the step time its loop measured.
+        rep = subprocess.run([sys.executable, "-m", "trainer", "report", "--ckpt-dir", "gs://e2e/run", "--out",
+                              str(tmp_path / "report"), "--json"], env=local_env, capture_output=True, text=True,
+                             timeout=300)
+        assert rep.returncode == 0, rep.stderr[-3000:]
+        assert "serving tool" not in rep.stderr and "UnifiedProfileProcessor" not in rep.stderr, rep.stderr[-3000:]
+        res = json.loads(rep.stdout)
+        win, = res["profiles"]
+        assert win["window"] == [10, 12] and sorted(h["host"][-2:] for h in win["hosts"]) == ["p0", "p1"]
+        steps = {json.loads(ln)["step"]: json.loads(ln) for ln in
+                 client.bucket("e2e").blob("run/metrics.jsonl").download_as_text().splitlines()}
+        for h in win["hosts"]:
+            assert [s["step"] for s in h["steps"]] == [10, 11] and h["mean"]["compute_s"] > 0, h
+            for s in h["steps"]:
+                split = s["compute_s"] + s["collective_s"] + s["idle_s"]
+                assert s["collective_s"] > 0 and split == pytest.approx(s["step_s"]), (h["host"], s)
+                if h["host"].endswith("-p0"):
+                    assert split == pytest.approx(steps[s["step"]]["step_time_s"], rel=0.05), (h["host"], s)
+        assert "From the trace" in res["summary"]["where the time goes"]
         after = _metrics(client, "e2e", "run/metrics.jsonl")
         assert sorted(after) == list(range(1, 13)) and after[12] < multi[1] - 1.0
         assert not any(f"step {s}/" in (tmp_path / "r2" / "w0.log").read_text() for s in range(1, 9))

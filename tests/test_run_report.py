@@ -201,6 +201,16 @@ def test_trainer_report_charts_the_run_and_summarises_mesh_hosts_and_sample(trai
     res = json.loads(p.stdout)
     _check_report(res, lambda f: (out / f).read_bytes())
     assert res["summary"]["goodput"].startswith("not known here") and res["goodput"] is None
+    text = res["summary"]["where the time goes"]
+    assert "Per host" in text and "process 1" in text
+    # The page stays one file: its sections and charts (the hosts' step times too) drawn in a real browser.
+    from _browser_util import CHROMIUM, TAB_BLUE, look, near, pixels
+    page = (out / "report.html").read_text()
+    assert "<h2>where the time goes</h2>" in page and 'alt="hosts"' in page and "http" not in page.split("<body>")[1]
+    assert near(pixels((out / "hosts.png").read_bytes()), TAB_BLUE) > 50
+    if CHROMIUM:
+        px, console = look(out / "report.html", tmp_path, height=4000)
+        assert console == [] and near(px, TAB_BLUE) > 500, console
 
 
 @pytest.mark.slow

@@ -41,6 +41,11 @@ def fails(capsys, argv: list[str], *needles: str) -> str:
     (["--vocab-size", "1000"], ["--vocab-size 1000", "token id 50256"]),
     (["--vocab-parallel", "yes"], ["--vocab-parallel yes", "auto, on or off"]),
     (["--vocab-parallel", "on", "--vocab-multiple", "4"], ["--vocab-parallel on", "8 devices", "--vocab-multiple"]),
+    (["--profile", "5:5"], ["--profile 5:5", "the window is empty"]),
+    (["--profile", "8:5"], ["--profile 8:5", "the window is reversed"]),
+    (["--profile", "0:3"], ["--profile 0:3", "steps start at 1"]),
+    (["--profile", "5-8"], ["--profile 5-8", "expected START:END"]),
+    (["--profile", "4:9", "--steps", "6"], ["--profile 4:9", "the run ends at step 6 (--steps)"]),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(capsys, corpus, tmp_path, flags, needles):
     ckpt = tmp_path / "ckpt"

@@ -1,21 +1,25 @@
 """One process x 8 devices vs two processes x 4 devices joined by jax.distributed on 127.0.0.1.
 
 Same config, dropout on: the loss curves must agree (the global batch and the dropout masks depend
-on (seed, step) only, never on how many processes share the work). Then a preemption notice sent to
-one of the two processes makes both save the same step and exit 42. (One pair of processes serves
-both checks: starting jax.distributed twice would double this test's time.)
+on (seed, step) only, never on how many processes share the work), with a `--profile` window traced by both,
+a live capture taken from one, and that one named as the straggler while it is slowed on purpose. Then a
+preemption notice sent to one of the two processes makes both save the same step and exit 42. (One pair of
+processes serves all these checks: starting jax.distributed twice would double this test's time.)
 """
 from __future__ import annotations
 
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections import deque
 
 import pytest
 
-from _trainer_util import TINY, Procs, env, losses, metrics, session_cache, shakespeare, tail
+from _trainer_util import REPO, TINY, Procs, env, losses, metrics, session_cache, shakespeare, tail
+from trainer.common import steptimes
 from trainer.common.checkpoint import Checkpointer
 
 RUN = [*TINY, "--mesh", "data=4,model=2", "--log-every", "1", "--ckpt-every", "0", "--eval-every", "0",
@@ -42,10 +46,14 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     args = ["pretrain", "--data", data, *RUN]
     one = procs.start([*args, "--steps", str(CURVE), "--emulate-devices", "8", "--ckpt-dir", str(tmp_path / "one")],
                       env(cache, devices=None), tmp_path / "one.log")
-    port, two = free_port(), tmp_path / "two"
-    pair = [procs.start([*args, "--steps", "1000", "--emulate-devices", "4", "--ckpt-dir", str(two)],
+    port, two, prof_port = free_port(), tmp_path / "two", free_port()
+    # The pair also profiles steps 2 and 3 (the unprofiled single process's loss curve must still be theirs), and
+    # serves jax.profiler on prof_port + process id.
+    pair = [procs.start([*args, "--steps", "1000", "--emulate-devices", "4", "--ckpt-dir", str(two),
+                         "--profile", "2:4"],
                         env(cache, devices=None, TPUCTL_COORDINATOR=f"127.0.0.1:{port}", TPUCTL_NUM_PROCESSES="2",
-                            TPUCTL_PROCESS_ID=str(i), TPUCTL_HEARTBEAT_TIMEOUT_S="20", TPUCTL_INIT_TIMEOUT_S="120"),
+                            TPUCTL_PROCESS_ID=str(i), TPUCTL_HEARTBEAT_TIMEOUT_S="20", TPUCTL_INIT_TIMEOUT_S="120",
+                            TPUCTL_PROFILER_PORT=str(prof_port)),
                         tmp_path / f"w{i}.log") for i in range(2)]
     logs = lambda: "\n".join(tail(p.log) for p in [one, *pair])
     deadline = time.time() + 400
@@ -58,6 +66,29 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
         pass
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    # A live capture of the running process 1 through its profiler server, as `tpuctl profile` takes one on a
+    # host; a server that does not answer is one line naming it.
+    live = [sys.executable, "-m", "trainer", "capture", "--out", str(two / "profiles" / "live"), "--duration-ms",
+            "1000", "--session", "now"]
+    cap_env = {**env(cache, devices=None, TPUCTL_PROCESS_ID="1", TPUCTL_PROFILER_PORT=str(prof_port)),
+               "PYTHONPATH": str(REPO)}
+    cap = subprocess.run(live, env=cap_env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert cap.returncode == 0 and "captured 1000 ms" in cap.stdout, cap.stdout + cap.stderr + logs()
+    assert len(list((two / "profiles" / "live" / "plugins" / "profile" / "now").glob("*-p1.xplane.pb"))) == 1
+    dead = subprocess.run([*live, "--port", str(free_port())], env=cap_env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert dead.returncode == 1 and dead.stdout == "" and len(dead.stderr.strip().splitlines()) == 1, dead.stderr
+    assert dead.stderr.startswith("error: the profiler server at localhost:") and "did not answer" in dead.stderr
+    # Process 1 slowed on purpose (SIGSTOP/SIGCONT pulses of 0.3 s): the hosts' records name it, not process 0.
+    n, t0 = len(metrics(two)), time.time()
+    while time.time() - t0 < 6 or len(metrics(two)) < n + 10:
+        assert time.time() - t0 < 120, logs()
+        pair[1].send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        pair[1].send_signal(signal.SIGCONT)
+        time.sleep(0.3)
+    slow = steptimes.straggler(metrics(two))
+    assert slow and slow["process"] == 1 and slow["stalled"] and not slow["input_bound"], (slow, metrics(two)[-3:])
     # A preemption notice to process 1 only: JAX's coordination service tells process 0, and both
     # agree on the step to save.
     pair[1].send_signal(signal.SIGTERM)
@@ -71,6 +102,32 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
     assert sorted(a) == list(range(1, CURVE + 1)) and sorted(b) == list(range(1, saved + 1))
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-5, (s, a[s], b[s])
+
+    # Both processes' traces of the window, in one session of one run (the run id process 0 shared).
+    traces = sorted(two.glob("profiles/*/plugins/profile/steps_2_4/*.xplane.pb"))
+    assert [(p.parents[3].name == traces[0].parents[3].name, p.parent.name, p.name.rsplit("-", 1)[-1])
+            for p in traces] == [(True, "steps_2_4", "p0.xplane.pb"), (True, "steps_2_4", "p1.xplane.pb")], traces
+    assert all(p.stat().st_size > 0 for p in traces)
+    # TensorBoard's profile plugin, by its own loader, lists that session with both hosts (per-host tools: the
+    # trace viewer; the overview merges them as ALL_HOSTS).
+    import argparse
+
+    from tensorboard.plugins.base_plugin import TBContext
+    from xprof.profile_plugin import ProfilePlugin
+    plugin = ProfilePlugin(TBContext(logdir=str(two), data_provider=None,
+                                     flags=argparse.Namespace(master_tpu_unsecure_channel="")))
+    session = f"profiles/{traces[0].parents[3].name}/steps_2_4"
+    assert session in plugin.runs_imp()
+    assert sorted(h["hostname"] for h in plugin.host_impl(session, "trace_viewer")) == sorted(
+        p.name[:-len(".xplane.pb")] for p in traces)
+    # Every logged step holds both processes' dispatch times and input waits, and each process printed its own.
+    for r in metrics(two):
+        assert len(r["hosts"]) == 2 and all(h["dispatch_t"] > 0 and h["input_wait_s"] >= 0 and h["stalled_s"] >= 0
+                                            for h in r["hosts"]), r
+    for p in pair:
+        assert re.search(r"^TPUCTL_PROGRESS step=2 dispatch_t=[\d.]+ input_wait_s=[\d.]+ stalled_s=[\d.]+ "
+                         r"step_time_s=[\d.]+$",
+                         p.log.read_text(), re.M), tail(p.log)
 
 
 def byte_corpus(root) -> str:

@@ -53,13 +53,15 @@ def saved_params(ckpt_dir, step=None):
 
 @pytest.fixture(scope="module")
 def resume_runs(corpus, tmp_path_factory):
-    """6 steps straight; 3 steps, stop, resume to 6; and the step-3 checkpoint resumed on a 4x2 mesh.
+    """6 steps straight (steps 3 and 4 profiled); 3 steps, stop, resume to 6; and the step-3 checkpoint resumed
+    on a 4x2 mesh.
 
     Async saves every 2 steps while training goes on: the step buffers are donated to the next step, so
-    this also checks that a save in flight is not clobbered."""
+    this also checks that a save in flight is not clobbered. The resumed run is not profiled: its losses
+    matching the straight run's also say that profiling changes nothing computed."""
     d = tmp_path_factory.mktemp("resume")
     base = ["pretrain", "--data", corpus, *RUN, "--mesh", "data=8,model=1", "--ckpt-every", "2"]
-    assert main([*base, "--ckpt-dir", str(d / "straight"), "--steps", "6"]) == 0
+    assert main([*base, "--ckpt-dir", str(d / "straight"), "--steps", "6", "--profile", "3:5"]) == 0
     assert main([*base, "--ckpt-dir", str(d / "resumed"), "--steps", "3"]) == 0
     shutil.copytree(d / "resumed", d / "cross")
     shutil.copytree(d / "resumed", d / "table")
@@ -85,6 +87,49 @@ def test_exact_resume_matches_a_straight_run(resume_runs):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     # The resumed run's config is saved with it and printed; steps 1-3 came from the first run.
     assert (resume_runs / "resumed" / "config.json").is_file()
+
+
+def test_a_profiled_window_is_where_tensorboard_looks_and_its_split_adds_up_to_the_step(resume_runs, tmp_path):
+    import argparse
+    import socket
+
+    from tensorboard.plugins.base_plugin import TBContext
+    from xprof.profile_plugin import ProfilePlugin
+
+    from trainer.experiments import profiles, report
+    straight = resume_runs / "straight"
+    found = list(straight.glob("profiles/*/plugins/profile/*/*.xplane.pb"))
+    host = f"{socket.gethostname()}-p0"
+    assert [(p.parent.name, p.name) for p in found] == [("steps_3_5", f"{host}.xplane.pb")]
+    # The profile plugin's own loader (what TensorBoard's profile tab asks) lists the session and its host.
+    plugin = ProfilePlugin(TBContext(logdir=str(straight), data_provider=None,
+                                     flags=argparse.Namespace(master_tpu_unsecure_channel="")))
+    session = f"profiles/{found[0].parents[3].name}/steps_3_5"
+    assert session in plugin.runs_imp()
+    assert plugin.host_impl(session, "overview_page") == [{"hostname": host}]
+
+    win, = profiles.summarize_run(str(straight))
+    h, = win["hosts"]
+    assert win["window"] == (3, 5) and h["host"] == host and h["hardware"] == "CPU_ONLY"
+    assert [s["step"] for s in h["steps"]] == [3, 4]
+    # The split is read from the trace; the step time it must add up to is the training loop's own wall clock
+    # (metrics.jsonl), which never looks at the trace. The loop counts step 2's checkpoint save (--ckpt-every 2)
+    # in step 3's time, and the trace's step 3 leaves it out: step 4 is compared.
+    measured = {r["step"]: r["step_time_s"] for r in metrics(straight)}
+    for s in h["steps"]:
+        assert s["compute_s"] > 0 and s["collective_s"] > 0 and s["idle_s"] >= 0, s
+    s = h["steps"][1]
+    assert s["compute_s"] + s["collective_s"] + s["idle_s"] == pytest.approx(measured[4], rel=0.05), s
+    # 8 devices on the data axis: the gradients' reductions are collectives, named by kind.
+    assert set(h["collectives"]) <= {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "other collective"}
+    assert h["collectives"] and all(v > 0 for v in h["collectives"].values())
+    shares = [op["share"] for op in h["top_ops"]]
+    assert len(shares) == 10 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    # The report's "where the time goes" section says it, and which numbers come from where.
+    res = report.report(str(straight), str(tmp_path / "report"), charts=False)
+    text = res["summary"]["where the time goes"]
+    assert "From the trace" in text and f"{host} (CPU_ONLY): step" in text and "Measured by the training loop" in text
+    assert res["profiles"][0]["hosts"][0]["top_ops"][0]["op"] in text
 
 
 def test_checkpoint_from_8x1_restores_onto_4x2(resume_runs):

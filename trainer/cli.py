@@ -1,4 +1,4 @@
-"""`python -m trainer prepare|pretrain|sample|lora|export|sweep|report|extras ...` (the command line is a contract:
+"""`python -m trainer prepare|pretrain|sample|lora|export|sweep|report|extras|capture ...` (the command line is a contract:
 docs/CONTRACTS.md): the process's set-up before jax starts, one parser composed of each job's own flags, and the
 dispatch to the jobs (each imported only when its command runs). trainer/plan.py parses the commands it compiles
 with the same parser.
@@ -23,7 +23,41 @@ from trainer.pretrain import flags as pretrain
 def parser() -> argparse.ArgumentParser:
     return command_parser("GPT-2 pretraining on a JAX device mesh.", pretrain.add_prepare, pretrain.add_pretrain,
                           pretrain.add_sample, finetune.add_lora, finetune.add_export, experiments.add_parsers,
-                          _add_extras)
+                          _add_extras, _add_capture)
+
+
+def _add_capture(sub) -> None:
+    cp = sub.add_parser("capture", help="trace a running training process of this host for a while, through its "
+                                        "profiler server (what TensorBoard's capture profile does)",
+                        description="Writes OUT/plugins/profile/SESSION/HOST.xplane.pb (TensorBoard's layout; "
+                                    "gs:// too). Exit 1 with one error line when the server does not answer.")
+    cp.add_argument("--out", required=True, help="a run's profiles folder, e.g. CKPT_DIR/profiles/RUN_ID")
+    cp.add_argument("--duration-ms", type=int, required=True, metavar="MS", help="how long to trace")
+    cp.add_argument("--port", type=int, default=None, help="the server's port (default: the trainer's, "
+                                                             "TPUCTL_PROFILER_PORT or 9999, + TPUCTL_PROCESS_ID)")
+    cp.add_argument("--address", default="localhost", help="the server's host (default localhost)")
+    cp.add_argument("--session", default=None, help="the session folder (default live_<UTC time>)")
+    cp.add_argument("--host", default=None, help="the file's host name (default <hostname>-p<TPUCTL_PROCESS_ID>)")
+
+
+def capture(args: argparse.Namespace) -> int:
+    import time
+    from trainer.common import profiling
+    if args.duration_ms < 1:
+        raise UsageError(f"--duration-ms {args.duration_ms}: must be at least 1")
+    process = int(os.environ.get("TPUCTL_PROCESS_ID", "0") or 0)
+    port = args.port or profiling.server_port(process)
+    if not port:
+        raise UsageError(f"no profiler server: {profiling.PORT_ENV}=0 here; pass --port")
+    session = args.session or "live_" + time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
+    try:
+        path = profiling.capture(args.out, args.duration_ms, port, session, args.host or profiling.host_name(process),
+                                 args.address)
+    except profiling.CaptureFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"captured {args.duration_ms} ms into {path}")
+    return 0
 
 
 def _add_extras(sub) -> None:
@@ -35,6 +69,8 @@ def _add_extras(sub) -> None:
 def extras_of(args: argparse.Namespace) -> list[str]:
     """The optional dependency groups (pyproject.toml) a parsed command needs where it runs: `tpuctl run` adds
     them to the hosts' environment (the orchestrator never reads the trainer's flags itself)."""
+    if args.cmd == "capture":  # xprof's capture client
+        return ["profile"]
     return ["wandb"] if getattr(args, "wandb", "") else []
 
 
@@ -54,14 +90,21 @@ def run(args: argparse.Namespace) -> int:
                  else ""))
         return 0
     if args.cmd == "pretrain":
-        from trainer.common import config
+        from trainer.common import config, profiling
         from trainer.pretrain import tokenizers, train
         tokenizers.follow_data(args)
-        return train.pretrain(config.resolve(args))
+        cfg = config.resolve(args)
+        profiling.check_window(profiling.parse_window(cfg.train.profile), cfg.train.steps)
+        return train.pretrain(cfg)
     if args.cmd == "lora":
-        from trainer.finetune import train as finetune
+        from trainer.common import profiling
         from trainer.finetune.flags import lora_run
-        return finetune.finetune(lora_run(args))
+        run = lora_run(args)
+        window = profiling.parse_window(run.profile)
+        if run.steps:  # else the last step follows from --epochs and the data: checked once the data is read
+            profiling.check_window(window, run.steps)
+        from trainer.finetune import train as finetune
+        return finetune.finetune(run)
     if args.cmd == "extras":
         import json
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -69,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("extras: give the command after --: `python -m trainer extras -- pretrain ...`")
         print(json.dumps(extras_of(parser().parse_args(command))))
         return 0
+    if args.cmd == "capture":
+        return capture(args)
     if args.cmd in ("sweep", "report"):
         from trainer.experiments import flags as experiments
         return experiments.command(args)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from orchestrator.state import Worker  # noqa: F401 - the one worker type, used here and by callers as L.Worker
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED = ("TPUCTL_COORDINATOR", "TPUCTL_NUM_PROCESSES", "TPUCTL_PROCESS_ID", "MEGASCALE_COORDINATOR_ADDRESS",
-            "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")
+RESERVED = ("TPUCTL_COORDINATOR", "TPUCTL_NUM_PROCESSES", "TPUCTL_PROCESS_ID", "TPUCTL_RUN_ID",
+            "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")
 DEFAULT_COORDINATOR_PORT = 8476
 HOST_ROOT = ".tpuctl-host"  # relative to the SSH user's home on every host
 HOSTWRAP = "hostwrap.py"
@@ -150,7 +150,7 @@ def coordinator(workers: list[Worker], port: int = DEFAULT_COORDINATOR_PORT) -> 
 
 def host_env(spec: LaunchSpec, workers: list[Worker], index: int) -> dict[str, str]:
     """The environment of worker `index`'s process (user --env, then the distributed settings)."""
-    env = {"PYTHONUNBUFFERED": "1", **spec.env}
+    env = {"PYTHONUNBUFFERED": "1", **spec.env, "TPUCTL_RUN_ID": spec.run_id}  # the trainer keeps profiles under it
     if spec.distributed and len(workers) > 1:
         env.update({
             "TPUCTL_COORDINATOR": coordinator(workers, spec.coordinator_port),

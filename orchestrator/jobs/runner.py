@@ -105,7 +105,7 @@ class _HostStream:
             line = line.replace(v, "***")
         self.first_output.setdefault(self.index, time.monotonic() - self.t0)
         if line.startswith(PROGRESS):
-            step = line[len(PROGRESS):].strip()
+            step, *_ = line[len(PROGRESS):].split() or [""]  # then key=value fields (docs/CONTRACTS.md)
             if step.isdigit():
                 self.progress[self.index] = (int(step), time.monotonic())
                 self.first_progress.setdefault(self.index, self.progress[self.index])

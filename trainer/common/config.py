@@ -76,6 +76,7 @@ class TrainConfig:
     eval_batches: int = 4
     peak_flops: float = 0.0  # peak FLOP/s of ONE device for MFU; 0 = the trainer's table (None on CPU)
     wandb: str = ""  # Weights & Biases project that process 0 logs to (trainer/common/wandb_log.py); empty = off
+    profile: str = ""  # START:END: every process traces steps START..END-1 (trainer/common/profiling.py)
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,8 @@ HELP = {
     "wandb": "also log the metrics to this Weights & Biases project (process 0 only; needs tpuctl[wandb]; "
              "WANDB_API_KEY via `tpuctl run --secret-env WANDB_API_KEY`, or WANDB_MODE=offline: files under "
              "<ckpt-dir>/wandb/)",
+    "profile": "START:END: every process records a jax.profiler trace of steps START to END-1 into "
+               "<ckpt-dir>/profiles/<run id>/ (TensorBoard's profile layout; e.g. 5:8 traces steps 5, 6 and 7)",
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-from trainer.common import checkpoint, metrics
+from trainer.common import checkpoint, metrics, profiling, steptimes
 from trainer.common.config import UsageError
 
 PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
@@ -56,6 +56,7 @@ class Job:
     saved_what: str = "checkpoint"                  # the last line: "done: step N, <saved_what> in DIR"
     flops_per_token: float | None = None            # with peak_flops: the MFU column
     peak_flops: float | None = None
+    profile: profiling.Window | None = None         # --profile: the steps every process traces
 
 
 def finite(loss: float, step: int, ckpt: checkpoint.Checkpointer) -> float:
@@ -78,11 +79,32 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     log = metrics.MetricsLog(job.ckpt_dir, start, enabled=primary)
     ckpt.watch_interrupt()  # from here on Ctrl-C would lose steps: save them first
     report_progress = "TPUCTL_PROCESS_ID" in os.environ
+    prof = profiling.Recorder(job.profile, job.ckpt_dir, jax.process_index())
+    port, why = profiling.start_server(jax.process_index())  # for a live capture (TensorBoard, tpuctl profile)
+    if port is None and why.startswith("port"):
+        metrics.say(f"profiler server of process {jax.process_index()}: {why}; no live capture from it")
+    if primary and job.profile is not None and job.profile.last <= start:
+        metrics.say(f"--profile {job.profile}: those steps were done before step {start}, where this run resumes; "
+                    "no trace is taken")
+    # How long this process was itself not running (a straggler's mark when the others wait for it inside steps).
+    stall_clock = steptimes.StallClock() if jax.process_count() > 1 else None
     try:
         last_t, last_step = time.perf_counter(), start
-        for step, local in batches:
-            *new, out = job.step(state, local, step)
+        batches, step, profiler_s = iter(batches), start, 0.0
+        while True:
+            spent = prof.begin(step + 1)  # the profiler's own start and stop stay out of step times
+            last_t, profiler_s = last_t + spent, profiler_s + spent
+            with prof.annotate(step + 1):  # the trace's step: waiting for the batch, then the step itself
+                waiting = time.perf_counter()
+                nxt = next(batches, None)
+                if nxt is None:
+                    break
+                step, local = nxt
+                input_wait_s, dispatch_t = time.perf_counter() - waiting, time.time()
+                *new, out = job.step(state, local, step)
             state = tuple(new)
+            spent = prof.end(step, state)
+            last_t, profiler_s = last_t + spent, profiler_s + spent
             last = step == job.total
             if step == start + 1 or step % job.log_every == 0 or last:
                 rec = {"step": step, "loss": finite(float(out["loss"]), step, ckpt)}  # waits for the step
@@ -93,14 +115,19 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                     rec["mfu"] = tps * job.flops_per_token / (job.peak_flops * jax.device_count()) \
                         if job.peak_flops else None
                 rec.update(step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
+                mine = {"dispatch_t": dispatch_t, "input_wait_s": input_wait_s,
+                        "stalled_s": stall_clock.take() if stall_clock else 0.0, "profiler_s": profiler_s}
+                profiler_s = 0.0
+                hosts = steptimes.gather(step, mine)  # every process's record, on process 0
                 if last or (job.eval_every and step % job.eval_every == 0):
                     rec["val_loss"] = job.evaluate(state)
-                log.log(rec)
+                log.log({**rec, "hosts": hosts} if primary else rec)
                 wandb.log(rec)
                 if primary:
                     metrics.say(metrics.progress(rec, job.total))
-                if report_progress:  # every process: tpuctl names a host that stops advancing
-                    print(f"TPUCTL_PROGRESS step={step}", flush=True)
+                if report_progress:  # every process: tpuctl names a host that stops advancing, and the slow one
+                    print(f"TPUCTL_PROGRESS step={step} dispatch_t={dispatch_t:.6f} input_wait_s={input_wait_s:.6f} "
+                          f"stalled_s={mine['stalled_s']:.6f} step_time_s={dt:.6f}", flush=True)
                 last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
             preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
             interrupted = ckpt.interrupted and not last
@@ -118,6 +145,9 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
             if last:
                 break
     finally:
+        if stall_clock:
+            stall_clock.close()
+        prof.close()
         log.close()
         wandb.close()
     if primary:

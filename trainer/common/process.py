@@ -86,6 +86,7 @@ def in_a_multi_process_job() -> bool:
 # exception the trainer reports.
 QUIET_NATIVE_LOGS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TPU_STDERR_LOG_LEVEL": "2", "TPU_MIN_LOG_LEVEL": "2",
                      "GRPC_VERBOSITY": "ERROR"}
+RUNTIME_METRICS_ENV, RUNTIME_METRICS_PORT = "TPU_RUNTIME_METRICS_PORTS", "8431"  # tpu-info's default address
 ACCELERATOR_DEVICES = ("/dev/accel0", "/dev/vfio/0", "/dev/nvidia0")  # TPU v4+/v5e+/GPU device nodes
 
 
@@ -99,6 +100,9 @@ def quiet_native_logs() -> None:
         return
     for k, v in QUIET_NATIVE_LOGS.items():
         os.environ.setdefault(k, v)
+    # libtpu serves its runtime metrics (HBM use, duty cycle: what `tpu-info` and `tpuctl top` read) only when
+    # this is set when it starts; a CPU or GPU process ignores it.
+    os.environ.setdefault(RUNTIME_METRICS_ENV, RUNTIME_METRICS_PORT)
     if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(d) for d in ACCELERATOR_DEVICES):
         os.environ["JAX_PLATFORMS"] = "cpu"
     quiet_tensorstore_when_imported()

@@ -282,3 +282,31 @@ def run_chart(run: dict) -> bytes:
     fig.tight_layout()  # the lower charts' titles clear the upper charts' axis labels
     return png(fig)
 
+
+def hosts_chart(records: list[dict], strag: dict | None) -> bytes | None:
+    """Per-host step time and lateness (steptimes.straggler's) over the run (PNG), the straggler drawn thicker;
+    None with records of fewer than 2 processes."""
+    from trainer.common import steptimes
+    from trainer.experiments.where_time_goes import host_step_times
+    per_host = host_step_times(records)
+    if len(per_host) < 2:  # one process: the run chart's tokens/s says it all
+        return None
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    slow = strag["process"] if strag else None
+    for p, xs in sorted(per_host.items()):
+        label = f"process {p}" + (" (straggler)" if p == slow else "")
+        ax1.plot([s for s, _ in xs], [t * 1e3 for _, t in xs], lw=2.5 if p == slow else 1, label=label)
+    rows = sorted((r for r in records if r.get("hosts")), key=lambda r: r["step"])
+    for p in sorted(per_host):
+        pts = [(r["step"], max(lag, stall, 0.0)) for r in rows
+               for q, (lag, stall) in enumerate(zip(steptimes.lags(r["hosts"]), steptimes.stalls(r["hosts"])))
+               if q == p and lag is not None]
+        ax2.plot([s for s, _ in pts], [v * 1e3 for _, v in pts], lw=2.5 if p == slow else 1, label=f"process {p}")
+    ax1.set(title="step time per host (own clock)", xlabel="step", ylabel="ms")
+    ax2.set(title="late beyond the other hosts (dispatch or stall)", xlabel="step", ylabel="ms")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return png(fig)

@@ -44,11 +44,14 @@ def add_parsers(sub) -> None:
     rp.add_argument("--goodput", default=None, metavar="FILE",
                     help="a run's goodput.json as `tpuctl run` writes it ($TPUCTL_HOME/runs/NAME/<run id>/; "
                          "`tpuctl report NAME` passes it)")
+    rp.add_argument("--plan", default=None, metavar="FILE",
+                    help="a `tpuctl plan --json` of the run's command: its expected step time is shown beside the "
+                         "measured one")
 
 
 def command(args) -> int:
     if args.cmd == "report":
-        res = report.report(args.ckpt_dir, args.out, goodput=args.goodput)
+        res = report.report(args.ckpt_dir, args.out, goodput=args.goodput, plan=args.plan)
         print(json.dumps(res) if args.json else res["printed"])
         return 0
     if args.record:

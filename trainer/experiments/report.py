@@ -198,15 +198,17 @@ def write(out_dir: str, files: dict[str, bytes | str]) -> list[str]:
     return paths
 
 
-def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodput: str | None = None) -> dict:
+def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodput: str | None = None,
+           plan: str | None = None) -> dict:
     """Write the report of a sweep or a single run; returns what was written and the table (and for a run,
     its summary: trainer/experiments/report.py `summary`; goodput: a goodput.json of `tpuctl run` for it)."""
     from trainer.experiments import sweep
     ckpt_dir = ckpt_dir.rstrip("/")
     out_dir = out_dir or f"{ckpt_dir}/report"
     if sweep.load(ckpt_dir) is not None:
-        if goodput:
-            raise UsageError(f"--goodput applies to one run's --ckpt-dir; {ckpt_dir} is a sweep dir")
+        if goodput or plan:
+            raise UsageError(f"--{'goodput' if goodput else 'plan'} applies to one run's --ckpt-dir; {ckpt_dir} is a "
+                             "sweep dir")
         rec, rows, runs = sweep_rows(ckpt_dir)
         fit, no_fit, notes = None, None, []
         pts = frontier(rows)
@@ -245,14 +247,21 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodp
     r = row(ckpt_dir.rsplit("/", 1)[-1], run)
     facts = run_facts(ckpt_dir, goodput)
     sections = summary(run, r, facts)
+    from trainer.experiments import where_time_goes
+    time_goes = where_time_goes.section(ckpt_dir, run["metrics"], where_time_goes.read_plan(plan))
+    sections["where the time goes"] = time_goes["text"]
     pngs = {"run": charts_lib.run_chart(run)} if charts and run["metrics"] else {}
+    hosts_png = charts_lib.hosts_chart(run["metrics"], time_goes["straggler"]) if charts else None
+    if hosts_png:
+        pngs["hosts"] = hosts_png
     files = {"results.json": json.dumps(_json_rows([r]), indent=1) + "\n",
-             "summary.json": json.dumps({**facts, "summary": sections}, indent=1) + "\n",
+             "summary.json": json.dumps({**facts, "summary": sections, "profiles": time_goes["windows"],
+                                         "straggler": time_goes["straggler"]}, indent=1) + "\n",
              **{f"{k}.png": v for k, v in pngs.items()}}
     files["report.html"] = html_page(f"Run {ckpt_dir}", [r], pngs, [], sections)
     written = write(out_dir, files)
     res = {"kind": "run", "dir": ckpt_dir, "rows": _json_rows([r]), "notes": [], "fit": None, **facts,
-           "summary": sections, "files": written, "html": f"{out_dir}/report.html", "text": to_text([r])}
+           "profiles": time_goes["windows"], "straggler": time_goes["straggler"], "summary": sections, "files": written, "html": f"{out_dir}/report.html", "text": to_text([r])}
     return {**res, "printed": printed(res)}
 
 

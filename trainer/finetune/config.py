@@ -46,6 +46,7 @@ class LoraRun:
     eval_every: int = 0             # val loss every N steps (and at the last); 0 = only at the last
     attention: str = "auto"         # auto (splash kernel on TPU, XLA elsewhere), xla, splash
     remat: str = "none"             # what each layer recomputes in the backward pass: none, dots, full
+    profile: str = ""               # START:END: steps every process traces (trainer/common/profiling.py)
 
     @property
     def family(self) -> str | None:

@@ -69,6 +69,8 @@ LORA_HELP = {
                  "a multiple of 128",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' outputs; "
              "full: only its input); trades compute for memory",
+    "profile": "START:END: every process records a jax.profiler trace of steps START to END-1 into "
+               "<ckpt-dir>/profiles/<run id>/ (TensorBoard's profile layout; e.g. 5:8 traces steps 5, 6 and 7)",
 }
 
 

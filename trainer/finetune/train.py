@@ -19,7 +19,7 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.common import checkpoint, loop, metrics, optim
+from trainer.common import checkpoint, loop, metrics, optim, profiling
 from trainer.finetune import data as sft_data
 from trainer.gemma import tokenizer as tok_lib
 from trainer.gemma import weights
@@ -165,6 +165,7 @@ def finetune(run: LoraRun) -> int:
     tok = tok_lib.load(ck.path, ck.cfg.vocab, run.tokenizer or None)
     batches, val_rows, data_msg = load_data(run, tok, pid, nproc, global_batch)
     total = run.steps or max(1, int(np.ceil(run.epochs * len(batches.rows) / global_batch)))
+    profiling.check_window(profiling.parse_window(run.profile), total, what="--steps, or --epochs over the data")
 
     checkpoint.check_writable(run.ckpt_dir)
     ckpt = checkpoint.Checkpointer(run.ckpt_dir, run.keep)
@@ -262,7 +263,8 @@ def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, 
         ckpt_every=run.ckpt_every, tokens_per_step=batches.global_batch * run.seq_len,
         step=lambda state, local, step: steps.step(*state, base, local, step),
         evaluate=lambda state: steps.evaluate(state[0], base, val_rows),
-        save=lambda ck, step, state: ck.save(step, *state, meta), saved_what="adapters")
+        save=lambda ck, step, state: ck.save(step, *state, meta), saved_what="adapters",
+        profile=profiling.parse_window(run.profile))
     return loop.run(job, ckpt, (lora, opt_state), start,
                     ((step, batches.local_batch(step)) for step in range(start + 1, total + 1)))
 

@@ -17,7 +17,7 @@ import optax
 from etils import epath
 from flax import nnx
 
-from trainer.common import checkpoint, loop, metrics, optim, wandb_log
+from trainer.common import checkpoint, loop, metrics, optim, profiling, wandb_log
 from trainer.common import mesh as mesh_lib
 from trainer.pretrain import data, tokenizers
 from trainer.common.mesh import compute_dtype
@@ -258,5 +258,6 @@ def _train(cfg: Config, mesh, ckpt: checkpoint.Checkpointer, loader: data.BatchL
         evaluate=lambda state: steps.evaluate(state[0], val, t.eval_batches),
         save=lambda ck, step, state: ck.save(step, *state, cfg),
         flops_per_token=metrics.flops_per_token(m),
-        peak_flops=metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops))
+        peak_flops=metrics.peak_flops(jax.devices()[0].device_kind, t.peak_flops),
+        profile=profiling.parse_window(t.profile))
     return loop.run(job, ckpt, (params, opt_state), start, loader.iterate(start + 1), wandb)

@@ -1,0 +1,172 @@
+"""The profile window's flag, the straggler rule over each host's records, and per-host step times (no jax run:
+the traces themselves are checked on real runs in test_trainer_train.py and test_trainer_multiproc.py)."""
+from __future__ import annotations
+
+import pytest
+
+from trainer.common import profiling, steptimes
+from trainer.common.config import UsageError
+from trainer.experiments import profiles, where_time_goes
+
+
+def test_a_window_is_a_half_open_range_of_steps_named_by_its_session():
+    w = profiling.parse_window("5:8")
+    assert (w.start, w.end, w.last, w.session, str(w)) == (5, 8, 7, "steps_5_8", "5:8")
+    assert [s for s in range(1, 12) if s in w] == [5, 6, 7]
+    assert profiling.parse_window("") is None
+    profiling.check_window(w, 7)  # the last step may be the run's last
+    with pytest.raises(UsageError, match="ends at step 6"):
+        profiling.check_window(w, 6)
+    assert profiles.window_of(w.session) == (5, 8) and profiles.window_of("2026_12_02_16_29_22") is None
+
+
+@pytest.mark.parametrize("text, needle", [("5:5", "empty"), ("8:5", "reversed"), ("0:2", "start at 1"),
+                                          ("5", "START:END"), (":8", "START:END"), ("a:b", "START:END")])
+def test_a_bad_window_is_one_line(text, needle):
+    with pytest.raises(UsageError, match=needle) as e:
+        profiling.parse_window(text)
+    assert "\n" not in str(e.value)
+
+
+def test_collectives_are_named_by_kind_whatever_the_backend_calls_them():
+    assert profiles.kind_of("all_gather.22") == "all-gather"  # XLA:CPU
+    assert profiles.kind_of("all-reduce-start.3") == "all-reduce"  # async on TPU
+    assert profiles.kind_of("reduce-scatter-done") == "reduce-scatter"
+    assert profiles.kind_of("fusion.7", "all-to-all") == "all-to-all"  # xprof's category wins
+    assert profiles.kind_of("collective-permute.1") == "other collective"
+    assert profiles.kind_of("ynn_fusion.40") is None and profiles.kind_of("all-reduce-fusion.1") is None
+
+
+def _records(lag_of_1: list[float], wait_of_1: float = 0.0, stall_of_1: list[float] | None = None,
+             step_s: float = 0.1) -> list[dict]:
+    """Three hosts dispatching logged steps 10, 20, ...; host 1 late by lag_of_1[i] at the i-th, or stalled."""
+    out = []
+    for i, lag in enumerate(lag_of_1):
+        t = 1000.0 + i * 10 * step_s
+        out.append({"step": 10 * (i + 1), "step_time_s": step_s, "hosts": [
+            {"dispatch_t": t, "input_wait_s": 0.0, "stalled_s": 0.0},
+            {"dispatch_t": t + lag, "input_wait_s": wait_of_1, "stalled_s": (stall_of_1 or [0.0] * 99)[i]},
+            {"dispatch_t": t + 0.001, "input_wait_s": 0.0, "stalled_s": 0.0}]})
+    return out
+
+
+def test_the_host_late_on_average_over_recent_steps_is_the_straggler():
+    s = steptimes.straggler(_records([0.3, 0.3, 0.0, 0.3, 0.3]))
+    assert s == {"process": 1, "lag_s": pytest.approx(0.2995), "steps": 4, "of": 5, "input_bound": False,
+                 "stalled": False}
+    assert steptimes.straggler(_records([0.3] * 5, wait_of_1=0.28))["input_bound"] is True
+    # Held up inside the steps (the others wait for it in the collectives and all dispatch together), in every
+    # other step, as SIGSTOP pulses do: its stalls name it.
+    s = steptimes.straggler(_records([0.0] * 10, stall_of_1=[0.3, 0.0] * 5))
+    assert (s["process"], s["steps"], s["of"], s["stalled"]) == (1, 5, 10, True)
+    # Late now and then, or always within the margin: nobody is named.
+    assert steptimes.straggler(_records([0.05] + [0.0] * 9)) is None
+    assert steptimes.straggler(_records([0.01] * 5)) is None
+    # Only the last RECENT records count: an old slow patch is forgotten.
+    assert steptimes.straggler(_records([0.3] * 5 + [0.0] * 10)) is None
+    # A trace started or stopped (--profile) in a step's interval: each host pays its own, the step is left out.
+    recs = _records([0.0] * 10)
+    for r in recs[:6]:
+        r["hosts"][1].update(dispatch_t=r["hosts"][1]["dispatch_t"] + 0.4, profiler_s=0.4)
+    assert steptimes.straggler(recs) is None
+    for r in recs[:6]:
+        r["hosts"][1]["profiler_s"] = 0.0
+    assert steptimes.straggler(recs)["process"] == 1
+    # One process, or records from before per-host records existed: nothing to compare.
+    assert steptimes.straggler([{"step": 1, "hosts": [{"dispatch_t": 1.0, "input_wait_s": 0}]}, {"step": 2}]) is None
+
+
+def test_the_stall_clock_counts_the_time_its_process_was_stopped():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    code = ("import sys, time\nfrom trainer.common.steptimes import StallClock\nc = StallClock()\n"
+            "print('ready', flush=True)\nsys.stdin.readline()\nprint(round(c.take(), 2), flush=True)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.3)  # running: nothing counted
+        for _ in range(2):
+            p.send_signal(signal.SIGSTOP)
+            time.sleep(0.4)
+            p.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert 0.6 <= float(p.stdout.readline()) <= 1.2  # two stops of 0.4 s (a loaded machine adds a little)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_each_host_s_step_time_comes_from_its_own_dispatch_times():
+    recs = _records([0.0, 0.5, 0.5])
+    times = where_time_goes.host_step_times(recs)
+    assert [s for s, _ in times[0]] == [20, 30]
+    assert times[0][0][1] == pytest.approx(0.1) and times[1][0][1] == pytest.approx(0.15)  # (1 s + 0.5) / 10
+    assert times[1][1][1] == pytest.approx(0.1)
+    text = where_time_goes.section("/nonexistent", recs, read_profiles=False)["text"]
+    assert "Straggler: process 1" in text and "not its input and not a stall" in text and "No profile" in text
+
+
+def _gviz(cols: list[str], rows: list[list], p: dict | None = None) -> dict:
+    return {"cols": [{"id": c} for c in cols], "rows": [{"c": [{"v": v} for v in r]} for r in rows], "p": p or {}}
+
+
+def test_on_tpu_the_split_and_the_ops_are_xprof_s_own_breakdown_and_hlo_stats(monkeypatch):
+    """No TPU here: xprof's tables in the shape its overview_page and hlo_stats have (their column ids as xprof
+    2.24.2 names them on a CPU trace, rows as a TPU trace fills them)."""
+    step_cols = ["stepnum", "deviceComputeTimeMs", "deviceToDeviceTimeMs", "deviceCollectivesTimeMs",
+                 "hostComputeTimeMs", "kernelLaunchTimeMs", "infeedTimeMs", "outfeedTimeMs", "compileTimeMs",
+                 "otherTimeMs", "tooltip", "stepTimeMs"]
+    overview = [_gviz(["selfTimePercent"], []), _gviz(step_cols, [
+        ["train 5", 80.0, 2.0, 10.0, 1.0, 0.0, 5.0, 0.0, 0.0, 2.0, "", 100.0],
+        ["train 6", 70.0, 0.0, 20.0, 1.0, 0.0, 5.0, 0.0, 0.0, 4.0, "", 100.0]], {"hardware_type": "TPU"})]
+    ops = [("fusion.1", "convolution fusion", 100.0), ("all-reduce.2", "all-reduce", 40.0),
+           ("all-gather-start.1", "all-gather", 20.0), ("fusion.2", "loop fusion", 30.0)]
+    ops += [(f"fusion.{i}", "loop fusion", 1.0) for i in range(10, 20)]
+    hlo = _gviz(["rank", "category", "hlo_op_name", "total_self_time"], [[0, c, n, us] for n, c, us in ops])
+    monkeypatch.setattr(profiles, "tool", lambda path, name: {"overview_page": overview, "hlo_stats": hlo}[name])
+    h = profiles.summarize("/x/t1v-w0-p0.xplane.pb")
+    assert (h["host"], h["hardware"]) == ("t1v-w0-p0", "TPU") and "hlo_stats" in h["source"]
+    assert [(s["step"], s["compute_s"], s["collective_s"]) for s in h["steps"]] == [
+        (5, pytest.approx(0.08), pytest.approx(0.012)), (6, pytest.approx(0.07), pytest.approx(0.02))]
+    assert h["steps"][0]["idle_s"] == pytest.approx(0.008) and h["mean"]["step_s"] == pytest.approx(0.1)
+    assert h["collectives"] == {"all-reduce": pytest.approx(20e-6), "all-gather": pytest.approx(10e-6)}  # per step
+    assert [o["op"] for o in h["top_ops"][:4]] == ["fusion.1", "all-reduce.2", "fusion.2", "all-gather-start.1"]
+    assert len(h["top_ops"]) == 10 and h["top_ops"][0]["share"] == pytest.approx(100 / 200)
+    text = profiles.describe({"run": "r", "session": "steps_5_7", "window": (5, 7), "hosts": [h]})
+    assert "steps 5 to 6" in text and "compute 75.0 ms (75%)" in text and "all-reduce 20 µs" in text
+
+
+def test_the_plan_s_expected_step_stands_beside_the_measured_one_each_named(tmp_path):
+    plan = {"accelerator": "v5litepod-8", "timing": {"step_s_at_peak": 0.05, "step_s_at_mfu": 0.1,
+                                                     "mfu_assumed": 0.5}}
+    (tmp_path / "plan.json").write_text(__import__("json").dumps(plan))
+    recs = _records([0.0] * 4, step_s=0.2)
+    text = where_time_goes.section("/nonexistent", recs, where_time_goes.read_plan(str(tmp_path / "plan.json")),
+                                   read_profiles=False)["text"]
+    assert "Measured by the training loop (metrics.jsonl, wall clock of process 0): median step 200.0 ms" in text
+    assert ("Expected by the compiler's plan (tpuctl plan, v5litepod-8): 50.0 ms at the chips' peak, 100.0 ms at "
+            "50% MFU (measured / plan at that MFU: 2.00x)") in text
+    with pytest.raises(UsageError, match="--plan .* does not exist"):
+        where_time_goes.read_plan(str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("plan: yes")
+    with pytest.raises(UsageError, match="is not JSON"):
+        where_time_goes.read_plan(str(tmp_path / "bad.json"))
+
+
+def test_without_xprof_the_report_names_the_windows_it_could_not_read(tmp_path, monkeypatch):
+    session = tmp_path / "profiles" / "r1" / "plugins" / "profile" / "steps_2_4"
+    session.mkdir(parents=True)
+    (session / "h-p0.xplane.pb").write_bytes(b"")
+
+    def no_xprof():
+        raise UsageError("reading profiles needs xprof: pip install 'tpuctl[profile]' (make setup installs it)")
+    monkeypatch.setattr(profiles, "_xprof", no_xprof)
+    text = where_time_goes.section(str(tmp_path), _records([0.0] * 3))["text"]
+    assert f"1 profiled window(s) under {tmp_path}/profiles, not read: reading profiles needs xprof" in text
+    assert "Measured by the training loop" in text and "No profile" not in text
