@@ -99,14 +99,18 @@ def summarize(attempts: list[dict]) -> str:
     return f"{len(lost)} preemption(s): " + "; ".join(parts) + f"; {redone} step(s) redone"
 
 
-def _attempt(n: int, result: RunResult | None, outcome: str, before: dict | None) -> dict:
+def _attempt(n: int, result: RunResult | None, outcome: str, before: dict | None, spent_s: float = 0.0) -> dict:
+    """One attempt's record. spent_s: the attempt's whole time here, reaching the workers before the run and the
+    provider's watch after it included: what the run itself did not time counts as start-up."""
     run_dir = result.run_dir if result else None
     t = result.timings if result else {}
     wall = t.get("total_s", 0.0)
+    around = max(0.0, spent_s - wall)
     a = {"attempt": n + 1, "run_id": result.run_id if result else None, "outcome": outcome,
-         "resumed_from": resumed_from(run_dir), "last_step": latest_step(run_dir), "wall_s": wall,
-         # startup: preflight, push, launch, restore, compile, first step; steps: first to last reported step
-         "startup_s": t.get("first_step_s", wall), "steps_s": 0.0, "tail_s": 0.0, "recover_s": 0.0,
+         "resumed_from": resumed_from(run_dir), "last_step": latest_step(run_dir), "wall_s": wall + around,
+         # startup: reaching the workers, preflight, push, launch, restore, compile, first step; steps: first to
+         # last reported step
+         "startup_s": t.get("first_step_s", wall) + around, "steps_s": 0.0, "tail_s": 0.0, "recover_s": 0.0,
          "step_s": 0.0}
     if "last_step_s" in t:
         a["steps_s"] = t["last_step_s"] - t["first_step_s"]
@@ -191,7 +195,8 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             t_attempt = time.monotonic()
             with provider.of(rec).while_running(name, lambda: lost(name), progress):
                 result = run_once(restarts)
-            attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None))
+            attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None,
+                                     time.monotonic() - t_attempt))
             attempts[-1]["recover_s"] = recover
             result.attempts = attempts
             result.goodput = goodput(attempts, time.monotonic() - t_start)
@@ -214,10 +219,12 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         st = _settled_state(name, result, policy, failure)
         if st not in LOST:
             if result is not None:
-                attempts.append(_attempt(len(attempts), result, "failed", attempts[-1] if attempts else None))
+                attempts.append(_attempt(len(attempts), result, "failed", attempts[-1] if attempts else None,
+                                         t_lost - t_attempt))
                 result.attempts = attempts
             raise failure
-        attempts.append(_attempt(len(attempts), result, "preempted", attempts[-1] if attempts else None))
+        attempts.append(_attempt(len(attempts), result, "preempted", attempts[-1] if attempts else None,
+                                 t_lost - t_attempt))
         attempts[-1]["recover_s"] = recover
         if result is None:  # preflight or push never got to run: the whole attempt went to recovering
             attempts[-1]["startup_s"] = attempts[-1]["wall_s"] = t_lost - t_attempt
