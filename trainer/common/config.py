@@ -67,6 +67,7 @@ class TrainConfig:
     # 128/256/512 for gpt2-124m on v5e-8 in the TPU compiler's estimate (make bench, section [10]).
     loss_chunk: int = 128
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
+    optimizer_state: str = "sharded"  # AdamW's moments split over the data axis (ZeRO-1), or replicated
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
     ckpt_every: int = 100
@@ -140,6 +141,9 @@ HELP = {
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
              "outputs; full: only its input) and so recomputes; trades compute for memory",
+    "optimizer_state": "sharded or replicated: each parameter's AdamW moments split over the mesh's data axis "
+                       "(ZeRO-1: the gradients are reduce-scattered, each device updates its share of the moments "
+                       "and the parameters, then the parameters are gathered) or whole on every device",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
     "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
@@ -217,6 +221,8 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
+    if t.optimizer_state not in ("sharded", "replicated"):
+        raise UsageError(f"--optimizer-state {t.optimizer_state}: choose sharded or replicated")
     if t.loss_chunk < 0:
         raise UsageError(f"--loss-chunk {t.loss_chunk}: must not be negative (0 = no chunks)")
     if t.dtype not in ("auto", "float32", "bfloat16"):

@@ -79,7 +79,10 @@ class Steps:
         shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(gpt2.GPT2(m, nnx.Rngs(0)), nnx.Param)))
         self.abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                             shapes, self.param_sh)
-        self.opt_sh = optim.state_shardings(self.tx, self.abstract_params, self.param_sh, self.rep)
+        # --optimizer-state sharded (ZeRO-1): the moments, and the gradients the update reads, split over data
+        self.split = t.optimizer_state == "sharded"
+        self.grad_sh = optim.split_shardings(self.abstract_params, self.param_sh) if self.split else None
+        self.opt_sh = optim.state_shardings(self.tx, self.abstract_params, self.param_sh, self.rep, split=self.split)
         self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                          jax.eval_shape(self.tx.init, self.abstract_params), self.opt_sh)
         self._train = self._jit_train(self._train_step)
@@ -115,6 +118,8 @@ class Steps:
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = scans.scan(body, zero, (jnp.arange(a), micro))
             loss, grads = loss / a, jax.tree.map(lambda g: g / a, grads)
+        if self.grad_sh is not None:  # reduce-scattered: each device updates its share of the state
+            grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
