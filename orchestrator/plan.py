@@ -122,8 +122,8 @@ class Plan:
 
     @property
     def flops(self) -> float:
-        """Per device per step for time: the compiler's count, unless the arithmetic is larger. The compiler counts
-        a loop's body once (--grad-accum's scan) and no Pallas kernel, so it can fall short; never the other way."""
+        """Per device per step for time: the compiler's count (the whole step's: trainer/common/aot.py counts every
+        loop's trips), unless the arithmetic is larger: the compiler counts no Pallas kernel (splash attention)."""
         return max(self.figures.get("flops") or 0.0, self.model_flops)
 
     def step_s(self, mfu: float = 1.0) -> float | None:
