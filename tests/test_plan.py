@@ -110,10 +110,10 @@ def test_tiny_sharded_over_the_model_axis_state_bytes_match_the_arithmetic():
 
 # ---- the whole step counted: a loop's body as many times as the loop runs ----------------------------------
 
-# A one-layer GPT-2 whose 50k-vocabulary output layer is most of its work, 2 x 512 tokens per device: the loss
-# chunked over 4 chunks of 128 positions (a scan) or all at once (no loop).
+# A one-layer GPT-2 whose 50k-vocabulary output layer is most of its work, 2 x 256 tokens per device: the loss
+# chunked over 4 chunks of 64 positions (a scan) or all at once (no loop).
 WHOLE = ["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", "2", "--d-model", "128", "--seq-len",
-         "512", "--batch-size", "16", "--dropout", "0"]
+         "256", "--batch-size", "16", "--dropout", "0"]
 
 
 def _compile_v5e(argv: list[str]) -> tuple[dict, int]:
@@ -132,7 +132,7 @@ def test_the_chunked_loss_counts_as_much_work_as_the_full_logits():
     """The TPU compiler counts a while loop's body once: the chunked loss's scan alone reports a quarter of the
     output layer. Counted whole (its unrolled twin), the chunked step does the work of the full-logits one
     within 2%, and both at least 6 x params x tokens per device."""
-    chunked, n_params = _compile_v5e([*WHOLE, "--loss-chunk", "128"])
+    chunked, n_params = _compile_v5e([*WHOLE, "--loss-chunk", "64"])
     full, _ = _compile_v5e([*WHOLE, "--loss-chunk", "0"])
     assert chunked["counted"] == "unrolled" and full["counted"] == "program"
     assert chunked["program_flops"] < 0.6 * chunked["flops"]  # the loop's body once: what the plan used to say

@@ -187,15 +187,15 @@ def has_loop(compiled) -> bool:
     return any(" while(" in line for line in (compiled.as_text() or "").splitlines())
 
 
-def whole_count(built: Built, compiled) -> dict:
+def whole_count(built: Built, compiled, twin: bool = True) -> dict:
     """The step's flops and bytes accessed counted whole, per device.
 
     The compiler's cost analysis counts a while loop's body once, whatever its trip count. Its optimized HLO
     keeps no trip counts to multiply by (libtpu 0.0.42 writes none), and it has no cost analysis of one body on
     its own; so a step with a loop is counted from its twin with every loop unrolled (Built.compile_unrolled),
     compiled for that alone: one more compile, only when the program has a loop. `counted` says which:
-    "program" (no loop), "unrolled" (the twin's figures), "loop bodies once" (a loop and no twin: a low
-    count). program_* are the compiled program's own figures either way.
+    "program" (no loop), "unrolled" (the twin's figures), "loop bodies once" (a loop and no twin, or
+    `twin` False: a low count). program_* are the compiled program's own figures either way.
 
     The cost analysis also has `optimal_seconds`; it is left out: on one matmul or one elementwise op it is that
     op's roofline time, but on a train step it comes back negative (-221 s for gpt2-124m on v5e-8, libtpu
@@ -206,12 +206,12 @@ def whole_count(built: Built, compiled) -> dict:
     if not has_loop(compiled):
         return {"flops": program["program_flops"], "bytes_accessed": program["program_bytes_accessed"],
                 "counted": "program", **program}
-    if built.compile_unrolled is None:
+    if built.compile_unrolled is None or not twin:
         return {"flops": program["program_flops"], "bytes_accessed": program["program_bytes_accessed"],
                 "counted": "loop bodies once", **program}
     t0 = time.perf_counter()
-    twin = _cost(built.compile_unrolled())
-    return {"flops": float(twin.get("flops", 0.0)), "bytes_accessed": float(twin.get("bytes accessed", 0.0)),
+    counted = _cost(built.compile_unrolled())
+    return {"flops": float(counted.get("flops", 0.0)), "bytes_accessed": float(counted.get("bytes accessed", 0.0)),
             "counted": "unrolled", "count_compile_s": round(time.perf_counter() - t0, 2), **program}
 
 
@@ -224,7 +224,9 @@ def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
     temp, code = mem.temp_size_in_bytes, mem.generated_code_size_in_bytes
     return {**_about(built, target, compile_s),
             "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp, "code_bytes": code,
-            "total_bytes": arg + out - alias + temp + code, **whole_count(built, compiled)}
+            "total_bytes": arg + out - alias + temp + code,
+            # a run on CPU devices (a local slice) gets no step time from its plan: no twin compiled to count it
+            **whole_count(built, compiled, twin=target.run_platform != "cpu")}
 
 
 class NotPlannable(UsageError):
