@@ -50,22 +50,28 @@ def home(tmp_path, monkeypatch):
 
 
 def _arithmetic_state_bytes(argv: list[str], devices: int) -> float:
-    """params x 4 bytes x 3 (the params and Adam's two moments, f32), each divided by the shards its logical
-    axes get from the rules on the mesh the trainer makes."""
+    """params x 4 bytes (f32) divided by the shards its logical axes get from the rules on the mesh the trainer
+    makes, and Adam's two moments (f32) likewise, also split over data (ZeRO-1, the default --optimizer-state)
+    where a dimension the rules leave whole divides by it."""
     cfg = config.resolve(parser().parse_args(argv))
     shape = {"dcn": 1, **mesh_lib.parse_mesh(cfg.train.mesh, devices)}  # one slice
     rules = mesh_lib.VOCAB_PARALLEL_RULES if loop.use_vocab_parallel(cfg, devices) else mesh_lib.RULES
     shapes = gpt2.abstract(cfg.model)[1]
-    sizes = nnx.to_pure_dict(shapes, extract_fn=lambda v: math.prod(v.get_value().shape))
+    dims = nnx.to_pure_dict(shapes, extract_fn=lambda v: tuple(v.get_value().shape))
     axes = gpt2.param_axes(cfg.model)
+    split = cfg.train.optimizer_state == "sharded"
     total = 0.0
-    for size, ax in zip(jax.tree.leaves(sizes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
-        shards = 1
-        for a in ax or ():
+    for dim, ax in zip(jax.tree.leaves(dims, is_leaf=lambda x: isinstance(x, tuple)),
+                       jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        shards, whole = 1, []
+        for n, a in zip(dim, ax or (None,) * len(dim)):
             mapped = rules.get(a) if a else None
-            for m in (mapped if isinstance(mapped, tuple) else (mapped,)):
-                shards *= shape[m] if m else 1
-        total += size * 4 * 3 / shards
+            names = [m for m in (mapped if isinstance(mapped, tuple) else (mapped,)) if m]
+            shards *= math.prod(shape[m] for m in names)
+            if not names:
+                whole.append(n)
+        data = shape["data"] if split and any(n % shape["data"] == 0 for n in whole) else 1
+        total += math.prod(dim) * 4 / shards * (1 + 2 / data)
     return total
 
 
@@ -102,8 +108,9 @@ def test_tiny_sharded_over_the_model_axis_state_bytes_match_the_arithmetic():
     argv = [*TINY, "--mesh", "data=2,model=2", "--vocab-parallel", "off"]
     p = P.plan("v4-8", argv)
     want = _arithmetic_state_bytes(argv, 4)
-    replicated = _arithmetic_state_bytes([*TINY, "--mesh", "data=4,model=1", "--vocab-parallel", "off"], 4)
-    assert want < 0.6 * replicated  # the check has teeth: sharding halves most of the state
+    replicated = _arithmetic_state_bytes([*TINY, "--mesh", "data=4,model=1", "--vocab-parallel", "off",
+                                          "--optimizer-state", "replicated"], 4)
+    assert want < 0.6 * replicated  # the check has teeth: sharding splits most of the state
     assert abs(_state_bytes(p, argv) - want) / want < 0.10, (_state_bytes(p, argv), want)
     assert p.figures["mesh"] == {"data": 2, "model": 2}
 
