@@ -51,7 +51,7 @@ CHIPS = {"v5e-8": Chip("v5litepod-8", "v5e:2x4", "TPU v5 lite", "v5e-8"),
 OURS = {
     "ours, default": [],
     "ours, --loss-chunk 0 (no loss chunks)": ["--loss-chunk", "0"],
-    "ours, --optimizer-state replicated": ["--optimizer-state", "replicated"],
+    "ours, --optimizer-state sharded (ZeRO-1 as written)": ["--optimizer-state", "sharded"],
 }
 V6E_OURS = ("ours, default",)
 

@@ -63,11 +63,14 @@ class TrainConfig:
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
     attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
-    # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. 128: the least HBM traffic of
-    # 128/256/512 for gpt2-124m on v5e-8 in the TPU compiler's estimate (make bench, section [10]).
+    # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
+    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries (make bench, [10]).
     loss_chunk: int = 128
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
-    optimizer_state: str = "sharded"  # AdamW's moments split over the data axis (ZeRO-1), or replicated
+    # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: as written
+    # (the gradients constrained to the split) the TPU compiler's gpt2-124m step on v5e-8 moved more bytes (71 GB
+    # against 54) and held more temporaries (4.1 GiB against 2.7): `make bench` section [14] keeps its row.
+    optimizer_state: str = "replicated"
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
     ckpt_every: int = 100
@@ -141,9 +144,9 @@ HELP = {
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
              "outputs; full: only its input) and so recomputes; trades compute for memory",
-    "optimizer_state": "sharded or replicated: each parameter's AdamW moments split over the mesh's data axis "
-                       "(ZeRO-1: the gradients are reduce-scattered, each device updates its share of the moments "
-                       "and the parameters, then the parameters are gathered) or whole on every device",
+    "optimizer_state": "replicated or sharded: each parameter's AdamW moments whole on every device, or split "
+                       "over the mesh's data axis (ZeRO-1: the gradients are reduce-scattered, each device updates "
+                       "its share of the moments and the parameters, then the parameters are gathered)",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
     "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
