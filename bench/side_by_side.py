@@ -139,7 +139,8 @@ def _maxtext_label(rec: dict) -> str:
     block = str(rec.get("decoder_block", "")).rsplit(".", 1)[-1].lower() or "?"
     fsdp = rec.get("ici_fsdp_parallelism")
     sharding = "data=8 (params replicated)" if fsdp == 1 else "fsdp=8 (its default)"
-    return f"MaxText, {block} block, remat {rec.get('remat_policy', '?')}, {sharding}"
+    attention = "xla attention" if rec.get("attention") == "dot_product" else "splash"
+    return f"MaxText, {block} block, {attention}, remat {rec.get('remat_policy', '?')}, {sharding}"
 
 
 def maxtext(chip: Chip, path: Path) -> list[Row]:

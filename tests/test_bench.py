@@ -63,7 +63,7 @@ def test_side_by_side_reads_maxtexts_records_and_says_what_was_not_measured(tmp_
     (tmp_path / "venv_freeze.txt").write_text("jax==0.12.0.1\nlibtpu==0.0.52\n")
     v5e, v6e = S.CHIPS["v5e-8"], S.CHIPS["v6e-8"]
     rows = S.maxtext(v5e, tmp_path)
-    assert [r.label for r in rows] == ["MaxText, gpt3 block, remat minimal, data=8 (params replicated) [dp]"]
+    assert [r.label for r in rows] == ["MaxText, gpt3 block, splash, remat minimal, data=8 (params replicated) [dp]"]
     assert (rows[0].jax, rows[0].libtpu, rows[0].bytes_accessed) == ("0.12.0.1", "0.0.52", 41e9)
     line = S.render(v5e, rows[0])
     # 41 GB at 819 GB/s over 6 x 124.5M x 8192 tokens at 197 TFLOP/s: r = 1.61, the step waits on memory
