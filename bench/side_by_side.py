@@ -52,6 +52,8 @@ CHIPS = {"v5e-8": Chip("v5litepod-8", "v5e:2x4", "TPU v5 lite", "v5e-8"),
 OURS = {
     "ours, default": [],
     "ours, --loss-chunk 0 (no loss chunks)": ["--loss-chunk", "0"],
+    "ours, --loss-chunk 128 (the default before 256)": ["--loss-chunk", "128"],
+    "ours, --loss-chunk 512": ["--loss-chunk", "512"],
     "ours, --optimizer-state sharded (ZeRO-1 as written)": ["--optimizer-state", "sharded"],
 }
 V6E_OURS = ("ours, default",)

@@ -64,8 +64,10 @@ class TrainConfig:
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
     attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
-    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries (make bench, [10]).
-    loss_chunk: int = 128
+    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries: for gpt2-124m on
+    # v5e-8 (tpuctl plan, libtpu 0.0.42.1) 128 moved 54.2 GB with 2.71 GiB of temporaries, 256 46.6 GB with 2.99,
+    # 512 45.7 GB with 3.30; 256 takes most of the bytes off for little memory.
+    loss_chunk: int = 256
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
     # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: as written
     # (the gradients constrained to the split) the TPU compiler's gpt2-124m step on v5e-8 moved more bytes (71 GB
