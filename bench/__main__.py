@@ -10,9 +10,11 @@ qwix; a 2-host spot run through 0, 1 and 2 preemptions (steps redone, time to re
 compiler's verdict on a gpt2-124m step for v5e-8 and v4-8 (XLA vs splash attention, full vs chunked loss,
 remat policies: bytes accessed, temporaries, memory vs compute time; needs libtpu, the `plan` extra); `prepare`
 on a 300 MB web-shaped corpus against tiktoken's bare one-core speed (--workers 1 and 2, process-tree peak memory
-at two corpus sizes); the pretraining loader's tokens/s from gs:// beside a local file; and one job's step time on 2 slices against
-1 slice of the same devices and global batch (the multislice mesh's extra axis); and the step time outside a
-`--profile` window against unprofiled runs (with and without the profiler server). Numbers on a
+at two corpus sizes); the pretraining loader's tokens/s from gs:// beside a local file; one job's step time on 2 slices against
+1 slice of the same devices and global batch (the multislice mesh's extra axis); the step time outside a
+`--profile` window against unprofiled runs (with and without the profiler server); and our gpt2-124m step beside
+the seed's and MaxText's for the same work on v5e-8 and v6e-8, counted whole by the TPU compiler (bytes,
+temporaries, FLOPs, the roofline; MaxText's figures read from its bench scripts' records, --maxtext). Numbers on a
 shared machine are noisy: read the ratios, not the absolute values.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from bench.devices import emulate
 
 SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt", "tpu", "prepare", "loader", "multislice",
-            "profile")
+            "profile", "side")
 
 
 def parse(argv):
@@ -33,6 +35,9 @@ def parse(argv):
     p.add_argument("--rounds", type=int, default=None, help="alternation rounds for seed vs ours (default 3)")
     p.add_argument("--per-round", type=int, default=None, help="timed steps per config per round (default 2)")
     p.add_argument("--ckpt-every", type=int, default=None, help="K for the checkpoint-cost section (default 5)")
+    p.add_argument("--maxtext", metavar="PATH",
+                   help="MaxText's compile records for the side-by-side table (a JSON file or a folder of them; "
+                        "default $TPUCTL_MAXTEXT_FIGURES, else the shared maxtext bench folder)")
     p.add_argument("--skip", action="append", default=[], choices=SECTIONS,
                    help="leave out a section (repeatable)")
     return p.parse_args(argv)
@@ -54,7 +59,8 @@ def main(argv=None) -> int:
 
     plan = run.QUICK if args.quick else run.Plan()
     plan = dataclasses.replace(plan, **{k: v for k, v in (("rounds", args.rounds), ("per_round", args.per_round),
-                                                           ("ckpt_every", args.ckpt_every)) if v is not None})
+                                                           ("ckpt_every", args.ckpt_every),
+                                                           ("maxtext", args.maxtext)) if v is not None})
     run.main(plan, set(SECTIONS) - set(args.skip), kept)
     return 0
 

@@ -48,6 +48,7 @@ class Plan:
     m124_mesh: str = "data=2,model=4"
     tiny_seq: int = 0  # 0 = the preset's
     tiny_batch: int = 0
+    maxtext: str | None = None  # MaxText's records for [15] (None: bench/side_by_side.py's default)
     do_124m: bool = True
     vocab: int = 50257
     quick: bool = False
@@ -399,5 +400,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         profile_cost.main(say=say, quick=plan.quick)
     else:
         say("[14] profile: skipped")
+    if "side" in sections and not plan.quick:
+        say("== [15] side by side, the same work counted whole: ours, the seed's step, MaxText (bench/side_by_side.py)")
+        from bench import side_by_side
+        side_by_side.main(maxtext_at=plan.maxtext, say=say)
+    else:
+        say("[15] side by side: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

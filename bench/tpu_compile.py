@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from trainer.common.chips import PEAK_FLOPS
+from trainer.common.chips import HBM_BYTES_S, PEAK_FLOPS
 
 GIB = 2 ** 30
 
@@ -34,11 +34,11 @@ class Chip:
     hbm_bytes_s: float    # HBM bandwidth per device
 
 
-# Peak bf16 FLOP/s from the one table (trainer/common/chips.py); Google's published HBM bandwidth per chip: v5e
-# 819 GB/s, v4 1,200 GB/s (one JAX device per chip: megacore on v4).
+# Peak bf16 FLOP/s and HBM bandwidth per chip from the one table (trainer/common/chips.py); one JAX device per
+# chip (megacore on v4).
 CHIPS = {
-    "v5e-8": Chip(8, "v5e:2x4", "default", PEAK_FLOPS["TPU v5 lite"], 819e9),
-    "v4-8": Chip(4, "v4:2x2x1", "megacore", PEAK_FLOPS["TPU v4"], 1200e9),
+    "v5e-8": Chip(8, "v5e:2x4", "default", PEAK_FLOPS["TPU v5 lite"], HBM_BYTES_S["TPU v5 lite"]),
+    "v4-8": Chip(4, "v4:2x2x1", "megacore", PEAK_FLOPS["TPU v4"], HBM_BYTES_S["TPU v4"]),
 }
 STEP = ["pretrain", "--preset", "gpt2-124m", "--batch-size", "64", "--ckpt-dir", "gs://bench/run"]
 # Gemma LoRA on its real shapes (no weights read: the plan's `lora` builder), rank 8, 8 rows x 512 per step.

@@ -9,7 +9,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from trainer.common.chips import PEAK_FLOPS
+from trainer.common.chips import HBM_BYTES_S, PEAK_FLOPS
 
 # Sources (see catalog.md for the full list):
 # [1] https://docs.cloud.google.com/tpu/docs/v6e
@@ -52,6 +52,11 @@ class Generation:
     def peak_bf16_tflops(self) -> float:
         """Per chip, from the one table (trainer/common/chips.py)."""
         return PEAK_FLOPS[self.device_kind] / 1e12
+
+    @property
+    def hbm_bytes_s(self) -> float | None:
+        """HBM bandwidth per chip, bytes/s, from the same table (None where it has no figure: v2, v3)."""
+        return HBM_BYTES_S.get(self.device_kind)
 
 
 GENERATIONS: dict[str, Generation] = {

@@ -47,3 +47,30 @@ def test_bad_flag_is_one_line_error():
     r = _run("--rounds", "0", timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: --rounds 0: must be at least 1"]
+
+
+def test_side_by_side_reads_maxtexts_records_and_says_what_was_not_measured(tmp_path):
+    """[15]'s MaxText rows come from the records its bench scripts write (no compile here): only those of the same
+    work with every layer counted (unscanned), for the chip asked, with their own jax and libtpu; a chip with no
+    record, or a missing path, is one "not measured" row."""
+    from bench import side_by_side as S
+    rec = {"overrides": ["compile_topology=v5e-8", "per_device_batch_size=8"], "jax": "0.12.0.1", "temp_bytes": 2 ** 30,
+           "bytes_accessed": 41e9, "flops": 7.4e12, "n_params_model_state": 124_475_910, "scan_layers": False,
+           "global_batch": 64, "max_target_length": 1024, "remat_policy": "minimal", "ici_fsdp_parallelism": 1,
+           "decoder_block": "DecoderBlockType.GPT3"}
+    (tmp_path / "dp.json").write_text(__import__("json").dumps(rec))
+    (tmp_path / "scanned.json").write_text(__import__("json").dumps({**rec, "scan_layers": True}))
+    (tmp_path / "v6e.json").write_text(__import__("json").dumps({**rec, "overrides": ["compile_topology=v6e-8"],
+                                                                  "global_batch": 32}))
+    (tmp_path / "venv_freeze.txt").write_text("jax==0.12.0.1\nlibtpu==0.0.52\n")
+    v5e, v6e = S.CHIPS["v5e-8"], S.CHIPS["v6e-8"]
+    rows = S.maxtext(v5e, tmp_path)
+    assert [r.label for r in rows] == ["MaxText, gpt3 block, splash, remat minimal, data=8 (params replicated) [dp]"]
+    assert (rows[0].jax, rows[0].libtpu, rows[0].bytes_accessed) == ("0.12.0.1", "0.0.52", 41e9)
+    line = S.render(v5e, rows[0])
+    # 41 GB at 819 GB/s over 6 x 124.5M x 8192 tokens at 197 TFLOP/s: r = 1.61, the step waits on memory
+    assert " 1.61 " in line and "memory" in line and "0.0.52" in line
+    for missing in (S.maxtext(v6e, tmp_path), S.maxtext(v5e, tmp_path / "nothing-here")):
+        assert len(missing) == 1 and missing[0].note.startswith("not measured")
+        assert "not measured" in S.render(v6e, missing[0])
+    assert S.maxtext_path(None) == S.DEFAULT_MAXTEXT or os.environ.get(S.MAXTEXT_ENV)

@@ -51,22 +51,28 @@ def home(tmp_path, monkeypatch):
 
 
 def _arithmetic_state_bytes(argv: list[str], devices: int) -> float:
-    """params x 4 bytes x 3 (the params and Adam's two moments, f32), each divided by the shards its logical
-    axes get from the rules on the mesh the trainer makes."""
+    """params x 4 bytes (f32) divided by the shards its logical axes get from the rules on the mesh the trainer
+    makes, and Adam's two moments (f32) likewise, also split over data (ZeRO-1, the default --optimizer-state)
+    where a dimension the rules leave whole divides by it."""
     cfg = config.resolve(parser().parse_args(argv))
     shape = {"dcn": 1, **mesh_lib.parse_mesh(cfg.train.mesh, devices)}  # one slice
     rules = mesh_lib.VOCAB_PARALLEL_RULES if loop.use_vocab_parallel(cfg, devices) else mesh_lib.RULES
     shapes = gpt2.abstract(cfg.model)[1]
-    sizes = nnx.to_pure_dict(shapes, extract_fn=lambda v: math.prod(v.get_value().shape))
+    dims = nnx.to_pure_dict(shapes, extract_fn=lambda v: tuple(v.get_value().shape))
     axes = gpt2.param_axes(cfg.model)
+    split = cfg.train.optimizer_state == "sharded"
     total = 0.0
-    for size, ax in zip(jax.tree.leaves(sizes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
-        shards = 1
-        for a in ax or ():
+    for dim, ax in zip(jax.tree.leaves(dims, is_leaf=lambda x: isinstance(x, tuple)),
+                       jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        shards, whole = 1, []
+        for n, a in zip(dim, ax or (None,) * len(dim)):
             mapped = rules.get(a) if a else None
-            for m in (mapped if isinstance(mapped, tuple) else (mapped,)):
-                shards *= shape[m] if m else 1
-        total += size * 4 * 3 / shards
+            names = [m for m in (mapped if isinstance(mapped, tuple) else (mapped,)) if m]
+            shards *= math.prod(shape[m] for m in names)
+            if not names:
+                whole.append(n)
+        data = shape["data"] if split and any(n % shape["data"] == 0 for n in whole) else 1
+        total += math.prod(dim) * 4 / shards * (1 + 2 / data)
     return total
 
 
@@ -103,10 +109,45 @@ def test_tiny_sharded_over_the_model_axis_state_bytes_match_the_arithmetic():
     argv = [*TINY, "--mesh", "data=2,model=2", "--vocab-parallel", "off"]
     p = P.plan("v4-8", argv)
     want = _arithmetic_state_bytes(argv, 4)
-    replicated = _arithmetic_state_bytes([*TINY, "--mesh", "data=4,model=1", "--vocab-parallel", "off"], 4)
-    assert want < 0.6 * replicated  # the check has teeth: sharding halves most of the state
+    replicated = _arithmetic_state_bytes([*TINY, "--mesh", "data=4,model=1", "--vocab-parallel", "off",
+                                          "--optimizer-state", "replicated"], 4)
+    assert want < 0.6 * replicated  # the check has teeth: sharding splits most of the state
     assert abs(_state_bytes(p, argv) - want) / want < 0.10, (_state_bytes(p, argv), want)
     assert p.figures["mesh"] == {"data": 2, "model": 2}
+
+
+# ---- the whole step counted: a loop's body as many times as the loop runs ----------------------------------
+
+# A one-layer GPT-2 whose 50k-vocabulary output layer is most of its work, 2 x 256 tokens per device: the loss
+# chunked over 4 chunks of 64 positions (a scan) or all at once (no loop).
+WHOLE = ["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", "2", "--d-model", "128", "--seq-len",
+         "256", "--batch-size", "16", "--dropout", "0"]
+
+
+def _compile_v5e(argv: list[str]) -> tuple[dict, int]:
+    """(figures, parameter count) of the step compiled for v5e:2x4, as `python -m trainer.plan` does."""
+    import argparse
+    opts = argparse.Namespace(devices=8, processes=1, tpu="v5e:2x4", chip_config="default", host_bounds="2,4,1",
+                              fallback_cpu=False, run_platform="cpu")
+    target = aot.target(opts)
+    built = aot.BUILDERS["pretrain"](parser().parse_args(argv), target)
+    n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(built.params))
+    return aot.figures(built, built.compile(), target, 0.0), n_params
+
+
+@needs_libtpu
+def test_the_chunked_loss_counts_as_much_work_as_the_full_logits():
+    """The TPU compiler counts a while loop's body once: the chunked loss's scan alone reports a quarter of the
+    output layer. Counted whole (its unrolled twin), the chunked step does the work of the full-logits one
+    within 2%, and both at least 6 x params x tokens per device."""
+    chunked, n_params = _compile_v5e([*WHOLE, "--loss-chunk", "64"])
+    full, _ = _compile_v5e([*WHOLE, "--loss-chunk", "0"])
+    assert chunked["counted"] == "unrolled" and full["counted"] == "program"
+    assert chunked["program_flops"] < 0.6 * chunked["flops"]  # the loop's body once: what the plan used to say
+    assert abs(chunked["flops"] - full["flops"]) <= 0.02 * full["flops"], (chunked["flops"], full["flops"])
+    six_nt = 6 * n_params * chunked["tokens_per_step"] / chunked["devices"]
+    assert chunked["flops"] >= six_nt and full["flops"] >= six_nt, (chunked["flops"], full["flops"], six_nt)
+    assert chunked["bytes_accessed"] > chunked["program_bytes_accessed"]
 
 
 # ---- must-show 2: Gemma LoRA from the size's real shapes, no weights -----------------------------------------
@@ -318,14 +359,36 @@ def test_does_not_fit_names_what_would_and_costs_add_up():
     assert "--mesh" not in by  # model=2: 8/2 + 32 = 36 GiB, model=4: 34 GiB; neither fits, so neither is named
     assert p.model_flops < p.figures["flops"] == p.flops  # the compiler's count when it is the larger
     t = p.timing()
+    # 1 GB at 1,200 GB/s is 0.8 ms: the 275 TFLOP at 275 TFLOP/s per device bound the step
+    assert t["bound"] == "compute" and t["step_s"] == pytest.approx(1.0) and t["r"] == pytest.approx(1 / 1200)
     assert t["step_s_at_peak"] == pytest.approx(1.0) and t["step_s_at_mfu"] == pytest.approx(2.0)
-    assert t["tokens_per_s_at_mfu"] == pytest.approx(65536 / 2)
-    assert t["wall_s"] == pytest.approx(7200)  # 3600 steps x 2 s
-    assert t["usd_on_demand"] == pytest.approx(2 * 4 * 3.22) and t["usd_spot"] == pytest.approx(2 * 4 * 0.92)
+    assert t["tokens_per_s_at_mfu"] == pytest.approx(65536 / 2) and t["tokens_per_s"] == pytest.approx(65536)
+    assert t["wall_s"] == pytest.approx(3600) and t["wall_s_at_mfu"] == pytest.approx(7200)  # 3600 steps x 1 s, 2 s
+    assert t["usd_on_demand"] == pytest.approx(4 * 3.22) and t["usd_spot"] == pytest.approx(4 * 0.92)
+    assert t["usd_on_demand_at_mfu"] == pytest.approx(2 * 4 * 3.22)
     text = render(p)
-    assert "DOES NOT FIT" in text and "--grad-accum 2" in text and "$25.76 on-demand" in text
+    assert "DOES NOT FIT" in text and "--grad-accum 2" in text and "$12.88 on-demand" in text
+    assert "bound by compute" in text and "at MFU 0.5: $25.76" in text
     fits = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(temp_bytes=10 * P.GIB, total_bytes=16 * P.GIB))
     assert fits.fits and P.suggest(fits) and "FITS" in render(fits)
+
+
+def test_the_step_time_is_a_roofline_that_names_its_bound():
+    """2.4 TB per device at v4's 1,200 GB/s take 2 s, the 275 TFLOP at its 275 TFLOP/s take 1 s: memory bounds the
+    step, r = 2; the assumed MFU's time stays beside it, labelled. A local slice's CPU devices get no time."""
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(bytes_accessed=2.4e12, counted="unrolled"), mfu=0.5)
+    t = p.timing()
+    assert t["bound"] == "memory" and t["memory_s"] == pytest.approx(2.0) and t["compute_s"] == pytest.approx(1.0)
+    assert t["step_s"] == pytest.approx(2.0) and t["r"] == pytest.approx(2.0) and t["step_s_at_mfu"] == pytest.approx(2.0)
+    assert t["wall_s"] == pytest.approx(3600 * 2.0) and t["hbm_bytes_s_per_device"] == 1200e9
+    out = p.to_json()
+    assert out["timing"]["bound"] == "memory" and out["counted"] == "unrolled"
+    text = render(p)
+    assert "bound by memory" in text and "r = memory/compute = 2.00" in text and "every loop's trips" in text
+    assert "an assumed MFU of 0.5" in text
+    v6e = P.Plan(catalog.lookup("v6e-8"), P.TPU, _figures(devices=8, bytes_accessed=1638e9))
+    assert v6e.roofline()["memory_s"] == pytest.approx(1.0)  # 1,638 GB/s per v6e chip
+    assert P.Plan(catalog.lookup("v4-8"), P.CPU, _figures()).timing() == {}
 
 
 def test_time_uses_the_arithmetic_when_the_compiler_counts_less():

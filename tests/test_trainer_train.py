@@ -65,12 +65,15 @@ def resume_runs(corpus, tmp_path_factory):
     assert main([*base, "--ckpt-dir", str(d / "resumed"), "--steps", "3"]) == 0
     shutil.copytree(d / "resumed", d / "cross")
     shutil.copytree(d / "resumed", d / "table")
+    shutil.copytree(d / "resumed", d / "split")
     assert main([*base, "--ckpt-dir", str(d / "resumed"), "--steps", "6"]) == 0
     cross = ["pretrain", "--data", corpus, *RUN, "--mesh", "data=4,model=2"]
     assert main([*cross, "--ckpt-dir", str(d / "cross"), "--steps", "4"]) == 0
     # The same step-3 checkpoint (table split over all 8 devices: --vocab-parallel auto is on at this size)
     # resumed with the table replicated.
     assert main([*base, "--vocab-parallel", "off", "--ckpt-dir", str(d / "table"), "--steps", "4"]) == 0
+    # ... and with AdamW's moments split over data (ZeRO-1) instead of whole on every device (the default)
+    assert main([*base, "--optimizer-state", "sharded", "--ckpt-dir", str(d / "split"), "--steps", "4"]) == 0
     return d
 
 
@@ -144,6 +147,14 @@ def test_checkpoint_restores_whether_the_table_is_split_or_replicated(resume_run
     table, straight = losses(resume_runs / "table"), losses(resume_runs / "straight")
     assert sorted(table) == [1, 2, 3, 4]
     assert table[4] == pytest.approx(straight[4], abs=1e-5)  # replicated table + all-reduce: same step
+
+
+def test_the_optimizer_state_split_over_data_or_replicated_gives_the_same_step(resume_runs):
+    """The step-3 checkpoint (moments replicated) restores with them split over the 8 devices, and that step 4
+    is the replicated one's: where the optimizer state lives changes no number."""
+    split, straight = losses(resume_runs / "split"), losses(resume_runs / "straight")
+    assert sorted(split) == [1, 2, 3, 4]
+    assert split[4] == pytest.approx(straight[4], abs=1e-5) and split[4] != straight[3]
 
 
 def _start_long_run(procs, corpus, tmp_path):

@@ -20,8 +20,8 @@ DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1
               help="Accelerator type to plan for, e.g. v4-8, v5litepod-8 (alias v5e-8), v5p-8, v6e-4.")
 @click.option("--steps", type=int, help="Steps for wall time and cost (default: the command's --steps).")
 @click.option("--mfu", type=float, default=0.5, show_default=True,
-              help="Assumed model FLOPs utilisation for step time, tokens/s, wall time and cost (an assumption, "
-                   "stated as one; the compiler's FLOPs at the chip's peak are shown too).")
+              help="Assumed model FLOPs utilisation for a second step time, tokens/s, wall time and cost (an "
+                   "assumption, stated as one, beside the roofline's: FLOPs at peak or bytes at HBM bandwidth).")
 @click.option("--local", is_flag=True, help="Plan for a local slice of that type: the CPU compiler on its emulated "
                                             "devices, what `tpuctl run` on a local slice checks.")
 @click.option("--no-cache", is_flag=True, help="Compile again even when this exact plan is cached "
@@ -45,8 +45,10 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
     (install with `pip install 'tpuctl[plan]'`); without it the CPU compiler's figures are shown, labelled
     as an estimate. Per device: parameters, optimizer state, temporaries, total, the chip's HBM, headroom and
     a verdict; when it does not fit, what would (estimated; the first one compiled to check) and the next
-    slice size that does (compiled). FLOPs per step from the compiler and from the model's arithmetic; step
-    time, tokens/s, wall time and $ (list price, on-demand and spot) at the chip's peak and at --mfu.
+    slice size that does (compiled). FLOPs and HBM bytes per step, counted whole (every loop's trips), from
+    the compiler, and FLOPs from the model's arithmetic; the step time as a roofline (the FLOPs at the chip's
+    peak or the bytes at its HBM bandwidth, whichever is longer: which one bounds the step, and their ratio r),
+    and at --mfu; tokens/s, wall time and $ (list price, on-demand and spot) for both.
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
     from orchestrator.cli.options import StatusLine, TpuctlError
@@ -113,22 +115,33 @@ def render(p: P.Plan) -> str:
         if p.alternative is not None:
             alt = p.alternative
             t = alt.timing()
-            cost = (f"; {t['steps']:,} steps in {t['wall_s'] / 3600:.2f} h at MFU {alt.mfu:g}: "
+            cost = (f"; {t['steps']:,} steps in {t['wall_s'] / 3600:.2f} h at its roofline: "
                     f"${t['usd_on_demand']:,.2f} on-demand, ${t['usd_spot']:,.2f} spot") if t else ""
             lines.append(f"  would fit: -a {alt.accelerator.name} (compiled: {P.gib(alt.total_bytes)} of "
                          f"{P.gib(alt.hbm_bytes)} per device, ${alt.accelerator.price_per_hour():.2f}/hour{cost})")
         if not p.suggestions and p.alternative is None:
             lines.append("  nothing this plan could try fits: shrink the model or pick another generation")
     used = "compiler" if p.flops == f["flops"] else "arithmetic"
-    lines.append(f"  compute per device per step: {f['flops'] / 1e12:.3g} TFLOP (compiler), "
-                 f"{p.model_flops / 1e12:.3g} TFLOP (model arithmetic); times below use the {used}'s")
+    counted = {"unrolled": "counted whole: every loop's trips", "program": "counted whole",
+               "loop bodies once": "a loop's body counted once: LOW"}.get(f.get("counted"), "")
+    lines.append(f"  compute per device per step: {f['flops'] / 1e12:.3g} TFLOP (compiler{', ' + counted if counted else ''}"
+                 f"), {p.model_flops / 1e12:.3g} TFLOP (model arithmetic); times below use the {used}'s")
     t = p.timing()
     if t:
-        lines += [f"  step time: {t['step_s_at_peak'] * 1e3:.3g} ms at peak ({a.generation.peak_bf16_tflops:g} "
-                  f"TFLOP/s/chip), {t['step_s_at_mfu'] * 1e3:.3g} ms at an assumed MFU of {p.mfu:g}",
-                  f"  tokens/s: {t['tokens_per_s_at_peak']:,.0f} at peak, {t['tokens_per_s_at_mfu']:,.0f} at "
+        a_peak = f"{a.generation.peak_bf16_tflops:g} TFLOP/s/chip"
+        if t["memory_s"] is not None:
+            lines.append(f"  step time: {t['step_s'] * 1e3:.3g} ms, bound by {t['bound']} (roofline: "
+                         f"{f['bytes_accessed'] / 1e9:.3g} GB at {a.generation.hbm_bytes_s / 1e9:g} GB/s/chip = "
+                         f"{t['memory_s'] * 1e3:.3g} ms; FLOPs at {a_peak} = {t['compute_s'] * 1e3:.3g} ms; "
+                         f"r = memory/compute = {t['r']:.2f})")
+        else:
+            lines.append(f"  step time: {t['step_s'] * 1e3:.3g} ms at peak ({a_peak}; no HBM bandwidth figure for "
+                         f"{a.generation.name}: compute only)")
+        lines += [f"  at an assumed MFU of {p.mfu:g} (an assumption, --mfu): {t['step_s_at_mfu'] * 1e3:.3g} ms",
+                  f"  tokens/s: {t['tokens_per_s']:,.0f} at the roofline, {t['tokens_per_s_at_mfu']:,.0f} at "
                   f"MFU {p.mfu:g}",
-                  f"  {t['steps']:,} steps: {t['wall_s'] / 3600:.2f} h at MFU {p.mfu:g}; ${t['usd_on_demand']:,.2f} "
-                  f"on-demand, ${t['usd_spot']:,.2f} spot (list prices ${t['price_per_hour_on_demand']:.2f}/"
-                  f"${t['price_per_hour_spot']:.2f} per hour; estimates)"]
+                  f"  {t['steps']:,} steps: {t['wall_s'] / 3600:.2f} h at the roofline: ${t['usd_on_demand']:,.2f} "
+                  f"on-demand, ${t['usd_spot']:,.2f} spot; {t['wall_s_at_mfu'] / 3600:.2f} h at MFU {p.mfu:g}: "
+                  f"${t['usd_on_demand_at_mfu']:,.2f} / ${t['usd_spot_at_mfu']:,.2f} (list prices "
+                  f"${t['price_per_hour_on_demand']:.2f}/${t['price_per_hour_spot']:.2f} per hour; estimates)"]
     return "\n".join(lines)

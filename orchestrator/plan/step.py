@@ -122,8 +122,8 @@ class Plan:
 
     @property
     def flops(self) -> float:
-        """Per device per step for time: the compiler's count, unless the arithmetic is larger. The compiler counts
-        a loop's body once (--grad-accum's scan) and no Pallas kernel, so it can fall short; never the other way."""
+        """Per device per step for time: the compiler's count (the whole step's: trainer/common/aot.py counts every
+        loop's trips), unless the arithmetic is larger: the compiler counts no Pallas kernel (splash attention)."""
         return max(self.figures.get("flops") or 0.0, self.model_flops)
 
     def step_s(self, mfu: float = 1.0) -> float | None:
@@ -132,17 +132,42 @@ class Plan:
             return None
         return self.flops * self.devices / (self.accelerator.peak_bf16_tflops * 1e12 * mfu)
 
+    def roofline(self) -> dict | None:
+        """Per device per step: the flops at the chip's bf16 peak (compute_s) and the bytes the compiler says the
+        step moves at the chip's HBM bandwidth (memory_s, None without a bandwidth figure or a byte count); the
+        step takes at least the larger of the two, whichever bounds it. r = memory_s / compute_s: above 1 the
+        step waits on memory. None on a local slice's CPU devices. Both counts are the whole step's
+        (trainer/common/aot.py counts every loop's trips)."""
+        compute = self.step_s()
+        if compute is None:
+            return None
+        a, f = self.accelerator, self.figures
+        bandwidth = a.generation.hbm_bytes_s
+        moved = f.get("bytes_accessed") or 0.0
+        memory = moved * self.devices / (bandwidth * a.chips) if bandwidth and moved else None
+        bound = "memory" if memory is not None and memory > compute else "compute"
+        return {"step_s": max(compute, memory or 0.0), "bound": bound, "compute_s": compute, "memory_s": memory,
+                "r": memory / compute if memory is not None else None,
+                "hbm_bytes_s_per_device": bandwidth * a.chips / self.devices if bandwidth else None,
+                "peak_flops_per_device": a.peak_bf16_tflops * 1e12 / self.devices}
+
     def timing(self) -> dict:
-        peak, at_mfu = self.step_s(), self.step_s(self.mfu)
-        if peak is None:
+        """Step time, tokens/s, wall time and cost: the roofline's (step_s, wall_s, usd_*) and, labelled as an
+        assumption, at --mfu (*_at_mfu)."""
+        roof = self.roofline()
+        if roof is None:
             return {}
+        peak, at_mfu, step = self.step_s(), self.step_s(self.mfu), roof["step_s"]
         tokens = self.figures["tokens_per_step"]
-        wall_h = self.run_steps * at_mfu / 3600
         a = self.accelerator
-        return {"step_s_at_peak": peak, "step_s_at_mfu": at_mfu, "tokens_per_s_at_peak": tokens / peak,
+        hours, hours_at_mfu = self.run_steps * step / 3600, self.run_steps * at_mfu / 3600
+        return {**roof, "counted": self.figures.get("counted"), "tokens_per_s": tokens / step,
+                "step_s_at_peak": peak, "step_s_at_mfu": at_mfu, "tokens_per_s_at_peak": tokens / peak,
                 "tokens_per_s_at_mfu": tokens / at_mfu, "mfu_assumed": self.mfu, "steps": self.run_steps,
-                "wall_s": wall_h * 3600, "usd_on_demand": wall_h * a.price_per_hour(),
-                "usd_spot": wall_h * a.price_per_hour(spot=True),
+                "wall_s": hours * 3600, "usd_on_demand": hours * a.price_per_hour(),
+                "usd_spot": hours * a.price_per_hour(spot=True), "wall_s_at_mfu": hours_at_mfu * 3600,
+                "usd_on_demand_at_mfu": hours_at_mfu * a.price_per_hour(),
+                "usd_spot_at_mfu": hours_at_mfu * a.price_per_hour(spot=True),
                 "price_per_hour_on_demand": a.price_per_hour(), "price_per_hour_spot": a.price_per_hour(spot=True)}
 
     def to_json(self) -> dict:
@@ -153,6 +178,10 @@ class Plan:
                "per_device": {k: f[k] for k in ("params_bytes", "optimizer_bytes", "argument_bytes", "output_bytes",
                                                 "alias_bytes", "temp_bytes", "code_bytes", "total_bytes", "flops",
                                                 "bytes_accessed")},
+               # flops and bytes_accessed count the whole step ("counted" says how); program_*: the compiled
+               # program's own figures, a loop's body counted once
+               "counted": f.get("counted"),
+               "program": {k: f[k] for k in ("program_flops", "program_bytes_accessed") if k in f},
                "headroom_bytes": self.headroom_bytes, "devices": f["devices"], "mesh": f["mesh"],
                "dtype": f["dtype"], "compile_s": f["compile_s"], "tokens_per_step": f["tokens_per_step"],
                "model_flops_per_token": f["model_flops_per_token"], "timing": self.timing(),

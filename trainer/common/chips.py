@@ -1,4 +1,4 @@
-"""Peak dense bf16 FLOP/s per chip, by jax `device_kind`: the one table. The trainer's MFU reads it by the devices
+"""Peak dense bf16 FLOP/s and HBM bandwidth per chip, by jax `device_kind`: the one table. The trainer's MFU reads it by the devices
 it runs on; the orchestrator's catalog reads it by each TPU generation's device kind. Jax-free.
 
 TPU figures are Google's per-chip numbers (the catalog's sources [1]-[5], orchestrator/catalog.py); v2's is
@@ -19,4 +19,16 @@ PEAK_FLOPS = {
     "NVIDIA H100 80GB HBM3": 989e12,
     "NVIDIA A100-SXM4-80GB": 312e12,
     "NVIDIA A100-SXM4-40GB": 312e12,
+}
+
+# HBM bandwidth per chip, bytes/s: Google's per-chip figures (the catalog's sources [1]-[4]: v6e "1638 GBps",
+# v5e "819 GBps", v5p "2765 GBps", v4 "1200 GBps"). A plan's step time is a roofline over these and PEAK_FLOPS.
+HBM_BYTES_S = {
+    "TPU v4": 1200e9,        # [4]
+    "TPU v5 lite": 819e9,    # [2]
+    "TPU v5e": 819e9,
+    "TPU v5": 2765e9,        # [3]
+    "TPU v5p": 2765e9,
+    "TPU v6 lite": 1638e9,   # [1]
+    "TPU v6e": 1638e9,
 }

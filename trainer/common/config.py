@@ -63,10 +63,16 @@ class TrainConfig:
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
     attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
-    # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. 128: the least HBM traffic of
-    # 128/256/512 for gpt2-124m on v5e-8 in the TPU compiler's estimate (make bench, section [10]).
-    loss_chunk: int = 128
+    # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
+    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries: for gpt2-124m on
+    # v5e-8 (tpuctl plan, libtpu 0.0.42.1) 128 moved 54.2 GB with 2.71 GiB of temporaries, 256 46.6 GB with 2.99,
+    # 512 45.7 GB with 3.30; 256 takes most of the bytes off for little memory.
+    loss_chunk: int = 256
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
+    # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: as written
+    # (the gradients constrained to the split) the TPU compiler's gpt2-124m step on v5e-8 moved more bytes (71 GB
+    # against 54) and held more temporaries (4.1 GiB against 2.7): `make bench` section [14] keeps its row.
+    optimizer_state: str = "replicated"
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
     ckpt_every: int = 100
@@ -141,6 +147,9 @@ HELP = {
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
              "outputs; full: only its input) and so recomputes; trades compute for memory",
+    "optimizer_state": "replicated or sharded: each parameter's AdamW moments whole on every device, or split "
+                       "over the mesh's data axis (ZeRO-1: the gradients are reduce-scattered, each device updates "
+                       "its share of the moments and the parameters, then the parameters are gathered)",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
     "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
@@ -220,6 +229,8 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
+    if t.optimizer_state not in ("sharded", "replicated"):
+        raise UsageError(f"--optimizer-state {t.optimizer_state}: choose sharded or replicated")
     if t.loss_chunk < 0:
         raise UsageError(f"--loss-chunk {t.loss_chunk}: must not be negative (0 = no chunks)")
     if t.dtype not in ("auto", "float32", "bfloat16"):

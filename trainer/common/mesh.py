@@ -34,6 +34,10 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 # --vocab-parallel: the tied embedding's vocab rows over every device (trainer/models/vocab_parallel.py).
 VOCAB_PARALLEL_RULES = {**RULES, "vocab": AXES}
+# ZeRO-1 (--optimizer-state sharded): a parameter's optimizer state, and its gradient where the update reads
+# it, are also split over this axis, on the first dimension the parameter's own sharding leaves whole and the
+# axis divides (trainer/common/optim.py). Each device updates its share; the parameters are then gathered.
+STATE_SPLIT = "data"
 
 
 def init_distributed() -> bool:
@@ -239,6 +243,20 @@ def fitted_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape
         used |= set(names)
         out.append(m)
     return P(*out)
+
+
+def split_state(s: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """A parameter's sharding `s` with STATE_SPLIT added on the first dimension it leaves whole that the axis
+    divides; `s` itself when it already uses the axis (fsdp) or no dimension takes it."""
+    n = s.mesh.shape.get(STATE_SPLIT, 1)
+    spec = tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
+    used = {a for p in spec for a in ((p,) if isinstance(p, str) else (p or ()))}
+    if n == 1 or STATE_SPLIT in used:
+        return s
+    for i, (p, size) in enumerate(zip(spec, shape)):
+        if p is None and size % n == 0:
+            return NamedSharding(s.mesh, P(*spec[:i], STATE_SPLIT, *spec[i + 1:]))
+    return s
 
 
 def compute_dtype(name: str, platform: str | None = None):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainer.common import mesh as mesh_lib
 from trainer.common.config import TrainConfig
 
 
@@ -36,11 +37,21 @@ def make(t: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def state_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings, replicated):
-    """Optimizer-state shardings: a moment mirrors its parameter's sharding; scalars are replicated.
+def split_shardings(abstract_params, param_shardings):
+    """ZeRO-1: each parameter's sharding with the data axis added (trainer.common.mesh.split_state): what its
+    optimizer moments are kept in, and its gradient constrained to before the update."""
+    return jax.tree.map(lambda a, s: mesh_lib.split_state(s, a.shape), abstract_params, param_shardings)
+
+
+def state_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings, replicated,
+                    split: bool = False):
+    """Optimizer-state shardings: a moment mirrors its parameter's sharding (split: with the data axis added,
+    ZeRO-1, `split_shardings`); scalars are replicated.
 
     Matched by key path: an optimizer leaf whose path ends with a parameter's path takes its sharding.
     """
+    if split:
+        param_shardings = split_shardings(abstract_params, param_shardings)
     table = {tuple(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
     abstract_state = jax.eval_shape(tx.init, abstract_params)
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from trainer.common import scans
 from trainer.common.mesh import VOCAB_PARALLEL_RULES
 from trainer.models.xent import chunk_of
 
@@ -74,14 +75,14 @@ def _local_xent(x, table, targets, vocab_size: int, with_grads: bool, chunk: int
     if not with_grads:
         def loss_only(acc, xt):
             return acc + _chunk_xent(xt[0], table, xt[1], vocab_size, False, n_total), None
-        return jax.lax.scan(loss_only, jnp.zeros((), jnp.float32), (xs, ts))[0]
+        return scans.scan(loss_only, jnp.zeros((), jnp.float32), (xs, ts))[0]
 
     def body(carry, xt):  # the table's gradient accumulates; each chunk's dx is its own
         loss, dtable = carry
         lc, dx, dtc = _chunk_xent(xt[0], table, xt[1], vocab_size, True, n_total)
         return (loss + lc, dtable + dtc), dx
     zero = (jnp.zeros((), jnp.float32), jnp.zeros(table.shape, jnp.float32))
-    (loss, dtable), dxs = jax.lax.scan(body, zero, (xs, ts))
+    (loss, dtable), dxs = scans.scan(body, zero, (xs, ts))
     return loss, dxs.swapaxes(0, 1).reshape(b, t, d), dtable
 
 

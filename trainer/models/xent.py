@@ -2,20 +2,29 @@
 
 The full output layer of a step is [B, T, V] f32 logits (for GPT-2's 50k vocabulary and 8 x 1024 tokens per
 device, 1.65 GB a copy), and autodiff keeps it for the backward pass. Here the positions are split into
-chunks of `chunk`; a scan computes each chunk's logits, its log-sum-exp and target logit, and drops them.
-The chunk body is under `jax.checkpoint` with nothing saved: the backward pass recomputes one chunk's logits
-at a time (one extra output matmul per chunk) and the [V, D] gradient accumulates in the scan's carry. So at
-most one chunk's logits are alive at once, forward or backward.
+chunks of `chunk`, and the gradients are computed in the same pass as the loss (a custom VJP): for each chunk a
+scan computes its logits, their log-sum-exp and target logit, d loss / d logits = (softmax - onehot) / N, the
+chunk's hidden-state gradient and its share of the table's gradient, and drops the logits. So at most one
+chunk's logits are alive at once, the logits are computed once (no recompute in a backward pass: the same three
+output-layer matmuls per token as the full logits' forward and backward), and the backward pass only scales the
+saved gradients by the loss's cotangent.
+
+The table's gradient accumulates in the carry per batch shard ([shards, V, D], each device adding only its own
+rows' contribution): summed over the shards once after the loop, not all-reduced every chunk.
 
 Numerically the same loss and gradients as `gpt2.loss_fn` on the full logits (tests compare them); only
 the order of the final sum over tokens differs.
 """
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
-from trainer.common.mesh import fitted_spec
+from trainer.common import scans
+from trainer.common.mesh import RULES, fitted_spec
 
 
 def _constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
@@ -52,23 +61,84 @@ def chunk_of(chunk: int, seq_len: int) -> int:
     return max(c for c in range(1, chunk + 1) if seq_len % c == 0)
 
 
-def chunked(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int, vocab_size: int | None = None,
-            softcap: float | None = None) -> jax.Array:
-    """Mean cross-entropy (f32) of hidden states x [B, T, D] against int targets [B, T], never holding more
-    than one chunk of positions' logits (chunk_of(chunk, T) of them)."""
+def _batch_shards(batch: int) -> int:
+    """How many ways the mesh splits the batch (the "batch" rule's axes), when they divide it; 1 off a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    axes = RULES["batch"] if isinstance(RULES["batch"], tuple) else (RULES["batch"],)
+    n = math.prod(dict(mesh.shape).get(a, 1) for a in axes)
+    return n if batch % n == 0 else 1
+
+
+def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: float | None, grads: bool):
+    """The summed-then-averaged loss over chunks of positions, and with grads its (dx, dtable)."""
     b, t, d = x.shape
     c = chunk_of(chunk, t)
-    n = t // c
+    n, total = t // c, b * t
     # [n, B, c, D]: the batch stays on its devices, each scan step takes one block of positions.
     xs = _constrain(x.reshape(b, n, c, d).swapaxes(0, 1), (None, "batch", "seq", "embed"))
     ts = _constrain(targets.reshape(b, n, c).swapaxes(0, 1), (None, "batch", "seq"))
+    w = table.astype(x.dtype)
+    s = _batch_shards(b)
 
-    @jax.checkpoint  # nothing saved: the chunk's logits are recomputed in the backward pass, not kept
-    def body_sum(table, xc, tc):
-        return jnp.sum(token_xent(logits(xc, table, vocab_size, softcap), tc))
+    def chunk_loss(xc, tc):
+        z = jnp.einsum("btd,vd->btv", xc, w, preferred_element_type=jnp.float32)
+        z = _constrain(z, ("batch", "seq", "vocab"))
+        capped = jnp.tanh(z / softcap) if softcap is not None else None
+        lg = capped * softcap if softcap is not None else z
+        if vocab_size is not None and vocab_size != table.shape[0]:
+            lg = jnp.where(jnp.arange(table.shape[0]) < vocab_size, lg, -1e9)
+        logz = jax.nn.logsumexp(lg, axis=-1)
+        picked = jnp.take_along_axis(lg, tc[..., None], axis=-1)[..., 0]
+        return jnp.sum(logz - picked), lg, logz, capped
 
-    def step(total, xt):
-        return total + body_sum(table, *xt), None
+    if not grads:
+        def step(acc, xt):
+            return acc + chunk_loss(*xt)[0], None
+        loss, _ = scans.scan(step, jnp.zeros((), jnp.float32), (xs, ts))
+        return loss / total
 
-    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (xs, ts))
-    return total / (b * t)
+    def step(carry, xt):
+        acc, dtable = carry
+        xc, tc = xt
+        lc, lg, logz, capped = chunk_loss(xc, tc)
+        # d loss / d logits = (softmax - onehot) / total; padding columns get exp(-1e9 - logz) = 0.
+        dz = jnp.exp(lg - logz[..., None])
+        dz = jnp.where(jnp.arange(table.shape[0]) == tc[..., None], dz - 1.0, dz) / total
+        if softcap is not None:
+            dz = dz * (1.0 - jnp.square(capped))
+        dz = dz.astype(x.dtype)
+        dxc = jnp.einsum("btv,vd->btd", dz, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        # Each batch shard's contribution to the table's gradient stays on its devices: [s, V, D].
+        dzs = dz.reshape(s, dz.shape[0] // s, *dz.shape[1:])
+        xcs = xc.reshape(s, xc.shape[0] // s, *xc.shape[1:])
+        part = jnp.einsum("sbtv,sbtd->svd", dzs, xcs, preferred_element_type=jnp.float32)
+        return (acc + lc, dtable + _constrain(part, ("batch", "vocab", "embed"))), dxc
+
+    zero = (jnp.zeros((), jnp.float32),
+            _constrain(jnp.zeros((s, *table.shape), jnp.float32), ("batch", "vocab", "embed")))
+    (loss, dtable), dxs = scans.scan(step, zero, (xs, ts))
+    dx = dxs.swapaxes(0, 1).reshape(b, t, d)
+    return loss / total, dx, dtable.sum(0).astype(table.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int, vocab_size: int | None = None,
+            softcap: float | None = None) -> jax.Array:
+    """Mean cross-entropy (f32) of hidden states x [B, T, D] against int targets [B, T], never holding more
+    than one chunk of positions' logits (chunk_of(chunk, T) of them); its gradients come from the same pass."""
+    return _chunks(x, table, targets, chunk, vocab_size, softcap, grads=False)
+
+
+def _chunked_fwd(x, table, targets, chunk, vocab_size, softcap):
+    loss, dx, dtable = _chunks(x, table, targets, chunk, vocab_size, softcap, grads=True)
+    return loss, (dx, dtable)
+
+
+def _chunked_bwd(chunk, vocab_size, softcap, res, g):
+    dx, dtable = res
+    return (dx * g).astype(dx.dtype), dtable * g, None
+
+
+chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -17,7 +17,7 @@ import optax
 from etils import epath
 from flax import nnx
 
-from trainer.common import checkpoint, loop, metrics, optim, profiling, wandb_log
+from trainer.common import checkpoint, loop, metrics, optim, profiling, scans, wandb_log
 from trainer.common import mesh as mesh_lib
 from trainer.pretrain import data, tokenizers
 from trainer.common.mesh import compute_dtype
@@ -79,11 +79,13 @@ class Steps:
         shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(gpt2.GPT2(m, nnx.Rngs(0)), nnx.Param)))
         self.abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                             shapes, self.param_sh)
-        self.opt_sh = optim.state_shardings(self.tx, self.abstract_params, self.param_sh, self.rep)
+        # --optimizer-state sharded (ZeRO-1): the moments, and the gradients the update reads, split over data
+        self.split = t.optimizer_state == "sharded"
+        self.grad_sh = optim.split_shardings(self.abstract_params, self.param_sh) if self.split else None
+        self.opt_sh = optim.state_shardings(self.tx, self.abstract_params, self.param_sh, self.rep, split=self.split)
         self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                          jax.eval_shape(self.tx.init, self.abstract_params), self.opt_sh)
-        self._train = jax.jit(self._train_step, in_shardings=(self.param_sh, self.opt_sh, self.batch_sh, self.rep),
-                              out_shardings=(self.param_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
+        self._train = self._jit_train(self._train_step)
         self._eval = jax.jit(self._eval_step, in_shardings=(self.param_sh, self.batch_sh), out_shardings=self.rep)
         self.train_fn = self.eval_fn = None
         self.wait_each_step = mesh_lib.one_step_in_flight(mesh)
@@ -114,12 +116,18 @@ class Steps:
                 out = grad(params, mb, jax.random.fold_in(key, i))
                 return jax.tree.map(jnp.add, acc, out), None
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(a), micro))
+            (loss, grads), _ = scans.scan(body, zero, (jnp.arange(a), micro))
             loss, grads = loss / a, jax.tree.map(lambda g: g / a, grads)
+        if self.grad_sh is not None:  # reduce-scattered: each device updates its share of the state
+            grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "lr": self.lr(step - 1)}
+
+    def _jit_train(self, fn):
+        return jax.jit(fn, in_shardings=(self.param_sh, self.opt_sh, self.batch_sh, self.rep),
+                       out_shardings=(self.param_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
 
     def _eval_step(self, params, batch):
         return self._loss(params, batch, None)
@@ -129,14 +137,23 @@ class Steps:
     def compile(self) -> float:
         """Ahead-of-time compile of the train step, so no step's time includes compilation."""
         t0 = time.perf_counter()
-        t, m = self.cfg.train, self.cfg.model
-        batch = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), jnp.int32, sharding=self.batch_sh)
-        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
         with jax.set_mesh(self.mesh):
-            self.train_fn = self._train.lower(self.abstract_params, self.abstract_opt, batch, step).compile()
+            self.train_fn = self._train.lower(*self._train_args()).compile()
         took = time.perf_counter() - t0
         mesh_lib.meet("the compiled train step")
         return took
+
+    def _train_args(self):
+        t, m = self.cfg.train, self.cfg.model
+        batch = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), jnp.int32, sharding=self.batch_sh)
+        return self.abstract_params, self.abstract_opt, batch, jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
+
+    def compile_unrolled(self):
+        """The train step with every loop written out (trainer/common/scans.py), compiled for its cost analysis
+        only: a plan's whole-step flops and bytes. Never run. A jit of its own, so that nothing traced for the
+        real step (whose loops stay loops) is reused."""
+        with scans.unrolled(), jax.set_mesh(self.mesh):
+            return self._jit_train(lambda *a: self._train_step(*a)).lower(*self._train_args()).compile()
 
     def init(self):
         params = self._settled(gpt2.init_params(self.cfg.model, self.cfg.train.seed, self.mesh, self.rules))
