@@ -75,6 +75,7 @@ class WandbLog:
         try:
             run.finish()
             if self._staging:
+                _settled(Path(self._staging, "wandb"))
                 for f in sorted(Path(self._staging, "wandb").rglob("*")):
                     if f.is_file() and not f.is_symlink():
                         dest = self.remote_dir / f.relative_to(Path(self._staging, "wandb")).as_posix()
@@ -83,3 +84,20 @@ class WandbLog:
         finally:
             if self._staging:
                 shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _settled(folder: Path, quiet_s: float = 1.0, limit_s: float = 20.0) -> None:
+    """Wait until no file under `folder` has changed for quiet_s (at most limit_s): wandb's service process may
+    still be writing the run's .wandb log after finish() returns, and a copy taken then holds no history."""
+    import time
+
+    def sizes() -> dict:
+        return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*") if f.is_file()}
+    deadline, last, since = time.monotonic() + limit_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = sizes()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
