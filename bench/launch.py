@@ -1,4 +1,4 @@
-"""Issue 4's bench: `tpuctl run` on a local slice of 1, 4, 16 real sshd hosts (orchestrator.jobs.runner.run_job).
+"""The launch bench: `tpuctl run` on a local slice of 1, 4, 16 real sshd hosts (orchestrator.jobs.runner.run_job).
 
 Per host count: push+install time of this checkout's bundle (a cold dependency layer installed from the
 machine's already-filled wheelhouse, so no download is timed, then a second run whose unchanged bundle
