@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -326,19 +326,8 @@ _ROUTES = [
 
 
 def _handler(state: SecretsState, log: Callable[[str], None] | None):
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):  # the one log is `log` in _do: method, path, caller, status; never a body
-            pass
-
-        def _send(self, code: int, obj: dict) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json; charset=utf-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    class H(serving.JsonHandler):
+        # The one log is `log` in _do: method, path, caller, status; never a body.
 
         def _do(self, method: str) -> None:
             url = urlsplit(self.path)

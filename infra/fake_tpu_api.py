@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from infra import serving
 from infra.serving import Control
 from infra.gcp_ids import project_number
 
@@ -1283,23 +1284,9 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port", file=sys.stderr)
         return 2
-    port = server.server_address[1]
-    info = {"pid": os.getpid(), "host": a.host, "port": port, "url": f"http://{a.host}:{port}"}
-    if a.ready_file:
-        tmp = f"{a.ready_file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(info, fh)
-        os.replace(tmp, a.ready_file)
-    print(f"fake Cloud TPU API listening on {info['url']}", flush=True)
     if a.idle_timeout > 0:
         threading.Thread(target=_watch_idle, args=(server, a.idle_timeout), daemon=True).start()
-    try:
-        server.serve_forever(poll_interval=0.1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return serving.serve(server, a.host, a.ready_file, "fake Cloud TPU API")
 
 
 if __name__ == "__main__":

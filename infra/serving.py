@@ -9,7 +9,7 @@ import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Control:
@@ -27,6 +27,23 @@ class Control:
                 return json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"/_fake/{what}: {e.code} {e.read().decode(errors='replace')}") from None
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A stand-in's request handler: HTTP/1.1 with JSON answers, and no request log of http.server's own (each
+    stand-in logs what it chooses, never a body)."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
 
 @dataclass
