@@ -38,6 +38,9 @@ A control API under /_fake/ (JSON; FakeControl is its client):
   POST zones {zones: {zone: [types]}} or {zone, accelerator_types} · runtime_versions {versions}
   POST reservations {name}           a reservation that a queued resource's reservationName may name
   POST workers {ips: [...] | null}   nodes created afterwards get these IPs (ipAddress and externalIp), port 8470
+  POST vm_hosts {node, name, hosts, base_dir, fresh?, authorized_keys?}   local mode: the node's VMs as sshd
+       hosts (a LocalSlice) started by this process and bound to the node: a preemption or delete of the node
+       stops them, as the cloud kills its VMs
   POST node_workers {node, ips, external?}  set them on an existing node (external: other external IPs)
   POST guest_attributes {node, worker, items: [{namespace?, key, value}], namespace?}   what a worker's guest
                                      agent publishes (namespace: replace only that one's items, e.g. hostkeys)
@@ -277,6 +280,9 @@ class FakeTpu:
         self._ids = itertools.count(1)
         self.last_request = time.monotonic()
         self._failed: dict[str, dict] = {}  # plain nodes that failed to create -> the error their LRO reports
+        # Local mode's VMs: node -> the local slice (infra/local_slice.py) whose sshd hosts are its VMs. They die
+        # with the node (preempted, deleted), as real VMs do, whoever is watching or not.
+        self.vm_hosts: dict[str, dict] = {}
 
     # ---- clock ------------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -337,6 +343,8 @@ class FakeTpu:
             self._gone("queuedResource", q)
 
     def _gone(self, kind: str, obj) -> None:
+        if kind == "node":
+            self._vms_die(obj.name)
         (self.nodes if kind == "node" else self.qrs).pop(obj.name, None)
         self.gone.append({"kind": kind, "name": obj.name, "history": list(obj.history)})
 
@@ -633,6 +641,7 @@ class FakeTpu:
             # queued resource); the queued resource then goes SUSPENDING -> SUSPENDED.
             if n.state != "DELETING":
                 n.state, n.t_gone = "DELETING", self._deleting(n.hosts, now)
+            self._vms_die(n.name)
             q = self.qrs.get(n.qr or "")
             if q is not None and q.state in ("ACTIVE", "PROVISIONING"):
                 q.state = "SUSPENDING"
@@ -650,6 +659,7 @@ class FakeTpu:
             for node in nodes:  # force: every node of it, every slice of a multislice one
                 if node.state != "DELETING":
                     node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
+                self._vms_die(node.name)
         return self.op_json(self._new_op("delete", kind, project, zone, name, now))
 
     def get_guest_attributes(self, name: str, query_path: str = "", worker_ids: list | None = None) -> dict:
@@ -740,8 +750,18 @@ class FakeTpu:
         if n.state != "READY":
             raise ApiError(400, f"node {n.name} is {n.state}, only a READY node can be preempted", status="FAILED_PRECONDITION")
         n.state = to
+        self._vms_die(n.name)  # a preemption kills the VMs, and every process and SSH session on them
         self.tick()  # in a queued resource: the node goes DELETING at once, the queued resource SUSPENDING
         return self.node_json(n)
+
+    def bind_vms(self, node: str, name: str, base_dir: str) -> None:
+        self.vm_hosts[self._find_node(node).name] = {"name": name, "base_dir": base_dir}
+
+    def _vms_die(self, node: str) -> None:
+        b = self.vm_hosts.pop(node, None)
+        if b is not None:
+            from infra.local_slice import LocalSlice
+            LocalSlice.stop_by_name(b["name"], b["base_dir"])
 
     def _find_node(self, node: str) -> _Node:
         if node in self.nodes:
@@ -783,6 +803,8 @@ class FakeTpu:
         self.injections.clear()
         self.reservations.clear()
         self.worker_ips = None
+        for node in list(self.vm_hosts):
+            self._vms_die(node)
         self.config = dataclasses.replace(self._initial)
         self.zones = {z: list(t) for z, t in (self.config.zones or default_zones()).items()}
         self.runtime_versions = list(self.config.runtime_versions or default_runtime_versions())
@@ -1004,6 +1026,8 @@ class _Handler(BaseHTTPRequestHandler):
         q = parse_qs(url.query)
         try:
             body = self._body() if method in ("POST", "PATCH") else {}
+            if url.path == "/_fake/vm_hosts" and method == "POST":
+                return self._send(200, self._start_vms(body))
             with self.fake.lock:
                 self.fake.last_request = time.monotonic()
                 if url.path.startswith("/_fake/"):
@@ -1065,6 +1089,24 @@ class _Handler(BaseHTTPRequestHandler):
                 f.check_request("locations", p, None)
                 return {"locations": [{"name": f"projects/{p}/locations/{zz}", "locationId": zz} for zz in f.zones]}
         raise ApiError(404, f"no such method: {method} {path}")
+
+    def _start_vms(self, body: dict) -> dict:
+        """Local mode: the node's VMs as sshd hosts on this machine (LocalSlice), started here, outside any
+        caller's namespaces, so they outlive whoever asked (a managed job's controller host too), and bound to
+        the node so that they die with it. Slow (seconds): outside the lock."""
+        from infra.local_slice import LocalSlice, LocalSliceError
+        with self.fake.lock:
+            self.fake._find_node(body["node"])
+        try:
+            s = LocalSlice.start(body["name"], int(body["hosts"]), body["base_dir"], fresh=bool(body.get("fresh")),
+                                 authorized_keys=tuple(body.get("authorized_keys") or ()))
+        except (LocalSliceError, OSError) as e:
+            raise ApiError(409, f"local hosts for {body['node']}: {e}")
+        with self.fake.lock:
+            self.fake.bind_vms(body["node"], s.name, s.base_dir)
+        d = dataclasses.asdict(s)
+        d["host_keys"] = [s.host_keys(h.index) for h in s.hosts]
+        return d
 
     def _control(self, method: str, what: str, body: dict, q: dict):
         f = self.fake
@@ -1228,6 +1270,14 @@ class FakeControl(Control):
 
     def reset(self) -> dict:
         return self.call("POST", "reset", {})
+
+    def start_vms(self, node: str, name: str, hosts: int, base_dir: str, *, fresh: bool = False,
+                  authorized_keys: tuple[str, ...] = ()) -> dict:
+        """Local mode: start `node`'s VMs as local slice `name` (sshd hosts) from the stand-in's own process and
+        bind them to the node: they stop when it is preempted or deleted. Returns the slice's record (its
+        `LocalSlice` fields) with each host's published `host_keys`."""
+        return self.call("POST", "vm_hosts", {"node": node, "name": name, "hosts": hosts, "base_dir": base_dir,
+                                              "fresh": fresh, "authorized_keys": list(authorized_keys)})
 
 
 @dataclass

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.local_slice import tpuctl_home as _home
+from infra.local_slice import machine_dir
 
 
 class GcsError(RuntimeError):
@@ -75,7 +75,9 @@ class GcsEmulator:
         return emulator_env(self.endpoint)
 
     def alive(self) -> bool:
-        return _is_server(self.pid) and _ready(self.endpoint)
+        # Its answer is what counts: a process in another PID namespace (a managed job's controller host) cannot
+        # see the server's pid, and only a fake-gcs-server answers the bucket list this way.
+        return _ready(self.endpoint)
 
     def create_bucket(self, name: str) -> None:
         create_bucket(self.endpoint, name)
@@ -98,8 +100,12 @@ class GcsEmulator:
             pass
 
 
+def _local_dir(home: Path | None) -> Path:
+    return home / "local" if home else machine_dir()
+
+
 def _record_path(home: Path | None) -> Path:
-    return (home or _home()) / "local" / "gcs.json"
+    return _local_dir(home) / "gcs.json"
 
 
 def running(home: Path | str | None = None) -> GcsEmulator | None:
@@ -116,13 +122,13 @@ def start(*, port: int | None = None, home: Path | str | None = None, backend: s
           data_dir: str | None = None, buckets: tuple[str, ...] = (), reuse: bool = True,
           record: bool = True, timeout: float = 15.0) -> GcsEmulator:
     """Start fake-gcs-server on 127.0.0.1 (or reuse the recorded one) and create the buckets."""
-    home = Path(home) if home else _home()
+    home = Path(home) if home else None
     emu = running(home) if reuse else None
     if emu is None:
         port = port or _free_port()
         if backend not in ("memory", "filesystem"):
             raise GcsError(f"backend must be memory or filesystem, not {backend!r}")
-        log_dir = home / "local"
+        log_dir = _local_dir(home)
         log_dir.mkdir(parents=True, exist_ok=True)
         args = [str(binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
                 "-external-url", f"http://127.0.0.1:{port}", "-backend", backend, "-log-level", "error"]

@@ -35,8 +35,16 @@ def tpuctl_home() -> Path:
     return Path(os.environ.get("TPUCTL_HOME") or Path.home() / ".tpuctl")
 
 
+def machine_dir() -> Path:
+    """Where local mode's "cloud" keeps its records on this machine (stand-ins, hosts, the GCS emulator):
+    TPUCTL_LOCAL_DIR, else $TPUCTL_HOME/local. A managed job's controller host has its own TPUCTL_HOME and is
+    given the machine's dir here, as a real controller reaches the same cloud as the laptop."""
+    d = os.environ.get("TPUCTL_LOCAL_DIR")
+    return Path(d) if d else tpuctl_home() / "local"
+
+
 def default_base_dir() -> Path:
-    return tpuctl_home() / "local" / "slices"
+    return machine_dir() / "slices"
 
 
 class LocalSliceError(RuntimeError):
@@ -116,6 +124,16 @@ class LocalSlice:
 
     def alive(self) -> list[bool]:
         return [_pid_in_ns(h.init_pid, h.pidns) for h in self.hosts]
+
+    def answering(self, timeout: float = 2.0) -> bool:
+        """Every host's sshd accepts a connection: what a process in another host's PID namespace (a managed
+        job's controller) can check, where the hosts' processes are not visible."""
+        for h in self.hosts:
+            try:
+                socket.create_connection((h.ip, h.port), timeout=timeout).close()
+            except OSError:
+                return False
+        return True
 
     # ---------------------------------------------------------------- start
     @classmethod

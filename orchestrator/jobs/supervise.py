@@ -2,8 +2,6 @@
 
 The trainer resumes from the latest Orbax step in --ckpt-dir by itself, so relaunching the same command is
 the whole recovery. Only a lost slice is retried: a crash on a READY node is the user's bug and fails as before.
-Each attempt runs inside the slice's provider's `while_running` (where a preemption's effect on the VMs is
-played when the place cannot do it by itself).
 """
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from orchestrator import provider, slices, state
+from orchestrator import slices, state
 from orchestrator.access.hosts import HostError
 from orchestrator.jobs.runner import PREEMPTED, RunFailed, RunResult, write_json
 from orchestrator.spec import UserError
@@ -193,8 +191,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             raise UserError(f"no slice named {name} in the local record (see `tpuctl ls`)")
         try:
             t_attempt = time.monotonic()
-            with provider.of(rec).while_running(name, lambda: lost(name), progress):
-                result = run_once(restarts)
+            result = run_once(restarts)
             attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None,
                                      time.monotonic() - t_attempt))
             attempts[-1]["recover_s"] = recover

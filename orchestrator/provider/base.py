@@ -2,9 +2,8 @@
 defaults; orchestrator/provider/__init__.py picks the implementation."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 from orchestrator.provider import cloud
 from orchestrator.provider.cloud import Api
@@ -71,12 +70,6 @@ class Provider:
     # ---- the VMs' end
     def release(self, name: str, progress: Progress) -> None:
         """The slice's VMs are gone (deleted or preempted): end what goes with them."""
-
-    @contextlib.contextmanager
-    def while_running(self, name: str, lost: Callable[[], str | None], progress: Progress) -> Iterator[None]:
-        """Around one run on the slice. lost() is the node's state when its VMs are gone, else None. What a
-        preemption does to the VMs happens by itself on real ones."""
-        yield
 
     def orphans(self, recorded: set[str]) -> list[str]:
         """`gc`: names of slices no record names any more for which this place still runs something (`release`

@@ -3,11 +3,11 @@
 The Cloud TPU API is the stand-in (infra/fake_tpu_api.py, a background server this provider starts and reuses),
 talked to by the same client as the real one. What the stand-in cannot be, this provider owns:
 - hosts: each worker is an sshd in its own namespaces on a loopback address (infra/local_slice.py), started
-  when the node is READY and stopped when it is deleted or preempted;
+  when the node is READY;
 - storage: a gs:// path is the GCS emulator (infra/gcs.py), whose endpoint the hosts get in their environment;
 - devices: every host emulates its accelerator's device count on CPU (TPUCTL_EMULATE_DEVICES);
-- a preemption: the stand-in only flips the node's state, while real VMs die with it; while a run is on, this
-  provider stops the hosts once the node is no longer READY.
+- a preemption: the stand-in starts each node's hosts itself (`FakeControl.start_vms`) and stops them when
+  the node is preempted or deleted, as real VMs die with it, whether or not anyone is watching.
 It is the only module above infra/ that imports a stand-in.
 """
 from __future__ import annotations
@@ -20,11 +20,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, Iterator
 
 from orchestrator import state
 from orchestrator.provider import cloud
@@ -82,7 +80,7 @@ class LocalProvider(Provider):
         Without root or sshd (or for a huge slice) the node keeps the stand-in's made-up addresses: `up`,
         `status` and `down` still work, and `run` says why it cannot connect."""
         from infra.fake_tpu_api import FakeControl
-        from infra.local_slice import LocalSlice, LocalSliceError
+        from infra.local_slice import LocalHost, LocalSlice, default_base_dir
         from orchestrator.access.sshkeys import parse_metadata
 
         n = len(rec.workers)
@@ -105,38 +103,46 @@ class LocalProvider(Provider):
         # with that node alone, as one preempted slice's do.
         names = _host_slices(rec)
         per = n // len(names)
+        # The stand-in starts the VMs (outside this process's namespaces, so they outlive it: a managed job's
+        # controller recreates slices from inside its own host) and stops them when the node is preempted or
+        # deleted, as the cloud kills its VMs.
+        control = FakeControl(api_url(), timeout=120)
         started: list = []
         try:
-            for hname in names:
+            for node_name, hname in zip(rec.nodes, names):
                 root_keys = tuple(k for u, k in keys if u == "root")
                 if started:  # every slice's hosts let in the one client key that `run` uses (slice 0's)
-                    root_keys += (Path(started[0].ssh_key + ".pub").read_text().strip(),)
+                    root_keys += (Path(started[0][0].ssh_key + ".pub").read_text().strip(),)
                 try:
-                    started.append(LocalSlice.start(hname, per, fresh=bool(rec.provider_options.get("fresh")),
-                                                    authorized_keys=root_keys))
-                except (LocalSliceError, OSError) as e:
+                    d = control.start_vms(node_name, hname, per, str(default_base_dir()),
+                                          fresh=bool(rec.provider_options.get("fresh")), authorized_keys=root_keys)
+                except RuntimeError as e:
                     progress(f"note: no local SSH hosts for {rec.name} ({e}); `tpuctl run` will not reach it")
-                    for h in started:
-                        h.stop()
+                    for h, _ in started:
+                        LocalSlice.stop_by_name(h.name, h.base_dir)
                     return rec.workers
+                host_keys = d.pop("host_keys")
+                d["hosts"] = [LocalHost(**h) for h in d["hosts"]]
+                started.append((LocalSlice(**d), host_keys))
+            started_slices = [s_ for s_, _ in started]
             # Without external IPs the workers' internal addresses are ones this machine cannot reach over SSH
             # (nothing listens there), as a laptop outside the VPC: only a proxy command (--ssh-proxy-command)
             # that knows the way gets through; `private_address` is that way back.
-            control = FakeControl(api_url())
             nodes, all_ips = [], []
-            for node_name, hosts in zip(rec.nodes, started):
+            for node_name, (hosts, keys_by_host) in zip(rec.nodes, started):
                 ips = [h.ip if rec.external_ips else private_address(h.ip) for h in hosts.hosts]
                 all_ips += ips
                 control.set_node_workers(node_name, ips)
                 for h in hosts.hosts:  # what each VM's guest agent publishes: its real sshd host keys and its name
-                    control.publish_host_keys(node_name, h.index, hosts.host_keys(h.index))
+                    control.publish_host_keys(node_name, h.index, keys_by_host[h.index])
                     control.set_guest_attributes(node_name, h.index, [{"key": "hostname", "value": h.hostname}],
                                                  namespace="")
                 nodes.append(api.get_node(node_name))
         except BaseException:
-            for h in started:
-                h.stop()
+            for h, _ in started:
+                LocalSlice.stop_by_name(h.name, h.base_dir)
             raise
+        started = started_slices
         up = ", ".join(h.ip for hosts in started for h in hosts.hosts)
         progress(f"{rec.name}: {n} local host(s) up (sshd on {up}"
                  + (f", {per} per slice" if len(names) > 1 else "")
@@ -153,18 +159,6 @@ class LocalProvider(Provider):
         if any([LocalSlice.stop_by_name(h) for h in ({name, *(_host_slices(rec) if rec else [])})]):
             progress(f"stopped the local hosts of {name}")
 
-    @contextlib.contextmanager
-    def while_running(self, name: str, lost: Callable[[], str | None], progress: Progress) -> Iterator[None]:
-        rec = state.lookup(name)
-        if rec is not None and rec.slices > 1:
-            watch = _PreemptionPlayer(name, lost, progress, per_slice=(self.api_for(rec), rec))
-        else:
-            watch = _PreemptionPlayer(name, lost, progress)
-        try:
-            yield
-        finally:
-            watch.stop()
-
     def orphans(self, recorded: set[str]) -> list[str]:
         from infra.local_slice import LocalSlice
         return [n for n in LocalSlice.names() if n not in recorded]
@@ -174,7 +168,7 @@ class LocalProvider(Provider):
         from infra.local_slice import LocalSlice
         rec = state.lookup(name)
         ls = LocalSlice.load(_host_slices(rec)[0] if rec else name)  # multislice: slice 0's key reaches them all
-        if ls is None or not all(ls.alive()):
+        if ls is None or not (all(ls.alive()) or ls.answering()):
             raise UserError(f"the local hosts of {name} are not running: "
                             f"`tpuctl down {name}` then `tpuctl up {name} --local` again")
         if ls.fresh:  # reached like a real VM: your user and key, which `up` put in its metadata
@@ -215,71 +209,16 @@ def _host_slices(rec: SliceRecord) -> list[str]:
     return [rec.name] if rec.slices <= 1 else [n.rsplit("/", 1)[-1] for n in rec.nodes]
 
 
-class _PreemptionPlayer:
-    """While a run is on, stop the local hosts once the stand-in says the node is not READY: a real
-    preemption kills the VMs, and their SSH sessions drop with them. On a multislice record (per_slice), only
-    the hosts of the slices whose node is not READY (or gone): the other slices' VMs live on until the queued
-    resource is deleted."""
-
-    def __init__(self, name: str, lost: Callable[[], str | None], progress: Progress, poll_s: float = 2.0,
-                 per_slice: tuple[Api, SliceRecord] | None = None):
-        self.name, self.lost, self.progress, self.poll_s = name, lost, progress, poll_s
-        self.per_slice = per_slice
-        self.stopped: set[str] = set()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"watch-{name}")
-        self.thread.start()
-
-    def _loop(self) -> None:
-        from infra.local_slice import LocalSlice
-        while not self.done.wait(self.poll_s):
-            if self.per_slice is not None:
-                if self._slices():
-                    return
-                continue
-            try:
-                st = self.lost()
-            except Exception:  # noqa: BLE001 - the stand-in is busy or restarting: ask again next time
-                continue
-            if st and not self.done.is_set():
-                self.progress(f"{self.name} is {st} in the stand-in: stopping its local hosts, as a real "
-                              "preemption kills the VMs")
-                LocalSlice.stop_by_name(self.name)
-                return
-
-    def _slices(self) -> bool:
-        """Stop the hosts of each slice whose node is lost; True once every slice's are stopped."""
-        from infra.local_slice import LocalSlice
-        api, rec = self.per_slice
-        for node_name, hosts in zip(rec.nodes, _host_slices(rec)):
-            if hosts in self.stopped:
-                continue
-            try:
-                node = api.get_node(node_name)
-            except Exception:  # noqa: BLE001 - the stand-in is busy or restarting: ask again next time
-                continue
-            st = "GONE" if node is None else node.state
-            if st != "READY" and not self.done.is_set():
-                self.progress(f"{hosts} (a slice of {self.name}) is {st} in the stand-in: stopping its local hosts, "
-                              "as a real preemption kills that slice's VMs")
-                LocalSlice.stop_by_name(hosts)
-                self.stopped.add(hosts)
-        return len(self.stopped) == rec.slices
-
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join(timeout=30)
-
-
 # ---- the TPU API stand-in as a background server --------------------------------------------------------
 
 def _dir() -> Path:
-    return state.home() / "local"
+    from infra.local_slice import machine_dir
+    return machine_dir()
 
 
 def _alive(url: str, pid: int) -> bool:
-    if not pid_alive(pid):
-        return False
+    # Its answer is what counts: from a managed job's controller host (its own PID namespace) the stand-in's pid
+    # is not visible.
     try:
         with urllib.request.urlopen(f"{url}/_fake/health", timeout=2) as r:
             return json.loads(r.read()).get("pid") == pid
