@@ -40,20 +40,29 @@ Control under /_fake/ (JSON, FakeLoginControl is its client):
   POST compute_config {provisioning_s, staging_s, stopping_s, terminated_s, wait_max_s}
   GET  compute_state                                      instances (with status history and the insert body),
                                                           gone ones, insert bodies, operations, injections
+  POST compute_vm_host {project, zone, name, base_dir, keep?, first_ip?}   local mode: the RUNNING instance gets a real host
+         (an sshd in its own namespaces, infra/local_slice.py) started by this process, and its metadata's
+         `startup-script` is run there as root, as the guest agent does at boot; deleting the instance stops the
+         host, as the VM dies with it. Answers the host's record.
+  GET  health                                             {ok, pid}
 
 Run: python -m infra.fake_login_apis --port 0 --ready-file F    or, in tests: start_in_thread().
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
+import os
 import re
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from infra import serving
@@ -92,6 +101,7 @@ class LoginState:
     usernames: dict[str, str] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     compute: ComputeInstances = field(default=None)  # type: ignore[assignment]
+    vm_hosts: dict[tuple[str, str, str], tuple[str, str]] = field(default_factory=dict)  # instance -> host, base
 
     def __post_init__(self):
         if self.compute is None:
@@ -151,6 +161,9 @@ def _handler(state: LoginState):
                 if method == "POST" and (m := _WAIT.fullmatch(path)):  # sleeps: must not hold the lock
                     self._send(200, state.compute.wait_op(m["p"], m["z"], m["n"]))
                     return
+                if method == "POST" and path == "/_fake/compute_vm_host":  # starts sshd: seconds, outside the lock
+                    self._send(200, _start_vm_host(state, body))
+                    return
                 with state.lock:
                     self._send(200, self._route(method, path, body, q))
             except (_Err, ComputeError) as e:
@@ -187,7 +200,10 @@ def _handler(state: LoginState):
                 return c.insert(p, z, body)
             if name == "list":
                 return c.list(p, z, q)
-            return {"get": c.get, "delete": c.delete, "get_op": c.get_op}[name](p, z, m["n"])
+            out = {"get": c.get, "delete": c.delete, "get_op": c.get_op}[name](p, z, m["n"])
+            if name == "delete" and (host := state.vm_hosts.pop((p, z, m["n"]), None)):
+                threading.Thread(target=_stop_vm_host, args=host, daemon=True).start()
+            return out
 
         def _control(self, method: str, what: str, body: dict) -> dict:
             c = state.compute
@@ -219,8 +235,13 @@ def _handler(state: LoginState):
                 return {"ok": True}
             if what == "state":
                 return {"keys": state.keys, "metadata": state.metadata, "denied": state.denied}
+            if what == "health":
+                return {"ok": True, "pid": os.getpid()}
             if what == "reset" and method == "POST":
                 state.metadata.clear(), state.keys.clear(), state.denied.clear(), state.usernames.clear()
+                for host in state.vm_hosts.values():
+                    _stop_vm_host(*host)
+                state.vm_hosts.clear()
                 c.reset()
                 return {"ok": True}
             raise _Err(404, "NOT_FOUND", f"no such control endpoint: {method} /_fake/{what}")
@@ -235,6 +256,39 @@ def _handler(state: LoginState):
             self._do("DELETE")
 
     return H
+
+
+def _start_vm_host(state: LoginState, body: dict) -> dict:
+    """The instance's VM as a host on this machine, and its startup script run there (the guest agent's part)."""
+    from infra.local_slice import LocalSlice, LocalSliceError
+    key = (body["project"], body["zone"], body["name"])
+    with state.lock:
+        inst = state.compute.get(*key)
+    if inst["status"] != "RUNNING":
+        raise _Err(400, "FAILED_PRECONDITION", f"instance {body['name']} is {inst['status']}, not RUNNING")
+    try:
+        s = LocalSlice.start(body["name"], 1, body["base_dir"], keep=tuple(body.get("keep") or ()),
+                             first_ip=body.get("first_ip"))
+    except (LocalSliceError, OSError) as e:
+        raise _Err(409, "ABORTED", f"local host for instance {body['name']}: {e}") from None
+    with state.lock:
+        state.vm_hosts[key] = (s.name, s.base_dir)
+    items = {i["key"]: i["value"] for i in (inst.get("metadata") or {}).get("items") or []}
+    if items.get("startup-script"):
+        h = s.hosts[0]
+        Path(h.home, "startup-script").write_text(items["startup-script"])
+        # As the guest agent: as root, detached from whoever asked, its output kept beside it.
+        subprocess.run(["ssh", "-i", s.ssh_key, "-p", str(h.port), "-o", "StrictHostKeyChecking=no",
+                        "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", f"root@{h.ip}",
+                        "setsid nohup bash /root/startup-script > /root/startup-script.log 2>&1 < /dev/null &"],
+                       check=True, timeout=60, stdin=subprocess.DEVNULL)
+    return dataclasses.asdict(s)
+
+
+def _stop_vm_host(name: str, base_dir: str) -> None:
+    from infra.local_slice import LocalSlice
+    time.sleep(0.3)  # the delete's answer goes out first: the caller may be on that VM
+    LocalSlice.stop_by_name(name, base_dir)
 
 
 class FakeLoginControl(Control):
@@ -282,6 +336,14 @@ class FakeLoginControl(Control):
 
     def compute_state(self) -> dict:
         return self.call("GET", "compute_state")
+
+    def start_vm_host(self, project: str, zone: str, name: str, base_dir: str, keep: list[str] = (),
+                      first_ip: str | None = None) -> dict:
+        return self.call("POST", "compute_vm_host", {"project": project, "zone": zone, "name": name,
+                                                      "base_dir": base_dir, "keep": list(keep), "first_ip": first_ip})
+
+    def health(self) -> dict:
+        return self.call("GET", "health")
 
     def reset(self) -> dict:
         return self.call("POST", "reset", {})

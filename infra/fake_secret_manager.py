@@ -34,6 +34,7 @@ status only, and `state` shows each version's size and CRC32C, not its data.
 Control under /_fake/ (JSON; FakeSecretsControl is its client):
   POST grant {project, member, role}       a project-level role (e.g. roles/secretmanager.admin)
   POST inject {kind: service_disabled, times?}   403 SERVICE_DISABLED with the activation URL
+  GET  health                              {ok, pid}
   GET  state                               secrets (labels, versions without data, policy), grants, calls
   POST reset
 
@@ -45,6 +46,7 @@ import argparse
 import base64
 import hashlib
 import json
+import os
 import re
 import sys
 import threading
@@ -383,6 +385,8 @@ def _handler(state: SecretsState, log: Callable[[str], None] | None):
                 return {"ok": True}
             if what == "state":
                 return state.snapshot()
+            if what == "health":
+                return {"ok": True, "pid": os.getpid()}
             if what == "reset" and method == "POST":
                 state.reset()
                 return {"ok": True}

@@ -39,6 +39,8 @@ class RunOptions:
     hang_timeout: float = 300.0
     max_restarts: int = 3
     plan: bool = True
+    bundle: B.Bundle | None = None   # built already (a managed job's, fetched from its bucket): pushed as it is
+    cancelled: Callable[[], bool] | None = None  # a managed job's cancel request: its end is not a preemption
 
 
 def command_argv(command: list[str], raw: bool = False) -> list[str]:
@@ -75,7 +77,7 @@ def run(name: str, command: list[str], flags: SshFlags = SshFlags(), opts: RunOp
     from orchestrator.jobs.supervise import Policy, recover_before_run, supervise
     argv = command_argv(command, opts.raw)
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
-    policy = Policy(on_preemption=opts.on_preemption, max_restarts=opts.max_restarts)
+    policy = Policy(on_preemption=opts.on_preemption, max_restarts=opts.max_restarts, cancelled=opts.cancelled)
     # Preempted since the last run: the same --on-preemption policy as during a run.
     restarts_used = 0 if flags.hosts else recover_before_run(name, policy=policy, progress=say)
     target = reach(name, flags, say=note)
@@ -90,7 +92,7 @@ def run(name: str, command: list[str], flags: SshFlags = SshFlags(), opts: RunOp
     env = {**target.where.run_env(name, argv, target.devices_per_host), **opts.env}
     bundle = install = layout = None
     if not opts.raw:
-        bundle = B.build(workdir=opts.workdir, extras=B.trainer_extras(argv, L.PYTHON))
+        bundle = opts.bundle or B.build(workdir=opts.workdir, extras=B.trainer_extras(argv, L.PYTHON))
         if target.access.wheelhouse:  # hosts that share this machine's wheelhouse install from it
             install, layout = shared_install(target.access.wheelhouse, bundle, python=target.access.python, log=say)
     watch = Watch(report_failure=bool(flags.hosts), hang_timeout_s=opts.hang_timeout or None,

@@ -41,6 +41,7 @@ class Policy:
     max_restarts: int = 3
     settle_s: float = 60.0            # after exit 42 / a lost host, how long the API may lag behind the VMs
     poll_s: float = 2.0               # node state polling while settling
+    cancelled: Callable[[], bool] | None = None  # a managed job's cancel: a failure then is the cancel, not a loss
 
     def __post_init__(self):
         if self.on_preemption not in ("recreate", "fail"):
@@ -213,6 +214,8 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             failure, result = e, None
         finally:
             t_lost = time.monotonic()
+        if policy.cancelled is not None and policy.cancelled():
+            raise failure
         st = _settled_state(name, result, policy, failure)
         if st not in LOST:
             if result is not None:

@@ -2,6 +2,7 @@
 defaults; orchestrator/provider/__init__.py picks the implementation."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -88,6 +89,31 @@ class Provider:
         """Environment for trainer commands this machine runs itself against the run's storage (sweep plans,
         reports)."""
         return {}
+
+    # ---- managed jobs: the controller's VM, the job bucket, the jobs' secrets (orchestrator/jobs/managed.py)
+    def compute_endpoint(self) -> str | None:
+        """The Compute Engine API (None: the default endpoint; TPUCTL_COMPUTE_API_ENDPOINT overrides)."""
+        return os.environ.get("TPUCTL_COMPUTE_API_ENDPOINT") or None
+
+    def secrets_endpoint(self) -> str | None:
+        """The Secret Manager API (None: the default endpoint)."""
+        return os.environ.get("TPUCTL_SECRETS_API_ENDPOINT") or None
+
+    def secrets_credentials(self, member: str | None = None):
+        """Credentials for Secret Manager: this machine's own (None: the environment's). A controller VM calls as
+        its service account through its metadata server, which the default credentials already are."""
+        return None
+
+    def storage_env(self, bucket: str) -> dict[str, str]:
+        """Environment this machine's storage client needs to reach gs://bucket (nothing: the real GCS)."""
+        return {}
+
+    def controller_runtime(self) -> tuple[str | None, dict[str, str]]:
+        """(python, env) for the controller's startup script: None installs tpuctl on the VM from the bundle."""
+        return None, {}
+
+    def controller_started(self, project: str, zone: str, instance: str, progress: Progress) -> None:
+        """The controller's VM is RUNNING: it boots its startup script by itself."""
 
     def stop_services(self) -> None:
         """End what this place runs on this machine for its slices (nothing, for a real cloud)."""

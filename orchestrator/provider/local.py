@@ -189,11 +189,53 @@ class LocalProvider(Provider):
         from infra import gcs
         return gcs.start(buckets=tuple(buckets)).env
 
+    # ---- managed jobs: the stand-ins of Compute Engine and Secret Manager, the GCS emulator
+    def compute_endpoint(self) -> str | None:
+        return service_url("compute")
+
+    def secrets_endpoint(self) -> str | None:
+        return service_url("secrets")
+
+    def secrets_credentials(self, member: str | None = None):
+        """The stand-in names its caller from the bearer token (an IAM member); none is the project's owner."""
+        if member is None:
+            return None
+        from google.oauth2.credentials import Credentials
+        return Credentials(token=member)
+
+    def storage_env(self, bucket: str) -> dict[str, str]:
+        return self.local_env([f"gs://{bucket}/"])
+
+    def controller_runtime(self) -> tuple[str | None, dict[str, str]]:
+        """The controller's host runs this machine's interpreter (it has tpuctl's dependencies) and reaches the same
+        local cloud: the stand-ins' and hosts' records in the machine dir."""
+        from infra.local_slice import machine_dir
+        return sys.executable, {"TPUCTL_LOCAL_DIR": str(machine_dir())}
+
+    def controller_started(self, project: str, zone: str, instance: str, progress: Progress) -> None:
+        """The instance's VM is a host the Compute Engine stand-in starts, which then runs its startup script, as a
+        VM boots it. The host still sees the local cloud's records, the hosts' wheelhouse and this checkout (where
+        the stand-ins' code lives), as a real controller reaches the same cloud."""
+        import zlib
+        from infra.fake_login_apis import FakeLoginControl
+        from infra.local_slice import machine_dir, tpuctl_home
+        from orchestrator.jobs.bundle import project_root
+        keep = [str(machine_dir()), str(tpuctl_home() / "wheelhouse"), str(project_root())]
+        # Its own loopback block, one no slice takes (slices use 127.0.10-249.x).
+        first_ip = f"127.0.250.{1 + zlib.crc32(instance.encode()) % 250}"
+        try:
+            FakeLoginControl(self.compute_endpoint(), timeout=120).start_vm_host(
+                project, zone, instance, str(machine_dir() / "vms"), keep, first_ip=first_ip)
+        except RuntimeError as e:
+            raise UserError(f"could not start the local host of {instance}: {e}") from None
+        progress(f"{instance}: local host up; its startup script runs the controller")
+
     def stop_services(self) -> None:
-        """The GCS emulator and the TPU API stand-in end (their state is lost)."""
+        """The GCS emulator and the stand-ins end (their state is lost)."""
         from infra import gcs
         gcs.stop()
-        stop_api()
+        for kind in ("compute", "secrets", "tpu"):
+            stop_service(kind)
 
 
 def private_address(ip: str) -> str:
@@ -226,12 +268,20 @@ def _alive(url: str, pid: int) -> bool:
         return False
 
 
-def api_url(idle_timeout_s: float = 6 * 3600) -> str:
-    """Start (or reuse) the local Cloud TPU stand-in; its pid and port live in $TPUCTL_HOME/local/fake_tpu_api.json."""
+# The stand-ins local mode runs as background servers on this machine: module, record stem, what it stands for.
+_SERVICES = {"tpu": ("infra.fake_tpu_api", "fake_tpu_api", "Cloud TPU"),
+             "compute": ("infra.fake_login_apis", "fake_login_apis", "Compute Engine"),
+             "secrets": ("infra.fake_secret_manager", "fake_secret_manager", "Secret Manager")}
+
+
+def service_url(kind: str, args: tuple[str, ...] = ()) -> str:
+    """Start (or reuse) one local stand-in; its pid and port live in the machine dir's `<stem>.json`. It outlives
+    the command that started it, as the cloud's services do."""
+    module, stem, what = _SERVICES[kind]
     d = _dir()
     d.mkdir(parents=True, exist_ok=True)
-    info_path = d / "fake_tpu_api.json"
-    with open(d / "fake_tpu_api.lock", "a+") as lock:
+    info_path = d / f"{stem}.json"
+    with open(d / f"{stem}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two tpuctl processes must not start two stand-ins
         with contextlib.suppress(OSError, ValueError, KeyError):
             info = json.loads(info_path.read_text())
@@ -239,11 +289,9 @@ def api_url(idle_timeout_s: float = 6 * 3600) -> str:
                 return info["url"]
         with contextlib.suppress(FileNotFoundError):
             info_path.unlink()
-        log = open(d / "fake_tpu_api.log", "ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.fake_tpu_api", "--port", "0", "--ready-file", str(info_path),
-             "--idle-timeout", str(idle_timeout_s)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)  # outlives this command
+        log = open(d / f"{stem}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--ready-file", str(info_path), *args],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -254,25 +302,38 @@ def api_url(idle_timeout_s: float = 6 * 3600) -> str:
             time.sleep(0.02)
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-        raise UserError(f"could not start the local Cloud TPU stand-in; see {d / 'fake_tpu_api.log'}")
+        raise UserError(f"could not start the local {what} stand-in; see {d / (stem + '.log')}")
 
 
-def api_info() -> dict | None:
-    """{pid, host, port, url} of the running local stand-in, or None."""
+def api_url(idle_timeout_s: float = 6 * 3600) -> str:
+    """The local Cloud TPU stand-in (started if none answers)."""
+    return service_url("tpu", ("--idle-timeout", str(idle_timeout_s)))
+
+
+def service_info(kind: str) -> dict | None:
+    """{pid, host, port, url} of a running local stand-in, or None."""
     try:
-        info = json.loads((_dir() / "fake_tpu_api.json").read_text())
+        info = json.loads((_dir() / f"{_SERVICES[kind][1]}.json").read_text())
     except (OSError, ValueError):
         return None
     return info if _alive(info["url"], info["pid"]) else None
 
 
-def stop_api() -> bool:
-    """Stop the local stand-in (its state is lost). True if one was running."""
-    info = api_info()
+def api_info() -> dict | None:
+    return service_info("tpu")
+
+
+def stop_service(kind: str) -> bool:
+    """Stop one local stand-in (its state is lost). True if one was running."""
+    info = service_info(kind)
     with contextlib.suppress(FileNotFoundError):
-        (_dir() / "fake_tpu_api.json").unlink()
+        (_dir() / f"{_SERVICES[kind][1]}.json").unlink()
     if not info:
         return False
+    if kind == "compute":  # the instances' hosts end with the service that started them
+        from infra.fake_login_apis import FakeLoginControl
+        with contextlib.suppress(RuntimeError, OSError):
+            FakeLoginControl(info["url"], timeout=60).reset()
     pid = info["pid"]
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -285,3 +346,7 @@ def stop_api() -> bool:
             time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
     return True
+
+
+def stop_api() -> bool:
+    return stop_service("tpu")
