@@ -75,9 +75,9 @@ class GcsEmulator:
         return emulator_env(self.endpoint)
 
     def alive(self) -> bool:
-        # Its answer is what counts: a process in another PID namespace (a managed job's controller host) cannot
-        # see the server's pid, and only a fake-gcs-server answers the bucket list this way.
-        return _ready(self.endpoint)
+        # The server's pid where this process sees it; else (a managed job's controller host, in a PID namespace
+        # of its own) its answer, given time: a busy machine must not make a caller start a second, empty one.
+        return _is_server(self.pid) or _ready(self.endpoint, timeout=5.0)
 
     def create_bucket(self, name: str) -> None:
         create_bucket(self.endpoint, name)
@@ -179,9 +179,9 @@ def create_bucket(endpoint: str, name: str) -> None:
             raise GcsError(f"could not create bucket {name!r} on {endpoint}: HTTP {e.code} {e.read()[:200]!r}")
 
 
-def _ready(endpoint: str) -> bool:
+def _ready(endpoint: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1) as r:
+        with urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=timeout) as r:
             return r.status == 200
     except (OSError, urllib.error.URLError):
         return False

@@ -16,10 +16,7 @@ from orchestrator.cli.options import json_option as _json_option
 from orchestrator.spec import UserError
 
 
-def _table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+from orchestrator.cli.options import table as _table
 
 
 def _age(s: float) -> str:
@@ -226,10 +223,12 @@ def _sigterm(signum, frame):
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-z", "--zone", metavar="ZONE", help="For a name not in the local record: look for it in this zone.")
 @click.option("--no-wait", is_flag=True, help="Start the deletion and return without waiting until it is gone.")
+@click.option("--force", is_flag=True, help="Delete a slice even while a managed job runs on it (the job then "
+                                            "fails; `tpuctl cancel JOB --down` ends both cleanly).")
 @_json_option
 @_api_options
 @_errors
-def down_cmd(name, all_, yes, zone, no_wait, as_json, api_endpoint, local, project):
+def down_cmd(name, all_, yes, zone, no_wait, force, as_json, api_endpoint, local, project):
     """Delete a slice: its queued resource (force) and its node. Idempotent.
 
     Works in any state (READY, FAILED, SUSPENDED, PREEMPTED, still waiting). A second `down`, or a name
@@ -238,6 +237,14 @@ def down_cmd(name, all_, yes, zone, no_wait, as_json, api_endpoint, local, proje
     from orchestrator import provider, slices
     if bool(name) == bool(all_):
         raise UserError("give a NAME or --all: `tpuctl down NAME` (or `tpuctl down --all --yes`)")
+    if not force:
+        from orchestrator import state
+        from orchestrator.jobs import managed
+        for n in ([name] if name else list(state.records())):
+            if live := managed.live_jobs_on(n):
+                ids = ", ".join(j["id"] for j in live)
+                raise UserError(f"{n} runs managed job {ids} ({live[0]['state']}): `tpuctl cancel {live[0]['id']} "
+                                f"--down` stops it and deletes the slice; `tpuctl down {n} --force` deletes it anyway")
     line = StatusLine(quiet=as_json)
     with line:
         if all_:
@@ -502,10 +509,10 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
 
 # ---- the other verbs live in one module per family; none of them imports this module ------------------------
 
-from orchestrator.cli import data_verbs, plan_verbs, report_verbs, run_verbs, weights_verbs  # noqa: E402
+from orchestrator.cli import data_verbs, jobs_verbs, plan_verbs, report_verbs, run_verbs, weights_verbs  # noqa: E402
 
-for _cmd in (run_verbs.run, run_verbs.attach, run_verbs.cancel, run_verbs.ssh, run_verbs.logs, weights_verbs.weights, data_verbs.data, plan_verbs.plan,
-             report_verbs.report_cmd):
+for _cmd in (run_verbs.run, run_verbs.attach, run_verbs.cancel, run_verbs.ssh, run_verbs.logs, weights_verbs.weights,
+             data_verbs.data, plan_verbs.plan, report_verbs.report_cmd, jobs_verbs.jobs, jobs_verbs.controller):
     cli.add_command(_cmd)
 
 

@@ -11,6 +11,12 @@ import click
 from orchestrator.spec import UserError
 
 
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
 def local_option(f):
     return click.option("--local", is_flag=True, default=False,
                         help="Local mode: slices on this machine (the Cloud TPU API stand-in, started in the "

@@ -92,10 +92,20 @@ def _ssh_options(verb):
               help="At most this many recreations per run.")
 @click.option("--no-plan", is_flag=True, help="Launch without first checking the train step against the slice "
               "(`tpuctl plan`: compiled for its accelerator, refused when it does not fit; cached).")
+@click.option("--detach", is_flag=True, help="A managed job: hand the run to the tpuctl controller (a small VM of its "
+              "own, created on first use) and return once it has taken it. It supervises the run as this command "
+              "would, with this machine off. Needs a gs:// --ckpt-dir; `tpuctl jobs`, `logs JOB`, `cancel JOB` "
+              "follow it from any machine (docs/jobs.md).")
+@click.option("--controller-service-account", default="default", show_default=True, metavar="EMAIL",
+              help="With --detach: the service account the controller's VM runs as (default: the project's default "
+                   "compute one). It needs roles/storage.objectAdmin on the bucket and roles/tpu.admin.")
+@click.option("--controller-idle", type=click.FloatRange(min=0), default=10, show_default=True, metavar="MINUTES",
+              help="With --detach: the controller deletes its own VM after this long with no live job.")
 @_ssh_options
 @_errors
 def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordinator_port, heartbeat_timeout,
-        init_timeout, as_json, on_preemption, hang_timeout, max_restarts, no_plan, flags):
+        init_timeout, as_json, on_preemption, hang_timeout, max_restarts, no_plan, detach, controller_service_account,
+        controller_idle, flags):
     """Ship the code to every worker of NAME and run COMMAND there, all at once.
 
     \b
@@ -123,6 +133,9 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
                                on_preemption=on_preemption, hang_timeout=hang_timeout, max_restarts=max_restarts,
                                plan=not no_plan)
     out = sys.stderr if as_json else sys.stdout
+    if detach:
+        _detach(name, list(command), opts, flags, controller_service_account, controller_idle, as_json)
+        return
     try:
         res = attached.run(name, list(command), flags, opts, out=out, note=_note)
     except RunFailed as e:  # not a preemption (that is recreated, or raised as Preempted)
@@ -143,6 +156,22 @@ def run(name, command, env_pairs, secret_names, kill_stale, workdir, raw, coordi
         click.echo(f"[tpuctl] done on {len(res.exit_codes)} host(s) in {res.timings.get('total_s', 0):.1f} s; "
                    f"logs: {res.run_dir}", file=out)
     sys.exit(res.returncode)
+
+
+def _detach(name, command, opts, flags, service_account, idle, as_json) -> None:
+    from orchestrator.jobs import managed
+    if flags.hosts:
+        raise UserError("--detach and --hosts exclude each other: a managed job runs on a slice `tpuctl up` made "
+                        "(its controller recreates it when preempted)")
+    job = managed.submit(name, command, opts, managed.DetachOptions(controller_service_account=service_account,
+                                                                    controller_idle=idle), say=_note)
+    if as_json:
+        click.echo(json.dumps(job))
+        return
+    click.echo(f"job {job['id']} taken by the controller ({job['controller']}); this machine can go.\n"
+               f"  tpuctl jobs --bucket {job['bucket']}          state, step, recoveries, goodput, cost\n"
+               f"  tpuctl logs {job['id']} --follow --bucket {job['bucket']}\n"
+               f"  tpuctl cancel {job['id']} --bucket {job['bucket']}   [--down: delete the slice too]")
 
 
 # ------------------------------------------------------------------------------ attach, cancel
@@ -185,15 +214,36 @@ def attach(name, as_json, hang_timeout, flags):
 @click.argument("name")
 @click.option("--grace", type=click.FloatRange(min=0), default=10, show_default=True, metavar="SECONDS",
               help="Time the trainer gets after SIGTERM (it saves a checkpoint on it when it can) before SIGKILL.")
-@click.option("--json", "as_json", is_flag=True, help="Print the stopped run ids as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the stopped run ids (or the job's state) as JSON.")
+@click.option("--down", is_flag=True, help="For a managed job: also delete its slice once every host stopped.")
+@click.option("--bucket", "buckets", multiple=True, metavar="BUCKET",
+              help="For a managed job: the bucket it was submitted to (default: $TPUCTL_JOBS_BUCKET, else those "
+                   "this machine submitted to).")
 @_ssh_options
 @_errors
-def cancel(name, grace, as_json, flags):
-    """Stop the run going on NAME's hosts, from any terminal or machine; the slice stays.
+def cancel(name, grace, as_json, down, buckets, flags):
+    """Stop the run going on NAME's hosts, or managed job JOB, from any terminal or machine; the slice stays
+    (unless --down, for a job).
 
     \b
       tpuctl cancel NAME
+      tpuctl cancel JOB [--down]       (job-YYYYMMDD-HHMMSS-xxxx, from `tpuctl jobs`)
     """
+    from orchestrator.jobs.store import is_job_id
+    if is_job_id(name):
+        from orchestrator import provider
+        from orchestrator.jobs import managed
+        prov = provider.chosen(flags.local)
+        store, spec = managed.find(name, list(buckets) or managed.default_buckets(), prov)
+        st = managed.cancel(store, spec, prov, down=down, say=_note)
+        if as_json:
+            click.echo(json.dumps(st))
+        else:
+            click.echo(f"[tpuctl] job {name} {st['state']}: {st.get('message', '')}")
+        return
+    if down:
+        raise UserError("--down is for a managed job (cancel JOB --down); for a slice: `tpuctl cancel NAME` then "
+                        "`tpuctl down NAME`")
     from orchestrator.jobs import attached
     stopped = attached.cancel(name, flags, note=_note, grace=grace)
     if as_json:
@@ -288,9 +338,32 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends (Ctrl-C to stop).")
 @click.option("--run", "run_id", help="Run id (default: the latest run of NAME).")
 @click.option("--tail", type=click.IntRange(min=0), default=0, help="Only the last N lines of each host (0: all).")
+@click.option("--bucket", "buckets", multiple=True, metavar="BUCKET",
+              help="For a managed job: the bucket it was submitted to (default: $TPUCTL_JOBS_BUCKET, else those "
+                   "this machine submitted to).")
+@local_option
 @_errors
-def logs(name, worker, follow, run_id, tail):
-    """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]."""
+def logs(name, worker, follow, run_id, tail, buckets, local):
+    """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]; or of managed job JOB, read from
+    its bucket (from any machine): the controller's lines [tpuctl], then each host's of the job's latest run.
+
+    \b
+      tpuctl logs NAME [--follow]
+      tpuctl logs JOB [--follow]       (job-YYYYMMDD-HHMMSS-xxxx, from `tpuctl jobs`)
+    """
+    from orchestrator.jobs.store import is_job_id
+    if is_job_id(name):
+        from orchestrator import provider
+        from orchestrator.jobs import managed
+        prov = provider.chosen(local)
+        store, spec = managed.find(name, list(buckets) or managed.default_buckets(), prov)
+        try:
+            st = managed.logs(store, spec, follow=follow, out=click.echo)
+        except KeyboardInterrupt:
+            return
+        if follow:
+            click.echo(f"[tpuctl] job {name} {st['state']}", err=True)
+        return
     d = _run_dir(name, run_id)
     # One log per host: w<i>.log, or s<slice>w<i>.log on several slices (in process order).
     files = sorted((f for f in d.glob("*.log") if re.fullmatch(r"(s\d+)?w\d+", f.stem)),

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -260,12 +261,21 @@ def _dir() -> Path:
 
 def _alive(url: str, pid: int) -> bool:
     # Its answer is what counts: from a managed job's controller host (its own PID namespace) the stand-in's pid
-    # is not visible.
-    try:
-        with urllib.request.urlopen(f"{url}/_fake/health", timeout=2) as r:
-            return json.loads(r.read()).get("pid") == pid
-    except (OSError, ValueError):
-        return False
+    # is not visible. It gets time to answer: on a busy machine a slow answer taken for none would start a second
+    # stand-in, and every slice and instance the first one holds would be lost to its callers.
+    for timeout in (2, 10):
+        try:
+            with urllib.request.urlopen(f"{url}/_fake/health", timeout=timeout) as r:
+                return json.loads(r.read()).get("pid") == pid
+        except TimeoutError:
+            continue
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):
+                continue
+            return False
+        except (OSError, ValueError):
+            return False
+    return False
 
 
 # The stand-ins local mode runs as background servers on this machine: module, record stem, what it stands for.

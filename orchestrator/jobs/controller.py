@@ -1,0 +1,338 @@
+"""The managed-jobs controller: `python -m orchestrator.jobs.controller --bucket B --project P --zone Z`, run as a
+service on its own VM (controller_vm.py). It supervises every live job of its bucket and region as `tpuctl run`
+does in a terminal (jobs.attached.run: recovery from preemption, the first failure stopping every host, bounded
+restarts, goodput), and keeps each job's record in the bucket (store.py) as it goes.
+
+It holds nothing that matters on its own disk: a new controller (its VM deleted, rebooted or replaced) reads every
+live job from the bucket and runs the same command again, which re-attaches to a trainer that is still running
+(the hosts refuse a second run of one command and say which is going) instead of restarting it. With no live job
+for --idle-minutes it deletes its own VM.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from orchestrator import provider, state
+from orchestrator.jobs import bundle as B
+from orchestrator.jobs import controller_vm as V
+from orchestrator.jobs import job_secrets
+from orchestrator.jobs.store import LIVE, JobStore, initial_state
+
+_RECREATING = re.compile(r"recreating \S+ \((\d+)/\d+\)")
+_FOLLOWING = re.compile(r"run (\S+) of this same command is still going")
+_HOST_LOG = re.compile(r"(s\d+)?w\d+\.log")
+
+
+class JobLog(io.TextIOBase):
+    """What `tpuctl run` would print in a terminal: kept as the job's controller.log (copied to the bucket as it
+    grows), and read for the job's state: recovering, re-attached."""
+
+    def __init__(self, job: "JobRunner"):
+        self.job, self.buf, self.lock = job, bytearray(), threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        with self.lock:
+            self.buf += s.encode()
+        for line in s.splitlines():
+            self.job.on_line(line)
+        return len(s)
+
+    def note(self, m: str) -> None:
+        self.write(f"[tpuctl] {m}\n")
+
+    def data(self) -> bytes:
+        with self.lock:
+            return bytes(self.buf)
+
+
+class JobRunner(threading.Thread):
+    """One job, from the controller's pick-up to its end."""
+
+    def __init__(self, ctl: "Controller", job_id: str):
+        super().__init__(daemon=True, name=f"job-{job_id}")
+        self.ctl, self.id, self.store = ctl, job_id, ctl.store
+        self.spec = self.store.spec(job_id)
+        self.st = self.store.state(job_id) or initial_state(self.spec)
+        self.events = self.store.events(job_id)
+        self.log = JobLog(self)
+        self.log.buf += (self.store.logs(job_id).get("controller.log") or b"")
+        self.lock = threading.RLock()
+        self.cancel: dict | None = None
+        self.done = threading.Event()       # the job's record is final
+        self.ended = threading.Event()      # its run has ended: stop copying
+        self.seen_run_ids: set[str] = set()
+
+    # ---- the record
+    def event(self, text: str) -> None:
+        with self.lock:
+            self.events.append({"at": time.time(), "text": text, "controller": self.ctl.host})
+            self.store.put_events(self.id, self.events)
+
+    def set(self, **kw) -> None:
+        with self.lock:
+            changed = {k: v for k, v in kw.items() if self.st.get(k) != v}
+            if not changed:
+                return
+            self.st.update(changed)
+            self.store.put_state(self.id, self.st)
+        if "state" in changed:
+            self.event(f"state {changed['state']}" + (f": {kw['message']}" if kw.get("message") else ""))
+
+    def on_line(self, line: str) -> None:
+        if m := _RECREATING.search(line):
+            self.set(state="RECOVERING", recoveries=int(m.group(1)))
+        elif m := _FOLLOWING.search(line):
+            self.set(run_id=m.group(1))
+            self.event(f"re-attached to run {m.group(1)}, still going on the hosts")
+
+    def _run_dirs(self) -> list[Path]:
+        base = state.home() / "runs" / self.spec["slice_name"]
+        return sorted((d for d in base.glob("*") if d.is_dir() and d.stat().st_mtime >= self.ctl.started - 5),
+                      key=lambda d: d.stat().st_mtime) if base.is_dir() else []
+
+    def sync(self) -> None:
+        """Copy the logs to the bucket, and read the step, the run id and the slice's record from here."""
+        from orchestrator.jobs.supervise import latest_step
+        self.store.put_log(self.id, "controller.log", self.log.data())
+        dirs = self._run_dirs()
+        for d in dirs[-2:]:
+            for f in d.glob("*.log"):
+                if _HOST_LOG.fullmatch(f.name):
+                    self.store.put_log(self.id, f"{d.name}/{f.name}", f.read_bytes())
+        if dirs:
+            run = dirs[-1]
+            step = latest_step(run)
+            upd = {"run_id": run.name}
+            if step is not None:
+                upd["step"] = step
+                if self.st["state"] in ("STARTING", "RECOVERING") and run.name not in self.seen_run_ids:
+                    upd["state"] = "RUNNING"
+                    self.seen_run_ids.add(run.name)
+            self.set(**upd)
+        rec = state.lookup(self.spec["slice_name"])
+        if rec is not None and rec.to_json() != self.ctl.slice_json.get(self.id):
+            self.ctl.slice_json[self.id] = rec.to_json()
+            self.store.put_slice(self.id, rec.to_json())
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None
+
+    # ---- the job
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - whatever it was, the job's record says so
+            self.log.note(f"controller error: {e}")
+            traceback.print_exc()
+            self._finish("FAILED", f"controller error: {e}")
+        finally:
+            self.done.set()
+
+    def _run(self) -> None:
+        from orchestrator.access.reach import SshFlags
+        from orchestrator.jobs import attached
+        from orchestrator.jobs.runner import RunFailed
+        from orchestrator.spec import UserError
+        from orchestrator.state import SliceRecord
+        spec = self.spec
+        rec = SliceRecord.from_json(self.store.slice(self.id))
+        rec.claim = ""
+        state.save(rec)  # the controller's own record of the slice: what recovery recreates
+        self.ctl.slice_json[self.id] = rec.to_json()
+        self.cancel = self.store.cancel_request(self.id)
+        going = self.st["state"] in ("RUNNING", "RECOVERING")
+        self.event(f"taken by the controller on {self.ctl.host}" + (" (the job was going: re-attaching)" if going
+                                                                    else ""))
+        if self.cancel:
+            self._finish("CANCELLED", "cancelled before it started")
+            return
+        if not going:
+            self.set(state="STARTING", controller=self.ctl.host, started=time.time())
+        else:
+            self.set(controller=self.ctl.host)
+        prov = provider.of(rec)
+        secrets = job_secrets.read(spec.get("secrets") or {}, endpoint=prov.secrets_endpoint(),
+                                   credentials=prov.secrets_credentials(self.ctl.member))
+        opts = attached.RunOptions(**spec["opts"], secrets=secrets, plan=False, bundle=self._bundle(),
+                                   cancelled=self.cancelled)
+        syncer = threading.Thread(target=self._sync_loop, daemon=True, name=f"sync-{self.id}")
+        syncer.start()
+        try:
+            res = attached.run(spec["slice_name"], spec["command"], SshFlags(), opts, out=self.log,
+                               note=self.log.note)
+            outcome, msg, extra = "SUCCEEDED", f"done in {res.timings.get('total_s', 0):.0f} s", \
+                {"goodput": res.goodput, "run_id": res.run_id}
+        except RunFailed as e:
+            outcome, msg, extra = ("CANCELLED", "cancelled", {}) if self.cancel else ("FAILED", str(e), {})
+            if e.result and e.result.attempts:
+                from orchestrator.jobs.supervise import goodput
+                extra["goodput"] = goodput(e.result.attempts, sum(a["wall_s"] for a in e.result.attempts))
+        except (UserError, OSError) as e:
+            outcome, msg, extra = ("CANCELLED", "cancelled", {}) if self.cancel else ("FAILED", str(e), {})
+        self.ended.set()
+        syncer.join(10)
+        self.sync()
+        self._finish(outcome, msg, **extra)
+
+    def _finish(self, outcome: str, msg: str, **extra) -> None:
+        if self.cancel and self.cancel.get("down"):
+            from orchestrator import slices
+            try:
+                slices.delete(self.spec["slice_name"], progress=self.log.note)
+                msg += f"; slice {self.spec['slice_name']} deleted"
+            except Exception as e:  # noqa: BLE001 - the cancel stands; say what is left
+                msg += f"; deleting slice {self.spec['slice_name']} failed: {e}"
+        self.set(**extra)
+        self.set(state=outcome, message=msg[-2000:], ended=time.time())
+        self.store.put_log(self.id, "controller.log", self.log.data())
+        if self.spec.get("secrets"):
+            rec = state.lookup(self.spec["slice_name"])
+            prov = provider.of(rec) if rec else self.ctl.prov
+            try:
+                job_secrets.drop(self.spec["secrets"], endpoint=prov.secrets_endpoint(),
+                                 credentials=prov.secrets_credentials(None))
+            except Exception as e:  # noqa: BLE001 - a secret left behind is named, not fatal
+                self.event(f"could not delete the job's secrets: {e}")
+
+    def _sync_loop(self) -> None:
+        from orchestrator.access.reach import SshFlags
+        from orchestrator.jobs import attached
+        while not self.ended.wait(self.ctl.sync_s):
+            try:
+                if self.cancel is None and (c := self.store.cancel_request(self.id)) is not None:
+                    self.cancel = c
+                    self.event("cancel requested: stopping every host")
+                    threading.Thread(target=self._stop_hosts, args=(attached, SshFlags), daemon=True).start()
+                self.sync()
+            except Exception as e:  # noqa: BLE001 - the bucket or the hosts hiccup: next round
+                print(f"[controller] {self.id}: sync: {e}", file=sys.stderr, flush=True)
+
+    def _stop_hosts(self, attached, SshFlags) -> None:
+        try:
+            attached.cancel(self.spec["slice_name"], SshFlags(), note=self.log.note, grace=10.0)
+        except Exception as e:  # noqa: BLE001 - no run going (between attempts): the cancel check stops the next
+            self.log.note(f"cancel: {e}")
+
+    def _bundle(self) -> B.Bundle | None:
+        if self.spec["opts"].get("raw"):
+            return None
+        b = self.spec["bundle"]
+        d = state.home() / "bundles" / b["hash"]
+        wheel = d / b["uri"].rsplit("/", 1)[-1]
+        if not wheel.exists():
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = wheel.with_suffix(".part")
+            self.store.bucket.blob(b["uri"].split("/", 3)[3]).download_to_filename(str(tmp))
+            os.replace(tmp, wheel)
+        return B.Bundle(hash=b["hash"], wheel=wheel, requirements=b["requirements"], no_deps=b["no_deps"],
+                        has_workdir=b["has_workdir"])
+
+
+class Controller:
+    def __init__(self, store: JobStore, where: V.Where, prov: provider.Provider, poll_s: float = 2.0,
+                 sync_s: float = 3.0):
+        self.store, self.where, self.prov, self.poll_s, self.sync_s = store, where, prov, poll_s, sync_s
+        self.host = socket.gethostname()
+        self.started = time.time()
+        self.runners: dict[str, JobRunner] = {}
+        self.finished: set[str] = set()
+        self.slice_json: dict[str, dict] = {}
+        boot = store.heartbeat(where.region) or {}
+        self.boot = {k: boot[k] for k in ("bundle_uri", "project", "zone", "provider", "service_account",
+                                          "idle_minutes") if k in boot}
+        try:
+            self.sa_email = _instance_sa(where)
+        except Exception:  # noqa: BLE001 - not on its VM (or the API hiccups): the secrets say so if it matters
+            self.sa_email = None
+        self.member = f"serviceAccount:{self.sa_email}" if self.sa_email else None
+
+    def live(self) -> list[str]:
+        """The live jobs of the bucket, each with a runner here (started for those no runner has yet)."""
+        out = []
+        for jid in self.store.job_ids():
+            if jid in self.finished:
+                continue
+            r = self.runners.get(jid)
+            if r is not None:
+                if r.done.is_set():
+                    self.finished.add(jid)
+                else:
+                    out.append(jid)
+                continue
+            st = self.store.state(jid)
+            if st is not None and st["state"] not in LIVE:
+                self.finished.add(jid)
+                continue
+            if self.store.spec(jid) is None:  # being submitted: its spec is the last thing written
+                continue
+            self.runners[jid] = r = JobRunner(self, jid)
+            r.start()
+            out.append(jid)
+        return out
+
+    def beat(self, live: list[str], idle_since: float | None, **extra) -> None:
+        self.store.put_heartbeat(self.where.region, {**self.boot, "host": self.host, "pid": os.getpid(),
+                                                     "started": self.started, "jobs": live, "idle_since": idle_since,
+                                                     "idle_minutes": self.where.idle_minutes,
+                                                     "service_account_email": self.sa_email, **extra})
+
+    def serve(self) -> int:
+        idle_since: float | None = None
+        while True:
+            try:
+                live = self.live()
+            except Exception as e:  # noqa: BLE001 - the bucket hiccups: the jobs go on; try again
+                print(f"[controller] listing jobs: {e}", file=sys.stderr, flush=True)
+                time.sleep(self.poll_s)
+                continue
+            now = time.time()
+            idle_since = None if live else (idle_since or now)
+            if idle_since is not None and now - idle_since >= self.where.idle_minutes * 60:
+                self.beat([], idle_since, stopping=True)
+                print(f"[controller] idle for {self.where.idle_minutes:g} minute(s): deleting {self.where.name}",
+                      flush=True)
+                V.delete(self.where, wait=False)
+                return 0
+            self.beat(live, idle_since)
+            time.sleep(self.poll_s)
+
+
+def _instance_sa(where: V.Where) -> str | None:
+    """The service account the VM runs as (the API resolves "default" to the project's)."""
+    inst_c, _ = V._clients(where.endpoint)  # noqa: SLF001 - the same client the VM module uses
+    i = inst_c.get(project=where.project, zone=where.zone, instance=where.name, timeout=30)
+    return i.service_accounts[0].email if i.service_accounts else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.jobs.controller", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bucket", required=True)
+    ap.add_argument("--project", required=True)
+    ap.add_argument("--zone", required=True)
+    ap.add_argument("--provider", default=provider.GCP)
+    ap.add_argument("--idle-minutes", type=float, default=10.0)
+    ap.add_argument("--poll-s", type=float, default=2.0)
+    a = ap.parse_args(argv)
+    prov = provider.get(a.provider)
+    os.environ.update(prov.storage_env(a.bucket))
+    where = V.Where(a.project, a.zone, a.bucket, prov.kind, prov.compute_endpoint(), idle_minutes=a.idle_minutes)
+    ctl = Controller(JobStore(a.bucket), where, prov, poll_s=a.poll_s)
+    print(f"[controller] {where.name} on {ctl.host} serving gs://{a.bucket} ({where.region}); idle after "
+          f"{a.idle_minutes:g} minute(s)", flush=True)
+    return ctl.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Managed jobs as one Python API: `tpuctl run NAME --detach`, `jobs`, `logs JOB`, `cancel JOB`, `controller
+status|down` only parse and call these.
+
+A managed job is handed to a controller (orchestrator/jobs/controller.py) on a small VM of its own
+(controller_vm.py), which supervises it as `tpuctl run` would: recovery from preemption, the first failure
+stopping every host, bounded restarts, goodput. Its record lives in the job bucket (store.py), so every verb here
+reads GCS and works from any machine; a controller found gone is recreated by whichever of these verbs needs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from orchestrator import provider, state
+from orchestrator.jobs import bundle as B
+from orchestrator.jobs import controller_vm as V
+from orchestrator.jobs import job_secrets
+from orchestrator.jobs import launch as L
+from orchestrator.jobs.attached import RunOptions, command_argv
+from orchestrator.jobs.store import LIVE, JobStore, bucket_of, initial_state, is_job_id, new_job_id
+from orchestrator.spec import UserError
+
+HEARTBEAT_FRESH_S = 30.0   # the controller beats every few seconds; older than this, it is gone
+BOOT_WAIT_S = 600.0        # a new controller VM: boot, install, first heartbeat
+_BUCKETS = "jobs.json"     # in $TPUCTL_HOME: the buckets this machine submitted to (what `jobs` reads by default)
+
+
+@dataclass(frozen=True)
+class DetachOptions:
+    """`run --detach`'s own flags."""
+    controller_service_account: str = "default"
+    controller_idle: float = 10.0   # minutes with no live job before the controller deletes its VM
+    take_wait_s: float = 300.0      # how long submit waits for the controller to take the job
+
+
+def _opt_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _remember(bucket: str) -> None:
+    p = state.home() / _BUCKETS
+    try:
+        known = json.loads(p.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known.setdefault("buckets", [])
+    if bucket not in known["buckets"]:
+        known["buckets"].append(bucket)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, p)
+
+
+def default_buckets() -> list[str]:
+    """$TPUCTL_JOBS_BUCKET, else the buckets this machine submitted jobs to."""
+    if os.environ.get("TPUCTL_JOBS_BUCKET"):
+        return [os.environ["TPUCTL_JOBS_BUCKET"]]
+    try:
+        return list(json.loads((state.home() / _BUCKETS).read_text()).get("buckets") or [])
+    except (OSError, ValueError):
+        return []
+
+
+def open_store(bucket: str, prov: provider.Provider) -> JobStore:
+    os.environ.update(prov.storage_env(bucket))  # this process's storage client reaches the bucket
+    return JobStore(bucket)
+
+
+def _where(spec_or_rec: dict, prov: provider.Provider) -> V.Where:
+    return V.Where(project=spec_or_rec["project"], zone=spec_or_rec["zone"], bucket=spec_or_rec["bucket"],
+                   provider=prov.kind, endpoint=prov.compute_endpoint(),
+                   service_account=spec_or_rec.get("controller_service_account") or "default",
+                   idle_minutes=float(spec_or_rec.get("controller_idle") or 10.0))
+
+
+# ---- the controller's life, as seen from any machine ------------------------------------------------------
+def controller_alive(store: JobStore, region: str, now: float | None = None) -> dict | None:
+    hb = store.heartbeat(region)
+    if hb and not hb.get("stopping") and (now or time.time()) - hb.get("at", 0) < HEARTBEAT_FRESH_S:
+        return hb
+    return None
+
+
+def ensure_controller(where: V.Where, store: JobStore, prov: provider.Provider, say: Callable[[str], None],
+                      bundle_uri: str | None = None) -> dict:
+    """A controller that beats for this bucket and region: the one there is, or a new VM (a deleted or dead one's
+    replacement). Returns its heartbeat."""
+    if hb := controller_alive(store, where.region):
+        return hb
+    boot = store.heartbeat(where.region) or {}
+    bundle_uri = bundle_uri or boot.get("bundle_uri")
+    if bundle_uri is None:
+        raise UserError(f"no controller bundle recorded in gs://{where.bucket}: submit a job with `tpuctl run NAME "
+                        "--detach -- ...` first")
+    inst = V.get(where)
+    if inst is not None and inst["status"] in ("PROVISIONING", "STAGING", "RUNNING") and boot.get("booting") and \
+            time.time() - boot.get("at", 0) < BOOT_WAIT_S:
+        say(f"the tpuctl controller {where.name} is starting")
+    else:
+        if inst is not None:  # there, but not beating (stopped, dead, or stuck): replace it
+            say(f"the tpuctl controller {where.name} is {inst['status']} but silent: replacing it")
+            V.delete(where)
+            while V.get(where) is not None:
+                time.sleep(1)
+        elif boot.get("at"):
+            say(f"the tpuctl controller {where.name} is gone: creating it again (its jobs' trainers keep running; "
+                "the new controller picks them up from the bucket)")
+        python, env = prov.controller_runtime()
+        env = {**env, **prov.storage_env(where.bucket)}
+        # Recorded before the VM exists: a tpuctl that finds the controller gone later can recreate it.
+        store.put_heartbeat(where.region, {"booting": True, "bundle_uri": bundle_uri, "project": where.project,
+                                           "zone": where.zone, "provider": prov.kind,
+                                           "service_account": where.service_account,
+                                           "idle_minutes": where.idle_minutes})
+        V.create(where, V.startup_script(where, bundle_uri, env, python), say)
+        prov.controller_started(where.project, where.zone, where.name, say)
+    deadline = time.monotonic() + BOOT_WAIT_S
+    while (hb := controller_alive(store, where.region)) is None:
+        if time.monotonic() > deadline:
+            raise UserError(f"the tpuctl controller {where.name} did not start within {BOOT_WAIT_S / 60:.0f} "
+                            f"minutes: see its serial console (gcloud compute instances get-serial-port-output "
+                            f"{where.name} --zone {where.zone}); `tpuctl controller down` removes it")
+        time.sleep(1)
+    return hb
+
+
+# ---- submit -----------------------------------------------------------------------------------------------
+def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = DetachOptions(), *,
+           say: Callable[[str], None] = print) -> dict:
+    """Hand `command` on slice NAME to the controller; returns once the controller has taken it:
+    {id, bucket, name, ...}."""
+    argv = command_argv(command, opts.raw)
+    rec = state.lookup(name)
+    if rec is None:
+        raise UserError(f"no slice named {name} in the local record: `tpuctl up {name} ...` first (a managed job "
+                        "runs on a slice tpuctl made, which its controller can recreate)")
+    ckpt = _opt_value(argv, "--ckpt-dir")
+    if not ckpt or not ckpt.startswith("gs://"):
+        raise UserError(f"--detach needs a gs:// --ckpt-dir (got {ckpt or 'none'}): the controller resumes the job "
+                        "from its checkpoints after a preemption, on VMs that are not this machine")
+    bucket = bucket_of(ckpt)
+    prov = provider.of(rec)
+    store = open_store(bucket, prov)
+    store.check()
+    if opts.plan and argv[:3] == [L.PYTHON, "-m", "trainer"]:
+        from orchestrator.plan import step as P
+        P.check_before_run(rec.accelerator, rec.slices, argv[3:], prov.local_env(argv), cpu_devices=prov.cpu_devices,
+                           say=say)
+    bundle = B.build(workdir=opts.workdir, extras=B.trainer_extras(argv, L.PYTHON))
+    bundle_uri = f"gs://{bucket}/tpuctl/bundles/{bundle.hash[:16]}/{bundle.wheel.name}"
+    blob = store.bucket.blob(bundle_uri.split("/", 3)[3])
+    if not blob.exists():
+        blob.upload_from_filename(str(bundle.wheel))
+    spec_base = {"project": rec.project, "zone": rec.zone, "bucket": bucket,
+                 "controller_service_account": d.controller_service_account, "controller_idle": d.controller_idle}
+    where = _where(spec_base, prov)
+    hb = ensure_controller(where, store, prov, say, bundle_uri=bundle_uri)
+    job_id = new_job_id()
+    reader = f"serviceAccount:{hb.get('service_account_email') or where.service_account}"
+    secret_refs = job_secrets.store(rec.project, job_id, opts.secrets, reader, endpoint=prov.secrets_endpoint(),
+                                    credentials=prov.secrets_credentials())
+    total = _opt_value(argv, "--steps")
+    spec = {**spec_base, "id": job_id, "name": name, "slice_name": name, "command": list(command),
+            "provider": prov.kind, "region": where.region, "submitted": time.time(),
+            "total_steps": int(total) if total and total.isdigit() else None,
+            "price_per_hour": rec.price_per_hour,
+            "opts": {"env": opts.env, "kill_stale": opts.kill_stale, "raw": opts.raw,
+                     "coordinator_port": opts.coordinator_port, "heartbeat_timeout": opts.heartbeat_timeout,
+                     "init_timeout": opts.init_timeout, "on_preemption": opts.on_preemption,
+                     "hang_timeout": opts.hang_timeout, "max_restarts": opts.max_restarts},
+            "secrets": secret_refs,
+            "bundle": {"uri": bundle_uri, "hash": bundle.hash, "requirements": bundle.requirements,
+                       "no_deps": bundle.no_deps, "has_workdir": bundle.has_workdir}}
+    store.put_slice(job_id, rec.to_json())
+    store.put_spec(job_id, spec)
+    _remember(bucket)
+    say(f"job {job_id} submitted to gs://{bucket}; waiting for the controller to take it")
+    deadline = time.monotonic() + d.take_wait_s
+    while (st := store.state(job_id)) is None:
+        if time.monotonic() > deadline:
+            raise UserError(f"the controller has not taken job {job_id} in {d.take_wait_s:.0f} s: "
+                            f"`tpuctl controller status --bucket {bucket}`; the job stays queued")
+        time.sleep(0.5)
+    return {"id": job_id, "bucket": bucket, "name": name, "state": st["state"], "controller": where.name}
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+def jobs(buckets: list[str], prov: provider.Provider, *, say: Callable[[str], None] = print,
+         revive: bool = True) -> list[dict]:
+    """Every job in these buckets, oldest first. A live job whose controller is gone gets a new one (revive)."""
+    if not buckets:
+        raise UserError("no job bucket known here: pass --bucket BUCKET (or set TPUCTL_JOBS_BUCKET)")
+    out = []
+    for bucket in buckets:
+        store = open_store(bucket, prov)
+        rows = store.jobs()
+        if revive:
+            _revive(store, rows, prov, say)
+        out += [{**r, "bucket": bucket} for r in rows]
+    return out
+
+
+def _revive(store: JobStore, rows: list[dict], prov: provider.Provider, say: Callable[[str], None]) -> None:
+    regions = {}
+    for r in rows:
+        if r["state"] in LIVE:
+            spec = store.spec(r["id"])
+            if spec:
+                regions.setdefault(spec["region"], spec)
+    for region, spec in regions.items():
+        if controller_alive(store, region) is None:
+            ensure_controller(_where(spec, prov), store, prov, say)
+
+
+def find(job_id: str, buckets: list[str], prov: provider.Provider) -> tuple[JobStore, dict]:
+    if not is_job_id(job_id):
+        raise UserError(f"{job_id!r} is not a job id (job-YYYYMMDD-HHMMSS-xxxx): `tpuctl jobs` lists them")
+    for bucket in buckets:
+        store = open_store(bucket, prov)
+        if (spec := store.spec(job_id)) is not None:
+            return store, spec
+    raise UserError(f"no job {job_id} in {', '.join('gs://' + b for b in buckets) or 'any known bucket'}: pass "
+                    "--bucket BUCKET")
+
+
+def job_state(store: JobStore, spec: dict) -> dict:
+    return store.state(spec["id"]) or initial_state(spec)
+
+
+def logs(store: JobStore, spec: dict, *, follow: bool, out: Callable[[str], None], poll_s: float = 2.0) -> dict:
+    """Print the job's logs (the controller's lines, then each host's of its latest run) from the bucket; with
+    follow, print what arrives until the job ends. Returns the final state."""
+    seen: dict[str, int] = {}
+    while True:
+        st = job_state(store, spec)
+        logs_now = store.logs(spec["id"])
+        runs = sorted({k.split("/", 1)[0] for k in logs_now if "/" in k})
+        keys = ["controller.log"] + sorted(k for k in logs_now if runs and k.startswith(runs[-1] + "/"))
+        for k in keys:
+            data = logs_now.get(k, b"")
+            new = data[seen.get(k, 0):]
+            if not new:
+                continue
+            text = new.decode(errors="replace")
+            cut = text.rfind("\n") + 1 if follow and st["state"] in LIVE else len(text)  # whole lines only
+            if cut == 0:
+                continue
+            seen[k] = seen.get(k, 0) + len(text[:cut].encode())
+            tag = "tpuctl" if k == "controller.log" else Path(k).stem
+            for line in text[:cut].splitlines():
+                out(f"[{tag}] {line}")
+        if not follow or st["state"] not in LIVE:
+            return st
+        time.sleep(poll_s)
+
+
+def cancel(store: JobStore, spec: dict, prov: provider.Provider, *, down: bool = False,
+           say: Callable[[str], None] = print, timeout_s: float = 120.0) -> dict:
+    """Ask the controller to stop the job (every host within its grace) and wait for CANCELLED."""
+    st = job_state(store, spec)
+    if st["state"] not in LIVE:
+        raise UserError(f"job {spec['id']} is already {st['state']}")
+    store.request_cancel(spec["id"], down)
+    ensure_controller(_where(spec, prov), store, prov, say)
+    deadline = time.monotonic() + timeout_s
+    while (st := job_state(store, spec))["state"] in LIVE:
+        if time.monotonic() > deadline:
+            raise UserError(f"job {spec['id']} is still {st['state']} {timeout_s:.0f} s after the cancel: "
+                            f"`tpuctl cancel {spec['slice_name']}` stops its run on the hosts directly")
+        time.sleep(0.5)
+    return st
+
+
+def live_jobs_on(name: str) -> list[dict]:
+    """Live managed jobs on slice NAME in the buckets this machine knows (for `down`'s refusal)."""
+    rec = state.lookup(name)
+    if rec is None:
+        return []
+    prov = provider.of(rec)
+    out = []
+    for bucket in default_buckets():
+        try:
+            rows = open_store(bucket, prov).jobs()
+        except Exception:  # noqa: BLE001 - an unreachable bucket must not block `down`; it is named instead
+            continue
+        out += [r for r in rows if r["state"] in LIVE and r["slice"] == name]
+    return out
+
+
+def controller_status(bucket: str, prov: provider.Provider) -> list[dict]:
+    """The controllers that have served this bucket, region by region: heartbeat, VM, cost so far."""
+    store = open_store(bucket, prov)
+    out = []
+    for b in store.client.list_blobs(store.bucket, prefix="tpuctl/controller/"):
+        region = b.name.rsplit("/", 1)[-1].removesuffix(".json")
+        hb = store.heartbeat(region) or {}
+        where = V.Where(hb.get("project", ""), hb.get("zone", ""), bucket, prov.kind, prov.compute_endpoint())
+        inst = V.get(where) if where.project and where.zone else None
+        alive = controller_alive(store, region) is not None
+        up_s = time.time() - hb["started"] if alive and hb.get("started") else 0.0
+        out.append({"region": region, "instance": where.name, "vm": inst["status"] if inst else "none",
+                    "alive": alive, "live_jobs": hb.get("jobs", []) if alive else [],
+                    "idle_since": hb.get("idle_since"), "idle_minutes": hb.get("idle_minutes"),
+                    "uptime_s": up_s, "price_per_hour": V.PRICE_PER_HOUR,
+                    "cost_usd": up_s / 3600 * V.PRICE_PER_HOUR})
+    return out
+
+
+def controller_down(bucket: str, prov: provider.Provider, *, force: bool = False,
+                    say: Callable[[str], None] = print) -> list[str]:
+    """Delete the controller VMs of this bucket; refuses while they have live jobs unless force (the trainers keep
+    running; the next tpuctl command that needs a controller makes one)."""
+    gone = []
+    for c in controller_status(bucket, prov):
+        if c["live_jobs"] and not force:
+            raise UserError(f"{c['instance']} supervises {', '.join(c['live_jobs'])}: `tpuctl cancel JOB` first, or "
+                            "--force (the jobs' trainers keep running; the next `tpuctl jobs` starts a controller "
+                            "again)")
+        store = open_store(bucket, prov)
+        hb = store.heartbeat(c["region"]) or {}
+        if V.delete(V.Where(hb.get("project", ""), hb.get("zone", ""), bucket, prov.kind, prov.compute_endpoint())):
+            say(f"deleted {c['instance']}")
+            gone.append(c["instance"])
+    return gone
