@@ -52,7 +52,22 @@ class LocalSpot:
 
     def __exit__(self, *exc) -> None:
         from infra import gcs
-        self.cli("down", self.name, "--local")
+        from infra.fake_login_apis import FakeLoginControl
+        self.cli("down", self.name, "--local", "--force")
+        for stem in ("fake_login_apis", "fake_secret_manager"):  # managed jobs' stand-ins, if a test started them
+            try:
+                info = json.loads((self.home / "local" / f"{stem}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if stem == "fake_login_apis":  # the controller's host ends with it
+                try:
+                    FakeLoginControl(info["url"], timeout=60).reset()
+                except (RuntimeError, OSError):
+                    pass
+            try:
+                os.kill(info["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         gcs.stop(self.home)
         if self.api:
             os.kill(self.api["pid"], signal.SIGKILL)

@@ -3,7 +3,9 @@ trainer runs on a 2-host local slice, the hosts die with their "VMs", `tpuctl ru
 the command again, and the trainer resumes from its latest complete checkpoint in gs:// (the GCS emulator).
 The final parameters and optimizer state must equal, bit for bit, those of an uninterrupted run."""
 import json
+import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -36,10 +38,26 @@ print(json.dumps({"steps": [sa, sb], "leaves": len(la),
 """
 
 
-def test_a_preempted_run_is_recreated_resumes_and_ends_bit_equal(tmp_path):
-    with LocalSpot(tmp_path / "home") as spot:
+@pytest.fixture(scope="module")
+def spot(tmp_path_factory):
+    """One local cloud, slice and uninterrupted reference run for the attached and the managed run."""
+    with LocalSpot(tmp_path_factory.mktemp("preempt") / "home") as spot:
         ref_rc, _, ref_err = spot.run(f"gs://{BUCKET}/ref")
         assert ref_rc == 0, ref_err[-3000:]
+        yield spot
+
+
+def _bit_equal_to_ref(spot, ckpt: str) -> dict:
+    cmp = subprocess.run([sys.executable, "-c", COMPARE, json.dumps([*ARGS, "--ckpt-dir", "x"]),
+                          f"gs://{BUCKET}/ref", ckpt],
+                         env={**spot.env, **spot.emu.env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                              "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 0, cmp.stderr[-3000:]
+    return json.loads(cmp.stdout.strip().splitlines()[-1])
+
+
+def test_a_preempted_run_is_recreated_resumes_and_ends_bit_equal(spot):
+    if True:
         at = random.Random(time.time_ns()).randint(13, 27)  # printed on failure: the step it was preempted at
         rc, res, err = spot.run(f"gs://{BUCKET}/run", (at,))
         assert rc == 0, f"preempted at {at}\n{err[-4000:]}"
@@ -64,10 +82,153 @@ def test_a_preempted_run_is_recreated_resumes_and_ends_bit_equal(tmp_path):
         status = json.loads(spot.cli("status", spot.name, "--local", "--json").stdout)
         assert status["last_run"]["goodput"] == g and status["last_run"]["run_id"] == res["run_id"]
 
-        cmp = subprocess.run([sys.executable, "-c", COMPARE, json.dumps([*ARGS, "--ckpt-dir", "x"]),
-                              f"gs://{BUCKET}/ref", f"gs://{BUCKET}/run"],
-                             env={**spot.env, **spot.emu.env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-                                  "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
-        assert cmp.returncode == 0, cmp.stderr[-3000:]
-        got = json.loads(cmp.stdout.strip().splitlines()[-1])
+        got = _bit_equal_to_ref(spot, f"gs://{BUCKET}/run")
         assert got["steps"] == [STEPS, STEPS] and got["leaves"] >= 40 and got["equal"], (at, got)  # params + Adam
+
+
+# ---- managed jobs: the laptop leaves, the controller dies, cancel, idle -------------------------------------
+def _pidns(pid) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return ""
+
+
+def _tpuctl_procs_here() -> list[str]:
+    """tpuctl processes in this machine's PID namespace (the controller's host and the TPU hosts have their own)."""
+    mine, out = _pidns("self"), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "orchestrator" in cmd and "infra." not in cmd and _pidns(d) == mine:
+            out.append(f"{d}: {cmd[:200]}")
+    return out
+
+
+def _trainers() -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"trainer\0pretrain" in cmd and b"preempt-e2e/long" in cmd:
+            out.append(int(d))
+    return out
+
+
+def _jobs(spot, env=None) -> list[dict]:
+    r = subprocess.run([*spot.tpuctl, "jobs", "--local", "--json", "--bucket", BUCKET], env=env or spot.env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def _until(spot, job_id: str, ok, what: str, timeout: float = 900, check=None) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        job = next(j for j in _jobs(spot) if j["id"] == job_id)
+        if check:
+            check(job)
+        if ok(job):
+            return job
+        assert job["state"] in ("PENDING", "STARTING", "RUNNING", "RECOVERING") and time.time() < deadline, \
+            f"waiting for {what}: {job}"
+        time.sleep(2)
+
+
+def _host_log_reaches(spot, ckpt: str, step: int, timeout: float = 900) -> None:
+    """Until process 0's log on its host (the run's own log, under the host's home) of the run into ckpt shows
+    `step N/`."""
+    deadline = time.time() + timeout
+    while True:
+        for log in (spot.home / "local" / "slices" / spot.name / "w0" / "home" / ".tpuctl-host" / "logs").glob("*.log"):
+            text = log.read_text(errors="replace")
+            if f'"ckpt_dir":"{ckpt}"' in text and re.search(rf"step +{step}/", text):
+                return
+        assert time.time() < deadline, f"process 0 never reached step {step}"
+        time.sleep(0.05)
+
+
+def _instances(spot) -> list[str]:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+    url = json.loads((spot.home / "local" / "fake_login_apis.json").read_text())["url"]
+    c = compute_v1.InstancesClient(transport="rest", credentials=AnonymousCredentials(),
+                                   client_options={"api_endpoint": url})
+    return [i.name for i in c.list(project="local-project", zone=spot.zone)], c
+
+
+def test_a_managed_job_outlives_the_laptop_its_controller_and_a_preemption(spot):
+    """Must-show: the laptop leaves (every tpuctl here SIGKILLed after the submit), the slice is preempted, the job
+    ends SUCCEEDED with 1 recovery, bit-equal to the uninterrupted run, read from a fresh TPUCTL_HOME; then a
+    second job's controller VM is deleted mid-run and the next `jobs` brings a new one that re-attaches to the same
+    run; `down` refuses while it is live; `cancel` stops every host; the idle controller deletes its VM."""
+    from infra.fake_tpu_api import FakeControl
+    spot.env["TPUCTL_CONTROLLER_STALE_S"] = "8"
+    node = json.loads(spot.cli("status", spot.name, "--local", "--json").stdout)["node"]
+    spot.zone = node.split("/")[3]
+    sub = spot.cli("run", spot.name, "--detach", "--json", "--controller-idle", "0.4", "--", *ARGS,
+                   "--ckpt-dir", f"gs://{BUCKET}/managed")
+    assert sub.returncode == 0, sub.stderr[-3000:]
+    job = json.loads(sub.stdout)
+    for line in _tpuctl_procs_here():  # the laptop leaves: nothing of tpuctl outlives the submit here
+        os.kill(int(line.split(":")[0]), 9)
+    strays: list[str] = []
+
+    def watch(j):  # from the submit to the end, only these `jobs` reads ran tpuctl on this machine
+        strays.extend(_tpuctl_procs_here())
+
+    watch(None)
+    _host_log_reaches(spot, f"gs://{BUCKET}/managed", 13)
+    FakeControl(spot.api["url"]).preempt(node)
+    done = _until(spot, job["id"], lambda j: j["state"] == "SUCCEEDED", "SUCCEEDED", check=watch)
+    assert not strays, strays
+    assert done["recoveries"] == 1 and done["step"] == STEPS, done
+    assert done["goodput"]["restarts"] == 1 and 0 < done["goodput"]["goodput"] < 1, done
+    got = _bit_equal_to_ref(spot, f"gs://{BUCKET}/managed")
+    assert got["steps"] == [STEPS, STEPS] and got["leaves"] >= 40 and got["equal"], got
+    # From any machine: an empty TPUCTL_HOME and the bucket's name (and this machine's local cloud).
+    fresh = {**spot.env, "TPUCTL_HOME": str(spot.home.parent / "fresh"), "TPUCTL_LOCAL_DIR": str(spot.home / "local")}
+    (seen,) = [j for j in _jobs(spot, fresh) if j["id"] == job["id"]]
+    assert seen["state"] == "SUCCEEDED" and seen["recoveries"] == 1 and seen["goodput"] == done["goodput"], seen
+    logs = subprocess.run([*spot.tpuctl, "logs", job["id"], "--local", "--bucket", BUCKET], env=fresh,
+                          capture_output=True, text=True, timeout=120)
+    assert logs.returncode == 0 and f"step {STEPS}/{STEPS}" in logs.stdout and "recreating" in logs.stdout, \
+        logs.stdout[-3000:] + logs.stderr[-2000:]
+
+    # The controller dies mid-job: the trainers go on, the next `jobs` makes a new one, which re-attaches.
+    long_args = [a if a != str(STEPS) else "100000" for a in ARGS]
+    sub = spot.cli("run", spot.name, "--detach", "--json", "--controller-idle", "0.4", "--", *long_args,
+                   "--ckpt-dir", f"gs://{BUCKET}/long")
+    assert sub.returncode == 0, sub.stderr[-3000:]
+    job2 = json.loads(sub.stdout)
+    before = _until(spot, job2["id"], lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 3, "RUNNING")
+    down = spot.cli("down", spot.name, "--local")
+    assert down.returncode != 0 and job2["id"] in down.stderr and "--force" in down.stderr, down.stderr
+    names, compute = _instances(spot)
+    (ctl_name,) = names
+    compute.delete(project="local-project", zone=spot.zone, instance=ctl_name)
+    trainers = _trainers()
+    assert len(trainers) == 2, trainers
+    time.sleep(10)  # the heartbeat goes stale
+    assert _trainers() == trainers  # training goes on without a controller
+    after = _until(spot, job2["id"], lambda j: j["controller_since"] != before["controller_since"] and
+                   (j["step"] or 0) > before["step"] + 5, "a new controller")
+    assert after["run_id"] == before["run_id"] and after["recoveries"] == 0, (before, after)
+    assert _trainers() == trainers  # the same processes: re-attached, not restarted
+    # Cancel: every host stops within 30 s, the job reads CANCELLED, nothing is left on the hosts.
+    t0 = time.time()
+    c = subprocess.run([*spot.tpuctl, "cancel", job2["id"], "--local", "--json", "--bucket", BUCKET], env=spot.env,
+                       capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0 and json.loads(c.stdout)["state"] == "CANCELLED", c.stdout + c.stderr[-3000:]
+    assert not _trainers() and time.time() - t0 < 30, (_trainers(), time.time() - t0)
+    # Idle: the controller deletes its own VM.
+    deadline = time.time() + 180
+    while _instances(spot)[0]:
+        assert time.time() < deadline, "the idle controller did not delete its VM"
+        time.sleep(2)

@@ -159,9 +159,10 @@ class JobRunner(threading.Thread):
             self._finish("CANCELLED", "cancelled before it started")
             return
         if not going:
-            self.set(state="STARTING", controller=self.ctl.host, started=time.time())
+            self.set(state="STARTING", controller=self.ctl.host, controller_since=self.ctl.started,
+                     started=time.time())
         else:
-            self.set(controller=self.ctl.host)
+            self.set(controller=self.ctl.host, controller_since=self.ctl.started)
         prov = provider.of(rec)
         secrets = job_secrets.read(spec.get("secrets") or {}, endpoint=prov.secrets_endpoint(),
                                    credentials=prov.secrets_credentials(self.ctl.member))

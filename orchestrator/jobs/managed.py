@@ -24,7 +24,9 @@ from orchestrator.jobs.attached import RunOptions, command_argv
 from orchestrator.jobs.store import LIVE, JobStore, bucket_of, initial_state, is_job_id, new_job_id
 from orchestrator.spec import UserError
 
-HEARTBEAT_FRESH_S = 30.0   # the controller beats every few seconds; older than this, it is gone
+# The controller beats every few seconds; a heartbeat older than this means it is gone (TPUCTL_CONTROLLER_STALE_S
+# tunes it).
+HEARTBEAT_FRESH_S = float(os.environ.get("TPUCTL_CONTROLLER_STALE_S") or 30.0)
 BOOT_WAIT_S = 600.0        # a new controller VM: boot, install, first heartbeat
 _BUCKETS = "jobs.json"     # in $TPUCTL_HOME: the buckets this machine submitted to (what `jobs` reads by default)
 

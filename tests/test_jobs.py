@@ -1,0 +1,135 @@
+"""Managed jobs' parts, cheaply: the controller VM through the real google-cloud-compute client against the
+Compute Engine stand-in (its refusals as one line with the fix), the job's secrets through the real Secret Manager
+client (only the controller's account reads them), the job bucket through google-cloud-storage on the GCS
+emulator, and `run --detach`'s refusals before anything is created. The whole life of a managed job (the laptop
+leaving, a preemption, the controller dying, cancel, idle) is tests/test_preemption_e2e.py's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infra import fake_login_apis, fake_secret_manager
+from infra.gcp_ids import default_service_account
+from orchestrator.jobs import controller_vm as V
+from orchestrator.jobs import job_secrets
+from orchestrator.jobs.store import JobStore, cost_so_far, initial_state, is_job_id, new_job_id
+from orchestrator.spec import UserError
+
+P, Z = "proj-a", "us-central1-a"
+
+
+@pytest.fixture(scope="module")
+def compute():
+    srv = fake_login_apis.start_in_thread()
+    srv.control.compute_config(provisioning_s=0.05, staging_s=0.05, stopping_s=0.05, terminated_s=0.05)
+    yield srv
+    srv.stop()
+
+
+def _where(url: str, **kw) -> V.Where:
+    return V.Where(project=P, zone=Z, bucket="b", provider="gcp", endpoint=url, **kw)
+
+
+def test_the_controller_vm_is_created_found_and_deleted(compute):
+    compute.control.reset()
+    w = _where(compute.url, idle_minutes=3)
+    assert V.get(w) is None
+    said = []
+    script = V.startup_script(w, "gs://b/tpuctl/bundles/h/tpuctl.whl", {"A": "1"}, python=None)
+    V.create(w, script, said.append)
+    got = V.get(w)
+    assert got["name"] == "tpuctl-controller-us-central1" and got["status"] == "RUNNING" and got["machine"] == "e2-small"
+    assert "0.0168 $/hour" in said[0] and "3 idle minutes" in said[0]
+    (body,) = [i["body"] for i in compute.control.compute_state()["instances"]]
+    items = {i["key"]: i["value"] for i in body["metadata"]["items"]}
+    # A real VM installs tpuctl from the bundle and runs the controller as a systemd service (a reboot keeps it).
+    assert "systemctl enable --now tpuctl-controller" in items["startup-script"]
+    assert "--bucket b --project proj-a --zone us-central1-a --provider gcp --idle-minutes 3" in items["startup-script"]
+    assert body["serviceAccounts"][0]["email"] == "default" and body["labels"] == {V.LABEL: "true"}
+    V.create(w, script, said.append)  # a second tpuctl racing for it: it exists, nothing else happens
+    assert len(compute.control.compute_state()["instances"]) == 1
+    assert V.delete(w) and V.get(w) is None and not V.delete(w)
+
+
+@pytest.mark.parametrize("kind,expect", [
+    ("quota", "ask for more quota"),
+    ("org_policy", "organisation policy"),
+    ("service_disabled", "gcloud services enable compute.googleapis.com --project proj-a"),
+])
+def test_a_controller_that_cannot_be_created_is_one_line_with_the_fix(compute, kind, expect):
+    compute.control.reset()
+    getattr(compute.control, kind)()
+    with pytest.raises(UserError) as e:
+        V.create(_where(compute.url), "#!/bin/sh\n", lambda m: None)
+    assert expect in str(e.value) and "\n" not in str(e.value), e.value
+    compute.control.reset()
+    assert V.get(_where(compute.url)) is None  # nothing was left behind
+
+
+def test_a_jobs_secrets_are_read_by_the_controllers_account_only():
+    srv = fake_secret_manager.start_in_thread()
+    try:
+        from google.oauth2.credentials import Credentials
+        sa = f"serviceAccount:{default_service_account(P)}"
+        refs = job_secrets.store(P, "job-20261203-000000-abcd", {"WANDB_API_KEY": "s3cr3t-value"}, sa,
+                                 endpoint=srv.url)
+        (name,) = refs.values()
+        assert name.endswith("/secrets/tpuctl-job-20261203-000000-abcd-WANDB_API_KEY")
+        got = job_secrets.read(refs, endpoint=srv.url, credentials=Credentials(token=sa))
+        assert got == {"WANDB_API_KEY": "s3cr3t-value"}
+        with pytest.raises(UserError) as e:  # another account (a user's VM, another controller) cannot
+            job_secrets.read(refs, endpoint=srv.url, credentials=Credentials(token="serviceAccount:x@p.iam"))
+        assert "roles/secretmanager.secretAccessor" in str(e.value) and "s3cr3t" not in str(e.value)
+        assert "s3cr3t" not in json.dumps(srv.control.call("GET", "state"))
+        job_secrets.drop(refs, endpoint=srv.url)
+        with pytest.raises(UserError):
+            job_secrets.read(refs, endpoint=srv.url)
+    finally:
+        srv.stop()
+
+
+def test_the_job_bucket_round_trip(tmp_path):
+    from infra import gcs
+    emu = gcs.start(home=tmp_path, buckets=("jobs-b",), record=False)
+    old = {k: os.environ.get(k) for k in emu.env}
+    os.environ.update(emu.env)
+    try:
+        s = JobStore("jobs-b")
+        s.check()
+        jid = new_job_id()
+        assert is_job_id(jid) and not is_job_id("my-slice")
+        spec = {"id": jid, "name": "n", "slice_name": "n", "submitted": 1000.0, "total_steps": 60,
+                "price_per_hour": 3.6}
+        s.put_spec(jid, spec)
+        assert s.job_ids() == [jid] and s.jobs()[0]["state"] == "PENDING"  # not taken yet
+        s.put_state(jid, {**initial_state(spec), "state": "RUNNING", "step": 7})
+        s.put_log(jid, "controller.log", b"a\n")
+        s.put_log(jid, "r1/w0.log", b"step 7\n")
+        s.request_cancel(jid, down=True)
+        assert s.jobs()[0]["step"] == 7 and s.cancel_request(jid)["down"] is True
+        assert s.logs(jid) == {"controller.log": b"a\n", "r1/w0.log": b"step 7\n"}
+        assert abs(cost_so_far({**initial_state(spec), "ended": 1000.0 + 1800}) - 1.8) < 1e-9
+        with pytest.raises(UserError) as e:
+            JobStore("no-such-bucket").check()
+        assert "does not exist" in str(e.value)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        emu.stop()
+
+
+def test_detach_without_a_gs_ckpt_dir_is_refused_before_anything_is_made(tmp_path):
+    env = {**os.environ, "TPUCTL_HOME": str(tmp_path / "home")}
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "state.json").write_text(json.dumps({"slices": {"s": {
+        "name": "s", "project": P, "zone": Z, "accelerator": "v4-8", "node": f"projects/{P}/locations/{Z}/nodes/s",
+        "status": "ready"}}}))
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "s", "--detach", "--", "pretrain",
+                        "--ckpt-dir", "/tmp/ckpt"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--detach needs a gs:// --ckpt-dir (got /tmp/ckpt)" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "home" / "jobs.json").exists()
