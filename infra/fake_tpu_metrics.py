@@ -36,8 +36,8 @@ class Chip:
 
 
 def known_chips(n: int = 4) -> list[Chip]:
-    """Distinct, recognisable values per chip (16 GiB of HBM each, as a v5e's)."""
-    return [Chip(i, (i + 1) * 1_000_000_000, 16 * 2**30, 12.5 * (i + 1)) for i in range(n)]
+    """Distinct values per chip that a table shows exactly: i+1 GiB used of 16 GiB (a v5e's), 12.5 x (i+1) %."""
+    return [Chip(i, (i + 1) * 2**30, 16 * 2**30, 12.5 * (i + 1)) for i in range(n)]
 
 
 class Service(pb_grpc.RuntimeMetricServiceServicer):

@@ -55,7 +55,7 @@ def _chips(chips) -> str:
         return "?"
     if chips == NO_TPU or isinstance(chips, str):
         return str(chips)
-    return "  ".join(f"{c['device']}:{c['duty_cycle_pct']:.0f}% {_gib(c['hbm_used_bytes'])}/"
+    return "  ".join(f"{c['device']}:{c['duty_cycle_pct']:.1f}% {_gib(c['hbm_used_bytes'])}/"
                      f"{_gib(c['hbm_total_bytes'])}G" for c in chips)
 
 
