@@ -277,7 +277,7 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
                     time.sleep(0.3)
             pt = threading.Thread(target=pulses, daemon=True)
             pt.start()
-            time.sleep(8)  # the recent steps (10 logged) are the slowed ones
+            time.sleep(3)  # the recent steps (10 logged) are the slowed ones
             while time.time() < t_end:
                 seen["top"] = _tpuctl(sl, tmp_path, "top", "hung", "--json")
                 snap = json.loads(seen["top"].stdout or "{}")
@@ -308,6 +308,16 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         assert sorted(p.name[-len("-p0.xplane.pb"):] for p in folder.glob("*.xplane.pb")) == \
             ["-p0.xplane.pb", "-p1.xplane.pb"], res
         assert all(Path(p).stat().st_size > 0 for p in res["traces"].values())
+        # ... which the report reads as a session of that run, both hosts' steps split with xprof.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
+        rep = subprocess.run([sys.executable, "-m", "trainer", "report", "--ckpt-dir", f"{sl.shared_dir}/ckpt",
+                              "--out", str(tmp_path / "report"), "--json"], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert rep.returncode == 0, rep.stderr[-3000:]
+        win, = json.loads(rep.stdout)["profiles"]
+        assert (win["run"], win["session"], win["window"]) == (r.run_id, res["session"], None), win
+        assert sorted(h["host"][-2:] for h in win["hosts"]) == ["p0", "p1"] and \
+            all(h["steps"] and h["mean"]["compute_s"] > 0 for h in win["hosts"]), win
         # top: each host's step and step time, no made-up chip figures, and the slowed host named.
         top = json.loads(seen["top"].stdout)
         assert top["run_id"] == r.run_id and [h["worker"] for h in top["hosts"]] == ["w0", "w1"], top
@@ -323,7 +333,6 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
              "the last one"], none.stderr
         # The profiled and slowed run's loss curve is the unprofiled one's: one process, 8 devices, the same
         # config to the last step it logged before it was stopped.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
         n = seen["last_step"]
         ref = subprocess.run([sys.executable, "-m", "trainer", "pretrain", "--emulate-devices", "8", "--data", data,
                               *TINY, "--steps", str(n), "--ckpt-every", "0", "--ckpt-dir", str(tmp_path / "ref")],
