@@ -87,7 +87,7 @@ def test_hoststat_beside_a_live_command_and_top_shows_it(tmp_path, metrics_servi
     command = [sys.executable, "-c", code, "-m", "trainer", "pretrain", "--preset", "gpt2-tiny",
                "--ckpt-dir", str(ckpt)]
     env = {"TPU_RUNTIME_METRICS_PORTS": f"{_free_port()},{metrics_service.port}", "TPUCTL_PROCESS_ID": "0",
-           "TPUCTL_RUN_ID": "r1", "PYTHONPATH": str(ROOT)}
+           "TPUCTL_RUN_ID": "r1", "PYTHONPATH": str(ROOT), "TPUCTL_PROFILER_PORT": str(_free_port())}
     pidfile, log, p = _keep(tmp_path, command, secrets={"MY_TOKEN": "s3cret-value"}, env=env)
     try:
         seen = _beside(pidfile, log, "-c", "import os, sys; print(os.environ.get('MY_TOKEN'), os.getcwd(), "
@@ -96,6 +96,12 @@ def test_hoststat_beside_a_live_command_and_top_shows_it(tmp_path, metrics_servi
         res = _beside(pidfile, log, "-m", "trainer", "hoststat")
         assert res.returncode == 0, res.stdout + res.stderr
         stat = json.loads(res.stdout.strip().splitlines()[-1])
+        # capture beside it: its --out defaults to the trainer's --ckpt-dir/profiles/RUN_ID; a profiler server
+        # that does not answer is one line naming its address (what `tpuctl profile` reports for that host).
+        cap = _beside(pidfile, log, "-m", "trainer", "capture", "--duration-ms", "100")
+        err = cap.stderr.strip().splitlines()
+        assert cap.returncode == 1 and len(err) == 1 and err[0].startswith(
+            f"error: the profiler server at localhost:{env['TPUCTL_PROFILER_PORT']} did not answer"), cap.stderr
     finally:
         subprocess.run([sys.executable, str(HOSTWRAP), "stop", "--pidfile", str(pidfile), "--grace", "1"],
                        capture_output=True, timeout=30)
@@ -140,3 +146,8 @@ def test_hoststat_alone_says_no_tpu_and_no_step():
     stat = json.loads(res.stdout)
     assert (stat["step"], stat["step_time_s"], stat["tokens_per_s"], stat["chips"], stat["straggler"]) == \
         (None, None, None, "no TPU", None)
+    # capture with no trainer beside it needs its --out: one line, exit 2
+    cap = subprocess.run([sys.executable, "-m", "trainer", "capture", "--duration-ms", "100"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=120)
+    assert cap.returncode == 2 and cap.stderr.strip().splitlines() == [
+        "error: capture: pass --out DIR (no trainer beside this process names its --ckpt-dir and TPUCTL_RUN_ID)"]
