@@ -307,6 +307,8 @@ def cmd_beside(a, argv):
     rec = _read_json(a.pidfile) or {}
     pid = int(rec.get("pgid") or 0)  # the keeper starts the command as its group's leader: the trainer itself
     try:
+        if not _alive(pid):  # ended (a zombie has no environment), or a pidfile a killed keeper left
+            raise OSError("not running")
         with open("/proc/%d/environ" % pid, "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         with open("/proc/%d/cmdline" % pid, "rb") as f:
