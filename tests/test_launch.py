@@ -92,6 +92,12 @@ def test_the_run_outlives_its_follower_and_a_new_follower_goes_on_from_a_line(tm
     cmd2 = L.host_command(spec2, WORKERS, 0, layout=lay, wrap_python=sys.executable, wrap_script="hostwrap.py")
     f2 = subprocess.Popen(["sh", "-c", cmd2], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     assert [f2.stdout.readline().strip() for _ in range(2)] == ["TPUCTL_FOLLOW 0", "up"]
+    # `beside` it: the run's own Python and environment, the arguments reaching it as they are.
+    beside = L.beside_command(lay, spec2.run_id, ["-c", "import json, os, sys; print(json.dumps([sys.argv[1:], "
+                              "os.environ['TPUCTL_RUN_ID'], sys.executable]))", NASTY, ";"],
+                              wrap_python=sys.executable, wrap_script="hostwrap.py")
+    b = subprocess.run(["sh", "-c", beside], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+    assert b.returncode == 0 and json.loads(b.stdout) == [[NASTY, ";"], spec2.run_id, sys.executable], b
     stop = L.stop_command(lay, spec2.run_id, wrap_python=sys.executable, grace=2, wrap_script="hostwrap.py")
     subprocess.run(["sh", "-c", stop], check=True, capture_output=True, env=env, cwd=tmp_path)
     rest = f2.communicate(timeout=30)[0]

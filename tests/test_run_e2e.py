@@ -171,13 +171,13 @@ def test_pretrain_on_two_ssh_hosts_resumes_from_gcs_and_matches_one_process(tmp_
 
 
 
-def _ready(sl, tmp_path) -> tuple[str, dict]:
+def _ready(sl, tmp_path, extras=()) -> tuple[str, dict]:
     """The corpus prepared into the slice's shared dir, and run_job's arguments for the bundle on its hosts."""
     data = f"{sl.shared_dir}/data"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
     subprocess.run([sys.executable, "-m", "trainer", "prepare", "--out", data], env=env, check=True,
                    capture_output=True, timeout=300)
-    bundle = B.build(cache_dir=tmp_path / "bundles")
+    bundle = B.build(cache_dir=tmp_path / "bundles", extras=extras)
     install, layout = shared_install(sl.wheelhouse, bundle, python=sl.python)
     return data, dict(ssh=ssh_config(sl), bundle=bundle, install=install, layout=layout)
 
@@ -221,10 +221,23 @@ def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory,
             shutil.rmtree(shared, ignore_errors=True)
 
 
+def _tpuctl(sl, tmp_path, *args, timeout=180) -> subprocess.CompletedProcess:
+    """`tpuctl ARGS NAME --hosts ...` against the slice's hosts, through an SSH hop (a ProxyCommand)."""
+    hop = f"{sys.executable} -m infra.ssh_hop %h %p"
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--hosts", ",".join(h.ip for h in sl.hosts),
+                           "--ssh-user", sl.ssh_user, "--ssh-key", sl.ssh_key, "--ssh-port", str(sl.hosts[0].port),
+                           "--ssh-proxy-command", hop],
+                          env={**os.environ, "TPUCTL_HOME": str(tmp_path / "home")}, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
 @pytest.mark.e2e
 def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory, tmp_path):
-    """One host's real trainer is SIGSTOPped mid-run: the other fails at jax's heartbeat (tpuctl sets 10 s), or
-    past --hang-timeout (20 s here) no host has advanced; either way the run stops every host naming the stopped
+    """While a 2-host run goes: `tpuctl profile --steps 3` brings both hosts' traces without stopping it; one
+    host's trainer is then slowed by SIGSTOP/SIGCONT pulses of 0.3 s and `tpuctl top --json` names it as the
+    straggler (stalled, not its input), each host's chips "no TPU"; the loss curve equals an unprofiled run's.
+    Then that trainer is SIGSTOPped for good: the other fails at jax's heartbeat (tpuctl sets 10 s), or past
+    --hang-timeout (20 s here) no host has advanced; either way the run stops every host naming the stopped
     one, not the one that noticed, and nothing is left on any host."""
     import io
     import signal as sig
@@ -233,19 +246,54 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
     from _local_hosts import host_processes
     sl = start("hung", 2, tmp_path_factory.mktemp("slices"))
     try:
-        data, kw = _ready(sl, tmp_path)
+        data, kw = _ready(sl, tmp_path, extras=("observe", "profile"))  # what `tpuctl run -- pretrain` installs
         args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
                 "--steps", "100000", "--ckpt-every", "0", "--ckpt-dir", f"{sl.shared_dir}/ckpt"]
         out = io.StringIO()
+        seen = {}
 
-        def stop_w1_at_step_5():
+        def w1_trainer():
+            return [pid for pid, cmd in host_processes(sl, 1) if "trainer pretrain" in cmd and "hostwrap" not in cmd]
+
+        def step_now():
+            return max(map(int, re.findall(r"step +(\d+)/", out.getvalue())), default=0)
+
+        def observe_then_stop_w1():
             deadline = time.time() + 300
             while not re.search(r"step +5/", out.getvalue()) and time.time() < deadline:
                 time.sleep(0.1)
-            for pid, cmd in host_processes(sl, 1):
-                if "trainer pretrain" in cmd and "hostwrap" not in cmd:
+            pulse = threading.Event()
+            try:
+                seen["profile"] = _tpuctl(sl, tmp_path, "profile", "hung", "--steps", "3", "--json")
+                seen["profiled_by"] = step_now()
+                pids, t_end = w1_trainer(), time.time() + 20
+
+                def pulses():  # w1 not running for 0.3 s of every 0.6 s
+                    while not pulse.is_set() and time.time() < t_end:
+                        for pid in pids:
+                            os.kill(pid, sig.SIGSTOP)
+                        time.sleep(0.3)
+                        for pid in pids:
+                            os.kill(pid, sig.SIGCONT)
+                        time.sleep(0.3)
+                pt = threading.Thread(target=pulses, daemon=True)
+                pt.start()
+                time.sleep(3)  # the recent steps (10 logged) are the slowed ones
+                while time.time() < t_end:
+                    seen["top"] = _tpuctl(sl, tmp_path, "top", "hung", "--json")
+                    try:
+                        if (json.loads(seen["top"].stdout).get("straggler") or {}).get("worker") == "w1":
+                            break
+                    except ValueError:
+                        break  # asserted below
+                pulse.set()
+                pt.join()
+                seen["last_step"] = step_now()
+            finally:  # whatever happened above, the run ends: w1 stopped for good
+                pulse.set()
+                for pid in w1_trainer():
                     os.kill(pid, sig.SIGSTOP)
-        t = threading.Thread(target=stop_w1_at_step_5, daemon=True)
+        t = threading.Thread(target=observe_then_stop_w1, daemon=True)
         t.start()
         with pytest.raises(RunFailed) as e:
             run_job(workers(sl), LaunchSpec(args, env=CPU), run_dir=tmp_path / "run", out=out,
@@ -255,6 +303,52 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         assert r.failed_worker == 1 and r.returncode == 124, out.getvalue()[-3000:]
         assert "worker w1" in str(e.value) and "stopped advancing at step" in str(e.value), str(e.value)
         assert wait_idle(sl, timeout=30) == {}
+
+        # The live profile: both hosts' traces, in one session under the run's id in its --ckpt-dir.
+        prof = seen["profile"]
+        assert prof.returncode == 0, prof.stdout[-2000:] + prof.stderr[-2000:]
+        res = json.loads(prof.stdout)
+        assert res["run_id"] == r.run_id and res["failed"] == {} and sorted(res["traces"]) == ["w0", "w1"], res
+        folder = Path(sl.shared_dir) / "ckpt" / "profiles" / r.run_id / "plugins" / "profile" / res["session"]
+        assert sorted(p.name[-len("-p0.xplane.pb"):] for p in folder.glob("*.xplane.pb")) == \
+            ["-p0.xplane.pb", "-p1.xplane.pb"], res
+        assert all(Path(p).stat().st_size > 0 for p in res["traces"].values())
+        # ... which the report reads as a session of that run, both hosts' steps split with xprof.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
+        rep = subprocess.run([sys.executable, "-m", "trainer", "report", "--ckpt-dir", f"{sl.shared_dir}/ckpt",
+                              "--out", str(tmp_path / "report"), "--json"], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert rep.returncode == 0, rep.stderr[-3000:]
+        win, = json.loads(rep.stdout)["profiles"]
+        assert (win["run"], win["session"], win["window"]) == (r.run_id, res["session"], None), win
+        assert sorted(h["host"][-2:] for h in win["hosts"]) == ["p0", "p1"] and \
+            all(h["steps"] and h["mean"]["compute_s"] > 0 for h in win["hosts"]), win
+        # top: each host's step and step time, no made-up chip figures, and the slowed host named.
+        assert seen["top"].returncode == 0, seen["top"].stderr[-3000:]
+        top = json.loads(seen["top"].stdout)
+        assert top["run_id"] == r.run_id and [h["worker"] for h in top["hosts"]] == ["w0", "w1"], top
+        for h in top["hosts"]:
+            assert h["error"] is None and h["step"] > 5 and h["step_time_s"] > 0 and h["chips"] == "no TPU", h
+        s = top["straggler"]
+        assert s and (s["worker"], s["process"], s["stalled"], s["input_bound"]) == ("w1", 1, True, False), top
+        assert 0.05 < s["lag_s"] < 1.0, s
+        # No live run now: one line, exit 1.
+        none = _tpuctl(sl, tmp_path, "top", "hung", "--once")
+        assert none.returncode == 1 and none.stderr.strip().splitlines() == \
+            ["Error: no live run on hung: `tpuctl run hung -- pretrain ...` starts one, `tpuctl logs hung` shows "
+             "the last one"], none.stderr
+        # The profiled and slowed run's loss curve is the unprofiled one's: one process, 8 devices, the same
+        # config to the last step it logged before it was stopped.
+        n = seen["last_step"]
+        ref = subprocess.run([sys.executable, "-m", "trainer", "pretrain", "--emulate-devices", "8", "--data", data,
+                              *TINY, "--steps", str(n), "--ckpt-every", "0", "--ckpt-dir", str(tmp_path / "ref")],
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        losses = lambda f: {d["step"]: d["loss"] for d in map(json.loads, Path(f).read_text().splitlines())}  # noqa: E731
+        live, one = losses(f"{sl.shared_dir}/ckpt/metrics.jsonl"), losses(tmp_path / "ref" / "metrics.jsonl")
+        assert seen["profiled_by"] < n and all(s in live for s in range(1, n + 1)), (sorted(live)[-3:], n)
+        for s in range(1, n + 1):
+            assert abs(live[s] - one[s]) <= 1e-5, (s, live[s], one[s])
 
         # With no tpuctl to stop anything (this machine's network gone), a host that dies still ends the run on
         # every host: the trainers' own jax.distributed heartbeat, not an SSH session, owns the run's life.

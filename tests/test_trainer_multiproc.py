@@ -126,7 +126,7 @@ def test_two_processes_follow_one_and_stop_together_on_a_preemption_notice(tmp_p
                                             for h in r["hosts"]), r
     for p in pair:
         assert re.search(r"^TPUCTL_PROGRESS step=2 dispatch_t=[\d.]+ input_wait_s=[\d.]+ stalled_s=[\d.]+ "
-                         r"step_time_s=[\d.]+$",
+                         r"step_time_s=[\d.]+ tokens_per_s=[\d.]+$",
                          p.log.read_text(), re.M), tail(p.log)
 
 

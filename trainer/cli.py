@@ -1,4 +1,4 @@
-"""`python -m trainer prepare|pretrain|sample|lora|export|sweep|report|extras|capture ...` (the command line is a contract:
+"""`python -m trainer prepare|pretrain|sample|lora|export|sweep|report|extras|capture|hoststat ...` (the command line is a contract:
 docs/CONTRACTS.md): the process's set-up before jax starts, one parser composed of each job's own flags, and the
 dispatch to the jobs (each imported only when its command runs). trainer/plan.py parses the commands it compiles
 with the same parser.
@@ -23,7 +23,48 @@ from trainer.pretrain import flags as pretrain
 def parser() -> argparse.ArgumentParser:
     return command_parser("GPT-2 pretraining on a JAX device mesh.", pretrain.add_prepare, pretrain.add_pretrain,
                           pretrain.add_sample, finetune.add_lora, finetune.add_export, experiments.add_parsers,
-                          _add_extras, _add_capture)
+                          _add_extras, _add_capture, _add_hoststat)
+
+
+TRAINER_PID_ENV = "TPUCTL_TRAINER_PID"  # set by hostwrap's `beside` for what runs beside a host's trainer
+
+
+def trainer_args() -> argparse.Namespace | None:
+    """The command of the trainer this process runs beside (hostwrap's `beside` names its pid), parsed by this
+    same parser: where its --ckpt-dir is. None when there is none or it is not a trainer command."""
+    import contextlib
+    import io
+    pid = os.environ.get(TRAINER_PID_ENV, "")
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            words = [w.decode("utf-8", "replace") for w in f.read().split(b"\0") if w]
+    except (OSError, ValueError):
+        return None
+    at = next((i for i in range(len(words) - 1) if words[i] == "-m" and words[i + 1] == "trainer"), None)
+    if at is None:
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return parser().parse_args(words[at + 2:])
+    except SystemExit:
+        return None
+
+
+def _add_hoststat(sub) -> None:
+    sub.add_parser("hoststat", help="print (one JSON line) this host's step, step time, tokens/s, CPU, memory, "
+                                    "chips and the run's straggler, beside its trainer (what `tpuctl top` runs)",
+                   description="Run by hostwrap's `beside`: reads the trainer's progress lines from TPUCTL_RUN_LOG, "
+                               "the run's metrics.jsonl from the trainer's --ckpt-dir, and libtpu's metrics "
+                               "service on TPU_RUNTIME_METRICS_PORTS (\"no TPU\" when it does not answer).")
+
+
+def hoststat() -> int:
+    import json
+    from trainer.common import hoststat as hs
+    trainer = trainer_args()
+    print(json.dumps(hs.snapshot(os.environ.get(hs.LOG_ENV), getattr(trainer, "ckpt_dir", None),
+                                 int(os.environ.get("TPUCTL_PROCESS_ID", "0") or 0))))
+    return 0
 
 
 def _add_capture(sub) -> None:
@@ -31,7 +72,8 @@ def _add_capture(sub) -> None:
                                         "profiler server (what TensorBoard's capture profile does)",
                         description="Writes OUT/plugins/profile/SESSION/HOST.xplane.pb (TensorBoard's layout; "
                                     "gs:// too). Exit 1 with one error line when the server does not answer.")
-    cp.add_argument("--out", required=True, help="a run's profiles folder, e.g. CKPT_DIR/profiles/RUN_ID")
+    cp.add_argument("--out", default=None, help="a run's profiles folder, e.g. CKPT_DIR/profiles/RUN_ID (default, "
+                                                "beside a trainer: its --ckpt-dir/profiles/TPUCTL_RUN_ID)")
     cp.add_argument("--duration-ms", type=int, required=True, metavar="MS", help="how long to trace")
     cp.add_argument("--port", type=int, default=None, help="the server's port (default: the trainer's, "
                                                              "TPUCTL_PROFILER_PORT or 9999, + TPUCTL_PROCESS_ID)")
@@ -50,6 +92,13 @@ def capture(args: argparse.Namespace) -> int:
     if not port:
         raise UsageError(f"no profiler server: {profiling.PORT_ENV}=0 here; pass --port")
     session = args.session or "live_" + time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
+    if args.out is None:
+        trainer = trainer_args()
+        run_id = os.environ.get(profiling.RUN_ID_ENV)
+        if not getattr(trainer, "ckpt_dir", None) or not run_id:
+            raise UsageError("capture: pass --out DIR (no trainer beside this process names its --ckpt-dir and "
+                             f"{profiling.RUN_ID_ENV})")
+        args.out = f"{trainer.ckpt_dir.rstrip('/')}/{profiling.PROFILES}/{run_id}"
     try:
         path = profiling.capture(args.out, args.duration_ms, port, session, args.host or profiling.host_name(process),
                                  args.address)
@@ -71,7 +120,12 @@ def extras_of(args: argparse.Namespace) -> list[str]:
     them to the hosts' environment (the orchestrator never reads the trainer's flags itself)."""
     if args.cmd == "capture":  # xprof's capture client
         return ["profile"]
-    return ["wandb"] if getattr(args, "wandb", "") else []
+    if args.cmd == "hoststat":  # tpu-info's client of libtpu's metrics service
+        return ["observe"]
+    out = ["wandb"] if getattr(args, "wandb", "") else []
+    if args.cmd in ("pretrain", "lora"):  # `tpuctl profile` and `top` run capture and hoststat beside them
+        out += ["observe", "profile"]
+    return sorted(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "capture":
         return capture(args)
+    if args.cmd == "hoststat":
+        return hoststat()
     if args.cmd in ("sweep", "report"):
         from trainer.experiments import flags as experiments
         return experiments.command(args)

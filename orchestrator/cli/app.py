@@ -509,10 +509,12 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
 
 # ---- the other verbs live in one module per family; none of them imports this module ------------------------
 
-from orchestrator.cli import data_verbs, jobs_verbs, plan_verbs, report_verbs, run_verbs, weights_verbs  # noqa: E402
+from orchestrator.cli import (data_verbs, jobs_verbs, observe_verbs, plan_verbs, report_verbs,  # noqa: E402
+                              run_verbs, weights_verbs)
 
 for _cmd in (run_verbs.run, run_verbs.attach, run_verbs.cancel, run_verbs.ssh, run_verbs.logs, weights_verbs.weights,
-             data_verbs.data, plan_verbs.plan, report_verbs.report_cmd, jobs_verbs.jobs, jobs_verbs.controller):
+             data_verbs.data, plan_verbs.plan, report_verbs.report_cmd, jobs_verbs.jobs, jobs_verbs.controller,
+             observe_verbs.top, observe_verbs.profile):
     cli.add_command(_cmd)
 
 

@@ -18,11 +18,17 @@ runs:   `TPUCTL_RUNS [{run_id, tag, started, running, rc}]`: the runs this host 
         exit file).
 stop:   SIGTERM to the recorded group, SIGKILL after a grace period, also to the keeper.
 state:  one line with the group's processes and their /proc state (T: stopped), to name a host that hangs.
+beside: runs ARGS with the live trainer's own Python (argv[0]), environment and working directory, read from
+        /proc of the process the pidfile names, less the run's secrets (the keeper records their names, never
+        their values), plus TPUCTL_TRAINER_PID and TPUCTL_RUN_LOG: what `tpuctl top` and `profile` run on every
+        host (`python -m trainer hoststat|capture`) sees the same bundle, devices settings and --ckpt-dir paths
+        as the trainer. Exits with ARGS' status; 3 with one line when no run is live.
 
 usage: hostwrap.py run --pidfile F --run-id ID --log F [--tag T] [--secrets F] [--cwd D] [--grace S] -- CMD...
        hostwrap.py follow --pidfile F --log F [--skip-lines N]
        hostwrap.py runs --dir RUNDIR
        hostwrap.py stop --pidfile F [--grace S]
+       hostwrap.py beside --pidfile F --log F -- ARGS...
 """
 import argparse
 import json
@@ -128,7 +134,7 @@ def _alive(pid):
 
 def cmd_keep(a, argv):
     env = dict(os.environ)
-    masks = []
+    masks, secrets = [], {}
     if a.secrets:
         with open(a.secrets) as f:
             secrets = json.load(f)
@@ -147,7 +153,7 @@ def cmd_keep(a, argv):
         return 127
     pgid = child.pid
     _write_json(a.pidfile, {"wrapper_pid": os.getpid(), "pgid": pgid, "run_id": a.run_id, "tag": a.tag,
-                            "started": time.time()})
+                            "started": time.time(), "secret_names": sorted(secrets)})
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
@@ -294,6 +300,35 @@ def cmd_state(a):
     return 0
 
 
+NO_RUN = 3  # `beside` found no live run
+
+
+def cmd_beside(a, argv):
+    rec = _read_json(a.pidfile) or {}
+    pid = int(rec.get("pgid") or 0)  # the keeper starts the command as its group's leader: the trainer itself
+    try:
+        if not _alive(pid):  # ended (a zombie has no environment), or a pidfile a killed keeper left
+            raise OSError("not running")
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            python = f.read().split(b"\0")[0].decode()
+        cwd = os.readlink("/proc/%d/cwd" % pid)
+    except (OSError, ValueError, IndexError):
+        print("hostwrap: no live run (%s)" % a.pidfile)
+        return NO_RUN
+    env = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in env.items()}
+    for k in rec.get("secret_names") or []:  # what tpuctl sent as secrets stays the trainer's own
+        env.pop(k, None)
+    env.update(TPUCTL_TRAINER_PID=str(pid), TPUCTL_RUN_LOG=os.path.abspath(a.log))
+    sys.stdout.flush()
+    try:
+        return subprocess.call([python] + argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        print("hostwrap: cannot start %s: %s" % (python, e))
+        return 127
+
+
 def cmd_stop(a):
     try:
         with open(a.pidfile) as f:
@@ -347,11 +382,18 @@ def main():
     s.add_argument("--grace", type=float, default=3.0)
     st = sub.add_parser("state")
     st.add_argument("--pidfile", required=True)
+    b = sub.add_parser("beside")
+    b.add_argument("--pidfile", required=True)
+    b.add_argument("--log", required=True)
     a = ap.parse_args(opts)
     if a.verb in ("run", "keep"):
         if not cmd:
             ap.error("%s needs a command after --" % a.verb)
         return cmd_run(a, cmd) if a.verb == "run" else cmd_keep(a, cmd)
+    if a.verb == "beside":
+        if not cmd:
+            ap.error("beside needs the trainer Python's arguments after --")
+        return cmd_beside(a, cmd)
     return {"follow": cmd_follow, "runs": cmd_runs, "state": cmd_state, "stop": cmd_stop}[a.verb](a)
 
 

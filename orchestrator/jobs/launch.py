@@ -253,6 +253,15 @@ def runs_command(layout: HostLayout, *, wrap_python: str, wrap_script: str = HOS
             f"--dir {_home_path(layout.root + '/run')}")
 
 
+def beside_command(layout: HostLayout, run_id: str, args: list[str], *, wrap_python: str,
+                   wrap_script: str = HOSTWRAP) -> str:
+    """Runs the trainer's Python with `args` (e.g. `-m trainer hoststat`) beside run_id's live trainer: its
+    environment (less the run's secrets), its working directory (hostwrap `beside`). Exit 3: no live run."""
+    return (f"{_home_path(wrap_python)} {_home_path(layout.bin(wrap_script))} beside "
+            f"--pidfile {_home_path(layout.pidfile(run_id))} --log {_home_path(layout.log(run_id))} -- "
+            + " ".join(shlex.quote(x) for x in args))
+
+
 def stop_command(layout: HostLayout, run_id: str, *, wrap_python: str, grace: float = 3.0,
                  wrap_script: str = HOSTWRAP) -> str:
     return (f"{_home_path(wrap_python)} {_home_path(layout.bin(wrap_script))} stop "

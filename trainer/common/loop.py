@@ -127,7 +127,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                     metrics.say(metrics.progress(rec, job.total))
                 if report_progress:  # every process: tpuctl names a host that stops advancing, and the slow one
                     print(f"TPUCTL_PROGRESS step={step} dispatch_t={dispatch_t:.6f} input_wait_s={input_wait_s:.6f} "
-                          f"stalled_s={mine['stalled_s']:.6f} step_time_s={dt:.6f}", flush=True)
+                          f"stalled_s={mine['stalled_s']:.6f} step_time_s={dt:.6f} tokens_per_s={tps:.1f}", flush=True)
                 last_t, last_step = time.perf_counter(), step  # eval and logging stay out of step times
             preempted = ckpt.preempted(step)  # every process, every step (a sync point when distributed)
             interrupted = ckpt.interrupted and not last

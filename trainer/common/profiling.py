@@ -188,7 +188,10 @@ class Recorder:
         return time.perf_counter() - t0
 
     def annotate(self, step: int):
-        if self._tmp is None:
+        # Also while the profiler server runs: a live capture (TensorBoard's, `tpuctl profile`) can start at any
+        # step, and the report splits its trace into steps by these marks, as a window's. Outside a trace a mark
+        # is one flag check in the profiler.
+        if self._tmp is None and _server is None:
             return contextlib.nullcontext()
         import jax
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
