@@ -110,15 +110,16 @@ def _tpuctl_procs_here() -> list[str]:
 
 
 def _trainers() -> list[int]:
+    """The long job's trainer processes (`python -m trainer pretrain ...`, not the wrappers that name them)."""
     out = []
     for d in os.listdir("/proc"):
         try:
-            cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"trainer\0pretrain" in cmd and b"preempt-e2e/long" in cmd:
+        if argv[1:4] == [b"-m", b"trainer", b"pretrain"] and b"gs://preempt-e2e/long" in argv:
             out.append(int(d))
-    return out
+    return sorted(out)
 
 
 def _jobs(spot, env=None) -> list[dict]:
@@ -163,15 +164,18 @@ def _instances(spot) -> list[str]:
     return [i.name for i in c.list(project="local-project", zone=spot.zone)], c
 
 
-def test_a_managed_job_outlives_the_laptop_its_controller_and_a_preemption(spot):
-    """Must-show: the laptop leaves (every tpuctl here SIGKILLed after the submit), the slice is preempted, the job
-    ends SUCCEEDED with 1 recovery, bit-equal to the uninterrupted run, read from a fresh TPUCTL_HOME; then a
-    second job's controller VM is deleted mid-run and the next `jobs` brings a new one that re-attaches to the same
-    run; `down` refuses while it is live; `cancel` stops every host; the idle controller deletes its VM."""
-    from infra.fake_tpu_api import FakeControl
+def _node(spot) -> str:
     spot.env["TPUCTL_CONTROLLER_STALE_S"] = "8"
     node = json.loads(spot.cli("status", spot.name, "--local", "--json").stdout)["node"]
     spot.zone = node.split("/")[3]
+    return node
+
+
+def test_a_managed_job_outlives_the_laptop_and_a_preemption(spot):
+    """Must-show: the laptop leaves (every tpuctl here SIGKILLed after the submit), the slice is preempted, the job
+    ends SUCCEEDED with 1 recovery, bit-equal to the uninterrupted run, read from a fresh TPUCTL_HOME."""
+    from infra.fake_tpu_api import FakeControl
+    node = _node(spot)
     sub = spot.cli("run", spot.name, "--detach", "--json", "--controller-idle", "0.4", "--", *ARGS,
                    "--ckpt-dir", f"gs://{BUCKET}/managed")
     assert sub.returncode == 0, sub.stderr[-3000:]
@@ -201,7 +205,11 @@ def test_a_managed_job_outlives_the_laptop_its_controller_and_a_preemption(spot)
     assert logs.returncode == 0 and f"step {STEPS}/{STEPS}" in logs.stdout and "recreating" in logs.stdout, \
         logs.stdout[-3000:] + logs.stderr[-2000:]
 
-    # The controller dies mid-job: the trainers go on, the next `jobs` makes a new one, which re-attaches.
+
+def test_a_managed_jobs_controller_dies_and_is_replaced_then_cancel_and_idle(spot):
+    """Must-show: a job's controller VM is deleted mid-run and the next `jobs` brings a new one that re-attaches to
+    the same run; `down` refuses while it is live; `cancel` stops every host; the idle controller deletes its VM."""
+    _node(spot)
     long_args = [a if a != str(STEPS) else "100000" for a in ARGS]
     sub = spot.cli("run", spot.name, "--detach", "--json", "--controller-idle", "0.4", "--", *long_args,
                    "--ckpt-dir", f"gs://{BUCKET}/long")

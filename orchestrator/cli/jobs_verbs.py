@@ -59,6 +59,12 @@ def jobs(buckets, as_json, local):
          f"{r['step'] if r.get('step') is not None else '-'}/{r.get('total_steps') or '?'}", r.get("recoveries", 0),
          f"{r['goodput']['goodput']:.0%}" if r.get("goodput") else "-",
          _age(now - r["submitted"]), f"{r['cost_usd']:.2f}"] for r in rows]))
+    for b in sorted({r["bucket"] for r in rows}):
+        for c in managed.controller_status(b, prov):
+            if c["alive"]:
+                click.echo(f"controller {c['instance']}: up {_age(c['uptime_s'])}, {c['cost_usd']:.3f} $ so far "
+                           f"({c['price_per_hour']:.4f} $/hour; it deletes itself after {c['idle_minutes']:g} idle "
+                           "minutes)")
 
 
 @click.group("controller")

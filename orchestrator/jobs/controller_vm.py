@@ -118,7 +118,9 @@ mkdir -p /root/tpuctl-controller && cd /root/tpuctl-controller
 rm -rf code && mkdir code && cd code && {shlex.quote(python)} -m zipfile -e ../bundle.whl .
 exec {shlex.quote(python)} {' '.join(shlex.quote(a) for a in args)} >> /root/tpuctl-controller/controller.log 2>&1
 """
-    unit_env = "".join(f"Environment={k}={v}\n" for k, v in sorted({**env, "TPUCTL_HOME": "/var/lib/tpuctl"}.items()))
+    wheel = shlex.quote(bundle_uri.rsplit("/", 1)[-1])
+    unit_env = "".join(f"Environment={k}={v}\n" for k, v in sorted(
+        {**env, "TPUCTL_HOME": "/var/lib/tpuctl", "TPUCTL_SSH_KEY": "/var/lib/tpuctl/ssh/key"}.items()))
     return f"""#!/bin/bash
 # tpuctl controller: installs tpuctl from the job bucket's bundle and runs it as a systemd service
 set -eu
@@ -128,10 +130,13 @@ if [ ! -x $D/venv/bin/python ]; then
   python3 -m venv $D/venv
   $D/venv/bin/pip install -q google-cloud-storage
 fi
-$D/venv/bin/python -c {shlex.quote(fetch)} {shlex.quote(bundle_uri)} $D/tpuctl.whl.zip
-cp $D/tpuctl.whl.zip $D/$(unzip -Z1 $D/tpuctl.whl.zip | grep -m1 '.dist-info/WHEEL' | cut -d/ -f1 | sed 's/.dist-info$//')-py3-none-any.whl
-$D/venv/bin/pip install -q $D/*-py3-none-any.whl
-mkdir -p /var/lib/tpuctl
+$D/venv/bin/python -c {shlex.quote(fetch)} {shlex.quote(bundle_uri)} $D/{wheel}
+$D/venv/bin/python -c {shlex.quote(fetch)} {shlex.quote(bundle_uri.rsplit("/", 1)[0] + "/requirements.txt")} $D/requirements.txt
+$D/venv/bin/pip install -q -r $D/requirements.txt
+$D/venv/bin/pip install -q --no-deps $D/{wheel}
+mkdir -p /var/lib/tpuctl/ssh
+# Its own SSH key, which reaches the TPU VMs through OS Login as the VM's service account (docs/jobs.md).
+[ -f /var/lib/tpuctl/ssh/key ] || ssh-keygen -q -t ed25519 -N '' -f /var/lib/tpuctl/ssh/key
 cat > /etc/systemd/system/tpuctl-controller.service <<'UNIT'
 [Unit]
 Description=tpuctl managed-jobs controller
@@ -144,6 +149,10 @@ RestartSec=10
 [Install]
 WantedBy=multi-user.target
 UNIT
+# OS Login names the controller by its service account's email, which only the metadata server knows.
+SA=$(curl -s -H 'Metadata-Flavor: Google' http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/email)
+mkdir -p /etc/systemd/system/tpuctl-controller.service.d
+printf '[Service]\\nEnvironment=TPUCTL_ACCOUNT=%s\\n' "$SA" > /etc/systemd/system/tpuctl-controller.service.d/account.conf
 systemctl daemon-reload
 systemctl enable --now tpuctl-controller
 """

@@ -161,11 +161,16 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
     bundle = B.build(workdir=opts.workdir, extras=B.trainer_extras(argv, L.PYTHON))
     bundle_uri = f"gs://{bucket}/tpuctl/bundles/{bundle.hash[:16]}/{bundle.wheel.name}"
     blob = store.bucket.blob(bundle_uri.split("/", 3)[3])
-    if not blob.exists():
+    if not blob.exists():  # the wheel and its dependency list: what a controller VM installs (controller_vm.py)
+        store.bucket.blob(bundle_uri.split("/", 3)[3].rsplit("/", 1)[0] + "/requirements.txt").upload_from_string(
+            bundle.requirements_text())
         blob.upload_from_filename(str(bundle.wheel))
     spec_base = {"project": rec.project, "zone": rec.zone, "bucket": bucket,
                  "controller_service_account": d.controller_service_account, "controller_idle": d.controller_idle}
     where = _where(spec_base, prov)
+    say(f"plan: {name} at {rec.price_per_hour:.2f} $/hour while the job lives, supervised by {where.name} "
+        f"({V.MACHINE}, {V.PRICE_PER_HOUR:.4f} $/hour while it has live jobs, then {d.controller_idle:g} idle "
+        "minutes)")
     hb = ensure_controller(where, store, prov, say, bundle_uri=bundle_uri)
     job_id = new_job_id()
     reader = f"serviceAccount:{hb.get('service_account_email') or where.service_account}"
