@@ -122,6 +122,13 @@ def _trainers() -> list[int]:
     return sorted(out)
 
 
+def _has(path: str, text: str) -> bool:
+    try:
+        return text.encode() in open(path, "rb").read()
+    except OSError:
+        return False
+
+
 def _jobs(spot, env=None) -> list[dict]:
     r = subprocess.run([*spot.tpuctl, "jobs", "--local", "--json", "--bucket", BUCKET], env=env or spot.env,
                        capture_output=True, text=True, timeout=600)
@@ -211,11 +218,23 @@ def test_a_managed_jobs_controller_dies_and_is_replaced_then_cancel_and_idle(spo
     the same run; `down` refuses while it is live; `cancel` stops every host; the idle controller deletes its VM."""
     _node(spot)
     long_args = [a if a != str(STEPS) else "100000" for a in ARGS]
-    sub = spot.cli("run", spot.name, "--detach", "--json", "--controller-idle", "0.4", "--", *long_args,
-                   "--ckpt-dir", f"gs://{BUCKET}/long")
+    token = "tok-" + os.urandom(8).hex()  # a job's secret: to the trainers through Secret Manager, nowhere else
+    spot.env["JOB_TOKEN"] = token
+    sub = spot.cli("run", spot.name, "--detach", "--json", "--controller-idle", "0.4", "--secret-env", "JOB_TOKEN",
+                   "--", *long_args, "--ckpt-dir", f"gs://{BUCKET}/long")
+    del spot.env["JOB_TOKEN"]
     assert sub.returncode == 0, sub.stderr[-3000:]
     job2 = json.loads(sub.stdout)
     before = _until(spot, job2["id"], lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 3, "RUNNING")
+    for pid in _trainers():
+        assert f"JOB_TOKEN={token}".encode() in open(f"/proc/{pid}/environ", "rb").read()
+    from google.cloud import storage
+    from google.auth.credentials import AnonymousCredentials
+    gcs_client = storage.Client(project="local", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": spot.emu.endpoint})
+    blobs = list(gcs_client.list_blobs(BUCKET, prefix="tpuctl/"))
+    assert blobs and not [b.name for b in blobs if token.encode() in b.download_as_bytes()]
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _has(f"/proc/{p}/cmdline", token)]
     down = spot.cli("down", spot.name, "--local")
     assert down.returncode != 0 and job2["id"] in down.stderr and "--force" in down.stderr, down.stderr
     names, compute = _instances(spot)
