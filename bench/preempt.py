@@ -105,9 +105,44 @@ class LocalSpot:
         return p.returncode, (json.loads(out) if out.strip() else None), err
 
 
+    def wait_step(self, ckpt: str, step: int, timeout: float = 900) -> None:
+        """Until process 0's log on its host (the run's own log, under the host's home) of the run into ckpt
+        shows `step N/`: a trigger that needs no tpuctl on this machine."""
+        deadline = time.time() + timeout
+        logs = self.home / "local" / "slices" / self.name / "w0" / "home" / ".tpuctl-host" / "logs"
+        while True:
+            for log in logs.glob("*.log"):
+                text = log.read_text(errors="replace")
+                if f'"ckpt_dir":"{ckpt}"' in text and re.search(rf"step +{step}/", text):
+                    return
+            assert time.time() < deadline, f"process 0 never reached step {step}"
+            time.sleep(0.05)
+
+    def managed(self, ckpt: str, preempt_at: int | None = None, idle_min: float = 1.0) -> dict:
+        """A managed job (`run --detach`) of ARGS into ckpt, the node preempted once at preempt_at; returns the
+        job's final record with submit_s (until the controller took it) and wall_s (submit to its end)."""
+        from infra.fake_tpu_api import FakeControl
+        node = json.loads(self.cli("status", self.name, "--local", "--json").stdout)["node"]
+        t0 = time.time()
+        sub = self.cli("run", self.name, "--detach", "--json", "--controller-idle", str(idle_min), "--", *ARGS,
+                       "--ckpt-dir", ckpt)
+        assert sub.returncode == 0, sub.stderr[-3000:]
+        submit_s, job_id = time.time() - t0, json.loads(sub.stdout)["id"]
+        if preempt_at is not None:
+            self.wait_step(ckpt, preempt_at)
+            FakeControl(self.api["url"]).preempt(node)
+        while True:
+            r = self.cli("jobs", "--local", "--json", "--bucket", BUCKET)
+            (job,) = [j for j in json.loads(r.stdout) if j["id"] == job_id]
+            if job["state"] not in ("PENDING", "STARTING", "RUNNING", "RECOVERING"):
+                return {**job, "submit_s": submit_s, "wall_s": time.time() - t0}
+            time.sleep(1)
+
+
 def main() -> int:
     print("[preempt] 2-host local run, gpt2-tiny-sized, 60 steps, checkpoint every 10 steps, gs:// (emulator)")
     with tempfile.TemporaryDirectory(prefix="tpuctl-bench-preempt-") as d, LocalSpot(Path(d) / "home") as spot:
+        attached: dict[int, float] = {}
         for n, at in ((0, ()), (1, (25,)), (2, (25, 45))):
             rc, res, err = spot.run(f"gs://{BUCKET}/bench{n}", at)
             if rc != 0 or res is None:
@@ -119,6 +154,16 @@ def main() -> int:
             print(f"  {n} preemption(s) at {list(at) or '-'}: steps redone {res['steps_redone']}, recreate {rec}, "
                   f"restart (push + restore + compile + first step) {starts}, wall {g['wall_s']:.1f}s, "
                   f"goodput {g['goodput']:.1%}")
+            attached[n] = g["wall_s"]
+        # The same job handed to the controller (its VM created by the first): what supervising from a VM of its
+        # own costs against a terminal, side by side in this run.
+        for n, at in ((0, None), (1, 25)):
+            job = spot.managed(f"gs://{BUCKET}/managed{n}", at)
+            line = (f"  managed, {n} preemption(s): {job['state']}, submit {job['submit_s']:.1f}s (until the "
+                    f"controller took it{', its VM created' if n == 0 else ''}), submit to end {job['wall_s']:.1f}s")
+            if n in attached:
+                line += f" = {job['wall_s'] / attached[n]:.2f}x the attached run's wall"
+            print(line + (f", goodput {job['goodput']['goodput']:.1%}" if job.get("goodput") else ""))
     return 0
 
 

@@ -5,7 +5,6 @@ The final parameters and optimizer state must equal, bit for bit, those of an un
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import time
@@ -149,19 +148,6 @@ def _until(spot, job_id: str, ok, what: str, timeout: float = 900, check=None) -
         time.sleep(2)
 
 
-def _host_log_reaches(spot, ckpt: str, step: int, timeout: float = 900) -> None:
-    """Until process 0's log on its host (the run's own log, under the host's home) of the run into ckpt shows
-    `step N/`."""
-    deadline = time.time() + timeout
-    while True:
-        for log in (spot.home / "local" / "slices" / spot.name / "w0" / "home" / ".tpuctl-host" / "logs").glob("*.log"):
-            text = log.read_text(errors="replace")
-            if f'"ckpt_dir":"{ckpt}"' in text and re.search(rf"step +{step}/", text):
-                return
-        assert time.time() < deadline, f"process 0 never reached step {step}"
-        time.sleep(0.05)
-
-
 def _instances(spot) -> list[str]:
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
@@ -195,7 +181,7 @@ def test_a_managed_job_outlives_the_laptop_and_a_preemption(spot):
         strays.extend(_tpuctl_procs_here())
 
     watch(None)
-    _host_log_reaches(spot, f"gs://{BUCKET}/managed", 13)
+    spot.wait_step(f"gs://{BUCKET}/managed", 13)
     FakeControl(spot.api["url"]).preempt(node)
     done = _until(spot, job["id"], lambda j: j["state"] == "SUCCEEDED", "SUCCEEDED", check=watch)
     assert not strays, strays

@@ -344,8 +344,8 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 @local_option
 @_errors
 def logs(name, worker, follow, run_id, tail, buckets, local):
-    """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]; or of managed job JOB, read from
-    its bucket (from any machine): the controller's lines [tpuctl], then each host's of the job's latest run.
+    """Show the per-host logs of NAME's latest (or --run) run, prefixed [wI]; or managed job JOB's log, read from
+    its bucket (from any machine): every attempt's host lines [wI] and the controller's own [tpuctl], in order.
 
     \b
       tpuctl logs NAME [--follow]

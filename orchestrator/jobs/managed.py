@@ -12,7 +12,6 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from orchestrator import provider, state
@@ -88,7 +87,8 @@ def _where(spec_or_rec: dict, prov: provider.Provider) -> V.Where:
 # ---- the controller's life, as seen from any machine ------------------------------------------------------
 def controller_alive(store: JobStore, region: str, now: float | None = None) -> dict | None:
     hb = store.heartbeat(region)
-    if hb and not hb.get("stopping") and (now or time.time()) - hb.get("at", 0) < HEARTBEAT_FRESH_S:
+    if hb and not hb.get("stopping") and not hb.get("booting") and \
+            (now or time.time()) - hb.get("at", 0) < HEARTBEAT_FRESH_S:
         return hb
     return None
 
@@ -245,28 +245,19 @@ def job_state(store: JobStore, spec: dict) -> dict:
 
 
 def logs(store: JobStore, spec: dict, *, follow: bool, out: Callable[[str], None], poll_s: float = 2.0) -> dict:
-    """Print the job's logs (the controller's lines, then each host's of its latest run) from the bucket; with
-    follow, print what arrives until the job ends. Returns the final state."""
-    seen: dict[str, int] = {}
+    """Print the job's log from the bucket: what its controller's `run` printed, every attempt's host lines
+    ([wI]) and its own ([tpuctl]) in order; with follow, what arrives until the job ends. Returns the final
+    state. (Each host's own log of each run is beside it, under logs/RUN_ID/.)"""
+    seen = 0
     while True:
         st = job_state(store, spec)
-        logs_now = store.logs(spec["id"])
-        runs = sorted({k.split("/", 1)[0] for k in logs_now if "/" in k})
-        keys = ["controller.log"] + sorted(k for k in logs_now if runs and k.startswith(runs[-1] + "/"))
-        for k in keys:
-            data = logs_now.get(k, b"")
-            new = data[seen.get(k, 0):]
-            if not new:
-                continue
-            text = new.decode(errors="replace")
-            cut = text.rfind("\n") + 1 if follow and st["state"] in LIVE else len(text)  # whole lines only
-            if cut == 0:
-                continue
-            seen[k] = seen.get(k, 0) + len(text[:cut].encode())
-            tag = "tpuctl" if k == "controller.log" else Path(k).stem
-            for line in text[:cut].splitlines():
-                out(f"[{tag}] {line}")
-        if not follow or st["state"] not in LIVE:
+        text = store.logs(spec["id"]).get("controller.log", b"")[seen:].decode(errors="replace")
+        live = st["state"] in LIVE
+        cut = text.rfind("\n") + 1 if follow and live else len(text)  # whole lines only while it grows
+        for line in text[:cut].splitlines():
+            out(line)
+        seen += len(text[:cut].encode())
+        if not follow or not live:
             return st
         time.sleep(poll_s)
 
