@@ -93,9 +93,10 @@ def _pidns(pid) -> str:
         return ""
 
 
-def _tpuctl_procs_here() -> list[str]:
-    """tpuctl processes in this machine's PID namespace (the controller's host and the TPU hosts have their own)."""
-    mine, out = _pidns("self"), []
+def _tpuctl_procs_here(home) -> list[str]:
+    """This user's tpuctl processes (TPUCTL_HOME=home) in this machine's PID namespace; the controller's host and
+    the TPU hosts have namespaces of their own. (Other tpuctl users of a shared machine are not this laptop.)"""
+    mine, out, tag = _pidns("self"), [], f"TPUCTL_HOME={home}".encode()
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
             continue
@@ -104,7 +105,11 @@ def _tpuctl_procs_here() -> list[str]:
         except OSError:
             continue
         if "orchestrator" in cmd and "infra." not in cmd and _pidns(d) == mine:
-            out.append(f"{d}: {cmd[:200]}")
+            try:
+                if tag in open(f"/proc/{d}/environ", "rb").read().split(b"\0"):
+                    out.append(f"{d}: {cmd[:200]}")
+            except OSError:
+                continue
     return out
 
 
@@ -173,12 +178,12 @@ def test_a_managed_job_outlives_the_laptop_and_a_preemption(spot):
                    "--ckpt-dir", f"gs://{BUCKET}/managed")
     assert sub.returncode == 0, sub.stderr[-3000:]
     job = json.loads(sub.stdout)
-    for line in _tpuctl_procs_here():  # the laptop leaves: nothing of tpuctl outlives the submit here
+    for line in _tpuctl_procs_here(spot.home):  # the laptop leaves: nothing of tpuctl outlives the submit here
         os.kill(int(line.split(":")[0]), 9)
     strays: list[str] = []
 
     def watch(j):  # from the submit to the end, only these `jobs` reads ran tpuctl on this machine
-        strays.extend(_tpuctl_procs_here())
+        strays.extend(_tpuctl_procs_here(spot.home))
 
     watch(None)
     spot.wait_step(f"gs://{BUCKET}/managed", 13)
@@ -197,6 +202,22 @@ def test_a_managed_job_outlives_the_laptop_and_a_preemption(spot):
                           capture_output=True, text=True, timeout=120)
     assert logs.returncode == 0 and f"step {STEPS}/{STEPS}" in logs.stdout and "recreating" in logs.stdout, \
         logs.stdout[-3000:] + logs.stderr[-2000:]
+
+    # `sweep --detach`: the controller runs each trial of the grid, then writes the report into the bucket.
+    base, skip = [], 0
+    for i, a in enumerate(ARGS):  # the trials' base: short, the width the grid's axis
+        if skip:
+            skip -= 1
+        elif a in ("--d-model", "--steps"):
+            skip = 1
+        else:
+            base.append(a)
+    sw = spot.cli("sweep", spot.name, "--local", "--detach", "--json", "--controller-idle", "0.4", "--set",
+                  "d_model=16,32", "--out", f"gs://{BUCKET}/sweep", "--", *base, "--steps", "4")
+    assert sw.returncode == 0, sw.stderr[-3000:]
+    swept = _until(spot, json.loads(sw.stdout)["id"], lambda j: j["state"] == "SUCCEEDED", "the sweep")
+    assert [t["status"] for t in swept["trials"]] == ["done", "done"], swept
+    assert swept["report"] == f"gs://{BUCKET}/sweep/report/report.html" and "2/2 trial(s) done" in swept["message"]
 
 
 def test_a_managed_jobs_controller_dies_and_is_replaced_then_cancel_and_idle(spot):

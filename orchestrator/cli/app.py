@@ -453,9 +453,16 @@ def check_cmd(name, zone, accelerator, bucket, ssh_key, as_json, api_endpoint, l
                                                                   "host (as `tpuctl run --env`; repeatable).")
 @click.option("--no-plan", is_flag=True, help="Launch each trial without first checking its train step against the "
                                               "slice (as `tpuctl run --no-plan`).")
+@click.option("--detach", is_flag=True, help="A managed job: the tpuctl controller runs the sweep, trial by trial, "
+              "with this machine off (`tpuctl run --detach`; --out must be gs://). `tpuctl jobs` follows it.")
+@click.option("--controller-idle", type=click.FloatRange(min=0), default=10, show_default=True, metavar="MINUTES",
+              help="With --detach: the controller deletes its VM after this long with no live job.")
+@click.option("--controller-service-account", default="default", show_default=True, metavar="EMAIL",
+              help="With --detach: the service account the controller's VM runs as.")
 @_json_option
 @_errors
-def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, iap, envs, no_plan, as_json):
+def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, iap, envs, no_plan, detach,
+              controller_idle, controller_service_account, as_json):
     """Run every trial of a grid on slice NAME, one after another; or `tpuctl sweep report DIR`.
 
     \b
@@ -497,6 +504,25 @@ def sweep_cmd(name, command, grid, sets, zip_, out, local, ssh_proxy_command, ia
     launch.parse_env(envs)  # `tpuctl run --env`'s own check, before any trial starts
     run_flags = (["--ssh-proxy-command", ssh_proxy_command] if ssh_proxy_command else []) + (["--iap"] if iap else []) \
         + [a for kv in envs for a in ("--env", kv)] + (["--no-plan"] if no_plan else [])
+    if detach:
+        if ssh_proxy_command or iap:
+            raise UserError("--detach takes the slice's recorded way to its workers; drop --ssh-proxy-command/--iap")
+        from orchestrator import provider, state
+        from orchestrator.jobs import managed
+        from orchestrator.jobs.attached import RunOptions
+        rec = state.lookup(name)
+        if rec is not None and (out or "").startswith("gs://"):  # the grid checked here, before anything is made
+            sweep.run_trainer(["sweep", "--plan", "--json", *grid_args, "--out", out, "--", *command],
+                              sweep.here_env(provider.of(rec), out))
+        job = managed.submit(name, command, RunOptions(env=launch.parse_env(envs), plan=not no_plan),
+                             managed.DetachOptions(controller_service_account=controller_service_account,
+                                                   controller_idle=controller_idle),
+                             say=lambda m: click.echo(f"[tpuctl] {m}", err=True),
+                             sweep={"grid_args": grid_args, "out": out or ""})
+        click.echo(json.dumps(job) if as_json else
+                   f"sweep job {job['id']} taken by the controller; `tpuctl jobs --bucket {job['bucket']}` follows "
+                   f"it, the report lands in {out.rstrip('/')}/report")
+        return
     res = sweep.sweep(name, grid_args, out or "", command, run_flags=run_flags)
     if as_json:
         click.echo(json.dumps(res.to_json()))

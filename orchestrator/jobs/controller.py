@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import re
 import socket
@@ -28,6 +29,7 @@ from orchestrator.jobs import job_secrets
 from orchestrator.jobs.store import LIVE, JobStore, initial_state
 
 _RECREATING = re.compile(r"recreating \S+ \((\d+)/\d+\)")
+_TRIAL = re.compile(r"\[(\d+)/(\d+)\] (\S+): tpuctl run")
 _FOLLOWING = re.compile(r"run (\S+) of this same command is still going")
 _HOST_LOG = re.compile(r"(s\d+)?w\d+\.log")
 
@@ -93,6 +95,8 @@ class JobRunner(threading.Thread):
     def on_line(self, line: str) -> None:
         if m := _RECREATING.search(line):
             self.set(state="RECOVERING", recoveries=int(m.group(1)))
+        elif m := _TRIAL.search(line):
+            self.set(message=f"trial {m.group(1)}/{m.group(2)}: {m.group(3)}")
         elif m := _FOLLOWING.search(line):
             self.set(run_id=m.group(1))
             self.event(f"re-attached to run {m.group(1)}, still going on the hosts")
@@ -171,10 +175,13 @@ class JobRunner(threading.Thread):
         syncer = threading.Thread(target=self._sync_loop, daemon=True, name=f"sync-{self.id}")
         syncer.start()
         try:
-            res = attached.run(spec["slice_name"], spec["command"], SshFlags(), opts, out=self.log,
-                               note=self.log.note)
-            outcome, msg, extra = "SUCCEEDED", f"done in {res.timings.get('total_s', 0):.0f} s", \
-                {"goodput": res.goodput, "run_id": res.run_id}
+            if spec.get("kind") == "sweep":
+                outcome, msg, extra = self._sweep(opts)
+            else:
+                res = attached.run(spec["slice_name"], spec["command"], SshFlags(), opts, out=self.log,
+                                   note=self.log.note)
+                outcome, msg, extra = "SUCCEEDED", f"done in {res.timings.get('total_s', 0):.0f} s", \
+                    {"goodput": res.goodput, "run_id": res.run_id}
         except RunFailed as e:
             outcome, msg, extra = ("CANCELLED", "cancelled", {}) if self.cancel else ("FAILED", str(e), {})
             if e.result and e.result.attempts:
@@ -186,6 +193,39 @@ class JobRunner(threading.Thread):
         syncer.join(10)
         self.sync()
         self._finish(outcome, msg, **extra)
+
+    def _sweep(self, opts) -> tuple[str, str, dict]:
+        """`tpuctl sweep`'s job: each unfinished trial of the grid in turn, as the attached sweep runs them, then
+        its report."""
+        from orchestrator.access.reach import SshFlags
+        from orchestrator.jobs import attached
+        from orchestrator.jobs import sweep as S
+        from orchestrator.jobs.runner import RunFailed
+
+        def trial(argv: list[str]) -> tuple[int, dict]:
+            try:
+                r = attached.run(self.spec["slice_name"], argv, SshFlags(), opts, out=self.log, note=self.log.note)
+            except RunFailed as e:
+                r = e.result
+            if self.cancel:  # the sweep stops as on Ctrl-C: the trial is recorded interrupted
+                return 130, {"run_dir": str(r.run_dir)}
+            return r.returncode, {"run_dir": str(r.run_dir), "failed_worker": r.failed_worker,
+                                  "exit_codes": {str(k): v for k, v in r.exit_codes.items()},
+                                  "returncode": r.returncode}
+
+        sw, name = self.spec["sweep"], self.spec["slice_name"]
+        res = S.sweep(name, sw["grid_args"], sw["out"], self.spec["command"], run_trial=trial, say=self.log.note,
+                      report=False)
+        if self.cancel:
+            return "CANCELLED", "cancelled", {}
+        # The report goes beside the sweep, in its bucket: nothing of the job stays on the controller's disk.
+        env = S.here_env(provider.of(state.lookup(name)), sw["out"])
+        rep = json.loads(S.run_trainer(["report", "--json", "--ckpt-dir", sw["out"], "--out",
+                                        f"{sw['out'].rstrip('/')}/report"], env))
+        res.report = rep
+        self.log.note(f"report: {rep['html']}")
+        return ("SUCCEEDED" if res.returncode == 0 else "FAILED"), S.summary(res), \
+            {"trials": [t.__dict__ for t in res.trials], "report": rep["html"]}
 
     def _finish(self, outcome: str, msg: str, **extra) -> None:
         if self.cancel and self.cancel.get("down"):

@@ -138,23 +138,25 @@ def ensure_controller(where: V.Where, store: JobStore, prov: provider.Provider, 
 
 # ---- submit -----------------------------------------------------------------------------------------------
 def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = DetachOptions(), *,
-           say: Callable[[str], None] = print) -> dict:
+           say: Callable[[str], None] = print, sweep: dict | None = None) -> dict:
     """Hand `command` on slice NAME to the controller; returns once the controller has taken it:
-    {id, bucket, name, ...}."""
+    {id, bucket, name, ...}. sweep={"grid_args": [...], "out": DIR}: the job is `tpuctl sweep`'s, each trial of
+    the grid run in turn by the controller (command is the trials' base `pretrain ...`)."""
     argv = command_argv(command, opts.raw)
     rec = state.lookup(name)
     if rec is None:
         raise UserError(f"no slice named {name} in the local record: `tpuctl up {name} ...` first (a managed job "
                         "runs on a slice tpuctl made, which its controller can recreate)")
-    ckpt = _opt_value(argv, "--ckpt-dir")
+    ckpt = sweep["out"] if sweep else _opt_value(argv, "--ckpt-dir")
+    what = "--out" if sweep else "--ckpt-dir"
     if not ckpt or not ckpt.startswith("gs://"):
-        raise UserError(f"--detach needs a gs:// --ckpt-dir (got {ckpt or 'none'}): the controller resumes the job "
+        raise UserError(f"--detach needs a gs:// {what} (got {ckpt or 'none'}): the controller resumes the job "
                         "from its checkpoints after a preemption, on VMs that are not this machine")
     bucket = bucket_of(ckpt)
     prov = provider.of(rec)
     store = open_store(bucket, prov)
     store.check()
-    if opts.plan and argv[:3] == [L.PYTHON, "-m", "trainer"]:
+    if opts.plan and argv[:3] == [L.PYTHON, "-m", "trainer"] and not sweep:  # a sweep plans each trial itself
         from orchestrator.plan import step as P
         P.check_before_run(rec.accelerator, rec.slices, argv[3:], prov.local_env(argv), cpu_devices=prov.cpu_devices,
                            say=say)
@@ -178,6 +180,7 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
                                     credentials=prov.secrets_credentials())
     total = _opt_value(argv, "--steps")
     spec = {**spec_base, "id": job_id, "name": name, "slice_name": name, "command": list(command),
+            "kind": "sweep" if sweep else "run", "sweep": sweep,
             "provider": prov.kind, "region": where.region, "submitted": time.time(),
             "total_steps": int(total) if total and total.isdigit() else None,
             "price_per_hour": rec.price_per_hour,
