@@ -61,7 +61,16 @@ def resume_runs(corpus, tmp_path_factory):
     matching the straight run's also say that profiling changes nothing computed."""
     d = tmp_path_factory.mktemp("resume")
     base = ["pretrain", "--data", corpus, *RUN, "--mesh", "data=8,model=1", "--ckpt-every", "2"]
-    assert main([*base, "--ckpt-dir", str(d / "straight"), "--steps", "6", "--profile", "3:5"]) == 0
+    # The straight run's host has "chips": libtpu's metrics service is the stand-in, sampled every 50 ms.
+    from infra import fake_tpu_metrics
+    svc, mp = fake_tpu_metrics.start(), pytest.MonkeyPatch()
+    mp.setenv("TPU_RUNTIME_METRICS_PORTS", str(svc.port))
+    mp.setenv("TPUCTL_CHIP_SAMPLE_S", "0.05")
+    try:
+        assert main([*base, "--ckpt-dir", str(d / "straight"), "--steps", "6", "--profile", "3:5"]) == 0
+    finally:
+        mp.undo()
+        svc.stop()
     assert main([*base, "--ckpt-dir", str(d / "resumed"), "--steps", "3"]) == 0
     shutil.copytree(d / "resumed", d / "cross")
     shutil.copytree(d / "resumed", d / "table")
@@ -75,6 +84,24 @@ def resume_runs(corpus, tmp_path_factory):
     # ... and with AdamW's moments split over data (ZeRO-1) instead of whole on every device (the default)
     assert main([*base, "--optimizer-state", "sharded", "--ckpt-dir", str(d / "split"), "--steps", "4"]) == 0
     return d
+
+
+def test_chip_use_is_sampled_into_the_runs_metrics_and_the_report(resume_runs):
+    """The straight run's host answered with known chips: its records carry them and the report's section says
+    so; the resumed run's host had no metrics service: no chip figure at all, and the report says no TPU."""
+    from infra import fake_tpu_metrics
+    from trainer.experiments import where_time_goes
+    recs = metrics(resume_runs / "straight")
+    samples = [r["hosts"][0]["chips"] for r in recs if r.get("hosts") and r["hosts"][0].get("chips")]
+    assert samples, recs
+    want = [{"device": c.device_id, "duty_cycle_pct": c.duty_cycle_pct, "hbm_used_bytes": c.hbm_used,
+             "hbm_total_bytes": c.hbm_total} for c in fake_tpu_metrics.known_chips()]
+    assert all(s["chips"] == want for s in samples)
+    text = where_time_goes.section(str(resume_runs / "straight"), recs, read_profiles=False)["text"]
+    assert f"sampled {len(samples)} time(s)" in text and "duty cycle median" in text and "HBM at most" in text
+    resumed = metrics(resume_runs / "resumed")
+    assert not any(h and h.get("chips") for r in resumed for h in r.get("hosts") or [])
+    assert "Chips: no TPU" in where_time_goes.section(str(resume_runs / "resumed"), resumed, read_profiles=False)["text"]
 
 
 def test_exact_resume_matches_a_straight_run(resume_runs):

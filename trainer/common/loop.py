@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-from trainer.common import checkpoint, metrics, profiling, steptimes
+from trainer.common import checkpoint, chipstats, metrics, profiling, steptimes
 from trainer.common.config import UsageError
 
 PREEMPTED = 42  # exit code after a preemption save (docs/CONTRACTS.md)
@@ -88,6 +88,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                     "no trace is taken")
     # How long this process was itself not running (a straggler's mark when the others wait for it inside steps).
     stall_clock = steptimes.StallClock() if jax.process_count() > 1 else None
+    chips = chipstats.Sampler()  # this host's chips, once a minute, into its record of the next logged step
     try:
         last_t, last_step = time.perf_counter(), start
         batches, step, profiler_s = iter(batches), start, 0.0
@@ -118,6 +119,8 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                 mine = {"dispatch_t": dispatch_t, "input_wait_s": input_wait_s,
                         "stalled_s": stall_clock.take() if stall_clock else 0.0, "profiler_s": profiler_s}
                 profiler_s = 0.0
+                if (sample := chips.take()) is not None:
+                    mine["chips"] = sample
                 hosts = steptimes.gather(step, mine)  # every process's record, on process 0
                 if last or (job.eval_every and step % job.eval_every == 0):
                     rec["val_loss"] = job.evaluate(state)
@@ -147,6 +150,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     finally:
         if stall_clock:
             stall_clock.close()
+        chips.close()
         prof.close()
         log.close()
         wandb.close()

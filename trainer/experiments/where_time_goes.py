@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from trainer.common import steptimes
+from trainer.common import chipstats, steptimes
 from trainer.common.config import UsageError
 
 
@@ -94,5 +94,21 @@ def section(ckpt_dir: str, records: list[dict], plan: dict | None = None, read_p
         else:
             lines.append("No straggler: no host was late on average over the last logged steps by more than "
                          f"{_ms(steptimes.MARGIN_S)} beyond the other hosts (dispatch or stall).")
+    chips = chipstats.over_run(records)
+    if not chips:
+        lines.append("Chips: no TPU (no host's libtpu metrics service answered: CPU hosts record no chip use).")
+    for p, samples in sorted(chips.items()):
+        duty = [c["duty_cycle_pct"] for s_ in samples for c in s_["chips"] if c.get("duty_cycle_pct") is not None]
+        hbm = [(c["hbm_used_bytes"], c["hbm_total_bytes"]) for s_ in samples for c in s_["chips"]
+               if c.get("hbm_total_bytes")]
+        text = f"Chips of process {p} (libtpu's runtime metrics, sampled {len(samples)} time(s) from step " \
+               f"{samples[0]['step']} to {samples[-1]['step']}):"
+        if duty:
+            text += f" duty cycle median {statistics.median(duty):.0f}%, min {min(duty):.0f}%"
+        if hbm:
+            used, total = max(hbm)
+            text += f"; HBM at most {used / 2**30:.2f} of {total / 2**30:.2f} GiB per chip"
+        lines.append(text)
     return {"text": "\n".join(lines), "windows": windows, "straggler": strag,
-            "hosts": {str(p): xs for p, xs in per_host.items()}}
+            "hosts": {str(p): xs for p, xs in per_host.items()},
+            "chips": {str(p): xs for p, xs in chips.items()}}
