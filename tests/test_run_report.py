@@ -238,6 +238,19 @@ def test_tpuctl_report_finds_the_latest_run_and_includes_its_goodput(trained, em
     assert res["html"] == str(out / "report.html")
     _check_report(res, lambda f: (out / f).read_bytes())
 
+    # --plan FILE: the compiler's expected step beside the measured one, each named; --plan auto needs the slice.
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"accelerator": "v5litepod-8",
+                                "timing": {"step_s_at_peak": 0.05, "step_s_at_mfu": 0.1, "mfu_assumed": 0.5}}))
+    p = subprocess.run([sys.executable, "-m", "orchestrator.cli", "report", NAME, "--json", "--plan", str(plan)],
+                       env=e, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ("Expected by the compiler's plan (tpuctl plan, v5litepod-8): 50.0 ms at the chips' peak, 100.0 ms at "
+            "50% MFU") in json.loads(p.stdout)["summary"]["where the time goes"]
+    p = subprocess.run([sys.executable, "-m", "orchestrator.cli", "report", NAME, "--plan", "auto"], env=e,
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 1 and f"--plan auto needs the slice {NAME}" in p.stderr, p.stderr
+
     text = subprocess.run([sys.executable, "-m", "orchestrator.cli", "report", NAME, "--run", old.name], env=e,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert text.returncode == 1 and text.stdout == ""

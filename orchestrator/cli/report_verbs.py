@@ -9,6 +9,7 @@ $TPUCTL_HOME/reports/NAME/<run id>/, where a browser on this machine opens it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +55,31 @@ def find_run(name: str, run_id: str | None = None) -> tuple[Path, dict, str]:
                     f"`{' '.join(json.loads((dirs[0] / 'run.json').read_text()).get('argv') or [])[:200]}`)")
 
 
-def report(name: str, run_id: str | None = None, out: str | None = None,
+def _plan_file(name: str, rec: dict, plan: str, env: dict[str, str], say) -> str:
+    """--plan FILE as it is; `auto`: the compiler's plan of the run's own command for its slice's accelerator
+    (`tpuctl plan`, cached), written beside the run's record."""
+    if plan != "auto":
+        return plan
+    from orchestrator import provider, state
+    from orchestrator.plan import step as P
+    slice_rec = state.lookup(name)
+    argv = rec.get("argv") or []
+    if slice_rec is None or argv[1:3] != ["-m", "trainer"]:
+        raise UserError(f"--plan auto needs the slice {name} (its accelerator) and a trainer command; pass "
+                        "--plan FILE (`tpuctl plan -a TYPE --json -- CMD ... > FILE`)")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the planner reads what the trainer would (the data's meta.json)
+    try:
+        p = P.plan(slice_rec.accelerator, argv[3:], cpu_devices=provider.of(slice_rec).cpu_devices, progress=say)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    path = home() / "runs" / name / "plan.json"
+    path.write_text(json.dumps(p.to_json()))
+    return str(path)
+
+
+def report(name: str, run_id: str | None = None, out: str | None = None, plan: str | None = None,
            say=lambda m: print(f"[tpuctl] {m}", file=sys.stderr, flush=True)) -> dict:
     """Make the report of NAME's latest (or run_id's) run; the trainer's report result plus which run it was."""
     from orchestrator import provider, state
@@ -75,6 +100,8 @@ def report(name: str, run_id: str | None = None, out: str | None = None,
     goodput = run_dir / GOODPUT
     if goodput.is_file():
         args += ["--goodput", str(goodput)]
+    if plan:  # the compiler's expected step time beside the measured one, each named
+        args += ["--plan", _plan_file(name, rec, plan, where.local_env(rec.get("argv") or []), say)]
     ended = "returncode" in rec
     say(f"report of {name}'s run {run_dir.name} (--ckpt-dir {ckpt}"
         + ("" if ended else "; still running or cut short: the report shows it so far") + ")")
@@ -94,9 +121,11 @@ def report(name: str, run_id: str | None = None, out: str | None = None,
               "default: the latest run that trained into a --ckpt-dir.")
 @click.option("--out", metavar="DIR", help="Where to write the report (default: <ckpt-dir>/report, or "
               "$TPUCTL_HOME/reports/NAME/<run id>/ for a gs:// --ckpt-dir).")
+@click.option("--plan", metavar="FILE|auto", help="Put the compiler's expected step time beside the measured one: "
+              "a `tpuctl plan --json` FILE, or auto (the run's own command planned for its slice, cached).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report's table, summary and files as JSON.")
 @errors
-def report_cmd(name, run_id, out, as_json):
+def report_cmd(name, run_id, out, plan, as_json):
     """The report of the latest run on slice NAME, made on this machine from the run's --ckpt-dir.
 
     \b
@@ -108,7 +137,7 @@ def report_cmd(name, run_id, out, as_json):
     the final sample (the last one `python -m trainer sample --ckpt-dir DIR` printed), and prints them.
     The slice need not exist any more: the run's record and its --ckpt-dir are enough.
     """
-    res = report(name, run_id, out)
+    res = report(name, run_id, out, plan)
     if as_json:
         click.echo(json.dumps(res))
         return
