@@ -99,6 +99,8 @@ def test_chip_use_is_sampled_into_the_runs_metrics_and_the_report(resume_runs):
     assert all(s["chips"] == want for s in samples)
     text = where_time_goes.section(str(resume_runs / "straight"), recs, read_profiles=False)["text"]
     assert f"sampled {len(samples)} time(s)" in text and "duty cycle median" in text and "HBM at most" in text
+    from trainer.experiments import charts
+    assert charts.chips_chart(recs)[:8] == b"\x89PNG\r\n\x1a\n" and charts.chips_chart(metrics(resume_runs / "resumed")) is None
     resumed = metrics(resume_runs / "resumed")
     assert not any(h and h.get("chips") for r in resumed for h in r.get("hosts") or [])
     assert "Chips: no TPU" in where_time_goes.section(str(resume_runs / "resumed"), resumed, read_profiles=False)["text"]

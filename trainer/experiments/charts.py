@@ -310,3 +310,30 @@ def hosts_chart(records: list[dict], strag: dict | None) -> bytes | None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     return png(fig)
+
+
+def chips_chart(records: list[dict]) -> bytes | None:
+    """Each host's chip use over the run (PNG): mean duty cycle over its chips, and HBM used per chip at most,
+    from libtpu's metrics sampled into metrics.jsonl (trainer/common/chipstats.py); None where no host sampled
+    any (CPU hosts: no TPU)."""
+    from trainer.common import chipstats
+    per_host = chipstats.over_run(records)
+    if not per_host:
+        return None
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    for p, samples in sorted(per_host.items()):
+        steps = [s["step"] for s in samples]
+        duty = [sum(c["duty_cycle_pct"] for c in s["chips"]) / len(s["chips"]) for s in samples]
+        hbm = [max(c["hbm_used_bytes"] for c in s["chips"]) / 2**30 for s in samples]
+        ax1.plot(steps, duty, marker="o", ms=3, label=f"process {p}")
+        ax2.plot(steps, hbm, marker="o", ms=3, label=f"process {p}")
+    total = max(c["hbm_total_bytes"] for xs in per_host.values() for s in xs for c in s["chips"]) / 2**30
+    ax2.axhline(total, color="grey", ls="--", lw=1, label=f"HBM per chip ({total:.0f} GiB)")
+    ax1.set(title="chip duty cycle (mean over the host's chips)", xlabel="step", ylabel="%", ylim=(0, 105))
+    ax2.set(title="HBM used (the fullest chip)", xlabel="step", ylabel="GiB", ylim=(0, total * 1.1))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return png(fig)

@@ -254,6 +254,9 @@ def report(ckpt_dir: str, out_dir: str | None = None, charts: bool = True, goodp
     hosts_png = charts_lib.hosts_chart(run["metrics"], time_goes["straggler"]) if charts else None
     if hosts_png:
         pngs["hosts"] = hosts_png
+    chips_png = charts_lib.chips_chart(run["metrics"]) if charts else None
+    if chips_png:
+        pngs["chips"] = chips_png
     files = {"results.json": json.dumps(_json_rows([r]), indent=1) + "\n",
              "summary.json": json.dumps({**facts, "summary": sections, "profiles": time_goes["windows"],
                                          "straggler": time_goes["straggler"]}, indent=1) + "\n",
