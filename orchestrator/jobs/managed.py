@@ -288,6 +288,8 @@ def live_jobs_on(name: str) -> list[dict]:
     if rec is None:
         return []
     prov = provider.of(rec)
+    if not prov.storage_up():  # no storage, no live job in it: `down` must not start any
+        return []
     out = []
     for bucket in default_buckets():
         try:

@@ -108,6 +108,10 @@ class Provider:
         """Environment this machine's storage client needs to reach gs://bucket (nothing: the real GCS)."""
         return {}
 
+    def storage_up(self) -> bool:
+        """Whether the storage serving gs:// is there without starting anything (a read that must not create)."""
+        return True
+
     def controller_runtime(self) -> tuple[str | None, dict[str, str]]:
         """(python, env) for the controller's startup script: None installs tpuctl on the VM from the bundle."""
         return None, {}

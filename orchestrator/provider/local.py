@@ -207,6 +207,10 @@ class LocalProvider(Provider):
     def storage_env(self, bucket: str) -> dict[str, str]:
         return self.local_env([f"gs://{bucket}/"])
 
+    def storage_up(self) -> bool:
+        from infra import gcs
+        return gcs.running() is not None
+
     def controller_runtime(self) -> tuple[str | None, dict[str, str]]:
         """The controller's host runs this machine's interpreter (it has tpuctl's dependencies) and reaches the same
         local cloud: the stand-ins' and hosts' records in the machine dir."""
