@@ -488,8 +488,10 @@ def test_without_the_plan_extra_the_cpu_compiler_stands_in_and_says_so(tmp_path,
     assert out["fits"] is True and "estimate" in out["verdict"]
 
 
-def test_ctrl_c_while_compiling_stops_the_compile_too(home):
-    """SIGINT to `tpuctl plan` mid-compile: one line, exit 130, and the trainer's compile process is gone."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_compiling_stops_the_compile_too(home, sig):
+    """SIGINT (Ctrl-C) or SIGTERM (`kill`) to `tpuctl plan` mid-compile: one line, exit 130, and the trainer's
+    compile process is gone."""
     env = {**os.environ, "TPUCTL_HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "plan", "-a", "v4-8", "--local", "--", *TINY],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -499,7 +501,7 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home):
         child = int(out.stdout.split()[0]) if out.stdout.split() else None
         time.sleep(0.1)
     assert child is not None
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "Error: interrupted", err
     deadline = time.monotonic() + 10
