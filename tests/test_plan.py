@@ -127,8 +127,8 @@ WHOLE = ["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", 
 def _compile_v5e(argv: list[str]) -> tuple[dict, int]:
     """(figures, parameter count) of the step compiled for v5e:2x4, as `python -m trainer.plan` does."""
     import argparse
-    opts = argparse.Namespace(devices=8, processes=1, tpu="v5e:2x4", chip_config="default", host_bounds="2,4,1",
-                              fallback_cpu=False, run_platform="cpu")
+    opts = argparse.Namespace(devices=8, processes=1, num_slices=1, tpu="v5e:2x4", chip_config="default",
+                              host_bounds="2,4,1", fallback_cpu=False, run_platform="cpu")
     target = aot.target(opts)
     built = aot.BUILDERS["pretrain"](parser().parse_args(argv), target)
     n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(built.params))
