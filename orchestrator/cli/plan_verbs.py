@@ -30,8 +30,9 @@ DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1
                                                "($TPUCTL_HOME/plans).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout (for scripts).")
 @click.option("--num-slices", type=int, default=1, show_default=True,
-              help="Multislice: N slices of ACCELERATOR joined by DCN (--mesh is one slice's): each slice's step on "
-                   "its share of the batch, and the gradient all-reduce's bytes and time over DCN per step.")
+              help="Multislice: N slices of ACCELERATOR joined by DCN (--mesh is one slice's): the step compiled "
+                   "over the hybrid mesh (dcn=N), the collectives that cross slices and their bytes per step, and "
+                   "the gradient all-reduce's time over DCN.")
 @click.option("--dcn-gbps", type=float, default=None,
               help="With --num-slices: the DCN bandwidth per host assumed for the all-reduce's time (Gbit/s, "
                    "default 100).")
