@@ -232,9 +232,10 @@ def test_collectives_that_cross_slices_in_either_compilers_text():
 @needs_libtpu
 def test_plan_on_two_slices_compiles_the_hybrid_step_and_run_checks_it(env, capsys):
     """gpt2-tiny on 2 x v5e-8: the step over 16 devices (dcn=2 x data=8), and the gradient's reduction over DCN:
-    each device hands its 1/8 share of the gradient to it, and the tied embedding's share once more (its
-    lookup's and its output layer's gradients are each reduced before they are summed). `run`'s gate plans the
-    same step (from the cache); a batch that does not split over dcn x data is one line."""
+    each device hands its 1/8 share of the gradient to it, once (the tied table's lookup and output layer add
+    their gradients before the reduction: xent.per_shard; reduced apart, the table's share, 94% of gpt2-tiny,
+    crossed twice). `run`'s gate plans the same step (from the cache); a batch that does not split over dcn x
+    data is one line."""
     from click.testing import CliRunner
     from orchestrator.cli.app import cli
     from orchestrator.plan import step as P
@@ -244,9 +245,9 @@ def test_plan_on_two_slices_compiles_the_hybrid_step_and_run_checks_it(env, caps
     out = json.loads(res.stdout)
     f = out["slice"]
     assert f["mesh"] == {"dcn": 2, "data": 8, "model": 1} and f["devices"] == 16 and f["compiler"] == "tpu"
-    grad, wte = out["grad_bytes"], 50304 * 128 * 4
     assert out["dcn_ops_by_kind"].keys() == {"all-reduce"} and out["dcn_send_ops"] >= 1
-    assert out["dcn_send_bytes"] == pytest.approx((grad + wte) / 8, rel=0.02), (out["dcn_send_bytes"], grad)
+    share = f["per_device"]["params_bytes"] / 8  # the gradient (f32, replicated like the params) over data=8
+    assert share <= out["dcn_send_bytes"] <= 1.03 * share, (out["dcn_send_bytes"], share)  # + tile padding
     said = []
     P.check_before_run("v5litepod-8", 2, argv, {}, cpu_devices=False, say=said.append)
     assert len(said) == 1 and said[0].startswith("plan: fits on 2 x v5litepod-8: 98.")  # 98.x MiB per device
