@@ -55,6 +55,7 @@ OURS = {
     "ours, --loss-chunk 128 (the default before 256)": ["--loss-chunk", "128"],
     "ours, --loss-chunk 512": ["--loss-chunk", "512"],
     "ours, --optimizer-state sharded (ZeRO-1 as written)": ["--optimizer-state", "sharded"],
+    "ours, --table-grads per-use (the default before once)": ["--table-grads", "per-use"],
 }
 V6E_OURS = ("ours, default",)
 

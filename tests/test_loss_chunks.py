@@ -119,14 +119,16 @@ def test_the_tied_table_per_batch_shard_gives_the_same_loss_and_gradients(chunk)
     graphdef, params = nnx.split(gpt2.GPT2(cfg, nnx.Rngs(0)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 250, (8, 17)), jnp.int32)
 
-    def loss(params, tokens):
-        return nnx.merge(graphdef, params).loss(tokens, loss_chunk=chunk)
+    def loss(params, tokens, table_grads="once"):
+        return nnx.merge(graphdef, params).loss(tokens, loss_chunk=chunk, table_grads=table_grads)
     want, wg = jax.jit(jax.value_and_grad(loss))(params, tokens)
     mesh = mesh_lib.make_mesh({"data": 4, "model": 2}, jax.devices()[:8])
     with jax.set_mesh(mesh):
         assert xent.batch_shards(8) == 4
         text = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).as_text()
-        assert "tensor<4x256x32xf32>" in text  # the per-shard copies
+        assert "(tensor<1x256x32xf32>) -> tensor<4x256x32xf32>" in text  # the table broadcast to per-shard copies
+        one = jax.jit(jax.value_and_grad(loss), static_argnums=2).lower(params, tokens, "per-use").as_text()
+        assert "(tensor<1x256x32xf32>) -> tensor<4x256x32xf32>" not in one  # --table-grads per-use: one table
         got, g = jax.jit(jax.value_and_grad(loss))(params, jax.device_put(tokens, NamedSharding(mesh, P("data"))))
     assert float(got) == pytest.approx(float(want), abs=1e-6)
     for a, w in zip(jax.tree.leaves(g), jax.tree.leaves(wg)):

@@ -164,10 +164,11 @@ class GPT2(nnx.Module):
 
     def loss(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
              vocab_parallel: bool = False, loss_chunk: int = 0, attention: str = attention_lib.XLA,
-             remat: str = "none") -> jax.Array:
+             remat: str = "none", table_grads: str = "once") -> jax.Array:
         """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:].
 
-        loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V])."""
+        loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V]).
+        table_grads: "once" (the table once per batch shard, xent.per_shard) or "per-use" (one table)."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if vocab_parallel:
             x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=True, attention=attention,
@@ -175,7 +176,7 @@ class GPT2(nnx.Module):
             return vocab_parallel_lib.xent(x, self.wte[...], targets, self.cfg.vocab_size, loss_chunk)
         # The tied table once per batch shard: its lookup's and output layer's gradients are added on each
         # device and reduced over the batch once (over DCN too, on several slices), not once per use.
-        shards = xent.batch_shards(inputs.shape[0])
+        shards = xent.batch_shards(inputs.shape[0]) if table_grads == "once" else 1
         table = xent.per_shard(self.wte[...], shards) if shards > 1 else self.wte[...]
         x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, attention=attention, remat=remat, table=table)
         if loss_chunk:
