@@ -90,7 +90,8 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                  model_flops_per_token=metrics.flops_per_token(m), mesh=mesh_lib.shape_of(mesh), dtype=t.dtype,
                  settings={"batch_size": t.batch_size, "grad_accum": t.grad_accum, "steps": t.steps,
                            "mesh": t.mesh, "n_head": m.n_head, "attention": steps.attention, "remat": t.remat,
-                           "loss_chunk": t.loss_chunk, "table_grads": t.table_grads},
+                           "loss_chunk": t.loss_chunk, "table_grads": t.table_grads,
+                           "logits": t.logits},
                  levers=("grad_accum", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled)
 
 

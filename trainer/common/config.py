@@ -76,6 +76,9 @@ class TrainConfig:
     # The tied table's gradient reduced over the batch once per step (its lookup's and output layer's added on
     # each device first, xent.per_shard) or once per use: gpt2-tiny on 2 x v5e-8 sends half the bytes over DCN.
     table_grads: str = "once"
+    # The chunked loss's logits written in f32, or in the compute dtype (bf16 on TPU; the softmax still in f32):
+    # an experiment measured in `make bench` [15], not the default.
+    logits: str = "float32"
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
     ckpt_every: int = 100
@@ -156,6 +159,8 @@ HELP = {
     "table_grads": "once or per-use: the tied embedding's gradient reduced over the batch once per step (the "
                    "lookup's and the output layer's added on each device first) or once for each (the same "
                    "numbers; once moves fewer bytes, and on several slices sends the table's share over DCN once)",
+    "logits": "float32 or compute: the chunked loss's logits written to memory in f32, or in the compute dtype "
+              "(--dtype: bf16 on TPU; half the bytes, the softmax still computed in f32 from them)",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
     "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
@@ -239,6 +244,8 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--optimizer-state {t.optimizer_state}: choose sharded or replicated")
     if t.table_grads not in ("once", "per-use"):
         raise UsageError(f"--table-grads {t.table_grads}: choose once or per-use")
+    if t.logits not in ("float32", "compute"):
+        raise UsageError(f"--logits {t.logits}: choose float32 or compute")
     if t.loss_chunk < 0:
         raise UsageError(f"--loss-chunk {t.loss_chunk}: must not be negative (0 = no chunks)")
     if t.dtype not in ("auto", "float32", "bfloat16"):

@@ -164,11 +164,12 @@ class GPT2(nnx.Module):
 
     def loss(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
              vocab_parallel: bool = False, loss_chunk: int = 0, attention: str = attention_lib.XLA,
-             remat: str = "none", table_grads: str = "once") -> jax.Array:
+             remat: str = "none", table_grads: str = "once", logits: str = "float32") -> jax.Array:
         """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:].
 
         loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V]).
-        table_grads: "once" (the table once per batch shard, xent.per_shard) or "per-use" (one table)."""
+        table_grads: "once" (the table once per batch shard, xent.per_shard) or "per-use" (one table).
+        logits: "float32", or "compute": the chunked loss's logits written in the compute dtype."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if vocab_parallel:
             x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=True, attention=attention,
@@ -180,7 +181,7 @@ class GPT2(nnx.Module):
         table = xent.per_shard(self.wte[...], shards) if shards > 1 else self.wte[...]
         x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, attention=attention, remat=remat, table=table)
         if loss_chunk:
-            return xent.chunked(x, table, targets, loss_chunk, self.cfg.vocab_size)
+            return xent.chunked(x, table, targets, loss_chunk, self.cfg.vocab_size, None, logits == "compute")
         return loss_fn(xent.logits(x, table, self.cfg.vocab_size), targets)
 
 

@@ -54,12 +54,12 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return rows.reshape(b, t, table.shape[-1])
 
 
-def _matmul_out(x: jax.Array, w: jax.Array) -> jax.Array:
-    """f32 x [B, T, D] @ w.T: w [V, D], or per batch shard [s, V, D] (x's rows split into s blocks)."""
+def _matmul_out(x: jax.Array, w: jax.Array, out=jnp.float32) -> jax.Array:
+    """x [B, T, D] @ w.T in `out`: w [V, D], or per batch shard [s, V, D] (x's rows split into s blocks)."""
     if w.ndim == 2:
-        return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=out)
     s, (b, t, d) = w.shape[0], x.shape
-    out = jnp.einsum("sbtd,svd->sbtv", x.reshape(s, b // s, t, d), w, preferred_element_type=jnp.float32)
+    out = jnp.einsum("sbtd,svd->sbtv", x.reshape(s, b // s, t, d), w, preferred_element_type=out)
     return out.reshape(b, t, w.shape[1])
 
 
@@ -111,8 +111,10 @@ def batch_shards(batch: int) -> int:
     return n if batch % n == 0 else 1
 
 
-def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: float | None, grads: bool):
-    """The summed-then-averaged loss over chunks of positions, and with grads its (dx, dtable)."""
+def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: float | None, grads: bool,
+            narrow: bool = False):
+    """The summed-then-averaged loss over chunks of positions, and with grads its (dx, dtable). narrow: each
+    chunk's logits written in the compute dtype (the softmax still computed in f32 from them)."""
     b, t, d = x.shape
     c = chunk_of(chunk, t)
     n, total = t // c, b * t
@@ -124,7 +126,8 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
     s, v = (table.shape[0] if shared else batch_shards(b)), table.shape[-2]
 
     def chunk_loss(xc, tc):
-        z = _constrain(_matmul_out(xc, w), ("batch", "seq", "vocab"))
+        z = _constrain(_matmul_out(xc, w, x.dtype if narrow else jnp.float32), ("batch", "seq", "vocab"))
+        z = z.astype(jnp.float32)  # a no-op, or a convert fused into each reader of the narrow logits
         capped = jnp.tanh(z / softcap) if softcap is not None else None
         lg = capped * softcap if softcap is not None else z
         if vocab_size is not None and vocab_size != v:
@@ -163,21 +166,22 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
     return loss / total, dx, (dtable if shared else dtable.sum(0)).astype(table.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def chunked(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int, vocab_size: int | None = None,
-            softcap: float | None = None) -> jax.Array:
+            softcap: float | None = None, narrow: bool = False) -> jax.Array:
     """Mean cross-entropy (f32) of hidden states x [B, T, D] against int targets [B, T], never holding more
     than one chunk of positions' logits (chunk_of(chunk, T) of them); its gradients come from the same pass.
-    table: [V, D], or per_shard's copies [s, V, D] (their gradient left per shard)."""
-    return _chunks(x, table, targets, chunk, vocab_size, softcap, grads=False)
+    table: [V, D], or per_shard's copies [s, V, D] (their gradient left per shard). narrow: the logits in the
+    compute dtype (_chunks)."""
+    return _chunks(x, table, targets, chunk, vocab_size, softcap, grads=False, narrow=narrow)
 
 
-def _chunked_fwd(x, table, targets, chunk, vocab_size, softcap):
-    loss, dx, dtable = _chunks(x, table, targets, chunk, vocab_size, softcap, grads=True)
+def _chunked_fwd(x, table, targets, chunk, vocab_size, softcap, narrow):
+    loss, dx, dtable = _chunks(x, table, targets, chunk, vocab_size, softcap, grads=True, narrow=narrow)
     return loss, (dx, dtable)
 
 
-def _chunked_bwd(chunk, vocab_size, softcap, res, g):
+def _chunked_bwd(chunk, vocab_size, softcap, narrow, res, g):
     dx, dtable = res
     return (dx * g).astype(dx.dtype), dtable * g, None
 
