@@ -284,3 +284,19 @@ def test_the_trainer_groups_cpu_devices_by_slice_from_the_process_index(monkeypa
     assert mesh_lib.describe(one) == "data=2,model=1" and mesh_lib.shape_of(one) == {"data": 2, "model": 1}
     with pytest.raises(UsageError, match="each of the 2 slices"):
         mesh_lib.job_mesh("data=4,model=1", devices=__import__("jax").devices()[:4], n_slices=2, n_processes=1)
+
+
+def test_the_planner_builds_lora_on_the_hybrid_mesh_as_the_run_does():
+    """`lora` on 2 slices of 4 devices (the step built, not compiled): dcn=2 x data=4, and its default batch of 4
+    rows per device over all 8; a batch that does not split over dcn x data is the run's own refusal."""
+    import jax
+    from trainer.cli import parser
+    from trainer.common import aot
+    from trainer.common.config import UsageError
+    target = aot.Target(jax.devices()[:8], processes=2, run_platform="tpu", slices=2)
+    argv = ["lora", "--weights", "gs://b/g", "--data", "gs://b/t.jsonl", "--ckpt-dir", "gs://b/l", "--model",
+            "gemma2-2b", "--rank", "8"]
+    built = aot.BUILDERS["lora"](parser().parse_args(argv), target)
+    assert built.mesh == {"dcn": 2, "data": 4, "model": 1} and built.settings["batch_size"] == 32
+    with pytest.raises(UsageError, match=r"data axis \(8 over 2 slices\)"):
+        aot.BUILDERS["lora"](parser().parse_args([*argv, "--batch-size", "12"]), target)
