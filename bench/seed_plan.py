@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     from trainer.common import aot
-    opts = argparse.Namespace(devices=a.devices, processes=1, tpu=a.tpu, chip_config="default",
+    opts = argparse.Namespace(devices=a.devices, processes=1, num_slices=1, tpu=a.tpu, chip_config="default",
                               host_bounds=a.host_bounds, fallback_cpu=False, run_platform="tpu")
     target = aot.target(opts)  # libtpu's devices for the topology (jax set up for an AOT compile)
 

@@ -55,6 +55,8 @@ OURS = {
     "ours, --loss-chunk 128 (the default before 256)": ["--loss-chunk", "128"],
     "ours, --loss-chunk 512": ["--loss-chunk", "512"],
     "ours, --optimizer-state sharded (ZeRO-1 as written)": ["--optimizer-state", "sharded"],
+    "ours, --table-grads per-use (the default before once)": ["--table-grads", "per-use"],
+    "ours, --logits compute (bf16 logits in the chunked loss)": ["--logits", "compute"],
 }
 V6E_OURS = ("ours, default",)
 

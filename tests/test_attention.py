@@ -157,8 +157,8 @@ def _compile_for_v5e(attn: str):
     import argparse
     from trainer.common import aot
     from trainer.cli import parser
-    opts = argparse.Namespace(devices=8, processes=1, tpu="v5e:2x4", chip_config="default", host_bounds="2,2,1",
-                              fallback_cpu=False, run_platform="cpu")
+    opts = argparse.Namespace(devices=8, processes=1, num_slices=1, tpu="v5e:2x4", chip_config="default",
+                              host_bounds="2,2,1", fallback_cpu=False, run_platform="cpu")
     target = aot.target(opts)
     args = parser().parse_args(["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", "4",
                                 "--d-model", "256", "--seq-len", "1024", "--batch-size", "32", "--vocab-size", "1024",

@@ -106,3 +106,45 @@ def test_remat_policies_give_the_same_loss_and_gradients(policy):
     assert float(got) == pytest.approx(float(want), abs=1e-6)
     for a, w in zip(jax.tree.leaves(g), jax.tree.leaves(wg)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_the_tied_table_per_batch_shard_gives_the_same_loss_and_gradients(chunk):
+    """On a mesh that splits the batch 4 ways, `loss` hands the lookup and the output layer the table once per
+    batch shard (xent.per_shard), so its two gradients are added before the one reduction over the batch; the
+    loss and every gradient equal those off a mesh (one table, its uses' gradients added after)."""
+    from flax import nnx
+    from trainer.common.config import ModelConfig
+    cfg = ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16, vocab_size=250, dropout=0.0)
+    graphdef, params = nnx.split(gpt2.GPT2(cfg, nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 250, (8, 17)), jnp.int32)
+
+    def loss(params, tokens, table_grads="once"):
+        return nnx.merge(graphdef, params).loss(tokens, loss_chunk=chunk, table_grads=table_grads)
+    want, wg = jax.jit(jax.value_and_grad(loss))(params, tokens)
+    mesh = mesh_lib.make_mesh({"data": 4, "model": 2}, jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        assert xent.batch_shards(8) == 4
+        text = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).as_text()
+        assert "(tensor<1x256x32xf32>) -> tensor<4x256x32xf32>" in text  # the table broadcast to per-shard copies
+        one = jax.jit(jax.value_and_grad(loss), static_argnums=2).lower(params, tokens, "per-use").as_text()
+        assert "(tensor<1x256x32xf32>) -> tensor<4x256x32xf32>" not in one  # --table-grads per-use: one table
+        got, g = jax.jit(jax.value_and_grad(loss))(params, jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+    assert float(got) == pytest.approx(float(want), abs=1e-6)
+    for a, w in zip(jax.tree.leaves(g), jax.tree.leaves(wg)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-6)
+
+
+def test_narrow_logits_keep_the_loss_and_gradients_close():
+    """--logits compute: each chunk's logits written in the compute dtype (bf16 here), the softmax in f32 from
+    them: the loss and gradients stay close to f32 logits' (bf16's 8 bits of mantissa), and differ from them."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.bfloat16)
+    table = jnp.asarray(rng.normal(size=(300, 32)) * 0.5, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 250, (2, 16)), jnp.int32)
+    grad = jax.jit(jax.value_and_grad(xent.chunked, argnums=(0, 1)), static_argnums=(3, 4, 5, 6))
+    (wide, (wx, wt)), (narrow, (nx, nt)) = grad(x, table, targets, 4, 250, None, False), grad(x, table, targets, 4,
+                                                                                               250, None, True)
+    assert float(narrow) != float(wide) and float(narrow) == pytest.approx(float(wide), rel=1e-2)
+    np.testing.assert_allclose(np.asarray(nt), np.asarray(wt), atol=2e-3)
+    np.testing.assert_allclose(np.asarray(nx, np.float32), np.asarray(wx, np.float32), atol=2e-3)

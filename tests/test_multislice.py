@@ -3,6 +3,8 @@ against the TPU API stand-in (nodes NAME-0 .. NAME-(N-1), all or none, one state
 refusals before anything is created, and the per-host environment of one job over several slices."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live, make_spec  # noqa: F401
@@ -11,6 +13,9 @@ from orchestrator import slices, state
 from orchestrator.jobs import supervise
 from orchestrator.spec import SliceSpec, UserError, slice_spec_from_mapping
 from orchestrator.state import Worker
+from trainer.common.aot import has_libtpu
+
+needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
 
 
 def _short(names):
@@ -183,9 +188,76 @@ def test_multislice_plan_arithmetic_dcn_bytes_and_time_beside_compute():
     text = m.render()
     assert "4 x v4-16 joined by DCN = 32 chips, 8 host(s)" in text and "32 / 4 = 8 sequences per slice" in text
     assert "1.50 GiB sent and received by each host" in text and "at 100 Gbit/s" in text and "compute step" in text
+    assert "compiled: not counted" in text  # figures without the compiler's DCN count say so
     assert m.to_json()["dcn_bytes_per_host_per_step"] == m.dcn_bytes_per_host
     with pytest.raises(UserError, match="needs v4 or later"):
         plan_dcn.plan("v3-8", ["pretrain"], 2)
+    # Suggestions split the batch over dcn x data (2 x 4 = 8), not data alone: batch 8 has no smaller share.
+    tight = {**figs, "devices": 8, "mesh": {"dcn": 2, "data": 4, "model": 1}, "temp_bytes": 34 * 2 ** 30,
+             "total_bytes": 40 * 2 ** 30, "settings": {"batch_size": 8, "grad_accum": 1, "steps": 1, "n_head": 12},
+             "levers": ["grad_accum", "batch_size", "mesh_model"]}
+    assert P.suggest(P.Plan(catalog.lookup("v4-8"), P.TPU, tight)) == []
+    wider = {**tight, "settings": {**tight["settings"], "batch_size": 16}}
+    assert sorted(s.change for s in P.suggest(P.Plan(catalog.lookup("v4-8"), P.TPU, wider))) == [
+        "--batch-size 8", "--grad-accum 2"]
+
+
+def test_collectives_that_cross_slices_in_either_compilers_text():
+    """libtpu's one-slice program sends what crosses slices to its DCN runtime; the CPU program's collectives
+    name their devices (device i is on slice i // devices-per-slice)."""
+    from trainer.common import collectives as C
+    tpu = "\n".join([
+        "HloModule jit__train_step, num_partitions=4",
+        "  %p = f32[8,128]{1,0} parameter(0)",
+        '  %send.1 = (f32[2,128]{1,0:T(8,128)}, u32[], token[]) send(%x, %t), channel_id=3, is_host_transfer=true, '
+        'frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}',
+        "  %ag = f32[8,128]{1,0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}"])
+    assert C.crossing(tpu, 8, 2) == {"dcn_send_ops": 1, "dcn_send_bytes": 2 * 128 * 4,
+                                     "dcn_ops_by_kind": {"all-reduce": 1}}
+    cpu = "\n".join([
+        "HloModule jit__train_step, num_partitions=8",
+        "  %a = f32[16]{0} parameter(0)",
+        "  %b = bf16[4,4]{1,0} parameter(1)",
+        "  %r1 = (f32[16]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), channel_id=1, "
+        "replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, to_apply=%add",
+        "  %r2 = f32[16]{0} all-reduce(%a), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%add",
+        "  %r3 = f32[16]{0} all-reduce-start(%a), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add",
+        "  %r4 = f32[16]{0} all-reduce-done(%r3)",
+        "  %cp = bf16[4,4]{1,0} collective-permute(%b), channel_id=4, source_target_pairs={{0,1},{1,0}}"])
+    assert C.crossing(cpu, 8, 2) == {"dcn_send_ops": 2, "dcn_send_bytes": 2 * 64 + 32,
+                                     "dcn_ops_by_kind": {"all-reduce": 2}}
+    assert C.crossing(cpu, 8, 1)["dcn_send_ops"] == 0
+
+
+@needs_libtpu
+def test_plan_on_two_slices_compiles_the_hybrid_step_and_run_checks_it(env, capsys):
+    """gpt2-tiny on 2 x v5e-8: the step over 16 devices (dcn=2 x data=8), and the gradient's reduction over DCN:
+    each device hands its 1/8 share of the gradient to it, once (the tied table's lookup and output layer add
+    their gradients before the reduction: xent.per_shard; reduced apart, the table's share, 94% of gpt2-tiny,
+    crossed twice). `run`'s gate plans the same step (from the cache); a batch that does not split over dcn x
+    data is one line."""
+    from click.testing import CliRunner
+    from orchestrator.cli.app import cli
+    from orchestrator.plan import step as P
+    argv = ["pretrain", "--preset", "gpt2-tiny", "--batch-size", "16", "--ckpt-dir", "/tmp/ms-plan"]
+    res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--num-slices", "2", "--json", "--", *argv])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    f = out["slice"]
+    assert f["mesh"] == {"dcn": 2, "data": 8, "model": 1} and f["devices"] == 16 and f["compiler"] == "tpu"
+    assert out["dcn_ops_by_kind"].keys() == {"all-reduce"} and out["dcn_send_ops"] >= 1
+    share = f["per_device"]["params_bytes"] / 8  # the gradient (f32, replicated like the params) over data=8
+    assert share <= out["dcn_send_bytes"] <= 1.03 * share, (out["dcn_send_bytes"], share)  # + tile padding
+    said = []
+    P.check_before_run("v5litepod-8", 2, argv, {}, cpu_devices=False, say=said.append)
+    assert len(said) == 1 and said[0].startswith(
+        f"plan: fits on 2 x v5litepod-8: {P.gib(f['per_device']['total_bytes'])} of 16.00 GiB HBM per device")
+    assert said[0].endswith(f"(2 slices joined by DCN: {out['dcn_send_ops']} DCN collective(s), "
+                            f"{P.gib(out['dcn_send_bytes'])} per device per step)")
+    bad = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--num-slices", "2", "--",
+                                   *argv[:4], "12", *argv[5:]])
+    assert bad.exit_code == 1 and bad.stderr.strip().splitlines()[-1] == (
+        "Error: --batch-size 12 is not divisible by the mesh's data axis (16 over 2 slices); use a multiple of 16")
 
 
 def test_the_trainer_groups_cpu_devices_by_slice_from_the_process_index(monkeypatch):
@@ -212,3 +284,19 @@ def test_the_trainer_groups_cpu_devices_by_slice_from_the_process_index(monkeypa
     assert mesh_lib.describe(one) == "data=2,model=1" and mesh_lib.shape_of(one) == {"data": 2, "model": 1}
     with pytest.raises(UsageError, match="each of the 2 slices"):
         mesh_lib.job_mesh("data=4,model=1", devices=__import__("jax").devices()[:4], n_slices=2, n_processes=1)
+
+
+def test_the_planner_builds_lora_on_the_hybrid_mesh_as_the_run_does():
+    """`lora` on 2 slices of 4 devices (the step built, not compiled): dcn=2 x data=4, and its default batch of 4
+    rows per device over all 8; a batch that does not split over dcn x data is the run's own refusal."""
+    import jax
+    from trainer.cli import parser
+    from trainer.common import aot
+    from trainer.common.config import UsageError
+    target = aot.Target(jax.devices()[:8], processes=2, run_platform="tpu", slices=2)
+    argv = ["lora", "--weights", "gs://b/g", "--data", "gs://b/t.jsonl", "--ckpt-dir", "gs://b/l", "--model",
+            "gemma2-2b", "--rank", "8"]
+    built = aot.BUILDERS["lora"](parser().parse_args(argv), target)
+    assert built.mesh == {"dcn": 2, "data": 4, "model": 1} and built.settings["batch_size"] == 32
+    with pytest.raises(UsageError, match=r"data axis \(8 over 2 slices\)"):
+        aot.BUILDERS["lora"](parser().parse_args([*argv, "--batch-size", "12"]), target)

@@ -98,6 +98,8 @@ def test_two_slices_one_job_survive_a_slice_preemption_bit_equal(tmp_path):
         # Every host's lines carry its slice and worker; each host has its log (process 1 writes nothing of its
         # own: its progress reports are the runner's, and no native library logs at INFO).
         assert "one job over 2 slices of v4-8" in err and "[s0w0] step 30/30" in err
+        # run's gate planned the hybrid step on the slices' CPU devices before launching
+        assert "[tpuctl] plan: fits on 2 x v4-8: " in err and "(2 slices joined by DCN: " in err
         assert "[s0w0] mesh 2 slices x data=4,model=1 (8 devices, 2 processes)" in err
         assert all((Path(res["run_dir"]) / f"s{s}w0.log").is_file() for s in (0, 1))
         first, second = res["attempts"]

@@ -127,8 +127,8 @@ WHOLE = ["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", 
 def _compile_v5e(argv: list[str]) -> tuple[dict, int]:
     """(figures, parameter count) of the step compiled for v5e:2x4, as `python -m trainer.plan` does."""
     import argparse
-    opts = argparse.Namespace(devices=8, processes=1, tpu="v5e:2x4", chip_config="default", host_bounds="2,4,1",
-                              fallback_cpu=False, run_platform="cpu")
+    opts = argparse.Namespace(devices=8, processes=1, num_slices=1, tpu="v5e:2x4", chip_config="default",
+                              host_bounds="2,4,1", fallback_cpu=False, run_platform="cpu")
     target = aot.target(opts)
     built = aot.BUILDERS["pretrain"](parser().parse_args(argv), target)
     n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(built.params))
@@ -488,8 +488,10 @@ def test_without_the_plan_extra_the_cpu_compiler_stands_in_and_says_so(tmp_path,
     assert out["fits"] is True and "estimate" in out["verdict"]
 
 
-def test_ctrl_c_while_compiling_stops_the_compile_too(home):
-    """SIGINT to `tpuctl plan` mid-compile: one line, exit 130, and the trainer's compile process is gone."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_compiling_stops_the_compile_too(home, sig):
+    """SIGINT (Ctrl-C) or SIGTERM (`kill`) to `tpuctl plan` mid-compile: one line, exit 130, and the trainer's
+    compile process is gone."""
     env = {**os.environ, "TPUCTL_HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "plan", "-a", "v4-8", "--local", "--", *TINY],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -499,7 +501,7 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home):
         child = int(out.stdout.split()[0]) if out.stdout.split() else None
         time.sleep(0.1)
     assert child is not None
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "Error: interrupted", err
     deadline = time.monotonic() + 10

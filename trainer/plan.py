@@ -17,8 +17,12 @@ from trainer.common.process import ArgParser
 
 def _options() -> argparse.ArgumentParser:
     p = ArgParser(prog="python -m trainer.plan", description=aot.__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices the run will have")
-    p.add_argument("--processes", type=int, default=1, help="hosts the run will have (its batch is split over them)")
+    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices each slice of the run will have")
+    p.add_argument("--processes", type=int, default=1,
+                   help="hosts each slice of the run will have (its batch is split over them)")
+    p.add_argument("--num-slices", type=int, default=1, metavar="N",
+                   help="slices joined by DCN: the step over the hybrid mesh (the slices on `dcn`), as a multislice "
+                        "run builds it, and the collectives that cross slices (dcn_send_ops, dcn_send_bytes)")
     p.add_argument("--tpu", metavar="GEN:TOPOLOGY", help="compile with libtpu for this topology, e.g. v4:2x2x1")
     p.add_argument("--chip-config", default="default", help="libtpu chip config: megacore (v4, v5p) or default")
     p.add_argument("--host-bounds", default="2,2,1", metavar="X,Y,Z", help="chips per host, as a box")

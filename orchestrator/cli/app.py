@@ -204,8 +204,9 @@ def _plan_first(spec, command: list[str], plan_run: bool, line: StatusLine) -> N
                         "pretrain --preset gpt2-124m --ckpt-dir gs://BUCKET/run`")
     with line:
         from orchestrator import provider
-        p = plan.gate(spec.accelerator, command, cpu_devices=provider.get(spec.provider).cpu_devices, progress=line,
-                      skip_flag="leaving out --plan", on_skip=lambda why: line.note(f"plan: {why}"))
+        p = plan.gate(spec.accelerator, command, cpu_devices=provider.get(spec.provider).cpu_devices,
+                      num_slices=spec.num_slices or 1, progress=line, skip_flag="leaving out --plan",
+                      on_skip=lambda why: line.note(f"plan: {why}"))
     if p:
         line.note(f"plan: {p.verdict()}")
 

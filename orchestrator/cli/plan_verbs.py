@@ -3,7 +3,9 @@ plan as text."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 
 import click
 
@@ -28,8 +30,9 @@ DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1
                                                "($TPUCTL_HOME/plans).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout (for scripts).")
 @click.option("--num-slices", type=int, default=1, show_default=True,
-              help="Multislice: N slices of ACCELERATOR joined by DCN (--mesh is one slice's): each slice's step on "
-                   "its share of the batch, and the gradient all-reduce's bytes and time over DCN per step.")
+              help="Multislice: N slices of ACCELERATOR joined by DCN (--mesh is one slice's): the step compiled "
+                   "over the hybrid mesh (dcn=N), the collectives that cross slices and their bytes per step, and "
+                   "the gradient all-reduce's time over DCN.")
 @click.option("--dcn-gbps", type=float, default=None,
               help="With --num-slices: the DCN bandwidth per host assumed for the all-reduce's time (Gbit/s, "
                    "default 100).")
@@ -52,36 +55,38 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
     from orchestrator.cli.options import StatusLine, TpuctlError
-    if num_slices != 1 or dcn_gbps is not None:
-        _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps)
+    # `kill` (SIGTERM) ends the plan as Ctrl-C does: the compile process goes with it (step.compile_figures).
+    hook = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if hook:
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         with StatusLine(quiet=False) as line:
             from orchestrator import provider  # the TPU API client: loaded by the verb that asks it
-            p = P.plan(accelerator, list(command), cpu_devices=provider.chosen(local).cpu_devices, steps=steps,
-                       mfu=mfu, progress=line, use_cache=not no_cache)
+            cpu_devices = provider.chosen(local).cpu_devices
+            if num_slices != 1 or dcn_gbps is not None:
+                from orchestrator.plan import dcn as plan_dcn
+                p = plan_dcn.plan(accelerator, list(command), num_slices, cpu_devices=cpu_devices, steps=steps,
+                                  mfu=mfu, dcn_gbps=dcn_gbps or plan_dcn.DEFAULT_DCN_GBPS, progress=line,
+                                  use_cache=not no_cache)
+                text = p.render
+            else:
+                p = P.plan(accelerator, list(command), cpu_devices=cpu_devices, steps=steps, mfu=mfu, progress=line,
+                           use_cache=not no_cache)
+                text = lambda: render(p)  # noqa: E731
     except UserError as e:
         raise TpuctlError(str(e)) from None
     except KeyboardInterrupt:
         click.echo("Error: interrupted", err=True)
         sys.exit(130)
-    click.echo(json.dumps(p.to_json(), indent=2) if as_json else render(p))
+    finally:
+        if hook:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    click.echo(json.dumps(p.to_json(), indent=2) if as_json else text())
     sys.exit(0 if p.fits else DOES_NOT_FIT)
 
 
-def _multislice(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps) -> None:
-    from orchestrator.plan import dcn as plan_dcn
-    from orchestrator.cli.options import StatusLine, TpuctlError
-    try:
-        with StatusLine(quiet=False) as line:
-            p = plan_dcn.plan(accelerator, list(command), num_slices, local=local, steps=steps, mfu=mfu,
-                              dcn_gbps=dcn_gbps or plan_dcn.DEFAULT_DCN_GBPS, progress=line, use_cache=not no_cache)
-    except UserError as e:
-        raise TpuctlError(str(e)) from None
-    except KeyboardInterrupt:
-        click.echo("Error: interrupted", err=True)
-        sys.exit(130)
-    click.echo(json.dumps(p.to_json(), indent=2) if as_json else p.render())
-    sys.exit(0 if p.fits else DOES_NOT_FIT)
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def render(p: P.Plan) -> str:

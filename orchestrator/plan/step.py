@@ -95,17 +95,23 @@ class Plan:
                 CPU: "CPU compiler (the local slice runs on CPU devices)",
                 ESTIMATE: "ESTIMATE from the CPU compiler, not the TPU's; " + INSTALL_HINT}[self.compiler]
 
+    @property
+    def where(self) -> str:
+        """The accelerator, or `N x` it on several slices."""
+        n = int(self.figures.get("slices", 1))
+        return f"{n} x {self.accelerator.name}" if n > 1 else self.accelerator.name
+
     def verdict(self) -> str:
         a, f = self.accelerator, self.figures
         word = "fits" if self.fits else "does NOT fit"
         est = " (estimate: CPU compiler)" if self.compiler == ESTIMATE else ""
         if self.refused:
             usable = self.refused.get("available_bytes")
-            return (f"{word} on {a.name}: the TPU compiler ran out of HBM, needing about {gib(self.total_bytes)} "
+            return (f"{word} on {self.where}: the TPU compiler ran out of HBM, needing about {gib(self.total_bytes)} "
                     f"per device" + (f" of {gib(usable)} usable" if usable else "")
                     + f" (temporaries {gib(f['temp_bytes'])}, params + optimizer "
                       f"{gib(f['params_bytes'] + f['optimizer_bytes'])})")
-        return (f"{word} on {a.name}: {gib(self.total_bytes)} of {gib(self.hbm_bytes)} HBM per device{est} "
+        return (f"{word} on {self.where}: {gib(self.total_bytes)} of {gib(self.hbm_bytes)} HBM per device{est} "
                 f"(params {gib(f['params_bytes'])}, optimizer {gib(f['optimizer_bytes'])}, "
                 f"temporaries {gib(f['temp_bytes'])})")
 
@@ -233,8 +239,10 @@ def _cache_dir() -> Path:
     return home() / "plans"
 
 
-def _aot_argv(a: catalog.AcceleratorType, cpu_devices: bool) -> list[str]:
-    base = [sys.executable, "-m", "trainer.plan", "--processes", str(a.hosts), "--devices", str(devices_of(a))]
+def _aot_argv(a: catalog.AcceleratorType, cpu_devices: bool, num_slices: int = 1) -> list[str]:
+    """The trainer's planner for `a` (one slice's hosts and devices) x num_slices, joined by DCN."""
+    base = [sys.executable, "-m", "trainer.plan", "--processes", str(a.hosts), "--devices", str(devices_of(a)),
+            *(["--num-slices", str(num_slices)] if num_slices > 1 else [])]
     if cpu_devices:
         return base
     if not a.aot_topology:  # a generation libtpu has no name for here: the CPU compiler, planned as for TPU
@@ -248,23 +256,26 @@ def _trainer_error(stderr: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices: bool = False,
+def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices: bool = False, num_slices: int = 1,
                     progress: Callable[[str], None] | None = None, use_cache: bool = True) -> tuple[dict, bool]:
-    """Run the trainer's AOT compile of `python -m trainer ARGV` for accelerator `a`; (figures, from cache)."""
-    key = cache_key(a.name, "local" if cpu_devices else "slice", argv)
+    """Run the trainer's AOT compile of `python -m trainer ARGV` for accelerator `a` (num_slices of them joined by
+    DCN: the hybrid step); (figures, from cache)."""
+    key = cache_key(a.name, ("local" if cpu_devices else "slice") + (f" x{num_slices}" if num_slices > 1 else ""),
+                    argv)
     path = _cache_dir() / f"{key}.json"
     if use_cache and path.exists():
         try:
             return json.loads(path.read_text()), True
         except ValueError:
             pass  # a damaged entry is compiled again
-    what = "CPU compiler" if cpu_devices or not a.aot_topology else a.aot_topology
+    what = ("CPU compiler" if cpu_devices or not a.aot_topology else a.aot_topology) + (
+        f" x {num_slices} slices" if num_slices > 1 else "")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TPUCTL_EMULATE_DEVICES")
            and not k.startswith("TPUCTL_COORDINATOR")}
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([*_aot_argv(a, cpu_devices), "--", *argv], stdout=out, stderr=err, env=env,
+        proc = subprocess.Popen([*_aot_argv(a, cpu_devices, num_slices), "--", *argv], stdout=out, stderr=err, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             said = None
@@ -307,6 +318,16 @@ def _mode(figures: dict, cpu_devices: bool) -> str:
 # params, and for an fsdp-sharded base the copy each device gathers of the other devices' shards) and
 # activations (the rest of the temporaries), which scale with the per-device micro-batch.
 
+def _batch_axes(f: dict) -> int:
+    """The mesh axes the batch splits over: data, and on several slices dcn (trainer/common/mesh.py RULES)."""
+    return f["mesh"]["data"] * f["mesh"].get("dcn", 1)
+
+
+def _slice_devices(f: dict) -> int:
+    """One slice's devices: what --mesh describes (f["devices"] counts every slice's)."""
+    return f["devices"] // f["mesh"].get("dcn", 1)
+
+
 def _base(f: dict) -> int:
     """Per device: the params that get no gradient (LoRA's frozen base; 0 for pretraining)."""
     return f["params_bytes"] - f.get("grad_bytes", f["params_bytes"])
@@ -333,7 +354,7 @@ def _on_devices(p: Plan, devices: int) -> int:
     that is per device (settings batch_per_device: `lora` without --batch-size) keeps its activations."""
     f = p.figures
     fixed, act = _split(f)
-    s, n = f["settings"], f["devices"]
+    s, n = f["settings"], _slice_devices(f)
     if s.get("fsdp"):
         fixed = (fixed - _gathered(f)) * n // devices + _gathered(f, devices // f["mesh"]["model"], n / devices)
     return fixed + (act if s.get("batch_per_device") else act * n // devices)
@@ -344,7 +365,7 @@ def _grad_accum(p: Plan) -> Suggestion | None:
     fixed, act = _split(f)
     for k in (2, 4, 8, 16, 32):
         ga = s["grad_accum"] * k
-        if s["batch_size"] % ga or (s["batch_size"] // ga) % f["mesh"]["data"]:
+        if s["batch_size"] % ga or (s["batch_size"] // ga) % _batch_axes(f):
             continue
         est = fixed + f["params_bytes"] * (s["grad_accum"] == 1) + act // k  # + the f32 gradient accumulator
         if est <= p.hbm_bytes:
@@ -358,7 +379,7 @@ def _batch_size(p: Plan) -> Suggestion | None:
     fixed, act = _split(f)
     for k in (2, 4, 8, 16, 32):
         b = s["batch_size"] // k
-        if s["batch_size"] % k or b < 1 or b % (f["mesh"]["data"] * s["grad_accum"]):
+        if s["batch_size"] % k or b < 1 or b % (_batch_axes(f) * s["grad_accum"]):
             continue
         est = fixed + act // k
         if est <= p.hbm_bytes:
@@ -370,7 +391,7 @@ def _batch_size(p: Plan) -> Suggestion | None:
 def _mesh_model(p: Plan) -> Suggestion | None:
     f, s = p.figures, p.figures["settings"]
     fixed, act = _split(f)
-    n = f["devices"]
+    n = _slice_devices(f)  # --mesh is one slice's
     for m in (2, 4, 8, 16):
         if n % m or s.get("n_head", m) % m or m <= f["mesh"]["model"]:
             continue
@@ -428,7 +449,8 @@ def _with_mesh(argv: list[str], devices: int, figures: dict) -> list[str]:
     return out
 
 
-def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries: int = 2) -> Plan | None:
+def next_size(p: Plan, argv: list[str], *, num_slices: int = 1, progress=None, use_cache=True,
+              tries: int = 2) -> Plan | None:
     """The smallest larger slice of the same generation whose compiled step fits (at most `tries` compiles)."""
     for a in _larger(p.accelerator):
         if tries <= 0:
@@ -438,8 +460,8 @@ def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries:
             continue  # not even the arithmetic fits: no compile
         tries -= 1
         try:
-            figs, cached = compile_figures(a, _with_mesh(argv, devices, p.figures), progress=progress,
-                                           use_cache=use_cache)
+            figs, cached = compile_figures(a, _with_mesh(argv, devices, p.figures), num_slices=num_slices,
+                                           progress=progress, use_cache=use_cache)
         except PlanError:
             continue  # e.g. the batch does not split over that many devices
         alt = Plan(a, _mode(figs, False), figs, mfu=p.mfu, steps=p.steps, cached=cached)
@@ -450,10 +472,12 @@ def next_size(p: Plan, argv: list[str], *, progress=None, use_cache=True, tries:
 
 # ---- the API ----------------------------------------------------------------------------------------------
 
-def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, steps: int | None = None, mfu: float = 0.5,
-         progress: Callable[[str], None] | None = None, use_cache: bool = True, alternatives: bool = True) -> Plan:
+def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_slices: int = 1,
+         steps: int | None = None, mfu: float = 0.5, progress: Callable[[str], None] | None = None,
+         use_cache: bool = True, alternatives: bool = True) -> Plan:
     """Plan `python -m trainer ARGV` on ACCELERATOR. cpu_devices: the slice's devices are emulated CPU devices
-    (its provider says so), planned with the CPU compiler on them.
+    (its provider says so), planned with the CPU compiler on them. num_slices: that many slices joined by DCN,
+    the step compiled over the hybrid mesh (the slices on `dcn`) as the run builds it; figures stay per device.
     alternatives: when it does not fit, also compile the next accelerator size that does."""
     try:
         a = catalog.lookup(accelerator)
@@ -466,15 +490,16 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, steps:
         raise UserError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.5")
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")
-    figs, cached = compile_figures(a, argv, cpu_devices=cpu_devices, progress=progress, use_cache=use_cache)
+    figs, cached = compile_figures(a, argv, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
+                                   use_cache=use_cache)
     p = Plan(a, _mode(figs, cpu_devices), figs, mfu=mfu, steps=steps, cached=cached)
     if not p.fits:
         p.suggestions = suggest(p)
         if alternatives and p.suggestions:
-            _compile_suggestion(p, p.suggestions[0], argv, cpu_devices=cpu_devices, progress=progress,
-                                use_cache=use_cache)
+            _compile_suggestion(p, p.suggestions[0], argv, cpu_devices=cpu_devices, num_slices=num_slices,
+                                progress=progress, use_cache=use_cache)
         if alternatives and not cpu_devices:
-            p.alternative = next_size(p, argv, progress=progress, use_cache=use_cache)
+            p.alternative = next_size(p, argv, num_slices=num_slices, progress=progress, use_cache=use_cache)
     return p
 
 
@@ -488,22 +513,25 @@ def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
     s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
 
 
-def gate(accelerator: str, argv: list[str], *, cpu_devices: bool, progress: Callable[[str], None] | None = None,
-         skip_flag: str = "--no-plan", on_skip: Callable[[str], None] | None = None) -> Plan | None:
+def gate(accelerator: str, argv: list[str], *, cpu_devices: bool, num_slices: int = 1,
+         progress: Callable[[str], None] | None = None, skip_flag: str = "--no-plan",
+         on_skip: Callable[[str], None] | None = None) -> Plan | None:
     """The check before `tpuctl up` / `run` creates or launches anything: the plan (None for a trainer command
     the planner cannot build, e.g. one with no train step: on_skip, else progress, gets the reason), or a
     PlanError with its verdict when the step does not fit (nothing else is compiled here: `tpuctl plan` does
     that)."""
     try:
-        p = plan(accelerator, argv, cpu_devices=cpu_devices, progress=progress, alternatives=False)
+        p = plan(accelerator, argv, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
+                 alternatives=False)
     except NotPlannable as e:
         if on_skip or progress:
             (on_skip or progress)(f"not planned: {e}")
         return None
     if not p.fits:
         fix = f"; would fit: {p.suggestions[0].change}" if p.suggestions else ""
-        raise PlanError(f"plan: {p.verdict()}{fix}; `tpuctl plan -a {p.accelerator.name} -- ...` shows the whole "
-                        f"plan, {skip_flag} skips this check")
+        slices = f" --num-slices {num_slices}" if num_slices > 1 else ""
+        raise PlanError(f"plan: {p.verdict()}{fix}; `tpuctl plan -a {p.accelerator.name}{slices} -- ...` shows the "
+                        f"whole plan, {skip_flag} skips this check")
     return p
 
 
@@ -512,17 +540,14 @@ def check_before_run(accelerator: str | None, slices: int, argv: list[str], stor
     """`tpuctl run`'s gate: a trainer step (argv after `python -m trainer`) on a slice of known type is planned
     first and refused (PlanError) when it does not fit. storage_env points the planner at the storage the run
     will use (for a local slice, the GCS emulator): it reads what the trainer would, e.g. the data's meta.json,
-    whose tokenizer sets the vocabulary."""
+    whose tokenizer sets the vocabulary. On several slices the hybrid step is planned, as `tpuctl plan
+    --num-slices` does."""
     if not accelerator:
-        return
-    if slices > 1:
-        say(f"plan: not checked here for {slices} slices (`tpuctl plan -a {accelerator} --num-slices {slices} -- "
-            "...` plans one)")
         return
     saved = {k: os.environ.get(k) for k in storage_env}
     os.environ.update(storage_env)
     try:
-        p = gate(accelerator, argv, cpu_devices=cpu_devices, progress=say)
+        p = gate(accelerator, argv, cpu_devices=cpu_devices, num_slices=slices, progress=say)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -530,4 +555,6 @@ def check_before_run(accelerator: str | None, slices: int, argv: list[str], stor
             else:
                 os.environ[k] = v
     if p is not None:
-        say(f"plan: {p.verdict()}")
+        say(f"plan: {p.verdict()}" + (f" ({slices} slices joined by DCN: {p.figures.get('dcn_send_ops', 0)} DCN "
+                                      f"collective(s), {gib(p.figures.get('dcn_send_bytes', 0))} per device per step)"
+                                      if slices > 1 else ""))

@@ -33,9 +33,15 @@ NOTHING_TO_PLAN = 4  # exit code: the trainer command has no train step (bad arg
 @dataclass(frozen=True)
 class Target:
     """The devices to compile for, and the platform the step will really run on."""
-    devices: list
-    processes: int
+    devices: list      # every device of the run, all its slices'
+    processes: int     # every host of the run, all its slices'
     run_platform: str  # "tpu" for a TPU target, even when the CPU compiler stands in for it
+    slices: int = 1    # slices joined by DCN: the mesh's `dcn` axis (trainer/common/mesh.py job_mesh)
+
+    def mesh(self, spec_text: str):
+        """The run's mesh over these devices: --mesh on each slice, the slices on `dcn`, as the run builds it."""
+        from trainer.common import mesh as mesh_lib
+        return mesh_lib.job_mesh(spec_text, self.devices, self.slices, self.processes)
 
 
 @dataclass(frozen=True)
@@ -75,16 +81,17 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
     from trainer.pretrain import tokenizers, train
     tokenizers.follow_data(args)
     cfg = _auto_dtype(config.resolve(args), target.run_platform)
-    shape = mesh_lib.parse_mesh(cfg.train.mesh, len(target.devices))
-    train.check_fits(cfg, shape, target.processes)
-    steps = train.Steps(cfg, mesh_lib.make_mesh(shape, target.devices))
+    mesh = target.mesh(cfg.train.mesh)
+    train.check_fits(cfg, dict(mesh.shape), target.processes)
+    steps = train.Steps(cfg, mesh)
     t, m = cfg.train, cfg.model
     return Built(compile=lambda: (steps.compile(), steps.train_fn)[1], params=steps.abstract_params,
                  opt_state=steps.abstract_opt, tokens_per_step=t.batch_size * m.seq_len,
-                 model_flops_per_token=metrics.flops_per_token(m), mesh=shape, dtype=t.dtype,
+                 model_flops_per_token=metrics.flops_per_token(m), mesh=mesh_lib.shape_of(mesh), dtype=t.dtype,
                  settings={"batch_size": t.batch_size, "grad_accum": t.grad_accum, "steps": t.steps,
                            "mesh": t.mesh, "n_head": m.n_head, "attention": steps.attention, "remat": t.remat,
-                           "loss_chunk": t.loss_chunk},
+                           "loss_chunk": t.loss_chunk, "table_grads": t.table_grads,
+                           "logits": t.logits},
                  levers=("grad_accum", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled)
 
 
@@ -122,9 +129,9 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     from trainer.models import gemma, lora as lora_lib
     run = _lora_run(args, target.run_platform)
     cfg = gemma.SIZES[run.size]
-    shape = mesh_lib.parse_mesh(run.mesh, len(target.devices))
-    batch = finetune.batch_of(run, len(target.devices), shape["data"])
-    steps = finetune.Steps(run, cfg, mesh_lib.make_mesh(shape, target.devices), max(run.steps, 1), batch)
+    mesh = target.mesh(run.mesh)
+    batch = finetune.batch_of(run, len(target.devices), mesh.shape["data"] * target.slices, target.slices)
+    steps = finetune.Steps(run, cfg, mesh, max(run.steps, 1), batch)
     base_dtype = mesh_lib.compute_dtype(run.base_dtype)
     base = {n: jax.ShapeDtypeStruct(s, base_dtype, sharding=steps.base_sh[n])
             for n, (s, _) in gemma.param_layout(cfg).items()}
@@ -132,7 +139,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  params={"base": base, "adapters": steps.abstract_lora}, opt_state=steps.abstract_opt,
                  trained=steps.abstract_lora, tokens_per_step=batch * run.seq_len,
                  model_flops_per_token=lora_flops_per_token(cfg, lora_lib.count(cfg, run.lora), run.seq_len),
-                 mesh=shape, dtype=run.dtype,
+                 mesh=mesh_lib.shape_of(mesh), dtype=run.dtype,
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads,
                            "fsdp": True, "batch_per_device": not run.batch_size},
@@ -174,7 +181,7 @@ def _about(built: Built, target: Target, compile_s: float) -> dict:
     """What every plan states besides the compiler's memory and cost figures."""
     dev = target.devices[0]
     return {"compiler": dev.platform, "device_kind": dev.device_kind, "devices": len(target.devices),
-            "processes": target.processes, "run_platform": target.run_platform, "mesh": built.mesh,
+            "processes": target.processes, "slices": target.slices, "run_platform": target.run_platform, "mesh": built.mesh,
             "dtype": built.dtype, "compile_s": round(compile_s, 2),
             "params_bytes": per_device_bytes(built.params), "optimizer_bytes": per_device_bytes(built.opt_state),
             "grad_bytes": per_device_bytes(built.params if built.trained is None else built.trained),
@@ -187,7 +194,7 @@ def has_loop(compiled) -> bool:
     return any(" while(" in line for line in (compiled.as_text() or "").splitlines())
 
 
-def whole_count(built: Built, compiled, twin: bool = True) -> dict:
+def whole_count(built: Built, compiled, twin: bool = True) -> tuple[dict, Any]:
     """The step's flops and bytes accessed counted whole, per device.
 
     The compiler's cost analysis counts a while loop's body once, whatever its trip count. Its optimized HLO
@@ -199,37 +206,44 @@ def whole_count(built: Built, compiled, twin: bool = True) -> dict:
 
     The cost analysis also has `optimal_seconds`; it is left out: on one matmul or one elementwise op it is that
     op's roofline time, but on a train step it comes back negative (-221 s for gpt2-124m on v5e-8, libtpu
-    0.0.42.1), so it is no step time."""
+    0.0.42.1), so it is no step time.
+
+    Returns (the figures, the program they were counted from: the twin when one was compiled)."""
     cost = _cost(compiled)
     program = {"program_flops": float(cost.get("flops", 0.0)),
                "program_bytes_accessed": float(cost.get("bytes accessed", 0.0))}
     if not has_loop(compiled):
         return {"flops": program["program_flops"], "bytes_accessed": program["program_bytes_accessed"],
-                "counted": "program", **program}
+                "counted": "program", **program}, compiled
     if built.compile_unrolled is None or not twin:
         return {"flops": program["program_flops"], "bytes_accessed": program["program_bytes_accessed"],
-                "counted": "loop bodies once", **program}
+                "counted": "loop bodies once", **program}, compiled
     t0 = time.perf_counter()
     twin_compiled = built.compile_unrolled()
     counted = _cost(twin_compiled)
     # A loop the compiler makes itself (e.g. a collective matmul it windows) is not ours to unroll: still low.
     how = "unrolled, a compiler's loop left: low" if has_loop(twin_compiled) else "unrolled"
     return {"flops": float(counted.get("flops", 0.0)), "bytes_accessed": float(counted.get("bytes accessed", 0.0)),
-            "counted": how, "count_compile_s": round(time.perf_counter() - t0, 2), **program}
+            "counted": how, "count_compile_s": round(time.perf_counter() - t0, 2), **program}, twin_compiled
 
 
 def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
     """The plan's raw figures, per device. total = what the step holds at its peak: arguments + outputs that
     are not donated buffers reused in place + temporaries + the program itself. flops and bytes_accessed: the
-    whole step (whole_count)."""
+    whole step (whole_count); on several slices dcn_*: the collectives that cross slices, counted from the same
+    program (trainer/common/collectives.py)."""
     mem = compiled.memory_analysis()
     arg, out, alias = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
     temp, code = mem.temp_size_in_bytes, mem.generated_code_size_in_bytes
-    return {**_about(built, target, compile_s),
-            "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp, "code_bytes": code,
-            "total_bytes": arg + out - alias + temp + code,
-            # a run on CPU devices (a local slice) gets no step time from its plan: no twin compiled to count it
-            **whole_count(built, compiled, twin=target.run_platform != "cpu")}
+    # a run on CPU devices (a local slice) gets no step time from its plan: no twin compiled to count it
+    whole, counted_from = whole_count(built, compiled, twin=target.run_platform != "cpu")
+    out_fig = {**_about(built, target, compile_s),
+               "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+               "code_bytes": code, "total_bytes": arg + out - alias + temp + code, **whole}
+    if target.slices > 1:
+        from trainer.common import collectives
+        out_fig.update(collectives.crossing(counted_from.as_text() or "", len(target.devices), target.slices))
+    return out_fig
 
 
 class NotPlannable(UsageError):
@@ -291,24 +305,27 @@ def has_libtpu() -> bool:
     return os.path.exists(libtpu.get_library_path())
 
 
-def _cpu_target(n: int, processes: int, run_platform: str) -> Target:
-    """n CPU devices (set before jax is imported), and no attempt to find an accelerator."""
+def _cpu_target(n: int, processes: int, run_platform: str, slices: int = 1) -> Target:
+    """n CPU devices (set before jax is imported), and no attempt to find an accelerator; on several slices,
+    consecutive devices make a slice (trainer/common/mesh.py slice_groups)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if COUNT_FLAG not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--{COUNT_FLAG}={n}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
-    return Target(jax.devices("cpu")[:n], processes, run_platform)
+    return Target(jax.devices("cpu")[:n], processes, run_platform, slices)
 
 
 def target(opts: argparse.Namespace) -> Target:
-    if opts.devices < 1 or opts.processes < 1:
-        raise UsageError("--devices and --processes must be at least 1")
+    """opts.devices and opts.processes are one slice's; opts.num_slices such slices joined by DCN."""
+    if opts.devices < 1 or opts.processes < 1 or opts.num_slices < 1:
+        raise UsageError("--devices, --processes and --num-slices must be at least 1")
+    n = opts.num_slices
     if not opts.tpu:
-        return _cpu_target(opts.devices, opts.processes, opts.run_platform)
+        return _cpu_target(opts.devices * n, opts.processes * n, opts.run_platform, n)
     if not has_libtpu():
         if not opts.fallback_cpu:
             raise UsageError("libtpu is not installed: pip install 'tpuctl[plan]' for the TPU compiler")
-        return _cpu_target(opts.devices, opts.processes, "tpu")
+        return _cpu_target(opts.devices * n, opts.processes * n, "tpu", n)
     os.environ["JAX_PLATFORMS"] = "cpu"  # the TPU compiler needs no TPU; never look for one
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no GCE metadata server to ask about the host
     # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for a real TPU's owner; compiling only,
@@ -317,8 +334,8 @@ def target(opts: argparse.Namespace) -> Target:
     from jax.experimental import topologies
     bounds = tuple(int(x) for x in opts.host_bounds.split(","))
     desc = topologies.get_topology_desc(platform="tpu", topology_name=opts.tpu, chip_config_name=opts.chip_config,
-                                        chips_per_host_bounds=bounds, num_slices=1)
-    if len(desc.devices) != opts.devices:
-        raise UsageError(f"topology {opts.tpu} ({opts.chip_config}) has {len(desc.devices)} devices, "
-                         f"not the {opts.devices} the run will have")
-    return Target(list(desc.devices), opts.processes, "tpu")
+                                        chips_per_host_bounds=bounds, num_slices=n)
+    if len(desc.devices) != opts.devices * n:
+        raise UsageError(f"topology {opts.tpu} ({opts.chip_config}) x {n} slice(s) has {len(desc.devices)} devices, "
+                         f"not the {opts.devices * n} the run will have")
+    return Target(list(desc.devices), opts.processes * n, "tpu", n)

@@ -73,6 +73,12 @@ class TrainConfig:
     # (the gradients constrained to the split) the TPU compiler's gpt2-124m step on v5e-8 moved more bytes (71 GB
     # against 54) and held more temporaries (4.1 GiB against 2.7): `make bench` section [14] keeps its row.
     optimizer_state: str = "replicated"
+    # The tied table's gradient reduced over the batch once per step (its lookup's and output layer's added on
+    # each device first, xent.per_shard) or once per use: gpt2-tiny on 2 x v5e-8 sends half the bytes over DCN.
+    table_grads: str = "once"
+    # The chunked loss's logits written in f32, or in the compute dtype (bf16 on TPU; the softmax still in f32):
+    # an experiment measured in `make bench` [15], not the default.
+    logits: str = "float32"
     data: str = ""  # prepared dir (local or gs://), text files/dir; empty = embedded Shakespeare
     ckpt_dir: str = ""
     ckpt_every: int = 100
@@ -150,6 +156,11 @@ HELP = {
     "optimizer_state": "replicated or sharded: each parameter's AdamW moments whole on every device, or split "
                        "over the mesh's data axis (ZeRO-1: the gradients are reduce-scattered, each device updates "
                        "its share of the moments and the parameters, then the parameters are gathered)",
+    "table_grads": "once or per-use: the tied embedding's gradient reduced over the batch once per step (the "
+                   "lookup's and the output layer's added on each device first) or once for each (the same "
+                   "numbers; once moves fewer bytes, and on several slices sends the table's share over DCN once)",
+    "logits": "float32 or compute: the chunked loss's logits written to memory in f32, or in the compute dtype "
+              "(--dtype: bf16 on TPU; half the bytes, the softmax still computed in f32 from them)",
     "data": "prepared token dir (local or gs://) or text files/dir (default: Shakespeare)",
     "ckpt_dir": "checkpoints, config.json and metrics.jsonl: a local dir or gs://BUCKET/PATH (required)",
     "ckpt_every": "save every N steps (0 = only at the end and on a preemption notice)",
@@ -231,6 +242,10 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
     if t.optimizer_state not in ("sharded", "replicated"):
         raise UsageError(f"--optimizer-state {t.optimizer_state}: choose sharded or replicated")
+    if t.table_grads not in ("once", "per-use"):
+        raise UsageError(f"--table-grads {t.table_grads}: choose once or per-use")
+    if t.logits not in ("float32", "compute"):
+        raise UsageError(f"--logits {t.logits}: choose float32 or compute")
     if t.loss_chunk < 0:
         raise UsageError(f"--loss-chunk {t.loss_chunk}: must not be negative (0 = no chunks)")
     if t.dtype not in ("auto", "float32", "bfloat16"):

@@ -161,9 +161,16 @@ def slice_groups(devices, n_slices: int, n_processes: int) -> list[list]:
     if n_processes % n_slices:
         raise UsageError(f"{n_processes} processes do not split over {n_slices} slices (MEGASCALE_NUM_SLICES)")
     groups: list[list] = [[] for _ in range(n_slices)]
-    for d in sorted(devices, key=lambda d: d.id):
+    ordered = sorted(devices, key=lambda d: d.id)
+    # All in one process: a plan's CPU devices standing in for several slices' hosts (trainer/common/aot.py);
+    # consecutive devices make a slice, as consecutive processes do in a run.
+    one_process = len({d.process_index for d in ordered}) == 1
+    for i, d in enumerate(ordered):
         s = getattr(d, "slice_index", None) if d.platform == "tpu" else None  # jax's CPU devices say slice 0
-        groups[s if s is not None else slice_of_process(d.process_index, n_processes, n_slices)].append(d)
+        if s is None:
+            s = i * n_slices // len(ordered) if one_process else slice_of_process(d.process_index, n_processes,
+                                                                                   n_slices)
+        groups[s].append(d)
     if len({len(g) for g in groups}) != 1:
         raise UsageError(f"the slices hold different device counts ({', '.join(str(len(g)) for g in groups)})")
     return groups

@@ -131,10 +131,12 @@ class GPT2(nnx.Module):
         self.ln_f = LayerNorm(cfg.d_model, rngs)
 
     def hidden(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
-               vocab_parallel: bool = False, attention: str = attention_lib.XLA, remat: str = "none") -> jax.Array:
+               vocab_parallel: bool = False, attention: str = attention_lib.XLA, remat: str = "none",
+               table: jax.Array | None = None) -> jax.Array:
         """int tokens [B, T] -> final hidden states [B, T, D] (after ln_f), in the compute dtype.
 
         vocab_parallel: the table is sharded as vocab_parallel.TABLE (look up by its shard_map).
+        table: the embedding to look up in (default wte; `loss` passes xent.per_shard's copies of it).
         attention: a resolved implementation (attention.resolve); remat: a policy of trainer/models/remat.py.
         """
         cfg = self.cfg
@@ -144,8 +146,8 @@ class GPT2(nnx.Module):
             # Every dropout mask of the step in one draw: one RNG kernel to compile instead of 2L+1.
             masks = keep_masks(dropout_key, cfg.dropout, (len(keep), b, t, cfg.d_model))
             keep = list(constrain(masks, (None, "batch", "seq", "embed")))
-        wte = self.wte[...]
-        x = vocab_parallel_lib.lookup(wte, tokens) if vocab_parallel else jnp.take(wte, tokens, axis=0)
+        wte = self.wte[...] if table is None else table
+        x = vocab_parallel_lib.lookup(wte, tokens) if vocab_parallel else xent.lookup(wte, tokens)
         x = x + self.wpe[...][:t]
         x = constrain(dropout(x, cfg.dropout, keep[-1]).astype(dtype), ("batch", "seq", "embed"))
         for i, block in enumerate(self.blocks):
@@ -162,18 +164,25 @@ class GPT2(nnx.Module):
 
     def loss(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
              vocab_parallel: bool = False, loss_chunk: int = 0, attention: str = attention_lib.XLA,
-             remat: str = "none") -> jax.Array:
+             remat: str = "none", table_grads: str = "once", logits: str = "float32") -> jax.Array:
         """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:].
 
-        loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V])."""
+        loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V]).
+        table_grads: "once" (the table once per batch shard, xent.per_shard) or "per-use" (one table).
+        logits: "float32", or "compute": the chunked loss's logits written in the compute dtype."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=vocab_parallel,
-                        attention=attention, remat=remat)
         if vocab_parallel:
+            x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=True, attention=attention,
+                            remat=remat)
             return vocab_parallel_lib.xent(x, self.wte[...], targets, self.cfg.vocab_size, loss_chunk)
+        # The tied table once per batch shard: its lookup's and output layer's gradients are added on each
+        # device and reduced over the batch once (over DCN too, on several slices), not once per use.
+        shards = xent.batch_shards(inputs.shape[0]) if table_grads == "once" else 1
+        table = xent.per_shard(self.wte[...], shards) if shards > 1 else self.wte[...]
+        x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, attention=attention, remat=remat, table=table)
         if loss_chunk:
-            return xent.chunked(x, self.wte[...], targets, loss_chunk, self.cfg.vocab_size)
-        return loss_fn(xent.logits(x, self.wte[...], self.cfg.vocab_size), targets)
+            return xent.chunked(x, table, targets, loss_chunk, self.cfg.vocab_size, None, logits == "compute")
+        return loss_fn(xent.logits(x, table, self.cfg.vocab_size), targets)
 
 
 def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -10,7 +10,10 @@ output-layer matmuls per token as the full logits' forward and backward), and th
 saved gradients by the loss's cotangent.
 
 The table's gradient accumulates in the carry per batch shard ([shards, V, D], each device adding only its own
-rows' contribution): summed over the shards once after the loop, not all-reduced every chunk.
+rows' contribution): summed over the shards once after the loop, not all-reduced every chunk. Given the table
+once per batch shard (`per_shard`: a tied embedding's lookup uses the same copies), that sum is left to the
+copies' transpose, so the lookup's gradient is added to it on each device first and the table's gradient is
+reduced over the batch once per step, not once per use (across slices: once over DCN).
 
 Numerically the same loss and gradients as `gpt2.loss_fn` on the full logits (tests compare them); only
 the order of the final sum over tokens differs.
@@ -34,15 +37,52 @@ def _constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, fitted_spec(axes, x.shape, dict(mesh.shape)))
 
 
+def per_shard(table: jax.Array, shards: int) -> jax.Array:
+    """The table [V, D] once per batch shard, [shards, V, D] with axis 0 over the batch's mesh axes: each device
+    holds its own shard's copy (the replicated table's bytes, nothing sent). Every use of the copies on a device
+    (a tied embedding's lookup and output layer: `lookup`, `logits`, `chunked`) adds its gradient there, and the
+    broadcast's transpose reduces the sum over the batch once."""
+    return _constrain(jnp.broadcast_to(table[None], (shards, *table.shape)), ("batch", "vocab", "embed"))
+
+
+def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """table[tokens] for int tokens [B, T]: from a table [V, D], or per batch shard from per_shard's copies."""
+    if table.ndim == 2:
+        return jnp.take(table, tokens, axis=0)
+    s, (b, t) = table.shape[0], tokens.shape
+    rows = jax.vmap(lambda w, ids: jnp.take(w, ids, axis=0))(table, tokens.reshape(s, b // s, t))
+    return rows.reshape(b, t, table.shape[-1])
+
+
+def _matmul_out(x: jax.Array, w: jax.Array, out=jnp.float32) -> jax.Array:
+    """x [B, T, D] @ w.T in `out`: w [V, D], or per batch shard [s, V, D] (x's rows split into s blocks)."""
+    if w.ndim == 2:
+        return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=out)
+    s, (b, t, d) = w.shape[0], x.shape
+    out = jnp.einsum("sbtd,svd->sbtv", x.reshape(s, b // s, t, d), w, preferred_element_type=out)
+    return out.reshape(b, t, w.shape[1])
+
+
+def _matmul_in(dz: jax.Array, w: jax.Array) -> jax.Array:
+    """f32 dz [B, T, V] @ w: w [V, D], or per batch shard [s, V, D]."""
+    if w.ndim == 2:
+        return jnp.einsum("btv,vd->btd", dz, w, preferred_element_type=jnp.float32)
+    s, (b, t, v) = w.shape[0], dz.shape
+    out = jnp.einsum("sbtv,svd->sbtd", dz.reshape(s, b // s, t, v), w, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, w.shape[2])
+
+
 def logits(x: jax.Array, table: jax.Array, vocab_size: int | None = None, softcap: float | None = None) -> jax.Array:
-    """f32 logits x @ table.T of hidden states [B, T, D] in the compute dtype (the table cast to it); rows at
-    and past vocab_size are padding (never predicted: -1e9); softcap: tanh soft-capping (Gemma)."""
-    out = jnp.einsum("btd,vd->btv", x, table.astype(x.dtype), preferred_element_type=jnp.float32)
+    """f32 logits x @ table.T of hidden states [B, T, D] in the compute dtype (the table cast to it; [V, D] or
+    per_shard's copies); rows at and past vocab_size are padding (never predicted: -1e9); softcap: tanh
+    soft-capping (Gemma)."""
+    out = _matmul_out(x, table.astype(x.dtype))
     out = _constrain(out, ("batch", "seq", "vocab"))
     if softcap is not None:
         out = jnp.tanh(out / softcap) * softcap
-    if vocab_size is not None and vocab_size != table.shape[0]:
-        out = jnp.where(jnp.arange(table.shape[0]) < vocab_size, out, -1e9)
+    v = table.shape[-2]
+    if vocab_size is not None and vocab_size != v:
+        out = jnp.where(jnp.arange(v) < vocab_size, out, -1e9)
     return out
 
 
@@ -61,7 +101,7 @@ def chunk_of(chunk: int, seq_len: int) -> int:
     return max(c for c in range(1, chunk + 1) if seq_len % c == 0)
 
 
-def _batch_shards(batch: int) -> int:
+def batch_shards(batch: int) -> int:
     """How many ways the mesh splits the batch (the "batch" rule's axes), when they divide it; 1 off a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -71,8 +111,10 @@ def _batch_shards(batch: int) -> int:
     return n if batch % n == 0 else 1
 
 
-def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: float | None, grads: bool):
-    """The summed-then-averaged loss over chunks of positions, and with grads its (dx, dtable)."""
+def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: float | None, grads: bool,
+            narrow: bool = False):
+    """The summed-then-averaged loss over chunks of positions, and with grads its (dx, dtable). narrow: each
+    chunk's logits written in the compute dtype (the softmax still computed in f32 from them)."""
     b, t, d = x.shape
     c = chunk_of(chunk, t)
     n, total = t // c, b * t
@@ -80,15 +122,16 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
     xs = _constrain(x.reshape(b, n, c, d).swapaxes(0, 1), (None, "batch", "seq", "embed"))
     ts = _constrain(targets.reshape(b, n, c).swapaxes(0, 1), (None, "batch", "seq"))
     w = table.astype(x.dtype)
-    s = _batch_shards(b)
+    shared = table.ndim == 3  # per_shard's copies: their gradient stays per shard
+    s, v = (table.shape[0] if shared else batch_shards(b)), table.shape[-2]
 
     def chunk_loss(xc, tc):
-        z = jnp.einsum("btd,vd->btv", xc, w, preferred_element_type=jnp.float32)
-        z = _constrain(z, ("batch", "seq", "vocab"))
+        z = _constrain(_matmul_out(xc, w, x.dtype if narrow else jnp.float32), ("batch", "seq", "vocab"))
+        z = z.astype(jnp.float32)  # a no-op, or a convert fused into each reader of the narrow logits
         capped = jnp.tanh(z / softcap) if softcap is not None else None
         lg = capped * softcap if softcap is not None else z
-        if vocab_size is not None and vocab_size != table.shape[0]:
-            lg = jnp.where(jnp.arange(table.shape[0]) < vocab_size, lg, -1e9)
+        if vocab_size is not None and vocab_size != v:
+            lg = jnp.where(jnp.arange(v) < vocab_size, lg, -1e9)
         logz = jax.nn.logsumexp(lg, axis=-1)
         picked = jnp.take_along_axis(lg, tc[..., None], axis=-1)[..., 0]
         return jnp.sum(logz - picked), lg, logz, capped
@@ -105,11 +148,11 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
         lc, lg, logz, capped = chunk_loss(xc, tc)
         # d loss / d logits = (softmax - onehot) / total; padding columns get exp(-1e9 - logz) = 0.
         dz = jnp.exp(lg - logz[..., None])
-        dz = jnp.where(jnp.arange(table.shape[0]) == tc[..., None], dz - 1.0, dz) / total
+        dz = jnp.where(jnp.arange(v) == tc[..., None], dz - 1.0, dz) / total
         if softcap is not None:
             dz = dz * (1.0 - jnp.square(capped))
         dz = dz.astype(x.dtype)
-        dxc = jnp.einsum("btv,vd->btd", dz, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        dxc = _matmul_in(dz, w).astype(x.dtype)
         # Each batch shard's contribution to the table's gradient stays on its devices: [s, V, D].
         dzs = dz.reshape(s, dz.shape[0] // s, *dz.shape[1:])
         xcs = xc.reshape(s, xc.shape[0] // s, *xc.shape[1:])
@@ -117,26 +160,28 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
         return (acc + lc, dtable + _constrain(part, ("batch", "vocab", "embed"))), dxc
 
     zero = (jnp.zeros((), jnp.float32),
-            _constrain(jnp.zeros((s, *table.shape), jnp.float32), ("batch", "vocab", "embed")))
+            _constrain(jnp.zeros((s, *table.shape[-2:]), jnp.float32), ("batch", "vocab", "embed")))
     (loss, dtable), dxs = scans.scan(step, zero, (xs, ts))
     dx = dxs.swapaxes(0, 1).reshape(b, t, d)
-    return loss / total, dx, dtable.sum(0).astype(table.dtype)
+    return loss / total, dx, (dtable if shared else dtable.sum(0)).astype(table.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def chunked(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int, vocab_size: int | None = None,
-            softcap: float | None = None) -> jax.Array:
+            softcap: float | None = None, narrow: bool = False) -> jax.Array:
     """Mean cross-entropy (f32) of hidden states x [B, T, D] against int targets [B, T], never holding more
-    than one chunk of positions' logits (chunk_of(chunk, T) of them); its gradients come from the same pass."""
-    return _chunks(x, table, targets, chunk, vocab_size, softcap, grads=False)
+    than one chunk of positions' logits (chunk_of(chunk, T) of them); its gradients come from the same pass.
+    table: [V, D], or per_shard's copies [s, V, D] (their gradient left per shard). narrow: the logits in the
+    compute dtype (_chunks)."""
+    return _chunks(x, table, targets, chunk, vocab_size, softcap, grads=False, narrow=narrow)
 
 
-def _chunked_fwd(x, table, targets, chunk, vocab_size, softcap):
-    loss, dx, dtable = _chunks(x, table, targets, chunk, vocab_size, softcap, grads=True)
+def _chunked_fwd(x, table, targets, chunk, vocab_size, softcap, narrow):
+    loss, dx, dtable = _chunks(x, table, targets, chunk, vocab_size, softcap, grads=True, narrow=narrow)
     return loss, (dx, dtable)
 
 
-def _chunked_bwd(chunk, vocab_size, softcap, res, g):
+def _chunked_bwd(chunk, vocab_size, softcap, narrow, res, g):
     dx, dtable = res
     return (dx * g).astype(dx.dtype), dtable * g, None
 

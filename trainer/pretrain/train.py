@@ -96,7 +96,8 @@ class Steps:
         model = nnx.merge(self.graphdef, params)
         t = self.cfg.train
         return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel,
-                          loss_chunk=t.loss_chunk, attention=self.attention, remat=t.remat)
+                          loss_chunk=t.loss_chunk, attention=self.attention, remat=t.remat,
+                          table_grads=t.table_grads, logits=t.logits)
 
     def _train_step(self, params, opt_state, batch, step):
         t = self.cfg.train
