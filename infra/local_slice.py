@@ -387,7 +387,7 @@ def _share_compile_cache(home: Path, wheelhouse: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     link = home / ".cache" / "tpuctl" / "jax"
     link.parent.mkdir(parents=True, exist_ok=True)
-    if not link.is_symlink():
+    if not (link.is_symlink() or link.exists()):  # a host restarted from an older record keeps its own
         link.symlink_to(cache, target_is_directory=True)
 
 
