@@ -210,6 +210,8 @@ class LocalSlice:
                 hdir = sdir / f"w{i}"
                 host = LocalHost(index=i, ip=ip, port=port, hostname=hostnames[i], home=str(hdir / "home"))
                 _prepare_host(hdir, host, key, ips, hostnames, authorized_keys)
+                if not fresh:
+                    _share_compile_cache(Path(host.home), wh)
                 keeps = [str(shared), str(hdir / "etc"), *keep] + ([] if fresh else [py_prefix, str(wh)])
                 proc = subprocess.Popen(
                     ["unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child",
@@ -375,6 +377,18 @@ ClientAliveInterval 15
 LogLevel ERROR
 Subsystem sftp internal-sftp
 """)
+
+
+def _share_compile_cache(home: Path, wheelhouse: Path) -> None:
+    """The trainer's XLA compile cache on this host (its default, ~/.cache/tpuctl/jax) is the machine's one,
+    under the wheelhouse as the dependency layers are: hosts that share a machine compile a program once, and a
+    slice started again (recreated after a preemption, the next test or demo) reads what the last one wrote."""
+    cache = wheelhouse / "xla-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    link = home / ".cache" / "tpuctl" / "jax"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not (link.is_symlink() or link.exists()):  # a host restarted from an older record keeps its own
+        link.symlink_to(cache, target_is_directory=True)
 
 
 def _host_script(hdir: Path, host: LocalHost, keeps: list[str]) -> str:

@@ -17,7 +17,8 @@ from orchestrator.access.hosts import SshConfig
 from orchestrator.jobs.launch import Worker
 
 # The wheelhouse, uv cache and dependency layers are a machine-wide cache (as $TPUCTL_HOME/wheelhouse is for
-# users): filled once per dependency list, then reused by every test run on this machine.
+# users): filled once per dependency list, then reused by every test run on this machine. So are the XLA compile
+# caches: jax/ for trainer processes here (conftest.py), wheelhouse/xla-cache for the local slices' hosts.
 TEST_CACHE = Path(os.environ.get("TPUCTL_TEST_CACHE") or Path.home() / ".cache" / "tpuctl-test")
 
 

@@ -27,7 +27,8 @@ def shakespeare(tmp_path_factory) -> str:
 
 
 def session_cache(tmp_path_factory) -> str:
-    """One TPUCTL_CACHE (prepared tokens, XLA compilation cache) for all trainer tests of the session."""
+    """One TPUCTL_CACHE (prepared tokens) for all trainer tests of the session; the XLA compile cache is
+    JAX_COMPILATION_CACHE_DIR, the machine's one (conftest.py)."""
     if "cache" not in _prepared:
         _prepared["cache"] = str(tmp_path_factory.mktemp("tpuctl-cache"))
     return _prepared["cache"]

@@ -37,7 +37,13 @@ def test_each_host_is_its_own_machine(sl):
         assert not os.path.exists(f"/root/home-{hostname}")
         # the machine's Python is still reachable inside (bind-mounted back)
         assert ssh(sl, i, f"{sl.python} -c 'print(1)'").stdout.strip() == "1"
+        # the trainer's compile cache is the machine's one, written from one host and read from the others
+        ssh(sl, i, f"touch ~/.cache/tpuctl/jax/from-{hostname}")
     assert len(seen) == 3
+    shared = os.path.join(sl.wheelhouse, "xla-cache")
+    assert [ssh(sl, i, "readlink -f ~/.cache/tpuctl/jax").stdout.strip() for i in range(3)] == [shared] * 3
+    for i in range(3):
+        os.unlink(os.path.join(shared, f"from-lstest-w{i}"))  # each host's file is here
 
 
 def test_a_slice_kept_under_root_works(tmp_path):

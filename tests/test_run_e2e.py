@@ -184,43 +184,6 @@ def _ready(sl, tmp_path, extras=()) -> tuple[str, dict]:
 
 CPU = {"JAX_PLATFORMS": "cpu"}
 
-@pytest.mark.e2e
-def test_the_trainer_refuses_a_ckpt_dir_the_hosts_do_not_share(tmp_path_factory, tmp_path):
-    """Process 0 writes a probe in --ckpt-dir and every process must see it: a path each host has its own copy
-    of (/tmp) stops the run before step 1 naming the hosts that did not; a path they share passes."""
-    sl = start("shared", 2, tmp_path_factory.mktemp("slices"))
-    shared = None
-    try:
-        data, kw = _ready(sl, tmp_path)
-        args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
-                "--steps", "2", "--ckpt-every", "0"]
-        import io
-        out = io.StringIO()
-        with pytest.raises(RunFailed) as e:
-            run_job(workers(sl), LaunchSpec([*args, "--ckpt-dir", "/tmp/ckpt"], env=CPU), run_dir=tmp_path / "private",
-                    out=out, **kw)
-        assert e.value.result.exit_codes == {0: 2, 1: 2}, out.getvalue()[-3000:]
-        w0 = (tmp_path / "private" / "w0.log").read_text()
-        errors = [l for l in w0.splitlines() if l.startswith("error: ")]
-        assert errors == ["error: --ckpt-dir /tmp/ckpt is not shared by all 2 processes: process 1 (shared-w1) did "
-                          "not see the file process 0 wrote there; use gs://BUCKET/PATH or a filesystem every host "
-                          "mounts at the same path (NFS, Filestore, gcsfuse)"], w0[-3000:]
-        assert "step 1/" not in w0 and "Traceback" not in w0
-
-        # Any filesystem every host mounts at the same path works, here one outside the hosts' private /root
-        # and /tmp (as an NFS or gcsfuse mount would be): nothing in tpuctl knows about it.
-        shared = Path(tempfile.mkdtemp(prefix="tpuctl-shared-", dir="/var/tmp"))
-        ok = run_job(workers(sl), LaunchSpec([*args, "--ckpt-dir", f"{shared}/ckpt"], env=CPU),
-                     run_dir=tmp_path / "shared", **kw)
-        assert ok.ok and "done: step 2" in (tmp_path / "shared" / "w0.log").read_text()
-        assert not list((shared / "ckpt").glob(".shared-probe-*"))  # the probe is cleaned up
-        assert (shared / "ckpt" / "2").is_dir()                     # the step everyone saved, seen from here
-    finally:
-        sl.stop()
-        if shared is not None:
-            shutil.rmtree(shared, ignore_errors=True)
-
-
 def _tpuctl(sl, tmp_path, *args, timeout=180) -> subprocess.CompletedProcess:
     """`tpuctl ARGS NAME --hosts ...` against the slice's hosts, through an SSH hop (a ProxyCommand)."""
     hop = f"{sys.executable} -m infra.ssh_hop %h %p"
@@ -233,7 +196,11 @@ def _tpuctl(sl, tmp_path, *args, timeout=180) -> subprocess.CompletedProcess:
 
 @pytest.mark.e2e
 def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory, tmp_path):
-    """While a 2-host run goes: `tpuctl profile --steps 3` brings both hosts' traces without stopping it; one
+    """Process 0 writes a probe in --ckpt-dir and every process must see it: a path each host has its own copy
+    of (/tmp) stops the run before step 1 naming the hosts that did not. Any filesystem every host mounts at the
+    same path passes, here one outside the hosts' private /root and /tmp (as an NFS or gcsfuse mount would be)
+    that nothing in tpuctl knows about; the runs below keep their --ckpt-dir there.
+    While a 2-host run goes: `tpuctl profile --steps 3` brings both hosts' traces without stopping it; one
     host's trainer is then slowed by SIGSTOP/SIGCONT pulses of 0.3 s and `tpuctl top --json` names it as the
     straggler (stalled, not its input), each host's chips "no TPU"; the loss curve equals an unprofiled run's.
     Then that trainer is SIGSTOPped for good: the other fails at jax's heartbeat (tpuctl sets 10 s), or past
@@ -245,10 +212,24 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
     import time
     from _local_hosts import host_processes
     sl = start("hung", 2, tmp_path_factory.mktemp("slices"))
+    shared = Path(tempfile.mkdtemp(prefix="tpuctl-shared-", dir="/var/tmp"))
     try:
         data, kw = _ready(sl, tmp_path, extras=("observe", "profile"))  # what `tpuctl run -- pretrain` installs
-        args = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY,
-                "--steps", "100000", "--ckpt-every", "0", "--ckpt-dir", f"{sl.shared_dir}/ckpt"]
+        pretrain = ["python", "-m", "trainer", "pretrain", "--emulate-devices", "4", "--data", data, *TINY]
+        out = io.StringIO()
+        with pytest.raises(RunFailed) as e:
+            run_job(workers(sl), LaunchSpec([*pretrain, "--steps", "2", "--ckpt-every", "0", "--ckpt-dir",
+                                             "/tmp/ckpt"], env=CPU), run_dir=tmp_path / "private", out=out, **kw)
+        assert e.value.result.exit_codes == {0: 2, 1: 2}, out.getvalue()[-3000:]
+        w0 = (tmp_path / "private" / "w0.log").read_text()
+        errors = [l for l in w0.splitlines() if l.startswith("error: ")]
+        assert errors == ["error: --ckpt-dir /tmp/ckpt is not shared by all 2 processes: process 1 (hung-w1) did "
+                          "not see the file process 0 wrote there; use gs://BUCKET/PATH or a filesystem every host "
+                          "mounts at the same path (NFS, Filestore, gcsfuse)"], w0[-3000:]
+        assert "step 1/" not in w0 and "Traceback" not in w0
+
+        ckpt = shared / "ckpt"
+        args = [*pretrain, "--steps", "100000", "--ckpt-every", "0", "--ckpt-dir", str(ckpt)]
         out = io.StringIO()
         seen = {}
 
@@ -303,19 +284,20 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         assert r.failed_worker == 1 and r.returncode == 124, out.getvalue()[-3000:]
         assert "worker w1" in str(e.value) and "stopped advancing at step" in str(e.value), str(e.value)
         assert wait_idle(sl, timeout=30) == {}
+        assert not list(ckpt.glob(".shared-probe-*"))  # the probe that passed is cleaned up
 
         # The live profile: both hosts' traces, in one session under the run's id in its --ckpt-dir.
         prof = seen["profile"]
         assert prof.returncode == 0, prof.stdout[-2000:] + prof.stderr[-2000:]
         res = json.loads(prof.stdout)
         assert res["run_id"] == r.run_id and res["failed"] == {} and sorted(res["traces"]) == ["w0", "w1"], res
-        folder = Path(sl.shared_dir) / "ckpt" / "profiles" / r.run_id / "plugins" / "profile" / res["session"]
+        folder = ckpt / "profiles" / r.run_id / "plugins" / "profile" / res["session"]
         assert sorted(p.name[-len("-p0.xplane.pb"):] for p in folder.glob("*.xplane.pb")) == \
             ["-p0.xplane.pb", "-p1.xplane.pb"], res
         assert all(Path(p).stat().st_size > 0 for p in res["traces"].values())
         # ... which the report reads as a session of that run, both hosts' steps split with xprof.
         env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
-        rep = subprocess.run([sys.executable, "-m", "trainer", "report", "--ckpt-dir", f"{sl.shared_dir}/ckpt",
+        rep = subprocess.run([sys.executable, "-m", "trainer", "report", "--ckpt-dir", str(ckpt),
                               "--out", str(tmp_path / "report"), "--json"], env=env, capture_output=True, text=True,
                              timeout=300)
         assert rep.returncode == 0, rep.stderr[-3000:]
@@ -345,7 +327,7 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
                              env=env, capture_output=True, text=True, timeout=600)
         assert ref.returncode == 0, ref.stderr[-3000:]
         losses = lambda f: {d["step"]: d["loss"] for d in map(json.loads, Path(f).read_text().splitlines())}  # noqa: E731
-        live, one = losses(f"{sl.shared_dir}/ckpt/metrics.jsonl"), losses(tmp_path / "ref" / "metrics.jsonl")
+        live, one = losses(ckpt / "metrics.jsonl"), losses(tmp_path / "ref" / "metrics.jsonl")
         assert seen["profiled_by"] < n and all(s in live for s in range(1, n + 1)), (sorted(live)[-3:], n)
         for s in range(1, n + 1):
             assert abs(live[s] - one[s]) <= 1e-5, (s, live[s], one[s])
@@ -377,7 +359,8 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         t = threading.Thread(target=kill_w1_with_no_tpuctl, daemon=True)
         t.start()
         with pytest.raises(RunFailed) as e:
-            run_job(workers(sl), LaunchSpec(args, env=CPU), run_dir=tmp_path / "run2", out=out2,
+            run_job(workers(sl), LaunchSpec([*pretrain, "--steps", "100000", "--ckpt-every", "2", "--ckpt-dir",
+                                             str(ckpt)], env=CPU), run_dir=tmp_path / "run2", out=out2,
                     watch=Watch(hang_timeout_s=20), **{**kw, "ssh": cut})
         t.join(5)
         assert box.get("w0_left") == [], out2.getvalue()[-3000:]  # w0's trainer ended while nobody watched
@@ -385,5 +368,9 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
             e.value.result.exit_codes
         assert "reconnected to" in out2.getvalue()
         assert wait_idle(sl, timeout=30) == {}
+        # the steps both processes saved (every 2) before w1 died, seen from this machine
+        assert [p.name for p in ckpt.iterdir() if p.name.isdigit() and (p / "commit_success.txt").is_file()], \
+            sorted(p.name for p in ckpt.iterdir())
     finally:
         sl.stop()
+        shutil.rmtree(shared, ignore_errors=True)
