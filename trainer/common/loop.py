@@ -152,6 +152,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
             stall_clock.close()
         chips.close()
         prof.close()
+        profiling.stop_server()
         log.close()
         wandb.close()
     if primary:

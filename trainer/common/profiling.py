@@ -133,6 +133,16 @@ def start_server(process: int) -> tuple[int | None, str]:
     return port, ""
 
 
+def stop_server() -> None:
+    """The run is over: its port is free again (a process that trains more than once, as a test's, would otherwise
+    hold it for good and every later trainer on the machine would find it taken)."""
+    global _server
+    if _server is not None:
+        import jax
+        jax.profiler.stop_server()
+        _server = None
+
+
 def _free(port: int) -> bool:
     """Nothing listens on `port` on any address (the server binds [::]:port)."""
     for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
