@@ -44,7 +44,7 @@ def jobs(buckets, as_json, local):
     from orchestrator.jobs import managed
     from orchestrator.jobs.store import cost_so_far
     prov = provider.chosen(local)
-    rows = managed.jobs(list(buckets) or managed.default_buckets(), prov, say=_note)
+    rows = managed.jobs(managed.buckets(buckets), prov, say=_note)
     now = time.time()
     for r in rows:
         r["cost_usd"] = round(cost_so_far(r, now), 4)
@@ -81,11 +81,8 @@ def controller_status(buckets, as_json, local):
     """Each controller of the bucket: alive, its VM, live jobs, idle since, uptime and cost so far."""
     from orchestrator import provider
     from orchestrator.jobs import managed
-    from orchestrator.spec import UserError
     prov = provider.chosen(local)
-    buckets = list(buckets) or managed.default_buckets()
-    if not buckets:
-        raise UserError("no job bucket known here: pass --bucket BUCKET (or set TPUCTL_JOBS_BUCKET)")
+    buckets = managed.buckets(buckets)
     rows = [c for b in buckets for c in managed.controller_status(b, prov)]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -109,10 +106,7 @@ def controller_down(buckets, force, local):
     """Delete the controller VM(s) of the bucket now, instead of waiting for them to idle out."""
     from orchestrator import provider
     from orchestrator.jobs import managed
-    from orchestrator.spec import UserError
     prov = provider.chosen(local)
-    buckets = list(buckets) or managed.default_buckets()
-    if not buckets:
-        raise UserError("no job bucket known here: pass --bucket BUCKET (or set TPUCTL_JOBS_BUCKET)")
+    buckets = managed.buckets(buckets)
     gone = [g for b in buckets for g in managed.controller_down(b, prov, force=force, say=_note)]
     click.echo(f"deleted {', '.join(gone)}" if gone else "no controller VM to delete")

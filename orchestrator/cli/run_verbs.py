@@ -234,7 +234,7 @@ def cancel(name, grace, as_json, down, buckets, flags):
         from orchestrator import provider
         from orchestrator.jobs import managed
         prov = provider.chosen(flags.local)
-        store, spec = managed.find(name, list(buckets) or managed.default_buckets(), prov)
+        store, spec = managed.find(name, managed.buckets(buckets), prov)
         st = managed.cancel(store, spec, prov, down=down, say=_note)
         if as_json:
             click.echo(json.dumps(st))
@@ -356,7 +356,7 @@ def logs(name, worker, follow, run_id, tail, buckets, local):
         from orchestrator import provider
         from orchestrator.jobs import managed
         prov = provider.chosen(local)
-        store, spec = managed.find(name, list(buckets) or managed.default_buckets(), prov)
+        store, spec = managed.find(name, managed.buckets(buckets), prov)
         try:
             st = managed.logs(store, spec, follow=follow, out=click.echo)
         except KeyboardInterrupt:

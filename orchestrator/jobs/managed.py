@@ -72,6 +72,14 @@ def default_buckets() -> list[str]:
         return []
 
 
+def buckets(given: list[str] | tuple[str, ...]) -> list[str]:
+    """The buckets a verb reads: those given, else the default ones; one line when there are none."""
+    out = list(given) or default_buckets()
+    if not out:
+        raise UserError("no job bucket known here: pass --bucket BUCKET (or set TPUCTL_JOBS_BUCKET)")
+    return out
+
+
 def open_store(bucket: str, prov: provider.Provider) -> JobStore:
     os.environ.update(prov.storage_env(bucket))  # this process's storage client reaches the bucket
     return JobStore(bucket)
@@ -208,8 +216,6 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
 def jobs(buckets: list[str], prov: provider.Provider, *, say: Callable[[str], None] = print,
          revive: bool = True) -> list[dict]:
     """Every job in these buckets, oldest first. A live job whose controller is gone gets a new one (revive)."""
-    if not buckets:
-        raise UserError("no job bucket known here: pass --bucket BUCKET (or set TPUCTL_JOBS_BUCKET)")
     out = []
     for bucket in buckets:
         store = open_store(bucket, prov)
