@@ -21,6 +21,7 @@ from pathlib import Path
 
 from google.api_core import exceptions as gexc
 
+from orchestrator.provider.cloud import rest_client_kwargs as _client_kwargs
 from orchestrator.spec import UserError
 
 ENV_COMPUTE = "TPUCTL_COMPUTE_API_ENDPOINT"
@@ -28,16 +29,6 @@ ENV_OSLOGIN = "TPUCTL_OSLOGIN_API_ENDPOINT"
 ENV_ACCOUNT = "TPUCTL_ACCOUNT"
 KEY = "enable-oslogin"
 ROLES = "roles/compute.osLogin (or roles/compute.osAdminLogin)"
-
-
-def _client_kwargs(endpoint: str | None) -> dict:
-    kw = {"transport": "rest"}
-    if endpoint:
-        kw["client_options"] = {"api_endpoint": endpoint}
-    if endpoint and endpoint.startswith("http://"):
-        from google.auth.credentials import AnonymousCredentials
-        kw["credentials"] = AnonymousCredentials()
-    return kw
 
 
 def enabled(value: str | None) -> bool | None:

@@ -24,12 +24,8 @@ GOODPUT = "goodput.json"
 
 def ckpt_dir_of(argv: list[str]) -> str | None:
     """The --ckpt-dir of a trainer command line (`--ckpt-dir X` or `--ckpt-dir=X`), or None."""
-    for i, a in enumerate(argv):
-        if a == "--ckpt-dir" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--ckpt-dir="):
-            return a.split("=", 1)[1]
-    return None
+    from orchestrator.jobs.launch import flag_value
+    return flag_value(argv, "--ckpt-dir")
 
 
 def find_run(name: str, run_id: str | None = None) -> tuple[Path, dict, str]:

@@ -54,12 +54,8 @@ class Where:
 
 def _clients(endpoint: str | None):
     from google.cloud import compute_v1
-    kw: dict = {"transport": "rest"}
-    if endpoint:
-        kw["client_options"] = {"api_endpoint": endpoint}
-    if endpoint and endpoint.startswith("http://"):
-        from google.auth.credentials import AnonymousCredentials
-        kw["credentials"] = AnonymousCredentials()
+    from orchestrator.provider.cloud import rest_client_kwargs
+    kw = rest_client_kwargs(endpoint)
     return compute_v1.InstancesClient(**kw), compute_v1.ZoneOperationsClient(**kw)
 
 

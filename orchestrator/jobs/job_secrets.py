@@ -13,14 +13,10 @@ ACCESSOR = "roles/secretmanager.secretAccessor"
 
 def _client(endpoint: str | None, credentials=None):
     from google.cloud import secretmanager_v1
-    kw: dict = {"transport": "rest"}
-    if endpoint:
-        kw["client_options"] = {"api_endpoint": endpoint}
-    if credentials is not None:
+    from orchestrator.provider.cloud import rest_client_kwargs
+    kw = rest_client_kwargs(endpoint)
+    if credentials is not None:  # a stand-in names its caller from these (local mode's controller account)
         kw["credentials"] = credentials
-    elif endpoint and endpoint.startswith("http://"):
-        from google.auth.credentials import AnonymousCredentials
-        kw["credentials"] = AnonymousCredentials()
     return secretmanager_v1.SecretManagerServiceClient(**kw)
 
 

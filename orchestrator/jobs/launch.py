@@ -101,6 +101,16 @@ def command_tag(argv: list[str], env: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps([list(argv), sorted(env.items())]).encode()).hexdigest()[:16]
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """A command line's `FLAG X` or `FLAG=X` (the first), or None."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def parse_env(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
     """--env K=V values (V may hold anything, '=' included)."""
     out = {}

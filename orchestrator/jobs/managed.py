@@ -38,15 +38,6 @@ class DetachOptions:
     take_wait_s: float = 300.0      # how long submit waits for the controller to take the job
 
 
-def _opt_value(argv: list[str], flag: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _remember(bucket: str) -> None:
     p = state.home() / _BUCKETS
     try:
@@ -155,7 +146,7 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
     if rec is None:
         raise UserError(f"no slice named {name} in the local record: `tpuctl up {name} ...` first (a managed job "
                         "runs on a slice tpuctl made, which its controller can recreate)")
-    ckpt = sweep["out"] if sweep else _opt_value(argv, "--ckpt-dir")
+    ckpt = sweep["out"] if sweep else L.flag_value(argv, "--ckpt-dir")
     what = "--out" if sweep else "--ckpt-dir"
     if not ckpt or not ckpt.startswith("gs://"):
         raise UserError(f"--detach needs a gs:// {what} (got {ckpt or 'none'}): the controller resumes the job "
@@ -186,7 +177,7 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
     reader = f"serviceAccount:{hb.get('service_account_email') or where.service_account}"
     secret_refs = job_secrets.store(rec.project, job_id, opts.secrets, reader, endpoint=prov.secrets_endpoint(),
                                     credentials=prov.secrets_credentials())
-    total = _opt_value(argv, "--steps")
+    total = L.flag_value(argv, "--steps")
     spec = {**spec_base, "id": job_id, "name": name, "slice_name": name, "command": list(command),
             "kind": "sweep" if sweep else "run", "sweep": sweep,
             "provider": prov.kind, "region": where.region, "submitted": time.time(),

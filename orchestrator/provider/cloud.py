@@ -17,6 +17,18 @@ from pathlib import Path
 from typing import Callable
 
 from google.api_core import exceptions as gexc
+
+
+def rest_client_kwargs(endpoint: str | None) -> dict:
+    """A Google client's REST keyword arguments for `endpoint` (None: the default one); an http:// endpoint is a
+    local stand-in, reached without credentials."""
+    kw: dict = {"transport": "rest"}
+    if endpoint:
+        kw["client_options"] = {"api_endpoint": endpoint}
+    if endpoint and endpoint.startswith("http://"):
+        from google.auth.credentials import AnonymousCredentials
+        kw["credentials"] = AnonymousCredentials()
+    return kw
 from google.cloud import tpu_v2
 
 from orchestrator.spec import UserError
