@@ -317,6 +317,45 @@ def test_a_killed_tpuctl_leaves_the_run_going_and_attach_and_cancel_reach_it(sl,
         assert res.exit_code == 1 and "no tpuctl run is going on the hosts of runs" in res.output, res.output
 
 
+def test_a_run_that_ended_unwatched_is_read_from_the_hosts_not_run_again(sl, tmp_path, clean, monkeypatch):
+    """A managed job's new controller follows the run its record names (RunOptions.follow_run): one that ended
+    while no controller watched is not run again; its end is read from each host's exit file, under its own run
+    id, as success or as the failure it was. Another command's run of that id is not followed."""
+    from orchestrator.access.reach import SshFlags
+    from orchestrator.jobs import attached
+    from orchestrator.jobs.runner import live_runs
+    from orchestrator.access.hosts import Hosts
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
+    flags = SshFlags(hosts=",".join(h.ip for h in sl.hosts), ssh_user=sl.ssh_user, ssh_key=sl.ssh_key,
+                     ssh_port=sl.hosts[0].port)
+    ok = py(f"print('ran', {ID}, flush=True)")
+    # w1 fails after the others have ended: every exit code is the host's own, none a stop's
+    bad = py(f"print('ran', {ID}, flush=True); {ID} == 1 and (time.sleep(1), sys.exit(3))")
+    first = attached.run("runs", ok, flags, attached.RunOptions(raw=True, plan=False), out=io.StringIO())
+    failed = pytest.raises(RunFailed, attached.run, "runs", bad, flags, attached.RunOptions(raw=True, plan=False),
+                           out=io.StringIO()).value.result
+    with Hosts(workers(sl), ssh_config(sl)) as h:
+        known = sorted(live_runs(h))
+    for cmd, prev in ((ok, first), (bad, failed)):
+        out = io.StringIO()
+        try:
+            again = attached.run("runs", cmd, flags, attached.RunOptions(raw=True, plan=False, follow_run=prev.run_id),
+                                 out=out)
+        except RunFailed as e:
+            again = e.result
+        assert f"run {prev.run_id} of this same command ended on the hosts while nobody followed it" in out.getvalue()
+        assert again.run_id == prev.run_id and again.exit_codes == prev.exit_codes, (again, out.getvalue())
+        assert again.returncode == prev.returncode and again.failed_worker == prev.failed_worker
+    assert failed.exit_codes == {0: 0, 1: 3, 2: 0} and failed.failed_worker == 1, failed.exit_codes
+    with Hosts(workers(sl), ssh_config(sl)) as h:
+        assert sorted(live_runs(h)) == known  # no rerun on any host
+    # another command with that run id in its record (a sweep's next trial) runs anew: it is not that run
+    out = io.StringIO()
+    other = attached.run("runs", py("print('other')"), flags,
+                         attached.RunOptions(raw=True, plan=False, follow_run=first.run_id), out=out)
+    assert other.run_id != first.run_id and "nobody followed" not in out.getvalue(), out.getvalue()
+
+
 def test_ssh_runs_on_one_or_all_workers(sl, tmp_path, clean):
     run = lambda *a: CliRunner().invoke(cli_run.ssh, ["runs", *_cli_flags(sl), *a], env=_cli_env(sl, tmp_path))  # noqa: E731
     res = run("--worker", "all", "--", "hostname")

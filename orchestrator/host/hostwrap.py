@@ -10,7 +10,9 @@ keep:   the detached keeper: loads the run's secrets from a 0600 file (deleted a
         child's environment, starts the command in its own process group, records {wrapper_pid, pgid, run_id,
         tag, started} in the pidfile (so `stop` and the next preflight find the whole tree), copies the output
         to the host's log (secrets masked, always valid UTF-8), forwards SIGTERM/SIGINT/SIGHUP to the group,
-        and writes the exit file ({rc}) when the command ends (128+N for signal N).
+        and writes the exit file ({rc, run_id, tag, started, ended, stopped}) when the command ends (128+N for
+        signal N); the exit file stays, so that how a run ended can be read later by a tpuctl that was not
+        watching (`runs`).
 follow: prints the log from line --skip-lines on, as it grows, until the run has ended and the log is read;
         then `TPUCTL_EXIT <rc>[ stopped]` on a line of its own ("stopped": `stop` ended it), and exits with rc. Its first line is `TPUCTL_FOLLOW <n>`.
         Killing it (the SSH session went away) does nothing to the run.
@@ -152,8 +154,9 @@ def cmd_keep(a, argv):
         _write_json(exit_file(a.pidfile), {"rc": 127, "run_id": a.run_id, "ended": time.time()})
         return 127
     pgid = child.pid
+    started = time.time()
     _write_json(a.pidfile, {"wrapper_pid": os.getpid(), "pgid": pgid, "run_id": a.run_id, "tag": a.tag,
-                            "started": time.time(), "secret_names": sorted(secrets)})
+                            "started": started, "secret_names": sorted(secrets)})
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
@@ -174,7 +177,10 @@ def cmd_keep(a, argv):
     rc = rc if rc >= 0 else 128 - rc
     log.close()
     stopped = os.path.exists(a.pidfile + ".stopping")  # `stop` ended it (Ctrl-C, cancel, another host's failure)
-    _write_json(exit_file(a.pidfile), {"rc": rc, "run_id": a.run_id, "ended": time.time(), "stopped": stopped})
+    # The pidfile goes below: the exit file keeps what names the run (its tag: which command it was), so that a
+    # tpuctl that was not watching tells this command's ended run from another's (`runs`).
+    _write_json(exit_file(a.pidfile), {"rc": rc, "run_id": a.run_id, "tag": a.tag, "started": started,
+                                       "ended": time.time(), "stopped": stopped})
     try:
         os.unlink(a.pidfile + ".stopping")
     except OSError:
@@ -271,7 +277,8 @@ def cmd_runs(a):
             running, rc, stopped = _status(pidfile)
             ended = _read_json(exit_file(pidfile)) or {}
             out.append({"run_id": rec.get("run_id") or ended.get("run_id") or os.path.basename(pidfile)[:-4],
-                        "tag": rec.get("tag", ""), "started": rec.get("started"), "running": running, "rc": rc,
+                        "tag": rec.get("tag") or ended.get("tag", ""),
+                        "started": rec.get("started") or ended.get("started"), "running": running, "rc": rc,
                         "stopped": stopped, "ended": ended.get("ended")})
     print("TPUCTL_RUNS " + json.dumps(out))
     return 0

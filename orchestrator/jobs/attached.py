@@ -41,6 +41,9 @@ class RunOptions:
     plan: bool = True
     bundle: B.Bundle | None = None   # built already (a managed job's, fetched from its bucket): pushed as it is
     cancelled: Callable[[], bool] | None = None  # a managed job's cancel request: its end is not a preemption
+    # A managed job's run as its record last named it: a new controller follows that run where the hosts still
+    # know it (going, or ended while no controller watched) instead of running the command again.
+    follow_run: str | None = None
 
 
 def command_argv(command: list[str], raw: bool = False) -> list[str]:
@@ -98,10 +101,22 @@ def run(name: str, command: list[str], flags: SshFlags = SshFlags(), opts: RunOp
     watch = Watch(report_failure=bool(flags.hosts), hang_timeout_s=opts.hang_timeout or None,
                   slice_lost=None if flags.hosts else _slice_lost(name))
 
+    follow = [opts.follow_run] if opts.follow_run else []  # asked of the first attempt's hosts only
+
     def attempt(n: int) -> RunResult:
         nonlocal target
         if n:  # a recreated slice: new workers (and, where the provider says so, new SSH settings)
             target = reach(name, replace(flags, hosts=None, local=None), say=note)
+        if follow and (known := _known_run(target, follow.pop(), L.command_tag(argv, env))):
+            run_id, going = known
+            if going:
+                say(f"run {run_id} of this same command is still going on the hosts: following it (Ctrl-C stops "
+                    "it; `tpuctl cancel` from anywhere)")
+            else:  # its exit codes are on the hosts: a rerun would only resume and end, under another run id
+                say(f"run {run_id} of this same command ended on the hosts while nobody followed it: reading how "
+                    "it ended (no rerun)")
+            return attach_job(target.workers, run_id, ssh=target.ssh, run_dir=run_dir_for(name, run_id),
+                              layout=layout, watch=watch, out=out)
         run_id = L.new_run_id()
         spec = L.LaunchSpec(argv=argv, env=env, run_id=run_id, coordinator_port=opts.coordinator_port,
                             **L.timeouts(target.workers, opts.heartbeat_timeout, opts.init_timeout))
@@ -124,6 +139,20 @@ def run(name: str, command: list[str], flags: SshFlags = SshFlags(), opts: RunOp
     if flags.hosts:  # no slice to ask about or recreate
         return attempt(0)
     return supervise(name, attempt, policy=policy, progress=say, restarts_used=restarts_used)
+
+
+def _known_run(target: Target, run_id: str, tag: str) -> tuple[str, bool] | None:
+    """(run_id, going) when every host knows run_id as this command's run (hostwrap's pidfile or exit file):
+    going on some host, or ended with an exit status on all of them. None when the hosts do not know it (a
+    recreated slice), it is another command's, or a host lost it without a status (its VM restarted): then the
+    command runs again and the trainer resumes."""
+    n = len(target.workers)
+    with Hosts(target.workers, target.ssh) as h:
+        h.wait_reachable()
+        run = live_runs(h).get(run_id)
+    if run is None or run["tag"] != tag or len(run["hosts"]) != n or not (run["running"] or len(run["rc"]) == n):
+        return None
+    return run_id, run["running"]
 
 
 def _drop_unstarted(name: str, run_id: str) -> None:

@@ -4,8 +4,9 @@ does in a terminal (jobs.attached.run: recovery from preemption, the first failu
 restarts, goodput), and keeps each job's record in the bucket (store.py) as it goes.
 
 It holds nothing that matters on its own disk: a new controller (its VM deleted, rebooted or replaced) reads every
-live job from the bucket and runs the same command again, which re-attaches to a trainer that is still running
-(the hosts refuse a second run of one command and say which is going) instead of restarting it. With no live job
+live job from the bucket and follows the run its record names where the hosts still know it: re-attached to a
+trainer that is still running, or, for one that ended meanwhile, its end (exit codes) read from the hosts, so the
+job ends under the same run id instead of running again. With no live job
 for --idle-minutes it deletes its own VM.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from orchestrator.jobs.store import LIVE, JobStore, initial_state
 _RECREATING = re.compile(r"recreating \S+ \((\d+)/\d+\)")
 _TRIAL = re.compile(r"\[(\d+)/(\d+)\] (\S+): tpuctl run")
 _FOLLOWING = re.compile(r"run (\S+) of this same command is still going")
+_ENDED = re.compile(r"run (\S+) of this same command ended on the hosts while nobody followed it")
 _HOST_LOG = re.compile(r"(s\d+)?w\d+\.log")
 
 
@@ -100,6 +102,9 @@ class JobRunner(threading.Thread):
         elif m := _FOLLOWING.search(line):
             self.set(run_id=m.group(1))
             self.event(f"re-attached to run {m.group(1)}, still going on the hosts")
+        elif m := _ENDED.search(line):
+            self.set(run_id=m.group(1))
+            self.event(f"run {m.group(1)} ended while no controller followed it: its end read from the hosts")
 
     def _run_dirs(self) -> list[Path]:
         base = state.home() / "runs" / self.spec["slice_name"]
@@ -170,8 +175,10 @@ class JobRunner(threading.Thread):
         prov = provider.of(rec)
         secrets = job_secrets.read(spec.get("secrets") or {}, endpoint=prov.secrets_endpoint(),
                                    credentials=prov.secrets_credentials(self.ctl.member))
+        # A job that was going follows its run where the hosts still know it (re-attach, or its end read there)
+        # rather than running the command again.
         opts = attached.RunOptions(**spec["opts"], secrets=secrets, plan=False, bundle=self._bundle(),
-                                   cancelled=self.cancelled)
+                                   cancelled=self.cancelled, follow_run=self.st.get("run_id") if going else None)
         syncer = threading.Thread(target=self._sync_loop, daemon=True, name=f"sync-{self.id}")
         syncer.start()
         try:
