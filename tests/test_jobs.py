@@ -92,34 +92,109 @@ def test_a_jobs_secrets_are_read_by_the_controllers_account_only():
         srv.stop()
 
 
-def test_the_job_bucket_round_trip(tmp_path):
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory):
+    """The GCS emulator with bucket jobs-b, recorded in a TPUCTL_HOME of its own (yielded): the local provider, and
+    so `tpuctl ... --local --bucket jobs-b`, finds it there."""
     from infra import gcs
-    emu = gcs.start(home=tmp_path, buckets=("jobs-b",), record=False)
-    old = {k: os.environ.get(k) for k in emu.env}
-    os.environ.update(emu.env)
+    home = tmp_path_factory.mktemp("jobs") / "home"
+    emu = gcs.start(home=home, buckets=("jobs-b",))
+    old = {k: os.environ.get(k) for k in (*emu.env, "TPUCTL_HOME")}
+    os.environ.update({**emu.env, "TPUCTL_HOME": str(home)})
     try:
-        s = JobStore("jobs-b")
-        s.check()
-        jid = new_job_id()
-        assert is_job_id(jid) and not is_job_id("my-slice")
-        spec = {"id": jid, "name": "n", "slice_name": "n", "submitted": 1000.0, "total_steps": 60,
-                "price_per_hour": 3.6}
-        s.put_spec(jid, spec)
-        assert s.job_ids() == [jid] and s.jobs()[0]["state"] == "PENDING"  # not taken yet
-        s.put_state(jid, {**initial_state(spec), "state": "RUNNING", "step": 7})
-        s.put_log(jid, "controller.log", b"a\n")
-        s.put_log(jid, "r1/w0.log", b"step 7\n")
-        s.request_cancel(jid, down=True)
-        assert s.jobs()[0]["step"] == 7 and s.cancel_request(jid)["down"] is True
-        assert s.logs(jid) == {"controller.log": b"a\n", "r1/w0.log": b"step 7\n"}
-        assert abs(cost_so_far({**initial_state(spec), "ended": 1000.0 + 1800}) - 1.8) < 1e-9
-        with pytest.raises(UserError) as e:
-            JobStore("no-such-bucket").check()
-        assert "does not exist" in str(e.value)
+        yield home
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         emu.stop()
+
+
+def _job(store: JobStore, workers=((0, None), (1, None)), state="RUNNING") -> dict:
+    """A job's record as submit and its controller write it, on a slice with these (index, slice) workers."""
+    jid = new_job_id()
+    spec = {"id": jid, "name": "n", "slice_name": "n", "submitted": 1000.0, "total_steps": 60, "price_per_hour": 3.6}
+    store.put_slice(jid, {"name": "n", "project": P, "zone": Z, "accelerator": "v4-16",
+                          "node": f"projects/{P}/locations/{Z}/nodes/n",
+                          "workers": [{"index": i, "internal_ip": f"10.0.0.{i}", "slice": k} for i, k in workers]})
+    store.put_spec(jid, spec)
+    store.put_state(jid, {**initial_state(spec), "state": state})
+    return spec
+
+
+def test_the_job_bucket_round_trip(bucket):
+    s = JobStore("jobs-b")
+    s.check()
+    jid = new_job_id()
+    assert is_job_id(jid) and not is_job_id("my-slice")
+    spec = {"id": jid, "name": "n", "slice_name": "n", "submitted": 1000.0, "total_steps": 60,
+            "price_per_hour": 3.6}
+    s.put_spec(jid, spec)
+    mine = lambda: next(j for j in s.jobs() if j["id"] == jid)  # noqa: E731 - the bucket is the module's
+    assert jid in s.job_ids() and mine()["state"] == "PENDING"  # not taken yet
+    s.put_state(jid, {**initial_state(spec), "state": "RUNNING", "step": 7})
+    s.put_log(jid, "controller.log", b"a\n")
+    s.put_log(jid, "r1/w0.log", b"step 7\n")
+    s.request_cancel(jid, down=True)
+    assert mine()["step"] == 7 and s.cancel_request(jid)["down"] is True
+    assert s.logs(jid) == {"controller.log": b"a\n", "r1/w0.log": b"step 7\n"}
+    assert abs(cost_so_far({**initial_state(spec), "ended": 1000.0 + 1800}) - 1.8) < 1e-9
+    with pytest.raises(UserError) as e:
+        JobStore("no-such-bucket").check()
+    assert "does not exist" in str(e.value)
+
+
+def test_logs_of_one_worker_of_a_job_from_its_bucket(bucket):
+    """`tpuctl logs JOB --worker N`: that host's own log of each run in turn, from the bucket (--follow until the
+    job ends); a worker the job does not have is one line naming those it has."""
+    from click.testing import CliRunner
+    from orchestrator.cli.run_verbs import logs
+    store = JobStore("jobs-b")
+    spec = _job(store)
+    jid = spec["id"]
+    store.put_log(jid, "controller.log", b"[w0] a\n[w1] b\n")
+    store.put_log(jid, "20261203-100000-aaaaaa/w1.log", b"b1\nb2\n")
+    store.put_log(jid, "20261203-100000-aaaaaa/w0.log", b"a1\n")
+    store.put_log(jid, "20261203-110000-bbbbbb/w1.log", b"after the recovery\n")
+
+    def cli(*args):
+        return CliRunner().invoke(logs, [jid, "--local", "--bucket", "jobs-b", *args])
+
+    r = cli("--worker", "1")
+    assert r.exit_code == 0 and r.stdout.splitlines() == [
+        "b1", "b2", "[tpuctl] run 20261203-110000-bbbbbb", "after the recovery"], r.output
+    r = cli("--worker", "w1", "--run", "20261203-100000-aaaaaa")
+    assert r.exit_code == 0 and r.stdout.splitlines() == ["b1", "b2"], r.output
+    assert cli().stdout.splitlines() == ["[w0] a", "[w1] b"]  # without --worker: the controller's stream
+    for bad, says in (("2", f"job {jid} has no worker 2: its slice n has w0, w1 (--worker 0..1)"),
+                      ("x", "--worker x: pick a worker index, a host such as s1w0, or all")):
+        r = cli("--worker", bad)
+        assert r.exit_code == 1 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = cli("--run", "20261203-100000-aaaaaa")
+    assert r.exit_code == 1 and "add --worker N" in r.stderr, r.stderr
+    # --follow: the lines that arrive until the job ends, then its state
+    import threading
+    import time
+    from orchestrator.jobs import managed
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.append(managed.host_logs(store, spec, "w0", follow=True,
+                                                                     out=got.append, poll_s=0.05)))
+    t.start()
+    time.sleep(0.5)
+    store.put_log(jid, "20261203-100000-aaaaaa/w0.log", b"a1\na2 partial")  # a line being written: not yet
+    time.sleep(0.5)
+    assert got == ["a1"], got
+    store.put_log(jid, "20261203-100000-aaaaaa/w0.log", b"a1\na2 partial, now whole\n")
+    store.put_log(jid, "20261203-110000-bbbbbb/w0.log", b"c1\n")
+    store.put_state(jid, {**initial_state(spec), "state": "SUCCEEDED"})
+    t.join(30)
+    assert got[:-1] == ["a1", "a2 partial, now whole", "[tpuctl] run 20261203-110000-bbbbbb", "c1"], got
+    assert got[-1]["state"] == "SUCCEEDED"
+    # a multislice job's hosts are named by slice and worker
+    multi = _job(store, workers=((0, 0), (0, 1)))
+    with pytest.raises(UserError) as e:
+        managed.job_host(store, multi, "0")
+    assert "has s0w0, s1w0 (--worker s0w0, ...)" in str(e.value), e.value
+    assert managed.job_host(store, multi, "s1w0") == "s1w0"
 
 
 def test_detach_without_a_gs_ckpt_dir_is_refused_before_anything_is_made(tmp_path):

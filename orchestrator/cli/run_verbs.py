@@ -334,7 +334,9 @@ def _run_dir(name: str, run_id: str | None) -> Path:
 @click.command("logs")
 @click.argument("name")
 @click.option("--worker", "-w", default="all", show_default=True,
-              help="Worker index, a multislice run's host (s1w0), or all.")
+              help="Worker index, a multislice run's host (s1w0), or all. For a managed job: that host's own log "
+                   "from the job's bucket, each run of the job in turn (--run: one), instead of the controller's "
+                   "stream.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends (Ctrl-C to stop).")
 @click.option("--run", "run_id", help="Run id (default: the latest run of NAME).")
 @click.option("--tail", type=click.IntRange(min=0), default=0, help="Only the last N lines of each host (0: all).")
@@ -348,17 +350,29 @@ def logs(name, worker, follow, run_id, tail, buckets, local):
     its bucket (from any machine): every attempt's host lines [wI] and the controller's own [tpuctl], in order.
 
     \b
-      tpuctl logs NAME [--follow]
-      tpuctl logs JOB [--follow]       (job-YYYYMMDD-HHMMSS-xxxx, from `tpuctl jobs`)
+      tpuctl logs NAME [--follow] [--worker N]
+      tpuctl logs JOB [--follow]              (job-YYYYMMDD-HHMMSS-xxxx, from `tpuctl jobs`)
+      tpuctl logs JOB --worker N [--follow]   one host's own log, as it wrote it: each run of the job in turn
+                                              (a `[tpuctl] run RUN_ID` line before the next attempt's), or
+                                              --run RUN_ID's only; --follow goes on to the run after a recovery
     """
     from orchestrator.jobs.store import is_job_id
     if is_job_id(name):
         from orchestrator import provider
         from orchestrator.jobs import managed
         prov = provider.chosen(local)
+        if run_id and worker == "all":
+            raise UserError(f"--run {run_id} with a job: add --worker N for that run's host log (the job's own log "
+                            "has every run)")
+        if tail:
+            raise UserError(f"--tail is for a slice's runs: `tpuctl logs {name} | tail -n {tail}`")
         store, spec = managed.find(name, managed.buckets(buckets), prov)
         try:
-            st = managed.logs(store, spec, follow=follow, out=click.echo)
+            if worker != "all":
+                st = managed.host_logs(store, spec, managed.job_host(store, spec, worker), follow=follow,
+                                       out=click.echo, run_id=run_id)
+            else:
+                st = managed.logs(store, spec, follow=follow, out=click.echo)
         except KeyboardInterrupt:
             return
         if follow:

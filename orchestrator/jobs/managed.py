@@ -247,7 +247,7 @@ def job_state(store: JobStore, spec: dict) -> dict:
 def logs(store: JobStore, spec: dict, *, follow: bool, out: Callable[[str], None], poll_s: float = 2.0) -> dict:
     """Print the job's log from the bucket: what its controller's `run` printed, every attempt's host lines
     ([wI]) and its own ([tpuctl]) in order; with follow, what arrives until the job ends. Returns the final
-    state. (Each host's own log of each run is beside it, under logs/RUN_ID/.)"""
+    state. (Each host's own log of each run is beside it, under logs/RUN_ID/: host_logs.)"""
     seen = 0
     while True:
         st = job_state(store, spec)
@@ -258,6 +258,55 @@ def logs(store: JobStore, spec: dict, *, follow: bool, out: Callable[[str], None
             out(line)
         seen += len(text[:cut].encode())
         if not follow or not live:
+            return st
+        time.sleep(poll_s)
+
+
+def job_host(store: JobStore, spec: dict, worker: str) -> str:
+    """The host a `--worker` names in this job (N or wN: worker N; s1w0: a multislice job's host), as its logs
+    are named; one line listing the job's hosts when it has no such one."""
+    import re
+    from orchestrator.state import SliceRecord
+    if not re.fullmatch(r"(s\d+)?w?\d+", worker):
+        raise UserError(f"--worker {worker}: pick a worker index, a host such as s1w0, or all")
+    host = f"w{worker}" if worker.isdigit() else worker
+    rec = store.slice(spec["id"])  # written at submit, before the spec; the controller keeps it current
+    hosts = [w.name for w in SliceRecord.from_json(rec).workers] if rec else []
+    if host not in hosts:
+        raise UserError(f"job {spec['id']} has no worker {worker}: its slice {spec['slice_name']} has "
+                        f"{', '.join(hosts) or 'no workers recorded'} (--worker " + (
+                            f"0..{len(hosts) - 1})" if all(h[1:].isdigit() for h in hosts) else "s0w0, ...)"))
+    return host
+
+
+def host_logs(store: JobStore, spec: dict, host: str, *, follow: bool, out: Callable[[str], None],
+              run_id: str | None = None, poll_s: float = 2.0) -> dict:
+    """Print one host's own log from the bucket, as that host wrote it: each of the job's runs in turn (a line
+    `[tpuctl] run RUN_ID` before each after the first: the attempt after a recovery, a sweep's next trial), or
+    run_id's only; with follow, what arrives until the job ends. Returns the final state."""
+    seen: dict[str, int] = {}
+    while True:
+        st = job_state(store, spec)  # before the logs: the controller copies them last before the job's end
+        live = follow and st["state"] in LIVE
+        sizes = store.host_log_sizes(spec["id"], host)
+        for run in sorted(sizes) if run_id is None else [r for r in sizes if r == run_id]:
+            if sizes[run] <= seen.get(run, 0):
+                continue
+            text = store.log_bytes(spec["id"], f"{run}/{host}.log", seen.get(run, 0)).decode(errors="replace")
+            cut = text.rfind("\n") + 1 if live else len(text)  # whole lines only while it grows
+            if not text[:cut]:
+                continue
+            if run not in seen and seen:
+                out(f"[tpuctl] run {run}")
+            for line in text[:cut].splitlines():
+                out(line)
+            seen[run] = seen.get(run, 0) + len(text[:cut].encode())
+        if not live:
+            if not seen:
+                what = f"run {run_id}" if run_id else f"job {spec['id']} ({st['state']})"
+                raise UserError(f"no log of {host} in {what} yet" + (
+                    f": `tpuctl logs {spec['id']} --worker {host} --follow` waits for it" if st["state"] in LIVE
+                    else ""))
             return st
         time.sleep(poll_s)
 

@@ -7,7 +7,8 @@ controller picks a job up from. Nothing of it lives on the controller's disk.
                               /state.json      written by the controller only: state, step, recoveries, goodput
                               /events.jsonl    written by the controller only: one line per event
                               /cancel.json     written by `tpuctl cancel`: the controller acts on it
-                              /logs/controller.log, /logs/RUN_ID/HOST.log   copied as they grow
+                              /logs/controller.log, /logs/RUN_ID/HOST.log   copied as they grow (each
+                                               host's own log of each run: HOST is w0, or s1w0 on several slices)
     gs://BUCKET/tpuctl/controller/REGION.json  the controller's heartbeat
 
 One writer per object, so no write ever races another. The google-cloud-storage client finds an emulator
@@ -124,6 +125,20 @@ class JobStore:
         """Every log of the job: {"controller.log": ..., "RUN_ID/w0.log": ...}."""
         pre = f"{PREFIX}/jobs/{job_id}/logs/"
         return {b.name[len(pre):]: b.download_as_bytes() for b in self.client.list_blobs(self.bucket, prefix=pre)}
+
+    def host_log_sizes(self, job_id: str, host: str) -> dict[str, int]:
+        """{run_id: bytes so far} of one host's own log (HOST: w0, s1w0) in each of the job's runs."""
+        pre = f"{PREFIX}/jobs/{job_id}/logs/"
+        out = {}
+        for b in self.client.list_blobs(self.bucket, prefix=pre):
+            run, _, name = b.name[len(pre):].rpartition("/")
+            if run and "/" not in run and name == f"{host}.log":
+                out[run] = b.size
+        return out
+
+    def log_bytes(self, job_id: str, rel: str, start: int = 0) -> bytes:
+        """One log of the job from byte `start` on (what a follower has not read yet)."""
+        return self._blob(f"jobs/{job_id}/logs/{rel}").download_as_bytes(start=start)
 
     # ---- every job
     def job_ids(self) -> list[str]:
