@@ -16,13 +16,16 @@ answers both:
   (oslogin_v1 types LoginProfile / PosixAccount / SshPublicKey; the key map is by the key's SHA-256 hex
   fingerprint, and the POSIX user name is the account's email with every character that is not a letter or a
   digit turned into `_`, as OS Login names accounts of the account's own domain.)
+  Cloud Resource Manager v1   GET /v1/projects/P, POST /v1/projects/P:getIamPolicy, :setIamPolicy: a project and
+                      its IAM policy (infra/fake_project_iam.py: routes, defaults, sources)
 
 Errors are google.rpc shapes: {"error": {code, message, status, details: [ErrorInfo]}}; Compute Engine's own add
 `errors: [{message, domain, reason}]`.
 
 Control under /_fake/ (JSON, FakeLoginControl is its client):
   POST project_metadata {project, items: {key: value}}   the project's common metadata
-  POST deny {what: compute|oslogin, permission?}          403 IAM_PERMISSION_DENIED for that API (until reset)
+  POST deny {what: compute|oslogin|resourcemanager, permission?}   403 IAM_PERMISSION_DENIED for that API (until
+                                                          reset)
   POST username {account, username}                      the POSIX name the profile reports for an account
   GET  state                                              imported keys per account, with their expiry
   POST reset
@@ -68,6 +71,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from infra import serving
 from infra.serving import Control, Running
 from infra.fake_compute_instances import ComputeError, ComputeInstances, InstancesConfig
+from infra.fake_project_iam import IamError, ProjectPolicies
 
 _ZONE = r"/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)"
 _COMPUTE_ROUTES = [
@@ -101,6 +105,7 @@ class LoginState:
     usernames: dict[str, str] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     compute: ComputeInstances = field(default=None)  # type: ignore[assignment]
+    iam: ProjectPolicies = field(default_factory=ProjectPolicies)
     vm_hosts: dict[tuple[str, str, str], tuple[str, str]] = field(default_factory=dict)  # instance -> host, base
 
     def __post_init__(self):
@@ -166,7 +171,7 @@ def _handler(state: LoginState):
                     return
                 with state.lock:
                     self._send(200, self._route(method, path, body, q))
-            except (_Err, ComputeError) as e:
+            except (_Err, ComputeError, IamError) as e:
                 self._send(e.code, e.body())
             except (ValueError, KeyError, TypeError) as e:  # a control call's bad argument
                 self._send(400, {"error": {"code": 400, "message": str(e), "status": "INVALID_ARGUMENT"}})
@@ -183,6 +188,14 @@ def _handler(state: LoginState):
                 if method == "GET":
                     state._check("oslogin", "oslogin.users.get")  # noqa: SLF001
                     return state.profile(m.group(1), project)
+            if m := re.fullmatch(r"/v1/projects/([^/:]+)", path):
+                if method == "GET":
+                    state._check("resourcemanager", "resourcemanager.projects.get")  # noqa: SLF001
+                    return state.iam.project(m.group(1))
+            if m := re.fullmatch(r"/v1/projects/([^/:]+):(getIamPolicy|setIamPolicy)", path):
+                if method == "POST":
+                    state._check("resourcemanager", f"resourcemanager.projects.{m.group(2)}")  # noqa: SLF001
+                    return (state.iam.get if m.group(2) == "getIamPolicy" else state.iam.set)(m.group(1), body)
             for verb, rx, name in _COMPUTE_ROUTES:
                 if verb == method and (m := rx.fullmatch(path)):
                     return self._compute(name, m, body, q)
@@ -242,6 +255,7 @@ def _handler(state: LoginState):
                 for host in state.vm_hosts.values():
                     _stop_vm_host(*host)
                 state.vm_hosts.clear()
+                state.iam.reset()
                 c.reset()
                 return {"ok": True}
             raise _Err(404, "NOT_FOUND", f"no such control endpoint: {method} /_fake/{what}")

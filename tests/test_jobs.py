@@ -99,11 +99,14 @@ def bucket(tmp_path_factory):
     from infra import gcs
     home = tmp_path_factory.mktemp("jobs") / "home"
     emu = gcs.start(home=home, buckets=("jobs-b",))
-    old = {k: os.environ.get(k) for k in (*emu.env, "TPUCTL_HOME")}
+    old = {k: os.environ.get(k) for k in (*emu.env, "TPUCTL_HOME", "TPUCTL_LOCAL_DIR")}
     os.environ.update({**emu.env, "TPUCTL_HOME": str(home)})
+    os.environ.pop("TPUCTL_LOCAL_DIR", None)
     try:
         yield home
     finally:
+        from orchestrator.provider.local import stop_service
+        stop_service("compute")  # started by a test that asked the local cloud's Resource Manager
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         emu.stop()
@@ -208,3 +211,89 @@ def test_detach_without_a_gs_ckpt_dir_is_refused_before_anything_is_made(tmp_pat
     assert r.returncode == 1 and "--detach needs a gs:// --ckpt-dir (got /tmp/ckpt)" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "home" / "jobs.json").exists()
+
+
+def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anything_is_made(bucket):
+    """The controller writes the job bucket as its own service account. The project's IAM policy (Resource
+    Manager's stand-in; the GCS emulator has no bucket IAM) not granting it storage.objects.create+get+delete is one
+    line naming roles/storage.objectAdmin and the account, before any controller, secret, bundle or job record;
+    a policy that cannot be read is a warning; once granted, submit goes past the check (to the controller VM,
+    refused here by the Compute Engine stand-in)."""
+    from click.testing import CliRunner
+    from google.auth.credentials import AnonymousCredentials
+    from google.auth.transport.requests import AuthorizedSession
+    from infra.fake_login_apis import FakeLoginControl
+    from orchestrator import provider, state
+    from orchestrator.cli.run_verbs import run
+    from orchestrator.state import SliceRecord
+    state.save(SliceRecord(name="iam", project=P, zone=Z, accelerator="v4-8", provider="local", status="ready",
+                           node=f"projects/{P}/locations/{Z}/nodes/iam"))
+    url = provider.of(state.lookup("iam")).resource_manager_endpoint()
+    ctl, crm = FakeLoginControl(url), AuthorizedSession(AnonymousCredentials())
+    sa = default_service_account(P)
+    store = JobStore("jobs-b")
+    jobs_before = store.job_ids()
+
+    def grant(role: str) -> None:
+        etag = crm.post(f"{url}/v1/projects/{P}:getIamPolicy", json={}).json()["etag"]
+        r = crm.post(f"{url}/v1/projects/{P}:setIamPolicy", json={"policy": {"etag": etag, "bindings": [
+            {"role": "roles/owner", "members": ["user:owner@example.com"]},
+            {"role": role, "members": [f"serviceAccount:{sa}", "user:me@example.com"]}]}})
+        assert r.status_code == 200, r.text
+
+    def submit():
+        return CliRunner().invoke(run, ["iam", "--detach", "--no-plan", "--secret-env", "HOME", "--", "pretrain",
+                                        "--steps", "3", "--ckpt-dir", "gs://jobs-b/iam"])
+
+    ctl.service_disabled(op="insert")  # past the check, the controller VM is refused: no test here makes one
+    grant("roles/storage.objectViewer")  # reads, cannot write
+    r = submit()
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert (f"the controller's service account {sa} cannot write gs://jobs-b: grant it roles/storage.objectAdmin"
+            in r.stderr), r.stderr
+    assert store.job_ids() == jobs_before and not ctl.compute_state()["instances"]
+    assert not list(store.client.list_blobs(store.bucket, prefix="tpuctl/bundles/"))
+    assert not list(store.client.list_blobs(store.bucket, prefix="tpuctl/controller/"))
+    assert not (bucket / "local" / "fake_secret_manager.json").exists()  # Secret Manager was never asked
+    assert not (bucket / "jobs.json").exists()
+
+    grant("roles/storage.objectAdmin")
+    r = submit()
+    assert r.exit_code == 1 and "cannot write" not in r.output and "warning" not in r.output, r.output
+    assert "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
+    ctl.deny("resourcemanager")  # the submitter may not read the project's policy: a warning, not a refusal
+    r = submit()
+    assert r.exit_code == 1 and "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
+    assert "warning: could not check that the controller's service account can write gs://jobs-b" in r.stderr
+    assert store.job_ids() == jobs_before
+
+
+def test_which_grants_let_the_controller_write():
+    """The judgement on policies as the APIs return them: roles that together hold create+get+delete, public
+    members, a bucket's convenience members expanded from the project's policy; what cannot be told is unsure."""
+    from orchestrator.jobs.bucket_access import judge
+    me = "serviceAccount:c@p.iam.gserviceaccount.com"
+
+    def pol(*bindings):
+        return {"bindings": [{"role": r, "members": m, **({"condition": c} if c else {})} for r, m, c in bindings]}
+
+    assert judge(me, [pol(("roles/storage.objectAdmin", [me], None))]).ok
+    assert judge(me, [pol(("roles/editor", ["user:x@y", me], None))]).ok
+    assert judge(me, [pol(("roles/storage.admin", ["allAuthenticatedUsers"], None))]).ok
+    assert judge(me, [pol(("roles/storage.legacyBucketWriter", [me], None)),
+                      pol(("roles/storage.legacyObjectReader", ["allUsers"], None))]).ok
+    v = judge(me, [pol(("roles/storage.legacyBucketWriter", [me], None))])  # create+delete, no get
+    assert not v.ok and not v.unsure and v.granted == {"create", "delete"}
+    v = judge(me, [pol(("roles/storage.objectAdmin", ["serviceAccount:other@p"], None), ("roles/tpu.admin", [me], None))])
+    assert not v.ok and not v.unsure
+    for unsure in (pol(("roles/storage.objectAdmin", ["group:ml@y"], None)),
+                   pol(("roles/storage.objectAdmin", [me], {"expression": "request.time < x"})),
+                   pol(("projects/p/roles/writer", [me], None)),
+                   pol(("roles/storage.legacyBucketOwner", ["projectEditor:999"], None))):
+        v = judge(me, [unsure])
+        assert not v.ok and v.unsure, unsure
+    project = pol(("roles/editor", [me], None))
+    bucket = pol(("roles/storage.legacyBucketOwner", ["projectEditor:123"], None),
+                 ("roles/storage.legacyObjectOwner", ["projectEditor:123"], None))
+    assert judge(me, [bucket], ("p", "123"), project).ok
+    assert not judge(me, [bucket], ("p", "123"), pol(("roles/viewer", [me], None))).ok

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator import provider, state
+from orchestrator.jobs import bucket_access
 from orchestrator.jobs import bundle as B
 from orchestrator.jobs import controller_vm as V
 from orchestrator.jobs import job_secrets
@@ -155,6 +156,11 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
     prov = provider.of(rec)
     store = open_store(bucket, prov)
     store.check()
+    # The controller writes the bucket as its own account: refused here, before a controller, secret or record
+    # exists, when that account surely cannot.
+    bucket_access.check(store.bucket, rec.project, d.controller_service_account,
+                        endpoint=prov.resource_manager_endpoint(), bucket_iam=prov.bucket_iam(),
+                        warn=lambda m: say(f"warning: {m}"))
     if opts.plan and argv[:3] == [L.PYTHON, "-m", "trainer"] and not sweep:  # a sweep plans each trial itself
         from orchestrator.plan import step as P
         P.check_before_run(rec.accelerator, rec.slices, argv[3:], prov.local_env(argv), cpu_devices=prov.cpu_devices,

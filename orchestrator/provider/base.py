@@ -112,6 +112,15 @@ class Provider:
         """Whether the storage serving gs:// is there without starting anything (a read that must not create)."""
         return True
 
+    def bucket_iam(self) -> bool:
+        """Whether a bucket has an IAM policy of its own here (the GCS emulator has none: the project's decides)."""
+        return True
+
+    def resource_manager_endpoint(self) -> str | None:
+        """The Cloud Resource Manager API: projects and their IAM policies (None: the default endpoint;
+        TPUCTL_RESOURCE_MANAGER_API_ENDPOINT overrides)."""
+        return os.environ.get("TPUCTL_RESOURCE_MANAGER_API_ENDPOINT") or None
+
     def controller_runtime(self) -> tuple[str | None, dict[str, str]]:
         """(python, env) for the controller's startup script: None installs tpuctl on the VM from the bundle."""
         return None, {}

@@ -220,6 +220,12 @@ class LocalProvider(Provider):
         from infra import gcs
         return gcs.running() is not None
 
+    def bucket_iam(self) -> bool:
+        return False  # fake-gcs-server has no bucket IAM (GET /storage/v1/b/B/iam is 404 there)
+
+    def resource_manager_endpoint(self) -> str | None:
+        return service_url("compute")  # the Compute Engine stand-in serves Resource Manager's projects too
+
     def controller_runtime(self) -> tuple[str | None, dict[str, str]]:
         """The controller's host runs this machine's interpreter (it has tpuctl's dependencies) and reaches the same
         local cloud: the stand-ins' and hosts' records in the machine dir."""
