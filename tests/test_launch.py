@@ -85,6 +85,7 @@ def test_the_run_outlives_its_follower_and_a_new_follower_goes_on_from_a_line(tm
                           capture_output=True, text=True, env=env).stdout
     [r] = json.loads(runs.split("TPUCTL_RUNS ", 1)[1])
     assert (r["run_id"], r["running"], r["rc"], r["stopped"]) == (spec.run_id, False, 3, False)
+    assert r["tag"] == "t1" and r["started"], r  # an ended run still names its command (its pidfile is gone)
 
     # A run that is stopped: its followers get the signal's status, marked as a stop (not a failure).
     spec2 = L.LaunchSpec(argv=[sys.executable, "-c", "import time\nprint('up', flush=True); time.sleep(60)"],
