@@ -284,7 +284,8 @@ def test_which_grants_let_the_controller_write():
                       pol(("roles/storage.legacyObjectReader", ["allUsers"], None))]).ok
     v = judge(me, [pol(("roles/storage.legacyBucketWriter", [me], None))])  # create+delete, no get
     assert not v.ok and not v.unsure and v.granted == {"create", "delete"}
-    v = judge(me, [pol(("roles/storage.objectAdmin", ["serviceAccount:other@p"], None), ("roles/tpu.admin", [me], None))])
+    v = judge(me, [pol(("roles/storage.objectAdmin", ["serviceAccount:other@p"], None),
+                       ("roles/tpu.admin", [me], None))])
     assert not v.ok and not v.unsure
     for unsure in (pol(("roles/storage.objectAdmin", ["group:ml@y"], None)),
                    pol(("roles/storage.objectAdmin", [me], {"expression": "request.time < x"})),

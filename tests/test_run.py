@@ -339,8 +339,8 @@ def test_a_run_that_ended_unwatched_is_read_from_the_hosts_not_run_again(sl, tmp
     for cmd, prev in ((ok, first), (bad, failed)):
         out = io.StringIO()
         try:
-            again = attached.run("runs", cmd, flags, attached.RunOptions(raw=True, plan=False, follow_run=prev.run_id),
-                                 out=out)
+            again = attached.run("runs", cmd, flags,
+                                 attached.RunOptions(raw=True, plan=False, follow_run=prev.run_id), out=out)
         except RunFailed as e:
             again = e.result
         assert f"run {prev.run_id} of this same command ended on the hosts while nobody followed it" in out.getvalue()

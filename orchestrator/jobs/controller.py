@@ -6,8 +6,8 @@ restarts, goodput), and keeps each job's record in the bucket (store.py) as it g
 It holds nothing that matters on its own disk: a new controller (its VM deleted, rebooted or replaced) reads every
 live job from the bucket and follows the run its record names where the hosts still know it: re-attached to a
 trainer that is still running, or, for one that ended meanwhile, its end (exit codes) read from the hosts, so the
-job ends under the same run id instead of running again. With no live job
-for --idle-minutes it deletes its own VM.
+job ends under the same run id instead of running again. With no live job for --idle-minutes it deletes its own
+VM.
 """
 from __future__ import annotations
 
@@ -165,7 +165,10 @@ class JobRunner(threading.Thread):
         self.event(f"taken by the controller on {self.ctl.host}" + (" (the job was going: re-attaching)" if going
                                                                     else ""))
         if self.cancel:
-            self._finish("CANCELLED", "cancelled before it started")
+            started = self.st["state"] != "PENDING"
+            if started:  # cancelled while no controller was alive: its run may still be going on the hosts
+                self._stop_hosts(attached, SshFlags)
+            self._finish("CANCELLED", "cancelled" if started else "cancelled before it started")
             return
         if not going:
             self.set(state="STARTING", controller=self.ctl.host, controller_since=self.ctl.started,
