@@ -322,7 +322,7 @@ def test_a_run_that_ended_unwatched_is_read_from_the_hosts_not_run_again(sl, tmp
     while no controller watched is not run again; its end is read from each host's exit file, under its own run
     id, as success or as the failure it was. Another command's run of that id is not followed."""
     from orchestrator.access.reach import SshFlags
-    from orchestrator.jobs import attached
+    from orchestrator.jobs import attached, controller
     from orchestrator.jobs.runner import live_runs
     from orchestrator.access.hosts import Hosts
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
@@ -344,6 +344,7 @@ def test_a_run_that_ended_unwatched_is_read_from_the_hosts_not_run_again(sl, tmp
         except RunFailed as e:
             again = e.result
         assert f"run {prev.run_id} of this same command ended on the hosts while nobody followed it" in out.getvalue()
+        assert controller._ENDED.search(out.getvalue()).group(1) == prev.run_id  # the job's record takes it up
         assert again.run_id == prev.run_id and again.exit_codes == prev.exit_codes, (again, out.getvalue())
         assert again.returncode == prev.returncode and again.failed_worker == prev.failed_worker
     assert failed.exit_codes == {0: 0, 1: 3, 2: 0} and failed.failed_worker == 1, failed.exit_codes
