@@ -106,7 +106,8 @@ def bucket(tmp_path_factory):
         yield home
     finally:
         from orchestrator.provider.local import stop_service
-        stop_service("compute")  # started by a test that asked the local cloud's Resource Manager
+        for kind in ("compute", "secrets"):  # a submit here asks the local cloud's Resource Manager (and, were
+            stop_service(kind)               # its check missing, would store a secret)
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         emu.stop()
