@@ -63,6 +63,11 @@ class TrainConfig:
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
     attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
+    # How the splash kernel runs (trainer/models/attention.Kernel): q, k, v's layout, its backward kernels, its
+    # largest block of positions.
+    splash_layout: str = "head-minor"
+    splash_bwd: str = "split"
+    splash_block: int = 512
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
     # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries: for gpt2-124m on
     # v5e-8 (tpuctl plan, libtpu 0.0.42.1) 128 moved 54.2 GB with 2.71 GiB of temporaries, 256 46.6 GB with 2.99,
@@ -149,6 +154,12 @@ HELP = {
     "attention": "auto, xla or splash: splash is the Pallas TPU kernel that never writes the [T, T] scores to HBM "
                  "(off TPU it runs interpreted: slow, for checks); auto = splash when the step is compiled for TPU "
                  "devices and --seq-len is a multiple of 128, else xla",
+    "splash_layout": "head-minor or seq-minor: how q, k and v lie in HBM for the splash kernel ([seq, head_dim] "
+                     "per head, padded to 128 lanes on TPU when head_dim is smaller; or [head_dim, seq], unpadded)",
+    "splash_bwd": "split or fused: the splash kernel's backward pass as two kernels (dq; dk and dv), each reading "
+                  "q, k, v and the output's gradient, or as one",
+    "splash_block": "the largest block of positions the splash kernel takes at once (a divisor of --seq-len, a "
+                    "multiple of 128): larger blocks read k and v fewer times and compute more masked scores",
     "loss_chunk": "sequence positions whose output-layer logits are computed at once, forward and backward "
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
@@ -238,6 +249,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--vocab-parallel {t.vocab_parallel}: choose auto, on or off")
     if t.attention not in ("auto", "xla", "splash"):
         raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
+    check_splash(t.splash_layout, t.splash_bwd, t.splash_block)
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
     if t.optimizer_state not in ("sharded", "replicated"):
@@ -252,6 +264,19 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--dtype {t.dtype}: choose auto, float32 or bfloat16")
     if not t.ckpt_dir:
         raise UsageError("--ckpt-dir is required: a local directory or gs://BUCKET/PATH for checkpoints and metrics")
+
+
+SPLASH_LAYOUTS, SPLASH_BWD, LANES = ("head-minor", "seq-minor"), ("split", "fused"), 128
+
+
+def check_splash(layout: str, bwd: str, block: int) -> None:
+    """--splash-layout, --splash-bwd, --splash-block (trainer/models/attention.Kernel)."""
+    if layout not in SPLASH_LAYOUTS:
+        raise UsageError(f"--splash-layout {layout}: choose {' or '.join(SPLASH_LAYOUTS)}")
+    if bwd not in SPLASH_BWD:
+        raise UsageError(f"--splash-bwd {bwd}: choose {' or '.join(SPLASH_BWD)}")
+    if block < LANES or block % LANES:
+        raise UsageError(f"--splash-block {block}: use a multiple of {LANES}")
 
 
 def model_diff(saved: ModelConfig, wanted: ModelConfig) -> list[str]:

@@ -68,6 +68,7 @@ class Steps:
         platform = mesh.devices.flat[0].platform  # of the devices compiled for: a TPU plan from a CPU host
         self.dtype = compute_dtype(t.dtype, platform)
         self.attention = attention.resolve(t.attention, platform, m.seq_len)
+        self.kernel = attention.Kernel(t.splash_layout, t.splash_bwd, t.splash_block)
         self.graphdef, _ = gpt2.abstract(m)
         self.vocab_parallel = use_vocab_parallel(cfg, mesh.size, mesh.shape[mesh_lib.DCN])
         self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES
@@ -97,7 +98,7 @@ class Steps:
         t = self.cfg.train
         return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel,
                           loss_chunk=t.loss_chunk, attention=self.attention, remat=t.remat,
-                          table_grads=t.table_grads, logits=t.logits)
+                          table_grads=t.table_grads, logits=t.logits, kernel=self.kernel)
 
     def _train_step(self, params, opt_state, batch, step):
         t = self.cfg.train
