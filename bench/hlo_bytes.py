@@ -419,7 +419,8 @@ def is_param_cast(module: Module, comp: Computation, ins: Instr) -> bool:
 
 
 def table(text: str, padded: bool = True) -> dict:
-    """{total, buckets: {name: bytes}, by_opcode: {opcode: bytes}, loops: [(body, trips)]} for one program."""
+    """{total, once, buckets: {name: bytes}, by_opcode: {opcode: bytes}, loops: [(body, trips)]} for one program:
+    total counts each loop body its trip count times, once counts it once (as the compiler's cost analysis)."""
     module = parse(text)
     charger = Charger(module, padded)
     charges = walk(module, charger)
@@ -435,4 +436,5 @@ def table(text: str, padded: bool = True) -> dict:
         opcodes[c.instr.opcode] += c.bytes * c.times
     loops = [(i.attr("body"), trip_count(module, comp, i)) for comp in module.computations.values()
              for i in comp.instrs.values() if i.opcode == "while"]
-    return {"total": sum(buckets.values()), "buckets": dict(buckets), "by_opcode": dict(opcodes), "loops": loops}
+    return {"total": sum(buckets.values()), "once": sum(c.bytes for c in charges), "buckets": dict(buckets),
+            "by_opcode": dict(opcodes), "loops": loops}

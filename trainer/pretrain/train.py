@@ -120,11 +120,18 @@ class Steps:
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = scans.scan(body, zero, (jnp.arange(a), micro))
             loss, grads = loss / a, jax.tree.map(lambda g: g / a, grads)
-        if self.grad_sh is not None:  # reduce-scattered: each device updates its share of the state
+        if self.grad_sh is not None:
+            # ZeRO-1: the gradients reduce-scattered, and each device updates only its share of the parameters
+            # (read from its replica), then the new parameters are gathered: the update reads and writes an
+            # eighth of the f32 state on each of 8 devices. Given the replicated parameters, the compiler would
+            # compute the update for all of them on every device.
             grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
+            params = jax.lax.with_sharding_constraint(params, self.grad_sh)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
+        if self.grad_sh is not None:
+            params = jax.lax.with_sharding_constraint(params, self.param_sh)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "lr": self.lr(step - 1)}
 
     def _jit_train(self, fn):
