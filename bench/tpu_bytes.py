@@ -50,6 +50,26 @@ def render(result: dict, compiler: dict, say=print) -> None:
         f"temporaries {compiler['temp_bytes'] / 2 ** 30:.2f} GiB; compiled in {compiler['compile_s']} s")
 
 
+BENCH_STEP = ["pretrain", "--preset", "gpt2-124m", "--batch-size", "64", "--seq-len", "1024",
+              "--ckpt-dir", "gs://bench/run"]
+
+
+def bench(say=print) -> None:
+    """`make bench`'s section: the default gpt2-124m step on v5e-8, in a process of its own (libtpu set up there)."""
+    import os
+    import subprocess
+    from trainer.common.aot import has_libtpu
+    if not has_libtpu():
+        say("  skipped: libtpu is not installed (pip install 'tpuctl[plan]', or `make setup`, installs it)")
+        return
+    out = subprocess.run([sys.executable, "-m", "bench.tpu_bytes", "--", *BENCH_STEP], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    for line in out.stdout.splitlines():
+        say(line)
+    if out.returncode:
+        say(f"  failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1][:160]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, trainer_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
