@@ -151,9 +151,7 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
         dz = jnp.where(jnp.arange(v) == tc[..., None], dz - 1.0, dz) / total
         if softcap is not None:
             dz = dz * (1.0 - jnp.square(capped))
-        # Written once in the compute dtype and read by both matmuls below: left to itself the compiler fuses
-        # this elementwise work into each of them, and each reads the chunk's f32 logits again.
-        dz = jax.lax.optimization_barrier(dz.astype(x.dtype))
+        dz = dz.astype(x.dtype)
         dxc = _matmul_in(dz, w).astype(x.dtype)
         # Each batch shard's contribution to the table's gradient stays on its devices: [s, V, D].
         dzs = dz.reshape(s, dz.shape[0] // s, *dz.shape[1:])
