@@ -72,14 +72,19 @@ class TrainConfig:
     splash_bwd: str = "fused"
     splash_block: int = 512
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
-    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries: for gpt2-124m on
-    # v5e-8 (tpuctl plan, libtpu 0.0.42.1) 128 moved 54.2 GB with 2.71 GiB of temporaries, 256 46.6 GB with 2.99,
-    # 512 45.7 GB with 3.30; 256 takes most of the bytes off for little memory.
+    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries. gpt2-124m, batch 64 x
+    # 1024 on v5e-8, per device, counted whole (`python -m trainer.plan --devices 8 --tpu v5e:2x4 -- pretrain
+    # --preset gpt2-124m --batch-size 64 --seq-len 1024 ...`, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1): with the
+    # splash defaults above 256 moves 41.3 GB with 2.45 GiB of temporaries, 0 39.2 GB with 3.38 GiB; with the
+    # head-minor, split kernel before them 128 moved 54.2 GB with 2.71 GiB, 256 46.3 GB with 2.92, 512 45.7 GB
+    # with 3.30, 0 43.9 GB with 3.84. 256 takes most of the bytes off for little memory.
     loss_chunk: int = 256
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
-    # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: as written
-    # (the gradients constrained to the split) the TPU compiler's gpt2-124m step on v5e-8 moved more bytes (71 GB
-    # against 54) and held more temporaries (4.1 GiB against 2.7): `make bench` section [14] keeps its row.
+    # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: the TPU
+    # compiler's gpt2-124m step on v5e-8 (--loss-chunk 0, 2026-12-03, libtpu 0.0.42.1) moves 41.9 GB with 3.93
+    # GiB of temporaries against 39.2 GB and 3.38 GiB replicated: the update's 3.6 GB shrink to 0.8, but the
+    # split state's layouts cost more elsewhere (before the all-reduce and slice of train.py, 67.2 GB against 43.9:
+    # the reduce-scatter became loops of collective permutes). `make bench` section [15] keeps its row.
     optimizer_state: str = "replicated"
     # The tied table's gradient reduced over the batch once per step (its lookup's and output layer's added on
     # each device first, xent.per_shard) or once per use: gpt2-tiny on 2 x v5e-8 sends half the bytes over DCN.
