@@ -67,10 +67,12 @@ class TrainConfig:
     # largest block of positions. GPT-2's head_dim of 64 is half a TPU lane row: with the sequence minor q, k and v
     # are not padded, and one backward kernel reads them once. gpt2-124m on v5e-8 (libtpu 0.0.42.1, --loss-chunk
     # 0, the compiler's count): head-minor + split 43.9 GB and 3.84 GiB of temporaries, seq-minor + fused 39.2 GB
-    # and 3.38 GiB; blocks of 1024 38.0 GB, for a third more of the causal diagonal's scores computed.
+    # and 3.38 GiB. Blocks of 1024 (a whole sequence) take 1.2 GB more off (the fused kernel's partial dq per
+    # block of keys, summed outside it) for a third more of the causal scores computed: 4% of the step's FLOPs in
+    # a step that waits on memory (with the default loss chunks, 41.3 -> 40.2 GB).
     splash_layout: str = "seq-minor"
     splash_bwd: str = "fused"
-    splash_block: int = 512
+    splash_block: int = 1024
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
     # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries. gpt2-124m, batch 64 x
     # 1024 on v5e-8, per device, counted whole (`python -m trainer.plan --devices 8 --tpu v5e:2x4 -- pretrain
