@@ -14,7 +14,8 @@ at two corpus sizes); the pretraining loader's tokens/s from gs:// beside a loca
 1 slice of the same devices and global batch (the multislice mesh's extra axis); the step time outside a
 `--profile` window against unprofiled runs (with and without the profiler server); and our gpt2-124m step beside
 the seed's and MaxText's for the same work on v5e-8 and v6e-8, counted whole by the TPU compiler (bytes,
-temporaries, FLOPs, the roofline; MaxText's figures read from its bench scripts' records, --maxtext). Numbers on a
+temporaries, FLOPs, the roofline; MaxText's figures read from its bench scripts' records, --maxtext), and where
+that step's HBM bytes go, by jax source (bench/tpu_bytes.py). Numbers on a
 shared machine are noisy: read the ratios, not the absolute values.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 from bench.devices import emulate
 
 SECTIONS = ("ckpt", "124m", "launch", "gemma", "lora", "preempt", "tpu", "prepare", "loader", "multislice",
-            "profile", "side")
+            "profile", "side", "bytes")
 
 
 def parse(argv):

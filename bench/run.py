@@ -406,5 +406,11 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
         side_by_side.main(maxtext_at=plan.maxtext, say=say)
     else:
         say("[15] side by side: skipped" + (" (--quick)" if plan.quick else ""))
+    if "bytes" in sections and not plan.quick:
+        say("== [16] where the gpt2-124m step's HBM bytes go, v5e-8, default flags (bench/tpu_bytes.py)")
+        from bench import tpu_bytes
+        tpu_bytes.bench(say=say)
+    else:
+        say("[16] bytes: skipped" + (" (--quick)" if plan.quick else ""))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"bench: done in {time.perf_counter() - t0:.0f} s (load average {load:.1f} at the end)")

@@ -54,7 +54,10 @@ OURS = {
     "ours, --loss-chunk 0 (no loss chunks)": ["--loss-chunk", "0"],
     "ours, --loss-chunk 128 (the default before 256)": ["--loss-chunk", "128"],
     "ours, --loss-chunk 512": ["--loss-chunk", "512"],
-    "ours, --optimizer-state sharded (ZeRO-1 as written)": ["--optimizer-state", "sharded"],
+    "ours, splash head-minor, split, blocks of 512 (the default before)": [
+        "--splash-layout", "head-minor", "--splash-bwd", "split", "--splash-block", "512"],
+    "ours, --splash-block 512": ["--splash-block", "512"],
+    "ours, --optimizer-state sharded (ZeRO-1)": ["--optimizer-state", "sharded"],
     "ours, --table-grads per-use (the default before once)": ["--table-grads", "per-use"],
     "ours, --logits compute (bf16 logits in the chunked loss)": ["--logits", "compute"],
 }

@@ -62,8 +62,15 @@ F32, BF16 = (jnp.float32, (1e-5, 1e-4)), (jnp.bfloat16, (1e-2, 2e-2))  # (forwar
 
 
 # f32: absolute. bf16 (8 mantissa bits): relative to the largest magnitude of each reference tensor.
-@pytest.mark.parametrize("case,dtype,tol", [(c, *F32) for c in CASES] + [("causal", *BF16)])
-def test_splash_matches_xla_attention_forward_and_gradients(case, dtype, tol):
+# The kernel's other ways of running (attention.Kernel: q, k, v unpadded with the sequence minor, one backward
+# kernel) compute the same attention: the causal and grouped-kv cases with them.
+SEQ_MINOR_FUSED = attention.Kernel(layout="seq-minor", bwd="fused")
+
+
+@pytest.mark.parametrize("case,dtype,tol,kernel", [(c, *F32, attention.Kernel()) for c in CASES]
+                         + [("causal", *BF16, attention.Kernel())]
+                         + [(c, *F32, SEQ_MINOR_FUSED) for c in ("causal", "window")])
+def test_splash_matches_xla_attention_forward_and_gradients(case, dtype, tol, kernel):
     kw = dict(CASES[case])
     q, k, v = _qkv(dtype, kw.pop("kv_heads"))
     seg = None  # packed rows: the Gemma layer test below
@@ -74,7 +81,7 @@ def test_splash_matches_xla_attention_forward_and_gradients(case, dtype, tol):
             if impl == "xla":
                 y = reference(q, k, v, segments=seg, **kw)
             else:
-                y = attention.splash(q, k, v, segment_ids=seg, interpret=True, **kw)
+                y = attention.splash(q, k, v, segment_ids=seg, interpret=True, kernel=kernel, **kw)
             return y, jnp.sum(y.astype(jnp.float32) * probe)
         y, vjp = jax.vjp(lambda *a: run(*a)[1], q, k, v)
         return run(q, k, v)[0], vjp(jnp.ones((), jnp.float32))

@@ -63,15 +63,30 @@ class TrainConfig:
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
     attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
+    # How the splash kernel runs (trainer/models/attention.Kernel): q, k, v's layout, its backward kernels, its
+    # largest block of positions. GPT-2's head_dim of 64 is half a TPU lane row: with the sequence minor q, k and v
+    # are not padded, and one backward kernel reads them once. gpt2-124m on v5e-8 (libtpu 0.0.42.1, --loss-chunk
+    # 0, the compiler's count): head-minor + split 43.9 GB and 3.84 GiB of temporaries, seq-minor + fused 39.2 GB
+    # and 3.38 GiB. Blocks of 1024 (a whole sequence) take 1.2 GB more off (the fused kernel's partial dq per
+    # block of keys, summed outside it) for a third more of the causal scores computed: 4% of the step's FLOPs in
+    # a step that waits on memory (with the default loss chunks, 41.3 -> 40.2 GB).
+    splash_layout: str = "seq-minor"
+    splash_bwd: str = "fused"
+    splash_block: int = 1024
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
-    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries: for gpt2-124m on
-    # v5e-8 (tpuctl plan, libtpu 0.0.42.1) 128 moved 54.2 GB with 2.71 GiB of temporaries, 256 46.6 GB with 2.99,
-    # 512 45.7 GB with 3.30; 256 takes most of the bytes off for little memory.
+    # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries. gpt2-124m, batch 64 x
+    # 1024 on v5e-8, per device, counted whole (`python -m trainer.plan --devices 8 --tpu v5e:2x4 -- pretrain
+    # --preset gpt2-124m --batch-size 64 --seq-len 1024 ...`, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1): with the
+    # splash defaults above 256 moves 41.3 GB with 2.45 GiB of temporaries, 0 39.2 GB with 3.38 GiB; with the
+    # head-minor, split kernel before them 128 moved 54.2 GB with 2.71 GiB, 256 46.3 GB with 2.92, 512 45.7 GB
+    # with 3.30, 0 43.9 GB with 3.84. 256 takes most of the bytes off for little memory.
     loss_chunk: int = 256
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
-    # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: as written
-    # (the gradients constrained to the split) the TPU compiler's gpt2-124m step on v5e-8 moved more bytes (71 GB
-    # against 54) and held more temporaries (4.1 GiB against 2.7): `make bench` section [14] keeps its row.
+    # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: the TPU
+    # compiler's gpt2-124m step on v5e-8 (--loss-chunk 0, 2026-12-03, libtpu 0.0.42.1) moves 41.9 GB with 3.93
+    # GiB of temporaries against 39.2 GB and 3.38 GiB replicated: the update's 3.6 GB shrink to 0.8, but the
+    # split state's layouts cost more elsewhere (before the all-reduce and slice of train.py, 67.2 GB against 43.9:
+    # the reduce-scatter became loops of collective permutes). `make bench` section [15] keeps its row.
     optimizer_state: str = "replicated"
     # The tied table's gradient reduced over the batch once per step (its lookup's and output layer's added on
     # each device first, xent.per_shard) or once per use: gpt2-tiny on 2 x v5e-8 sends half the bytes over DCN.
@@ -149,6 +164,12 @@ HELP = {
     "attention": "auto, xla or splash: splash is the Pallas TPU kernel that never writes the [T, T] scores to HBM "
                  "(off TPU it runs interpreted: slow, for checks); auto = splash when the step is compiled for TPU "
                  "devices and --seq-len is a multiple of 128, else xla",
+    "splash_layout": "head-minor or seq-minor: how q, k and v lie in HBM for the splash kernel ([seq, head_dim] "
+                     "per head, padded to 128 lanes on TPU when head_dim is smaller; or [head_dim, seq], unpadded)",
+    "splash_bwd": "split or fused: the splash kernel's backward pass as two kernels (dq; dk and dv), each reading "
+                  "q, k, v and the output's gradient, or as one",
+    "splash_block": "the largest block of positions the splash kernel takes at once (a divisor of --seq-len, a "
+                    "multiple of 128): larger blocks read k and v fewer times and compute more masked scores",
     "loss_chunk": "sequence positions whose output-layer logits are computed at once, forward and backward "
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
@@ -238,6 +259,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--vocab-parallel {t.vocab_parallel}: choose auto, on or off")
     if t.attention not in ("auto", "xla", "splash"):
         raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
+    check_splash(t.splash_layout, t.splash_bwd, t.splash_block)
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
     if t.optimizer_state not in ("sharded", "replicated"):
@@ -252,6 +274,19 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--dtype {t.dtype}: choose auto, float32 or bfloat16")
     if not t.ckpt_dir:
         raise UsageError("--ckpt-dir is required: a local directory or gs://BUCKET/PATH for checkpoints and metrics")
+
+
+SPLASH_LAYOUTS, SPLASH_BWD, LANES = ("head-minor", "seq-minor"), ("split", "fused"), 128
+
+
+def check_splash(layout: str, bwd: str, block: int) -> None:
+    """--splash-layout, --splash-bwd, --splash-block (trainer/models/attention.Kernel)."""
+    if layout not in SPLASH_LAYOUTS:
+        raise UsageError(f"--splash-layout {layout}: choose {' or '.join(SPLASH_LAYOUTS)}")
+    if bwd not in SPLASH_BWD:
+        raise UsageError(f"--splash-bwd {bwd}: choose {' or '.join(SPLASH_BWD)}")
+    if block < LANES or block % LANES:
+        raise UsageError(f"--splash-block {block}: use a multiple of {LANES}")
 
 
 def model_diff(saved: ModelConfig, wanted: ModelConfig) -> list[str]:

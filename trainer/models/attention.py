@@ -13,12 +13,13 @@ shard_map that follows the mesh rules: batch over `data`, heads (and kv heads wh
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trainer.common.config import UsageError
+from trainer.common.config import UsageError, check_splash
 from trainer.common.mesh import fitted_spec
 
 CHOICES = ("auto", "xla", "splash")
@@ -43,24 +44,47 @@ def resolve(name: str, platform: str, seq_len: int) -> str:
     return XLA
 
 
-def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool):
+@dataclass(frozen=True)
+class Kernel:
+    """How the splash kernel runs (not what it computes: every choice gives the same attention).
+
+    layout: how q, k and v lie in HBM for the kernel. "head-minor" is [T, head_dim] per head: on TPU the minor
+    dimension is padded to 128 lanes, so a head_dim of 64 (GPT-2's) doubles every q, k, v, and their copies into
+    that layout; "seq-minor" is [head_dim, T], no padding. bwd: "split" computes dq and dk/dv in two backward
+    kernels, each reading q, k, v and the output's gradient; "fused" in one. block: the largest block of
+    positions the kernel takes at once (a divisor of T is used): larger blocks read k and v fewer times, and
+    compute more of the masked scores of the causal diagonal.
+    """
+    layout: str = "head-minor"
+    bwd: str = "split"
+    block: int = MAX_BLOCK
+
+    def check(self) -> None:
+        check_splash(self.layout, self.bwd, self.block)
+
+
+def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool,
+            kernel: Kernel = Kernel()):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     if window is None or window >= t:
         mask = sa.CausalMask((t, t))
     else:  # a query sees itself and the window - 1 keys before it
         mask = sa.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
-    blk = math.gcd(t, MAX_BLOCK)
+    blk = math.gcd(t, kernel.block)
+    layout = sa.QKVLayout.SEQ_MINOR if kernel.layout == "seq-minor" else sa.QKVLayout.HEAD_DIM_MINOR
+    dq = {"use_fused_bwd_kernel": True} if kernel.bwd == "fused" else {"block_q_dq": blk, "block_kv_dq": blk}
     sizes = sa.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
-                          block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
+                          block_kv_dkv_compute=blk, q_layout=layout, k_layout=layout, v_layout=layout, **dq)
     return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
                               attn_logits_soft_cap=softcap, interpret=interpret)
 
 
 def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None, softcap: float | None = None,
-           segment_ids: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+           segment_ids: jax.Array | None = None, interpret: bool = False, kernel: Kernel = Kernel()) -> jax.Array:
     """Causal attention of q [B, T, H, hd] (already scaled) over k, v [B, T, K, hd] (K divides H; query
     head h reads kv head h // (H / K)) -> [B, T, H, hd]. window: keys a query sees, itself included;
-    softcap: tanh soft-capping of the scores; segment_ids [B, T]: attend only within the same id."""
+    softcap: tanh soft-capping of the scores; segment_ids [B, T]: attend only within the same id; kernel: how
+    the kernel runs (Kernel)."""
     b, t, h, hd = q.shape
     kh = k.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
@@ -72,11 +96,11 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = Non
     qt, kt, vt = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, heads, T, hd]
 
     def local(q, k, v, seg=None):
-        kernel = _kernel(q.shape[1], t, window, softcap, interpret)
+        run = _kernel(q.shape[1], t, window, softcap, interpret, kernel)
         if seg is None:
-            return jax.vmap(kernel)(q, k, v)
+            return jax.vmap(run)(q, k, v)
         from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-        return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(q, k, v, seg)
+        return jax.vmap(lambda q, k, v, s: run(q, k, v, segment_ids=SegmentIds(s, s)))(q, k, v, seg)
 
     args = (qt, kt, vt) + (() if segment_ids is None else (segment_ids,))
     if mesh.empty:

@@ -77,7 +77,8 @@ class Attention(nnx.Module):
         self.out_kernel = _param(rngs, normal(out_std), (h, hd, d), ("heads", "head_dim", "embed"))
         self.out_bias = _param(rngs, jax.nn.initializers.zeros, (d,), ("embed",))
 
-    def __call__(self, x: jax.Array, attention: str = attention_lib.XLA) -> jax.Array:
+    def __call__(self, x: jax.Array, attention: str = attention_lib.XLA,
+                 kernel: attention_lib.Kernel = attention_lib.Kernel()) -> jax.Array:
         dt = x.dtype
         qkv = jnp.einsum("btd,dkhe->kbthe", x, self.qkv_kernel[...].astype(dt))
         qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
@@ -86,7 +87,7 @@ class Attention(nnx.Module):
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         else:  # the kernel does not scale q itself
             y = attention_lib.splash(q * jnp.asarray(q.shape[-1] ** -0.5, dt), k, v,
-                                     interpret=attention == attention_lib.INTERPRET)
+                                     interpret=attention == attention_lib.INTERPRET, kernel=kernel)
         y = constrain(y, ("batch", "seq", "heads", "head_dim"))
         out = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt)) + self.out_bias[...].astype(dt)
         return constrain(out, ("batch", "seq", "embed"))
@@ -117,8 +118,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, keep: tuple[jax.Array | None, jax.Array | None],
-                 attention: str = attention_lib.XLA) -> jax.Array:
-        x = x + dropout(self.attn(self.ln1(x), attention), self.rate, keep[0])
+                 attention: str = attention_lib.XLA, kernel: attention_lib.Kernel = attention_lib.Kernel()) -> jax.Array:
+        x = x + dropout(self.attn(self.ln1(x), attention, kernel), self.rate, keep[0])
         return x + dropout(self.mlp(self.ln2(x)), self.rate, keep[1])
 
 
@@ -132,12 +133,13 @@ class GPT2(nnx.Module):
 
     def hidden(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
                vocab_parallel: bool = False, attention: str = attention_lib.XLA, remat: str = "none",
-               table: jax.Array | None = None) -> jax.Array:
+               table: jax.Array | None = None, kernel: attention_lib.Kernel = attention_lib.Kernel()) -> jax.Array:
         """int tokens [B, T] -> final hidden states [B, T, D] (after ln_f), in the compute dtype.
 
         vocab_parallel: the table is sharded as vocab_parallel.TABLE (look up by its shard_map).
         table: the embedding to look up in (default wte; `loss` passes xent.per_shard's copies of it).
-        attention: a resolved implementation (attention.resolve); remat: a policy of trainer/models/remat.py.
+        attention: a resolved implementation (attention.resolve); kernel: how splash runs (attention.Kernel);
+        remat: a policy of trainer/models/remat.py.
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -151,7 +153,7 @@ class GPT2(nnx.Module):
         x = x + self.wpe[...][:t]
         x = constrain(dropout(x, cfg.dropout, keep[-1]).astype(dtype), ("batch", "seq", "embed"))
         for i, block in enumerate(self.blocks):
-            x = remat_lib.layer(block, remat, attention=attention)(x, (keep[2 * i], keep[2 * i + 1]))
+            x = remat_lib.layer(block, remat, attention=attention, kernel=kernel)(x, (keep[2 * i], keep[2 * i + 1]))
         return self.ln_f(x)
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
@@ -164,7 +166,8 @@ class GPT2(nnx.Module):
 
     def loss(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
              vocab_parallel: bool = False, loss_chunk: int = 0, attention: str = attention_lib.XLA,
-             remat: str = "none", table_grads: str = "once", logits: str = "float32") -> jax.Array:
+             remat: str = "none", table_grads: str = "once", logits: str = "float32",
+             kernel: attention_lib.Kernel = attention_lib.Kernel()) -> jax.Array:
         """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:].
 
         loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V]).
@@ -173,13 +176,14 @@ class GPT2(nnx.Module):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if vocab_parallel:
             x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=True, attention=attention,
-                            remat=remat)
+                            remat=remat, kernel=kernel)
             return vocab_parallel_lib.xent(x, self.wte[...], targets, self.cfg.vocab_size, loss_chunk)
         # The tied table once per batch shard: its lookup's and output layer's gradients are added on each
         # device and reduced over the batch once (over DCN too, on several slices), not once per use.
         shards = xent.batch_shards(inputs.shape[0]) if table_grads == "once" else 1
         table = xent.per_shard(self.wte[...], shards) if shards > 1 else self.wte[...]
-        x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, attention=attention, remat=remat, table=table)
+        x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, attention=attention, remat=remat, table=table,
+                        kernel=kernel)
         if loss_chunk:
             return xent.chunked(x, table, targets, loss_chunk, self.cfg.vocab_size, None, logits == "compute")
         return loss_fn(xent.logits(x, table, self.cfg.vocab_size), targets)

@@ -1,0 +1,79 @@
+"""bench/hlo_bytes.py on a small optimized-HLO text written as libtpu prints one: tiled (padded) sizes, a fused
+parameter read through a slice, an async copy counted once, a loop body times its trip count, and each
+instruction's bucket from its jax stack frame (forward, backward). No compile: pure text."""
+from __future__ import annotations
+
+from bench import hlo_bytes as H
+
+HLO = '''HloModule jit_step, is_scheduled=true
+
+FileNames
+1 "/repo/trainer/models/gpt2.py"
+2 "/repo/trainer/pretrain/train.py"
+
+FunctionNames
+1 "MLP.__call__"
+2 "Steps._train_step"
+
+FileLocations
+1 {file_name_id=2 function_name_id=2 line=10 end_line=10 column=1 end_column=1}
+2 {file_name_id=1 function_name_id=1 line=20 end_line=20 column=1 end_column=1}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+
+%fused_slice (param_0.1: f32[4096,1024]) -> f32[1024,1024] {
+  %param_0.1 = f32[4096,1024]{1,0:T(8,128)} parameter(0)
+  ROOT %slice.1 = f32[1024,1024]{1,0:T(8,128)} slice(%param_0.1), slice={[0:1024], [0:1024]}
+}
+
+%fused_mul (param_0.2: f32[1000,100]) -> f32[1000,100] {
+  %param_0.2 = f32[1000,100]{0,1:T(8,128)} parameter(0)
+  ROOT %multiply.2 = f32[1000,100]{0,1:T(8,128)} multiply(%param_0.2, %param_0.2)
+}
+
+%body (p.3: (s32[], f32[1000,100])) -> (s32[], f32[1000,100]) {
+  %p.3 = (s32[]{:T(128)}, f32[1000,100]{0,1:T(8,128)}) parameter(0)
+  %i.3 = s32[]{:T(128)} get-tuple-element(%p.3), index=0
+  %x.3 = f32[1000,100]{0,1:T(8,128)} get-tuple-element(%p.3), index=1
+  %mul_fusion = f32[1000,100]{0,1:T(8,128)} fusion(%x.3), kind=kLoop, calls=%fused_mul, metadata={op_name="jit(step)/transpose(jvp())/mul" stack_frame_id=2}
+  ROOT %t.3 = (s32[]{:T(128)}, f32[1000,100]{0,1:T(8,128)}) tuple(%i.3, %mul_fusion)
+}
+
+%cond (p.4: (s32[], f32[1000,100])) -> pred[] {
+  %p.4 = (s32[]{:T(128)}, f32[1000,100]{0,1:T(8,128)}) parameter(0)
+  %i.4 = s32[]{:T(128)} get-tuple-element(%p.4), index=0
+  %constant.4 = s32[]{:T(128)} constant(6)
+  ROOT %lt.4 = pred[]{:T(512)} compare(%i.4, %constant.4), direction=LT
+}
+
+ENTRY %main (param.0: f32[4096,1024], param.1: (s32[], f32[1000,100]), param.2: bf16[8,1024]) -> f32[1024,1024] {
+  %param.0 = f32[4096,1024]{1,0:T(8,128)} parameter(0)
+  %param.1 = (s32[]{:T(128)}, f32[1000,100]{0,1:T(8,128)}) parameter(1)
+  %param.2 = bf16[8,1024]{1,0:T(8,128)(2,1)} parameter(2)
+  %copy-start = (bf16[8,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[8,1024]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%param.2)
+  %copy-done = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
+  %loop = (s32[]{:T(128)}, f32[1000,100]{0,1:T(8,128)}) while(%param.1), condition=%cond, body=%body
+  ROOT %slice_fusion = f32[1024,1024]{1,0:T(8,128)} fusion(%param.0), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(step)/jvp()/slice" stack_frame_id=1}
+}
+'''
+
+
+def test_bytes_per_instruction_loops_and_buckets():
+    m = H.parse(HLO)
+    assert m.entry == "main" and set(m.computations) == {"fused_slice", "fused_mul", "body", "cond", "main"}
+    # f32[1000,100] laid out {0,1} with (8,128) tiles: 100 -> 104 rows of 1000 -> 1024 lanes
+    assert H.shape_bytes("f32[1000,100]{0,1:T(8,128)}") == 104 * 1024 * 4
+    assert H.shape_bytes("f32[1000,100]{0,1:T(8,128)}", padded=False) == 400_000
+    charges = {c.instr.name: (c.bytes, c.times) for c in H.walk(m, H.Charger(m))}
+    assert charges["slice_fusion"] == (2 * 1024 * 1024 * 4, 1)  # the slice read, the result written
+    assert charges["mul_fusion"] == (2 * 104 * 1024 * 4, 6)  # the body six times: its condition's bound
+    assert charges["copy-start"] == (8 * 1024 * 2, 1) and "copy-done" not in charges  # counted once
+    t = H.table(HLO)
+    assert t["loops"] == [("body", 6)]
+    compare = 4 + 4 + 1  # the condition's compare: two s32 scalars read, a pred written, each trip
+    assert t["total"] == 2 * 4 * 2 ** 20 + 6 * (2 * 104 * 1024 * 4 + compare) + 8 * 1024 * 2
+    assert t["once"] == 2 * 4 * 2 ** 20 + 2 * 104 * 1024 * 4 + compare + 8 * 1024 * 2
+    assert t["buckets"]["MLP, backward"] == 6 * 2 * 104 * 1024 * 4  # gpt2.py MLP.__call__ under transpose(
+    assert t["buckets"]["step (grad norm, accumulation)"] == 2 * 4 * 2 ** 20
