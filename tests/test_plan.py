@@ -52,7 +52,7 @@ def home(tmp_path, monkeypatch):
 
 def _arithmetic_state_bytes(argv: list[str], devices: int) -> float:
     """params x 4 bytes (f32) divided by the shards its logical axes get from the rules on the mesh the trainer
-    makes, and Adam's two moments (f32) likewise, also split over data (ZeRO-1, the default --optimizer-state)
+    makes, and Adam's two moments (f32) likewise, also split over data when --optimizer-state is sharded (ZeRO-1)
     where a dimension the rules leave whole divides by it."""
     cfg = config.resolve(parser().parse_args(argv))
     shape = {"dcn": 1, **mesh_lib.parse_mesh(cfg.train.mesh, devices)}  # one slice
