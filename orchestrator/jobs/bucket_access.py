@@ -109,13 +109,13 @@ def _call(session, method: str, url: str, body: dict | None = None) -> dict:
     return r.json()
 
 
-def service_account_email(project: str, account: str, endpoint: str | None) -> str:
+def _project_number(session, base: str, project: str) -> str:
+    return _call(session, "GET", f"{base}/v1/projects/{project}")["projectNumber"]
+
+
+def service_account_email(account: str, number: Callable[[], str]) -> str:
     """The account's email: `default` is the project's Compute Engine default service account."""
-    if account != "default":
-        return account
-    s, base = _crm(endpoint)
-    number = _call(s, "GET", f"{base}/v1/projects/{project}")["projectNumber"]
-    return f"{number}-compute@developer.gserviceaccount.com"
+    return account if account != "default" else f"{number()}-compute@developer.gserviceaccount.com"
 
 
 def check(bucket, project: str, account: str, *, endpoint: str | None, bucket_iam: bool = True,
@@ -123,8 +123,14 @@ def check(bucket, project: str, account: str, *, endpoint: str | None, bucket_ia
     """Refuse (UserError, one line with the fix) when the controller's account surely cannot write `bucket` (a
     google.cloud.storage Bucket); warn once when that cannot be told from here."""
     fix = f"grant it {ROLE} on gs://{bucket.name}"
+    known: dict[str, str] = {}
+
+    def number() -> str:  # the project's number, read once: the default account's email and convenience members
+        if "n" not in known:
+            known["n"] = _project_number(*_crm(endpoint), project)
+        return known["n"]
     try:
-        email = service_account_email(project, account, endpoint)
+        email = service_account_email(account, number)
     except Exception as e:  # noqa: BLE001 - no answer about the account: the job may still work
         warn(f"could not check that the controller's service account can write gs://{bucket.name} (its email: "
              f"{_short(e)}): it needs {ROLE} there")
@@ -137,7 +143,7 @@ def check(bucket, project: str, account: str, *, endpoint: str | None, bucket_ia
                                {"options": {"requestedPolicyVersion": 3}})
         judge(member, [project_policy], verdict=v)
         if bucket_iam:
-            ids = (project, _call(s, "GET", f"{base}/v1/projects/{project}")["projectNumber"])
+            ids = (project, number())
     except Exception as e:  # noqa: BLE001 - unread: judged on what could be read
         v.unread.append(f"project {project}'s policy: {_short(e)}")
     if bucket_iam and not v.ok:
