@@ -1,4 +1,5 @@
 """Test-wide setup. Runs before any test module imports jax."""
+import glob
 import os
 
 # 8 emulated CPU devices for every in-process JAX test (an inherited count wins, as in the trainer).
@@ -6,15 +7,62 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+TEST_CACHE = os.environ.get("TPUCTL_TEST_CACHE") or os.path.expanduser("~/.cache/tpuctl-test")  # _local_hosts's
+
 # One XLA compile cache for this process and every trainer subprocess the tests start here, under the machine's
 # test cache (tests/_local_hosts.TEST_CACHE): the same tiny programs are compiled by test after test (a reference
 # run, a resume, a sweep's trials), and on 2 CPU cores a compile costs more than the steps. Local slice hosts read
 # the one under their wheelhouse (infra/local_slice.py).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.environ.get("TPUCTL_TEST_CACHE") or os.path.expanduser("~/.cache/tpuctl-test"), "jax"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(TEST_CACHE, "jax"))
 
 # `tpuctl up` makes the user's SSH key for new VMs when there is none: tests get a key of their own, never the
 # user's ~/.ssh/google_compute_engine.
 if "TPUCTL_SSH_KEY" not in os.environ:
     import tempfile
     os.environ["TPUCTL_SSH_KEY"] = os.path.join(tempfile.mkdtemp(prefix="tpuctl-test-ssh-"), "google_compute_engine")
+
+
+# `make test` runs the modules on 2 workers (pytest-xdist, one module per worker at a time, so a module's shared
+# slice or emulator stays in one process). Workers take modules in collection order: the longest go first, so
+# that no worker starts a long module while the other has nothing left. Core-seconds measured on a cold cache
+# (test caches and compile cache empty, as on CI); the rest keep their order after these.
+LONGEST_FIRST = (
+    "test_preemption_e2e.py", "test_plan.py", "test_lora.py", "test_run_e2e.py", "test_attention.py",
+    "test_multislice_e2e.py", "test_demo.py", "test_bench.py", "test_sweep_e2e.py", "test_fresh_vm_e2e.py",
+    "test_access.py", "test_storage_outage.py", "test_trainer_multiproc.py", "test_gemma_sample.py",
+    "test_run_report.py", "test_run.py", "test_gemma_run_e2e.py", "test_loss_chunks.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # sorted() is stable: tests keep their order inside a module, and the modules not named keep theirs
+    items[:] = sorted(items, key=lambda it: rank.get(it.path.name, len(rank)))
+
+
+# `make setup` downloads the wheels the demo's hosts install (orchestrator/demo.py --prefetch, into the demo's
+# default home). The local slices of the tests install the same dependency lists from the test cache's wheelhouse:
+# a list the demo's wheelhouse already holds is hard-linked in rather than downloaded a second time (on a clean
+# machine, as on CI, that download is a minute or more of the first e2e test). Keyed by the dependency hash, as
+# orchestrator/jobs/bundle.fill_wheelhouse keys it; only lists it marked complete.
+DEMO_WHEELHOUSE = os.path.expanduser("~/.tpuctl/demo/wheelhouse")
+
+
+def _seed_wheelhouse() -> None:
+    import shutil
+    for done in sorted(glob.glob(os.path.join(DEMO_WHEELHOUSE, "*", ".complete"))):
+        src = os.path.dirname(done)
+        dst = os.path.join(TEST_CACHE, "wheelhouse", os.path.basename(src))
+        if os.path.exists(dst):
+            continue
+        tmp = f"{dst}.seeding-{os.getpid()}"
+        try:
+            shutil.copytree(src, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(".lock"))
+            os.rename(tmp, dst)  # whole or not at all: a fill that began meanwhile keeps its own
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # once per run: in the controller, not in each xdist worker
+        _seed_wheelhouse()
