@@ -233,7 +233,10 @@ def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anythin
     ctl, crm = FakeLoginControl(url), AuthorizedSession(AnonymousCredentials())
     sa = default_service_account(P)
     store = JobStore("jobs-b")
-    jobs_before = store.job_ids()
+
+    def objects() -> dict[str, str]:  # the whole bucket, object by object: a refusal leaves it as it was
+        return {b.name: b.md5_hash for b in store.client.list_blobs(store.bucket)}
+    before = objects()
 
     def grant(role: str) -> None:
         etag = crm.post(f"{url}/v1/projects/{P}:getIamPolicy", json={}).json()["etag"]
@@ -252,9 +255,7 @@ def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anythin
     assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
     assert (f"the controller's service account {sa} cannot write gs://jobs-b: grant it roles/storage.objectAdmin"
             in r.stderr), r.stderr
-    assert store.job_ids() == jobs_before and not ctl.compute_state()["instances"]
-    assert not list(store.client.list_blobs(store.bucket, prefix="tpuctl/bundles/"))
-    assert not list(store.client.list_blobs(store.bucket, prefix="tpuctl/controller/"))
+    assert objects() == before and not ctl.compute_state()["instances"]
     assert not (bucket / "local" / "fake_secret_manager.json").exists()  # Secret Manager was never asked
     assert not (bucket / "jobs.json").exists()
 
@@ -262,11 +263,12 @@ def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anythin
     r = submit()
     assert r.exit_code == 1 and "cannot write" not in r.output and "warning" not in r.output, r.output
     assert "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
+    assert objects() == before  # no bundle, no "booting" heartbeat, no write-check probe
     ctl.deny("resourcemanager")  # the submitter may not read the project's policy: a warning, not a refusal
     r = submit()
     assert r.exit_code == 1 and "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
     assert "warning: could not check that the controller's service account can write gs://jobs-b" in r.stderr
-    assert store.job_ids() == jobs_before
+    assert objects() == before and not ctl.compute_state()["instances"]
 
 
 def test_which_grants_let_the_controller_write():
