@@ -150,7 +150,6 @@ class JobRunner(threading.Thread):
             self.done.set()
 
     def _run(self) -> None:
-        from orchestrator.access.reach import SshFlags
         from orchestrator.jobs import attached
         from orchestrator.jobs.runner import RunFailed
         from orchestrator.spec import UserError
@@ -167,7 +166,7 @@ class JobRunner(threading.Thread):
         if self.cancel:
             started = self.st["state"] != "PENDING"
             if started:  # cancelled while no controller was alive: its run may still be going on the hosts
-                self._stop_hosts(attached, SshFlags)
+                self._stop_hosts()
             self._finish("CANCELLED", "cancelled" if started else "cancelled before it started")
             return
         if not going:
@@ -188,7 +187,7 @@ class JobRunner(threading.Thread):
             if spec.get("kind") == "sweep":
                 outcome, msg, extra = self._sweep(opts)
             else:
-                res = attached.run(spec["slice_name"], spec["command"], SshFlags(), opts, out=self.log,
+                res = attached.run(spec["slice_name"], spec["command"], self.ctl.flags, opts, out=self.log,
                                    note=self.log.note)
                 outcome, msg, extra = "SUCCEEDED", f"done in {res.timings.get('total_s', 0):.0f} s", \
                     {"goodput": res.goodput, "run_id": res.run_id}
@@ -207,14 +206,13 @@ class JobRunner(threading.Thread):
     def _sweep(self, opts) -> tuple[str, str, dict]:
         """`tpuctl sweep`'s job: each unfinished trial of the grid in turn, as the attached sweep runs them, then
         its report."""
-        from orchestrator.access.reach import SshFlags
         from orchestrator.jobs import attached
         from orchestrator.jobs import sweep as S
         from orchestrator.jobs.runner import RunFailed
 
         def trial(argv: list[str]) -> tuple[int, dict]:
             try:
-                r = attached.run(self.spec["slice_name"], argv, SshFlags(), opts, out=self.log, note=self.log.note)
+                r = attached.run(self.spec["slice_name"], argv, self.ctl.flags, opts, out=self.log, note=self.log.note)
             except RunFailed as e:
                 r = e.result
             if self.cancel:  # the sweep stops as on Ctrl-C: the trial is recorded interrupted
@@ -258,21 +256,20 @@ class JobRunner(threading.Thread):
                 self.event(f"could not delete the job's secrets: {e}")
 
     def _sync_loop(self) -> None:
-        from orchestrator.access.reach import SshFlags
-        from orchestrator.jobs import attached
         while not self.ended.wait(self.ctl.sync_s):
             try:
                 if self.cancel is None and (c := self.store.cancel_request(self.id)) is not None:
                     self.cancel = c
                     self.event("cancel requested: stopping every host")
-                    threading.Thread(target=self._stop_hosts, args=(attached, SshFlags), daemon=True).start()
+                    threading.Thread(target=self._stop_hosts, daemon=True).start()
                 self.sync()
             except Exception as e:  # noqa: BLE001 - the bucket or the hosts hiccup: next round
                 print(f"[controller] {self.id}: sync: {e}", file=sys.stderr, flush=True)
 
-    def _stop_hosts(self, attached, SshFlags) -> None:
+    def _stop_hosts(self) -> None:
+        from orchestrator.jobs import attached
         try:
-            attached.cancel(self.spec["slice_name"], SshFlags(), note=self.log.note, grace=10.0)
+            attached.cancel(self.spec["slice_name"], self.ctl.flags, note=self.log.note, grace=10.0)
         except Exception as e:  # noqa: BLE001 - no run going (between attempts): the cancel check stops the next
             self.log.note(f"cancel: {e}")
 
@@ -293,8 +290,12 @@ class JobRunner(threading.Thread):
 
 class Controller:
     def __init__(self, store: JobStore, where: V.Where, prov: provider.Provider, poll_s: float = 2.0,
-                 sync_s: float = 3.0):
+                 sync_s: float = 3.0, flags=None):
+        from orchestrator.access.reach import SshFlags
         self.store, self.where, self.prov, self.poll_s, self.sync_s = store, where, prov, poll_s, sync_s
+        # How it reaches its jobs' hosts: by each slice's name, through its record and the TPU API (SshFlags();
+        # tests/test_run.py gives a 3-host local slice's --hosts instead).
+        self.flags = flags or SshFlags()
         self.host = socket.gethostname()
         self.started = time.time()
         self.runners: dict[str, JobRunner] = {}
