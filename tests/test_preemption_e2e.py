@@ -186,7 +186,8 @@ def _instances(spot) -> list[str]:
 
 def _node(spot) -> str:
     # The controller beats every 2 s; a loaded 2-core runner can delay a beat by several, and a command that finds
-    # it stale replaces a controller that is alive. 15 s is 7 beats, and half the default's wait in test 2.
+    # it stale replaces a controller that is alive. 15 s is 7 beats; the controller-dies test waits this long for
+    # the deleted controller's heartbeat to go stale (the default, 30 s, would double that wait).
     spot.env["TPUCTL_CONTROLLER_STALE_S"] = "15"
     node = json.loads(spot.cli("status", spot.name, "--local", "--json").stdout)["node"]
     spot.zone = node.split("/")[3]
