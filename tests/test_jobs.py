@@ -202,9 +202,9 @@ def test_logs_of_one_worker_of_a_job_from_its_bucket(bucket):
 
 
 def test_a_jobs_goodput_counts_the_attempts_of_every_controller_it_had(bucket):
-    """A controller that dies mid-job (its VM deleted) took its attempts' record with it, until they were kept in
-    the bucket: the job's goodput and recoveries in `tpuctl jobs` count the first controller's attempts with its
-    replacement's, over the job's whole life."""
+    """A controller that dies mid-job (its VM deleted) takes nothing of the job with it: the attempts it saw end are
+    in the bucket, and the job's goodput and recoveries in `tpuctl jobs` count them with its replacement's, over
+    the job's whole life."""
     import time
     from orchestrator import provider
     from orchestrator.jobs import managed
