@@ -201,6 +201,48 @@ def test_logs_of_one_worker_of_a_job_from_its_bucket(bucket):
     assert managed.job_host(store, multi, "s1w0") == "s1w0"
 
 
+def test_a_jobs_goodput_counts_the_attempts_of_every_controller_it_had(bucket):
+    """A controller that dies mid-job (its VM deleted) takes nothing of the job with it: the attempts it saw end are
+    in the bucket, and the job's goodput and recoveries in `tpuctl jobs` count them with its replacement's, over
+    the job's whole life."""
+    import time
+    from orchestrator import provider
+    from orchestrator.jobs import managed
+    from orchestrator.jobs.controller import Controller, JobRunner
+    store = JobStore("jobs-b")
+    jid = _job(store)["id"]
+    store.put_state(jid, {**store.state(jid), "started": time.time() - 200})
+    where = V.Where(P, Z, "jobs-b", provider.GCP, endpoint="http://127.0.0.1:9")  # no VM to ask about here
+
+    def runner(host: str) -> JobRunner:  # a controller on host `host` taking the job up from the bucket
+        ctl = Controller(store, where, provider.get(provider.GCP))
+        ctl.host = host
+        return JobRunner(ctl, jid)
+
+    def attempt(outcome, resumed, last, steps_s, startup_s=10.0):
+        return {"attempt": 1, "run_id": f"r{resumed}", "outcome": outcome, "resumed_from": resumed,
+                "last_step": last, "wall_s": startup_s + steps_s + 1, "startup_s": startup_s, "steps_s": steps_s,
+                "tail_s": 1.0, "recover_s": 0.0, "step_s": steps_s / max(1, last - resumed)}
+
+    a = runner("ctl-a")  # preempted at step 27, recreated; then its VM is deleted while attempt 2 runs
+    a.record_attempts([attempt("preempted", 0, 27, 27.0)])
+    a.on_line("[tpuctl] n's VMs were preempted at step 27; recreating n (1/3); the trainer resumes ...")
+    b = runner("ctl-b")  # the next `tpuctl jobs` brings it: re-attached, preempted once more, then done
+    b.on_line("[tpuctl] n's VMs were preempted at step 41; recreating n (1/3); the trainer resumes ...")
+    b.record_attempts([attempt("preempted", 20, 41, 21.0), {**attempt("done", 40, 60, 20.0), "steps_redone": 1}])
+    b._finish("SUCCEEDED", "done", goodput=b.job_goodput())
+    # what `tpuctl jobs` lists (this module's other jobs read live, and have no controller to revive)
+    (job,) = [j for j in managed.jobs(["jobs-b"], provider.get(provider.LOCAL), revive=False) if j["id"] == jid]
+    assert [(x["attempt"], x["controller"], x["outcome"]) for x in job["attempts"]] == [
+        (1, "ctl-a", "preempted"), (2, "ctl-b", "preempted"), (3, "ctl-b", "done")], job["attempts"]
+    assert [x.get("steps_redone") for x in job["attempts"]] == [None, 7, 1]  # 27 -> 20: across controllers
+    g = job["goodput"]
+    assert job["recoveries"] == 2 and g["restarts"] == 2 and g["wall_s"] >= 200, job
+    assert abs(g["productive_s"] - (27 + 21 + 20 - 7 - 1)) < 1e-6, g  # steps kept: 7 + 1 redone (1 s/step)
+    assert abs(g["productive_s"] + g["lost_to_preemptions_s"] + g["overhead_s"] + g["unaccounted_s"] - g["wall_s"]) \
+        < 1e-6 and 0 < g["goodput"] < 0.5, g
+
+
 def test_detach_without_a_gs_ckpt_dir_is_refused_before_anything_is_made(tmp_path):
     env = {**os.environ, "TPUCTL_HOME": str(tmp_path / "home")}
     (tmp_path / "home").mkdir()
@@ -233,7 +275,10 @@ def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anythin
     ctl, crm = FakeLoginControl(url), AuthorizedSession(AnonymousCredentials())
     sa = default_service_account(P)
     store = JobStore("jobs-b")
-    jobs_before = store.job_ids()
+
+    def objects() -> dict[str, str]:  # the whole bucket, object by object: a refusal leaves it as it was
+        return {b.name: b.md5_hash for b in store.client.list_blobs(store.bucket)}
+    before = objects()
 
     def grant(role: str) -> None:
         etag = crm.post(f"{url}/v1/projects/{P}:getIamPolicy", json={}).json()["etag"]
@@ -252,9 +297,7 @@ def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anythin
     assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
     assert (f"the controller's service account {sa} cannot write gs://jobs-b: grant it roles/storage.objectAdmin"
             in r.stderr), r.stderr
-    assert store.job_ids() == jobs_before and not ctl.compute_state()["instances"]
-    assert not list(store.client.list_blobs(store.bucket, prefix="tpuctl/bundles/"))
-    assert not list(store.client.list_blobs(store.bucket, prefix="tpuctl/controller/"))
+    assert objects() == before and not ctl.compute_state()["instances"]
     assert not (bucket / "local" / "fake_secret_manager.json").exists()  # Secret Manager was never asked
     assert not (bucket / "jobs.json").exists()
 
@@ -262,11 +305,12 @@ def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anythin
     r = submit()
     assert r.exit_code == 1 and "cannot write" not in r.output and "warning" not in r.output, r.output
     assert "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
+    assert objects() == before  # no bundle, no "booting" heartbeat, no write-check probe
     ctl.deny("resourcemanager")  # the submitter may not read the project's policy: a warning, not a refusal
     r = submit()
     assert r.exit_code == 1 and "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
     assert "warning: could not check that the controller's service account can write gs://jobs-b" in r.stderr
-    assert store.job_ids() == jobs_before
+    assert objects() == before and not ctl.compute_state()["instances"]
 
 
 def test_which_grants_let_the_controller_write():

@@ -357,6 +357,49 @@ def test_a_run_that_ended_unwatched_is_read_from_the_hosts_not_run_again(sl, tmp
     assert other.run_id != first.run_id and "nobody followed" not in out.getvalue(), out.getvalue()
 
 
+def test_a_job_cancelled_while_no_controller_was_alive_is_stopped_on_the_hosts(sl, tmp_path, clean, monkeypatch):
+    """A managed job's controller died (SIGKILL: its run goes on, on every host), then `tpuctl cancel` recorded
+    the cancel with no controller to act on it. The next controller to take the job stops the run on every host
+    (within cancel's 30 s) before the job reads CANCELLED."""
+    from orchestrator import provider
+    from orchestrator.access.reach import SshFlags
+    from orchestrator.jobs import controller_vm as V
+    from orchestrator.jobs.controller import Controller, JobRunner
+    from orchestrator.jobs.store import JobStore, initial_state, new_job_id
+    from orchestrator.state import SliceRecord
+    p = _sleeping_run(sl, tmp_path)  # the run a controller followed ...
+    os.killpg(p.pid, signal.SIGKILL)  # ... until it died
+    p.wait()
+    emu = gcs.start(home=tmp_path / "cloud", buckets=("cancel-b",), record=False)
+    try:
+        for k, v in {**emu.env, "TPUCTL_HOME": str(tmp_path / "home")}.items():
+            monkeypatch.setenv(k, v)
+        store, jid = JobStore("cancel-b"), new_job_id()
+        spec = {"id": jid, "name": "runs", "slice_name": "runs", "submitted": time.time(), "opts": {}}
+        store.put_slice(jid, SliceRecord(name="runs", project="p", zone="us-central1-a", accelerator="v4-24",
+                                         node="projects/p/locations/us-central1-a/nodes/runs",
+                                         status="ready").to_json())
+        store.put_spec(jid, spec)
+        store.put_state(jid, {**initial_state(spec), "state": "RUNNING", "started": time.time()})
+        store.request_cancel(jid, down=False)  # `tpuctl cancel JOB` with no controller alive
+        assert all(any("time.sleep(300)" in c for _, c in host_processes(sl, i)) for i in range(3))
+        where = V.Where("p", "us-central1-a", "cancel-b", provider.GCP, endpoint="http://127.0.0.1:9")
+        ctl = Controller(store, where, provider.get(provider.GCP), flags=SshFlags(
+            hosts=",".join(h.ip for h in sl.hosts), ssh_user=sl.ssh_user, ssh_key=sl.ssh_key,
+            ssh_port=sl.hosts[0].port))
+        t0 = time.monotonic()
+        runner = JobRunner(ctl, jid)
+        runner.start()
+        runner.join(60)
+        assert not runner.is_alive() and time.monotonic() - t0 < 30
+        assert not any("time.sleep(300)" in c for i in range(3) for _, c in host_processes(sl, i))
+        st = store.state(jid)
+        assert st["state"] == "CANCELLED" and st["message"] == "cancelled", st
+        assert "cancel:" not in runner.log.data().decode(), runner.log.data().decode()  # the stop did not fail
+    finally:
+        emu.stop()
+
+
 def test_ssh_runs_on_one_or_all_workers(sl, tmp_path, clean):
     run = lambda *a: CliRunner().invoke(cli_run.ssh, ["runs", *_cli_flags(sl), *a], env=_cli_env(sl, tmp_path))  # noqa: E731
     res = run("--worker", "all", "--", "hostname")

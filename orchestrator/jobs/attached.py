@@ -44,6 +44,7 @@ class RunOptions:
     # A managed job's run as its record last named it: a new controller follows that run where the hosts still
     # know it (going, or ended while no controller watched) instead of running the command again.
     follow_run: str | None = None
+    on_attempt: Callable[[list[dict]], None] | None = None  # supervise's Policy.on_attempt (a managed job's record)
 
 
 def command_argv(command: list[str], raw: bool = False) -> list[str]:
@@ -80,7 +81,8 @@ def run(name: str, command: list[str], flags: SshFlags = SshFlags(), opts: RunOp
     from orchestrator.jobs.supervise import Policy, recover_before_run, supervise
     argv = command_argv(command, opts.raw)
     say = lambda m: print(f"[tpuctl] {m}", file=out, flush=True)  # noqa: E731
-    policy = Policy(on_preemption=opts.on_preemption, max_restarts=opts.max_restarts, cancelled=opts.cancelled)
+    policy = Policy(on_preemption=opts.on_preemption, max_restarts=opts.max_restarts, cancelled=opts.cancelled,
+                    on_attempt=opts.on_attempt)
     # Preempted since the last run: the same --on-preemption policy as during a run.
     restarts_used = 0 if flags.hosts else recover_before_run(name, policy=policy, progress=say)
     target = reach(name, flags, say=note)

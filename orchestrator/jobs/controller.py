@@ -77,6 +77,9 @@ class JobRunner(threading.Thread):
         self.done = threading.Event()       # the job's record is final
         self.ended = threading.Event()      # its run has ended: stop copying
         self.seen_run_ids: set[str] = set()
+        # The attempts earlier controllers of this job recorded (a replaced controller's): its goodput counts them.
+        self.prior: list[dict] = list(self.st.get("attempts") or [])
+        self.prior_recoveries = int(self.st.get("recoveries") or 0)  # ... and its recoveries count on from theirs
 
     # ---- the record
     def event(self, text: str) -> None:
@@ -96,7 +99,7 @@ class JobRunner(threading.Thread):
 
     def on_line(self, line: str) -> None:
         if m := _RECREATING.search(line):
-            self.set(state="RECOVERING", recoveries=int(m.group(1)))
+            self.set(state="RECOVERING", recoveries=self.prior_recoveries + int(m.group(1)))
         elif m := _TRIAL.search(line):
             self.set(message=f"trial {m.group(1)}/{m.group(2)}: {m.group(3)}")
         elif m := _FOLLOWING.search(line):
@@ -138,6 +141,20 @@ class JobRunner(threading.Thread):
     def cancelled(self) -> bool:
         return self.cancel is not None
 
+    def record_attempts(self, mine: list[dict]) -> None:
+        """supervise's attempts so far under this controller, kept in the job's record after the earlier ones."""
+        self.set(attempts=merged_attempts(self.prior, mine, self.ctl.host))
+
+    def job_goodput(self) -> dict | None:
+        """Where the job's wall time went, from its start to now, over every attempt any of its controllers saw end
+        (the time an attempt ran while no controller watched it, before a re-attach, is unaccounted)."""
+        from orchestrator.jobs.supervise import goodput
+        attempts = self.st.get("attempts") or []
+        if not attempts:
+            return None
+        wall = time.time() - self.st["started"] if self.st.get("started") else sum(a["wall_s"] for a in attempts)
+        return goodput(attempts, wall)
+
     # ---- the job
     def run(self) -> None:
         try:
@@ -150,7 +167,6 @@ class JobRunner(threading.Thread):
             self.done.set()
 
     def _run(self) -> None:
-        from orchestrator.access.reach import SshFlags
         from orchestrator.jobs import attached
         from orchestrator.jobs.runner import RunFailed
         from orchestrator.spec import UserError
@@ -167,7 +183,7 @@ class JobRunner(threading.Thread):
         if self.cancel:
             started = self.st["state"] != "PENDING"
             if started:  # cancelled while no controller was alive: its run may still be going on the hosts
-                self._stop_hosts(attached, SshFlags)
+                self._stop_hosts()
             self._finish("CANCELLED", "cancelled" if started else "cancelled before it started")
             return
         if not going:
@@ -181,22 +197,22 @@ class JobRunner(threading.Thread):
         # A job that was going follows its run where the hosts still know it (re-attach, or its end read there)
         # rather than running the command again.
         opts = attached.RunOptions(**spec["opts"], secrets=secrets, plan=False, bundle=self._bundle(),
-                                   cancelled=self.cancelled, follow_run=self.st.get("run_id") if going else None)
+                                   cancelled=self.cancelled, follow_run=self.st.get("run_id") if going else None,
+                                   on_attempt=self.record_attempts if spec.get("kind") != "sweep" else None)
         syncer = threading.Thread(target=self._sync_loop, daemon=True, name=f"sync-{self.id}")
         syncer.start()
         try:
             if spec.get("kind") == "sweep":
                 outcome, msg, extra = self._sweep(opts)
             else:
-                res = attached.run(spec["slice_name"], spec["command"], SshFlags(), opts, out=self.log,
+                res = attached.run(spec["slice_name"], spec["command"], self.ctl.flags, opts, out=self.log,
                                    note=self.log.note)
                 outcome, msg, extra = "SUCCEEDED", f"done in {res.timings.get('total_s', 0):.0f} s", \
-                    {"goodput": res.goodput, "run_id": res.run_id}
+                    {"goodput": self.job_goodput() or res.goodput, "run_id": res.run_id}
         except RunFailed as e:
             outcome, msg, extra = ("CANCELLED", "cancelled", {}) if self.cancel else ("FAILED", str(e), {})
-            if e.result and e.result.attempts:
-                from orchestrator.jobs.supervise import goodput
-                extra["goodput"] = goodput(e.result.attempts, sum(a["wall_s"] for a in e.result.attempts))
+            if g := self.job_goodput():
+                extra["goodput"] = g
         except (UserError, OSError) as e:
             outcome, msg, extra = ("CANCELLED", "cancelled", {}) if self.cancel else ("FAILED", str(e), {})
         self.ended.set()
@@ -207,14 +223,13 @@ class JobRunner(threading.Thread):
     def _sweep(self, opts) -> tuple[str, str, dict]:
         """`tpuctl sweep`'s job: each unfinished trial of the grid in turn, as the attached sweep runs them, then
         its report."""
-        from orchestrator.access.reach import SshFlags
         from orchestrator.jobs import attached
         from orchestrator.jobs import sweep as S
         from orchestrator.jobs.runner import RunFailed
 
         def trial(argv: list[str]) -> tuple[int, dict]:
             try:
-                r = attached.run(self.spec["slice_name"], argv, SshFlags(), opts, out=self.log, note=self.log.note)
+                r = attached.run(self.spec["slice_name"], argv, self.ctl.flags, opts, out=self.log, note=self.log.note)
             except RunFailed as e:
                 r = e.result
             if self.cancel:  # the sweep stops as on Ctrl-C: the trial is recorded interrupted
@@ -258,21 +273,20 @@ class JobRunner(threading.Thread):
                 self.event(f"could not delete the job's secrets: {e}")
 
     def _sync_loop(self) -> None:
-        from orchestrator.access.reach import SshFlags
-        from orchestrator.jobs import attached
         while not self.ended.wait(self.ctl.sync_s):
             try:
                 if self.cancel is None and (c := self.store.cancel_request(self.id)) is not None:
                     self.cancel = c
                     self.event("cancel requested: stopping every host")
-                    threading.Thread(target=self._stop_hosts, args=(attached, SshFlags), daemon=True).start()
+                    threading.Thread(target=self._stop_hosts, daemon=True).start()
                 self.sync()
             except Exception as e:  # noqa: BLE001 - the bucket or the hosts hiccup: next round
                 print(f"[controller] {self.id}: sync: {e}", file=sys.stderr, flush=True)
 
-    def _stop_hosts(self, attached, SshFlags) -> None:
+    def _stop_hosts(self) -> None:
+        from orchestrator.jobs import attached
         try:
-            attached.cancel(self.spec["slice_name"], SshFlags(), note=self.log.note, grace=10.0)
+            attached.cancel(self.spec["slice_name"], self.ctl.flags, note=self.log.note, grace=10.0)
         except Exception as e:  # noqa: BLE001 - no run going (between attempts): the cancel check stops the next
             self.log.note(f"cancel: {e}")
 
@@ -293,8 +307,12 @@ class JobRunner(threading.Thread):
 
 class Controller:
     def __init__(self, store: JobStore, where: V.Where, prov: provider.Provider, poll_s: float = 2.0,
-                 sync_s: float = 3.0):
+                 sync_s: float = 3.0, flags=None):
+        from orchestrator.access.reach import SshFlags
         self.store, self.where, self.prov, self.poll_s, self.sync_s = store, where, prov, poll_s, sync_s
+        # How it reaches its jobs' hosts: by each slice's name, through its record and the TPU API (SshFlags();
+        # tests/test_run.py gives a 3-host local slice's --hosts instead).
+        self.flags = flags or SshFlags()
         self.host = socket.gethostname()
         self.started = time.time()
         self.runners: dict[str, JobRunner] = {}
@@ -358,6 +376,21 @@ class Controller:
                 return 0
             self.beat(live, idle_since)
             time.sleep(self.poll_s)
+
+
+def merged_attempts(prior: list[dict], mine: list[dict], host: str) -> list[dict]:
+    """A job's attempts across its controllers: those earlier ones recorded, then this one's (host), numbered on.
+    This controller's first attempt after an earlier one's preemption counts the steps it redid, as supervise
+    counts them between its own attempts."""
+    out = [dict(a) for a in prior]
+    for a in mine:
+        a = {**a, "attempt": len(out) + 1, "controller": host}
+        before = out[-1] if out else None
+        if before and before["outcome"] == "preempted" and "steps_redone" not in a and \
+                before.get("last_step") is not None and a.get("resumed_from") is not None:
+            a["steps_redone"] = max(0, before["last_step"] - a["resumed_from"])
+        out.append(a)
+    return out
 
 
 def _instance_sa(where: V.Where) -> str | None:

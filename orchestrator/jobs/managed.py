@@ -104,7 +104,11 @@ def ensure_controller(where: V.Where, store: JobStore, prov: provider.Provider, 
     if bundle_uri is None:
         raise UserError(f"no controller bundle recorded in gs://{where.bucket}: submit a job with `tpuctl run NAME "
                         "--detach -- ...` first")
-    inst = V.get(where)
+    from google.api_core import exceptions as gx
+    try:
+        inst = V.get(where)
+    except gx.GoogleAPICallError as e:  # the API disabled or forbidden: what a create would say, with the fix
+        raise V.refusal(e, where) from None
     if inst is not None and inst["status"] in ("PROVISIONING", "STAGING", "RUNNING") and boot.get("booting") and \
             time.time() - boot.get("at", 0) < BOOT_WAIT_S:
         say(f"the tpuctl controller {where.name} is starting")
@@ -119,12 +123,18 @@ def ensure_controller(where: V.Where, store: JobStore, prov: provider.Provider, 
                 "the new controller picks them up from the bucket)")
         python, env = prov.controller_runtime()
         env = {**env, **prov.storage_env(where.bucket)}
-        # Recorded before the VM exists: a tpuctl that finds the controller gone later can recreate it.
+        # Recorded before the VM exists: the controller reads its bundle from it as it boots, and a tpuctl that
+        # finds the controller gone later can recreate it. A VM the API refuses puts back what was there.
+        before = store.heartbeat(where.region)
         store.put_heartbeat(where.region, {"booting": True, "bundle_uri": bundle_uri, "project": where.project,
                                            "zone": where.zone, "provider": prov.kind,
                                            "service_account": where.service_account,
                                            "idle_minutes": where.idle_minutes})
-        V.create(where, V.startup_script(where, bundle_uri, env, python), say)
+        try:
+            V.create(where, V.startup_script(where, bundle_uri, env, python), say)
+        except UserError:
+            store.restore_heartbeat(where.region, before)
+            raise
         prov.controller_started(where.project, where.zone, where.name, say)
     deadline = time.monotonic() + BOOT_WAIT_S
     while (hb := controller_alive(store, where.region)) is None:
@@ -134,6 +144,14 @@ def ensure_controller(where: V.Where, store: JobStore, prov: provider.Provider, 
                             f"{where.name} --zone {where.zone}); `tpuctl controller down` removes it")
         time.sleep(1)
     return hb
+
+
+def _exists(where: V.Where) -> bool:
+    """Is there a controller VM (True when the API cannot say: what it might boot from stays)?"""
+    try:
+        return V.get(where) is not None
+    except Exception:  # noqa: BLE001 - unknown is kept
+        return True
 
 
 # ---- submit -----------------------------------------------------------------------------------------------
@@ -168,17 +186,26 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
     bundle = B.build(workdir=opts.workdir, extras=B.trainer_extras(argv, L.PYTHON))
     bundle_uri = f"gs://{bucket}/tpuctl/bundles/{bundle.hash[:16]}/{bundle.wheel.name}"
     blob = store.bucket.blob(bundle_uri.split("/", 3)[3])
+    uploaded = []
     if not blob.exists():  # the wheel and its dependency list: what a controller VM installs (controller_vm.py)
-        store.bucket.blob(bundle_uri.split("/", 3)[3].rsplit("/", 1)[0] + "/requirements.txt").upload_from_string(
-            bundle.requirements_text())
+        reqs = store.bucket.blob(bundle_uri.split("/", 3)[3].rsplit("/", 1)[0] + "/requirements.txt")
+        reqs.upload_from_string(bundle.requirements_text())
+        uploaded.append(reqs)
         blob.upload_from_filename(str(bundle.wheel))
+        uploaded.append(blob)
     spec_base = {"project": rec.project, "zone": rec.zone, "bucket": bucket,
                  "controller_service_account": d.controller_service_account, "controller_idle": d.controller_idle}
     where = _where(spec_base, prov)
     say(f"plan: {name} at {rec.price_per_hour:.2f} $/hour while the job lives, supervised by {where.name} "
         f"({V.MACHINE}, {V.PRICE_PER_HOUR:.4f} $/hour while it has live jobs, then {d.controller_idle:g} idle "
         "minutes)")
-    hb = ensure_controller(where, store, prov, say, bundle_uri=bundle_uri)
+    try:
+        hb = ensure_controller(where, store, prov, say, bundle_uri=bundle_uri)
+    except UserError:
+        if not _exists(where):  # refused: the bundle this submit uploaded goes too (one already there stays)
+            for b in uploaded:
+                b.delete()
+        raise
     job_id = new_job_id()
     reader = f"serviceAccount:{hb.get('service_account_email') or where.service_account}"
     secret_refs = job_secrets.store(rec.project, job_id, opts.secrets, reader, endpoint=prov.secrets_endpoint(),

@@ -4,7 +4,8 @@ controller picks a job up from. Nothing of it lives on the controller's disk.
     gs://BUCKET/tpuctl/jobs/ID/spec.json       what to run (written once, at submit; no secret values)
                               /slice.json      the slice's record as the controller last knew it (workers change
                                                when a preempted slice is recreated)
-                              /state.json      written by the controller only: state, step, recoveries, goodput
+                              /state.json      written by the controller only: state, step, recoveries, goodput,
+                                               and every attempt any of the job's controllers saw end
                               /events.jsonl    written by the controller only: one line per event
                               /cancel.json     written by `tpuctl cancel`: the controller acts on it
                               /logs/controller.log, /logs/RUN_ID/HOST.log   copied as they grow (each
@@ -72,14 +73,21 @@ class JobStore:
     def check(self) -> None:
         """The bucket exists and this caller can write it: one line naming the fix otherwise."""
         from google.api_core import exceptions as gx
+        probe = self._blob(".tpuctl-write-check")
         try:
-            self._blob(".tpuctl-write-check").upload_from_string(b"ok")
+            probe.upload_from_string(b"ok")
         except gx.NotFound:
             raise UserError(f"bucket gs://{self.bucket_name} does not exist: create it (gcloud storage buckets "
                             f"create gs://{self.bucket_name}) or point --ckpt-dir at another") from None
         except gx.Forbidden:
             raise UserError(f"cannot write gs://{self.bucket_name}: grant roles/storage.objectAdmin on it to your "
                             "account and to the controller's service account") from None
+        finally:
+            # A refused submit leaves nothing in the bucket, and an accepted one no probe beside its job.
+            try:
+                probe.delete()
+            except gx.GoogleAPICallError:  # never written, or another submit's check removed it first
+                pass
 
     # ---- one job
     def put_spec(self, job_id: str, spec: dict) -> None:
@@ -163,6 +171,17 @@ class JobStore:
     # ---- the controller
     def put_heartbeat(self, region: str, hb: dict) -> None:
         self._put_json(f"controller/{region}.json", {**hb, "at": time.time()})
+
+    def restore_heartbeat(self, region: str, hb: dict | None) -> None:
+        """Put back a heartbeat as it was read (None: there was none), as when a controller VM was refused."""
+        from google.api_core import exceptions as gx
+        if hb is not None:
+            self._put_json(f"controller/{region}.json", hb)
+            return
+        try:
+            self._blob(f"controller/{region}.json").delete()
+        except gx.NotFound:
+            pass
 
     def heartbeat(self, region: str) -> dict | None:
         return self._get_json(f"controller/{region}.json")

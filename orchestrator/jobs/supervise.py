@@ -42,6 +42,9 @@ class Policy:
     settle_s: float = 60.0            # after exit 42 / a lost host, how long the API may lag behind the VMs
     poll_s: float = 2.0               # node state polling while settling
     cancelled: Callable[[], bool] | None = None  # a managed job's cancel: a failure then is the cancel, not a loss
+    # Told the attempts so far as each one ends: a managed job's controller keeps them in the job's record, so a
+    # controller that replaces it counts them in the job's goodput.
+    on_attempt: Callable[[list[dict]], None] | None = None
 
     def __post_init__(self):
         if self.on_preemption not in ("recreate", "fail"):
@@ -196,6 +199,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             attempts.append(_attempt(len(attempts), result, "done", attempts[-1] if attempts else None,
                                      time.monotonic() - t_attempt))
             attempts[-1]["recover_s"] = recover
+            _told(policy, attempts)
             result.attempts = attempts
             result.goodput = goodput(attempts, time.monotonic() - t_start)
             write_json(Path(result.run_dir) / "goodput.json",
@@ -221,6 +225,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
             if result is not None:
                 attempts.append(_attempt(len(attempts), result, "failed", attempts[-1] if attempts else None,
                                          t_lost - t_attempt))
+                _told(policy, attempts)
                 result.attempts = attempts
             raise failure
         attempts.append(_attempt(len(attempts), result, "preempted", attempts[-1] if attempts else None,
@@ -228,6 +233,7 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         attempts[-1]["recover_s"] = recover
         if result is None:  # preflight or push never got to run: the whole attempt went to recovering
             attempts[-1]["startup_s"] = attempts[-1]["wall_s"] = t_lost - t_attempt
+        _told(policy, attempts)
         step = latest_step(result.run_dir if result else None)
         what = _what_was_lost(name, rec, result) + f" {_verb(st)}" + (f" at step {step}" if step is not None else "")
         if policy.on_preemption == "fail":
@@ -244,6 +250,11 @@ def supervise(name: str, run_once: Callable[[int], RunResult], *, policy: Policy
         _recreate(name, st, progress)
         recover = time.monotonic() - t_lost
         progress(f"{name} is READY again; relaunching (attempt {restarts + 1})")
+
+
+def _told(policy: Policy, attempts: list[dict]) -> None:
+    if policy.on_attempt is not None:
+        policy.on_attempt(list(attempts))
 
 
 def _what_was_lost(name: str, rec, result: RunResult | None) -> str:
