@@ -132,8 +132,12 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
         lg = capped * softcap if softcap is not None else z
         if vocab_size is not None and vocab_size != v:
             lg = jnp.where(jnp.arange(v) < vocab_size, lg, -1e9)
-        logz = jax.nn.logsumexp(lg, axis=-1)
-        picked = jnp.take_along_axis(lg, tc[..., None], axis=-1)[..., 0]
+        # The row's max comes out of the logits' matmul (fused into it); one more pass over the logits takes
+        # the sum of exponentials and the target's logit together. A gather of the target (take_along_axis)
+        # would be a pass of its own: the TPU compiler keeps it apart from the reduction.
+        top = jnp.max(lg, axis=-1)
+        logz = top + jnp.log(jnp.sum(jnp.exp(lg - top[..., None]), axis=-1))
+        picked = jnp.sum(jnp.where(jnp.arange(v) == tc[..., None], lg, 0.0), axis=-1)  # one term: exact
         return jnp.sum(logz - picked), lg, logz, capped
 
     if not grads:
