@@ -60,8 +60,9 @@ OURS = {
     "ours, --optimizer-state sharded (ZeRO-1)": ["--optimizer-state", "sharded"],
     "ours, --table-grads per-use (the default before once)": ["--table-grads", "per-use"],
     "ours, --logits compute (bf16 logits in the chunked loss)": ["--logits", "compute"],
+    "ours, --splash-fwd compact (the forward's statistics in VMEM)": ["--splash-fwd", "compact"],
 }
-V6E_OURS = ("ours, default",)
+V6E_OURS = ("ours, default", "ours, --loss-chunk 0 (no loss chunks)")
 
 
 @dataclass(frozen=True)

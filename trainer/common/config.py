@@ -73,6 +73,9 @@ class TrainConfig:
     splash_layout: str = "seq-minor"
     splash_bwd: str = "fused"
     splash_block: int = 1024
+    # The forward pass's running statistics in VMEM and its log-sum-exp as [heads, 8, T] (splash_fwd.py), or
+    # splash's own forward, which writes them to HBM (the log-sum-exp as [heads, T, 128] f32, then copied).
+    splash_fwd: str = "splash"
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
     # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries. gpt2-124m, batch 64 x
     # 1024 on v5e-8, per device, counted whole (`python -m trainer.plan --devices 8 --tpu v5e:2x4 -- pretrain
@@ -170,6 +173,9 @@ HELP = {
                   "q, k, v and the output's gradient, or as one",
     "splash_block": "the largest block of positions the splash kernel takes at once (a divisor of --seq-len, a "
                     "multiple of 128): larger blocks read k and v fewer times and compute more masked scores",
+    "splash_fwd": "compact or splash: the splash kernel's forward pass with its running max, sum and output "
+                  "accumulator kept in on-chip memory and its log-sum-exp written once per position (compact), or "
+                  "splash's own, which writes them to HBM (the same numbers)",
     "loss_chunk": "sequence positions whose output-layer logits are computed at once, forward and backward "
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
@@ -259,7 +265,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--vocab-parallel {t.vocab_parallel}: choose auto, on or off")
     if t.attention not in ("auto", "xla", "splash"):
         raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
-    check_splash(t.splash_layout, t.splash_bwd, t.splash_block)
+    check_splash(t.splash_layout, t.splash_bwd, t.splash_block, t.splash_fwd)
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
     if t.optimizer_state not in ("sharded", "replicated"):
@@ -277,10 +283,13 @@ def validate(cfg: Config) -> None:
 
 
 SPLASH_LAYOUTS, SPLASH_BWD, LANES = ("head-minor", "seq-minor"), ("split", "fused"), 128
+SPLASH_FWD = ("compact", "splash")
 
 
-def check_splash(layout: str, bwd: str, block: int) -> None:
-    """--splash-layout, --splash-bwd, --splash-block (trainer/models/attention.Kernel)."""
+def check_splash(layout: str, bwd: str, block: int, fwd: str = "splash") -> None:
+    """--splash-layout, --splash-bwd, --splash-block, --splash-fwd (trainer/models/attention.Kernel)."""
+    if fwd not in SPLASH_FWD:
+        raise UsageError(f"--splash-fwd {fwd}: choose {' or '.join(SPLASH_FWD)}")
     if layout not in SPLASH_LAYOUTS:
         raise UsageError(f"--splash-layout {layout}: choose {' or '.join(SPLASH_LAYOUTS)}")
     if bwd not in SPLASH_BWD:
