@@ -75,12 +75,17 @@ class TrainConfig:
     splash_block: int = 1024
     # The forward pass's running statistics in VMEM and its log-sum-exp as [heads, 8, T] (splash_fwd.py), or
     # splash's own forward, which writes them to HBM (the log-sum-exp as [heads, T, 128] f32, then copied).
+    # splash stays the default: with compact the kernels move 1.3 GB less, but the compiler's count of the whole
+    # gpt2-124m step on v5e-8 (--loss-chunk 0, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1) rises 39.2 -> 47.4 GB:
+    # it moves more of the backward pass's operands between HBM and its S(1) memory (docs/verbs.md).
     splash_fwd: str = "splash"
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
     # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries. gpt2-124m, batch 64 x
     # 1024 on v5e-8, per device, counted whole (`python -m trainer.plan --devices 8 --tpu v5e:2x4 -- pretrain
     # --preset gpt2-124m --batch-size 64 --seq-len 1024 ...`, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1): with the
-    # splash defaults above 256 moves 41.3 GB with 2.45 GiB of temporaries, 0 39.2 GB with 3.38 GiB; with the
+    # splash defaults above and the loss's one pass over each chunk's logits (xent._one_pass), 256 moves 39.2 GB
+    # with 2.52 GiB of temporaries, 0 39.2 GB with 3.38 GiB (with the softmax's sum in a pass of its own, 256
+    # moved 39.9 GB with 2.45 GiB; with blocks of 512, 41.3 GB); with the
     # head-minor, split kernel before them 128 moved 54.2 GB with 2.71 GiB, 256 46.3 GB with 2.92, 512 45.7 GB
     # with 3.30, 0 43.9 GB with 3.84. 256 takes most of the bytes off for little memory.
     loss_chunk: int = 256
