@@ -89,7 +89,7 @@ def _version(name: str) -> str:
 
 def ours(chip: Chip, label: str, flags: list[str]) -> Row:
     """Our step as `tpuctl plan -a ACCELERATOR` compiles it (its cache reused: keyed by the code and versions)."""
-    from orchestrator import plan as P
+    from orchestrator.plan import step as P
     try:
         p = P.plan(chip.accelerator, [*STEP, *flags], alternatives=False)
     except P.PlanError as e:
