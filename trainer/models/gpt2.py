@@ -80,19 +80,14 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, attention: str = attention_lib.XLA,
                  kernel: attention_lib.Kernel = attention_lib.Kernel()) -> jax.Array:
         dt = x.dtype
-        w, b = self.qkv_kernel[...].astype(dt), self.qkv_bias[...].astype(dt)
-        if attention != attention_lib.XLA:
-            # The splash kernel does not scale q itself: q's weights and bias are scaled instead (a [D, H, hd]
-            # multiply, where scaling q would be a pass over q, and in the backward pass one over its gradient).
-            # For GPT-2's head_dim of 64 the scale is 1/8, a power of two: the same numbers either way.
-            scale = jnp.asarray([w.shape[-1] ** -0.5, 1.0, 1.0], dt)[:, None, None]
-            w, b = w * scale, b * scale
-        qkv = jnp.einsum("btd,dkhe->kbthe", x, w) + b[:, None, None]
+        qkv = jnp.einsum("btd,dkhe->kbthe", x, self.qkv_kernel[...].astype(dt))
+        qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
         q, k, v = (constrain(t, ("batch", "seq", "heads", "head_dim")) for t in qkv)
         if attention == attention_lib.XLA:
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = attention_lib.splash(q, k, v, interpret=attention == attention_lib.INTERPRET, kernel=kernel)
+        else:  # the kernel does not scale q itself
+            y = attention_lib.splash(q * jnp.asarray(q.shape[-1] ** -0.5, dt), k, v,
+                                     interpret=attention == attention_lib.INTERPRET, kernel=kernel)
         y = constrain(y, ("batch", "seq", "heads", "head_dim"))
         out = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt)) + self.out_bias[...].astype(dt)
         return constrain(out, ("batch", "seq", "embed"))
