@@ -7,7 +7,9 @@ scan computes its logits, their log-sum-exp and target logit, d loss / d logits 
 chunk's hidden-state gradient and its share of the table's gradient, and drops the logits. So at most one
 chunk's logits are alive at once, the logits are computed once (no recompute in a backward pass: the same three
 output-layer matmuls per token as the full logits' forward and backward), and the backward pass only scales the
-saved gradients by the loss's cotangent.
+saved gradients by the loss's cotangent. Without soft-capping (GPT-2) each chunk's f32 logits are read twice
+after their matmul writes them (`_one_pass`): by the dx matmul, which also yields the softmax's sum, and by the
+table's gradient.
 
 The table's gradient accumulates in the carry per batch shard ([shards, V, D], each device adding only its own
 rows' contribution): summed over the shards once after the loop, not all-reduced every chunk. Given the table
