@@ -60,8 +60,9 @@ OURS = {
     "ours, --optimizer-state sharded (ZeRO-1)": ["--optimizer-state", "sharded"],
     "ours, --table-grads per-use (the default before once)": ["--table-grads", "per-use"],
     "ours, --logits compute (bf16 logits in the chunked loss)": ["--logits", "compute"],
+    "ours, --splash-fwd compact (the forward's statistics in VMEM)": ["--splash-fwd", "compact"],
 }
-V6E_OURS = ("ours, default",)
+V6E_OURS = ("ours, default", "ours, --loss-chunk 0 (no loss chunks)")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def _version(name: str) -> str:
 
 def ours(chip: Chip, label: str, flags: list[str]) -> Row:
     """Our step as `tpuctl plan -a ACCELERATOR` compiles it (its cache reused: keyed by the code and versions)."""
-    from orchestrator import plan as P
+    from orchestrator.plan import step as P
     try:
         p = P.plan(chip.accelerator, [*STEP, *flags], alternatives=False)
     except P.PlanError as e:

@@ -63,8 +63,9 @@ F32, BF16 = (jnp.float32, (1e-5, 1e-4)), (jnp.bfloat16, (1e-2, 2e-2))  # (forwar
 
 # f32: absolute. bf16 (8 mantissa bits): relative to the largest magnitude of each reference tensor.
 # The kernel's other ways of running (attention.Kernel: q, k, v unpadded with the sequence minor, one backward
-# kernel) compute the same attention: the causal and grouped-kv cases with them.
-SEQ_MINOR_FUSED = attention.Kernel(layout="seq-minor", bwd="fused")
+# kernel, the forward pass of trainer/models/splash_fwd.py) compute the same attention: the causal and window
+# cases with them.
+SEQ_MINOR_FUSED = attention.Kernel(layout="seq-minor", bwd="fused", fwd="compact")
 
 
 @pytest.mark.parametrize("case,dtype,tol,kernel", [(c, *F32, attention.Kernel()) for c in CASES]

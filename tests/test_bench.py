@@ -74,3 +74,6 @@ def test_side_by_side_reads_maxtexts_records_and_says_what_was_not_measured(tmp_
         assert len(missing) == 1 and missing[0].note.startswith("not measured")
         assert "not measured" in S.render(v6e, missing[0])
     assert S.maxtext_path(None) == S.DEFAULT_MAXTEXT or os.environ.get(S.MAXTEXT_ENV)
+    # Our rows go through `tpuctl plan`'s API: a step it refuses (here before any compile) is a "failed" row.
+    bad = S.ours(v5e, "ours, a bad flag", ["--no-such-flag"])
+    assert bad.note == "failed: unrecognized arguments: --no-such-flag" and "failed" in S.render(v5e, bad)

@@ -92,7 +92,7 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                            "mesh": t.mesh, "n_head": m.n_head, "attention": steps.attention, "remat": t.remat,
                            "loss_chunk": t.loss_chunk, "table_grads": t.table_grads,
                            "logits": t.logits, "splash_layout": t.splash_layout, "splash_bwd": t.splash_bwd,
-                           "splash_block": t.splash_block},
+                           "splash_block": t.splash_block, "splash_fwd": t.splash_fwd},
                  levers=("grad_accum", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled)
 
 

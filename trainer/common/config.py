@@ -73,11 +73,19 @@ class TrainConfig:
     splash_layout: str = "seq-minor"
     splash_bwd: str = "fused"
     splash_block: int = 1024
+    # The forward pass's running statistics in VMEM and its log-sum-exp as [heads, 8, T] (splash_fwd.py), or
+    # splash's own forward, which writes them to HBM (the log-sum-exp as [heads, T, 128] f32, then copied).
+    # splash stays the default: with compact the kernels move 1.3 GB less, but the compiler's count of the whole
+    # gpt2-124m step on v5e-8 (--loss-chunk 0, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1) rises 39.2 -> 47.4 GB:
+    # it moves more of the backward pass's operands between HBM and its S(1) memory (docs/verbs.md).
+    splash_fwd: str = "splash"
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
     # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries. gpt2-124m, batch 64 x
     # 1024 on v5e-8, per device, counted whole (`python -m trainer.plan --devices 8 --tpu v5e:2x4 -- pretrain
     # --preset gpt2-124m --batch-size 64 --seq-len 1024 ...`, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1): with the
-    # splash defaults above 256 moves 41.3 GB with 2.45 GiB of temporaries, 0 39.2 GB with 3.38 GiB; with the
+    # splash defaults above and the loss's one pass over each chunk's logits (xent._one_pass), 256 moves 39.2 GB
+    # with 2.52 GiB of temporaries, 0 39.2 GB with 3.38 GiB (with the softmax's sum in a pass of its own, 256
+    # moved 39.9 GB with 2.45 GiB; with blocks of 512, 41.3 GB); with the
     # head-minor, split kernel before them 128 moved 54.2 GB with 2.71 GiB, 256 46.3 GB with 2.92, 512 45.7 GB
     # with 3.30, 0 43.9 GB with 3.84. 256 takes most of the bytes off for little memory.
     loss_chunk: int = 256
@@ -170,6 +178,9 @@ HELP = {
                   "q, k, v and the output's gradient, or as one",
     "splash_block": "the largest block of positions the splash kernel takes at once (a divisor of --seq-len, a "
                     "multiple of 128): larger blocks read k and v fewer times and compute more masked scores",
+    "splash_fwd": "compact or splash: the splash kernel's forward pass with its running max, sum and output "
+                  "accumulator kept in on-chip memory and its log-sum-exp written once per position (compact), or "
+                  "splash's own, which writes them to HBM (the same numbers)",
     "loss_chunk": "sequence positions whose output-layer logits are computed at once, forward and backward "
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
@@ -259,7 +270,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--vocab-parallel {t.vocab_parallel}: choose auto, on or off")
     if t.attention not in ("auto", "xla", "splash"):
         raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
-    check_splash(t.splash_layout, t.splash_bwd, t.splash_block)
+    check_splash(t.splash_layout, t.splash_bwd, t.splash_block, t.splash_fwd)
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")
     if t.optimizer_state not in ("sharded", "replicated"):
@@ -277,10 +288,13 @@ def validate(cfg: Config) -> None:
 
 
 SPLASH_LAYOUTS, SPLASH_BWD, LANES = ("head-minor", "seq-minor"), ("split", "fused"), 128
+SPLASH_FWD = ("compact", "splash")
 
 
-def check_splash(layout: str, bwd: str, block: int) -> None:
-    """--splash-layout, --splash-bwd, --splash-block (trainer/models/attention.Kernel)."""
+def check_splash(layout: str, bwd: str, block: int, fwd: str = "splash") -> None:
+    """--splash-layout, --splash-bwd, --splash-block, --splash-fwd (trainer/models/attention.Kernel)."""
+    if fwd not in SPLASH_FWD:
+        raise UsageError(f"--splash-fwd {fwd}: choose {' or '.join(SPLASH_FWD)}")
     if layout not in SPLASH_LAYOUTS:
         raise UsageError(f"--splash-layout {layout}: choose {' or '.join(SPLASH_LAYOUTS)}")
     if bwd not in SPLASH_BWD:

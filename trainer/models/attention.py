@@ -53,14 +53,17 @@ class Kernel:
     that layout; "seq-minor" is [head_dim, T], no padding. bwd: "split" computes dq and dk/dv in two backward
     kernels, each reading q, k, v and the output's gradient; "fused" in one. block: the largest block of
     positions the kernel takes at once (a divisor of T is used): larger blocks read k and v fewer times, and
-    compute more of the masked scores of the causal diagonal.
+    compute more of the masked scores of the causal diagonal. fwd: "compact" runs the forward pass through
+    trainer/models/splash_fwd.py (its accumulators in VMEM, the log-sum-exp written as [heads, 8, T]), "splash"
+    as splash's own (which writes them to HBM, the log-sum-exp 128 times over).
     """
     layout: str = "head-minor"
     bwd: str = "split"
     block: int = MAX_BLOCK
+    fwd: str = "splash"
 
     def check(self) -> None:
-        check_splash(self.layout, self.bwd, self.block)
+        check_splash(self.layout, self.bwd, self.block, self.fwd)
 
 
 def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool,
@@ -75,8 +78,12 @@ def _kernel(heads: int, t: int, window: int | None, softcap: float | None, inter
     dq = {"use_fused_bwd_kernel": True} if kernel.bwd == "fused" else {"block_q_dq": blk, "block_kv_dq": blk}
     sizes = sa.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
                           block_kv_dkv_compute=blk, q_layout=layout, k_layout=layout, v_layout=layout, **dq)
-    return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+    made = sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
                               attn_logits_soft_cap=softcap, interpret=interpret)
+    if kernel.fwd == "compact":
+        from trainer.models import splash_fwd
+        return splash_fwd.attend(made)
+    return made
 
 
 def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None, softcap: float | None = None,

@@ -7,7 +7,9 @@ scan computes its logits, their log-sum-exp and target logit, d loss / d logits 
 chunk's hidden-state gradient and its share of the table's gradient, and drops the logits. So at most one
 chunk's logits are alive at once, the logits are computed once (no recompute in a backward pass: the same three
 output-layer matmuls per token as the full logits' forward and backward), and the backward pass only scales the
-saved gradients by the loss's cotangent.
+saved gradients by the loss's cotangent. Without soft-capping (GPT-2) each chunk's f32 logits are read twice
+after their matmul writes them (`_one_pass`): by the dx matmul, which also yields the softmax's sum, and by the
+table's gradient.
 
 The table's gradient accumulates in the carry per batch shard ([shards, V, D], each device adding only its own
 rows' contribution): summed over the shards once after the loop, not all-reduced every chunk. Given the table
@@ -111,6 +113,31 @@ def batch_shards(batch: int) -> int:
     return n if batch % n == 0 else 1
 
 
+def _one_pass(xc, tc, w, w1, logits_of, total: int):
+    """One chunk's summed loss, d loss / d logits (compute dtype) and dx, reading its f32 logits three times:
+    written by their matmul (which also takes each row's max), read by the dx matmul and by the table's gradient.
+
+    Softmax's sum comes out of the dx matmul: e = exp(logits - max) times the table with a column of ones (w1)
+    is [e @ table, sum(e)], so dx = (e @ table) / sum(e) - table[target], all over the token count, and no pass
+    of its own sums the exponentials. The target's logit is x . table[target] (a gather of table rows, not of
+    logits). e enters the matmul in the compute dtype, as d loss / d logits always did: on TPU the sum of a
+    row's exponentials is rounded per term to bf16 (8 bits; errors of either sign, ~1e-3 of a token's loss at
+    worst), in f32 elsewhere."""
+    lg = logits_of(xc)
+    top = jnp.max(lg, axis=-1)
+    r = _matmul_in(jnp.exp(lg - top[..., None]).astype(xc.dtype), w1)
+    d = xc.shape[-1]
+    norm = r[..., d]
+    rows = lookup(w, tc)
+    dxc = ((r[..., :d] / norm[..., None] - rows) / total).astype(xc.dtype)
+    logz = top + jnp.log(norm)
+    picked = jnp.einsum("btd,btd->bt", xc, rows, preferred_element_type=jnp.float32)
+    # d loss / d logits = (softmax - onehot) / total; padding columns get exp(-1e9 - logz) = 0.
+    dz = jnp.exp(lg - logz[..., None])
+    dz = jnp.where(jnp.arange(lg.shape[-1]) == tc[..., None], dz - 1.0, dz) / total
+    return jnp.sum(logz - picked), dz.astype(xc.dtype), dxc
+
+
 def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: float | None, grads: bool,
             narrow: bool = False):
     """The summed-then-averaged loss over chunks of positions, and with grads its (dx, dtable). narrow: each
@@ -125,15 +152,22 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
     shared = table.ndim == 3  # per_shard's copies: their gradient stays per shard
     s, v = (table.shape[0] if shared else batch_shards(b)), table.shape[-2]
 
-    def chunk_loss(xc, tc):
+    def logits_of(xc):
+        """A chunk's f32 logits (softcap not applied), padding columns at -1e9."""
         z = _constrain(_matmul_out(xc, w, x.dtype if narrow else jnp.float32), ("batch", "seq", "vocab"))
         z = z.astype(jnp.float32)  # a no-op, or a convert fused into each reader of the narrow logits
+        return z if vocab_size is None or vocab_size == v else jnp.where(jnp.arange(v) < vocab_size, z, -1e9)
+
+    def chunk_loss(xc, tc):
+        z = logits_of(xc)
         capped = jnp.tanh(z / softcap) if softcap is not None else None
         lg = capped * softcap if softcap is not None else z
-        if vocab_size is not None and vocab_size != v:
-            lg = jnp.where(jnp.arange(v) < vocab_size, lg, -1e9)
-        logz = jax.nn.logsumexp(lg, axis=-1)
-        picked = jnp.take_along_axis(lg, tc[..., None], axis=-1)[..., 0]
+        # The row's max comes out of the logits' matmul (fused into it); one more pass over the logits takes
+        # the sum of exponentials and the target's logit together. A gather of the target (take_along_axis)
+        # would be a pass of its own: the TPU compiler keeps it apart from the reduction.
+        top = jnp.max(lg, axis=-1)
+        logz = top + jnp.log(jnp.sum(jnp.exp(lg - top[..., None]), axis=-1))
+        picked = jnp.sum(jnp.where(jnp.arange(v) == tc[..., None], lg, 0.0), axis=-1)  # one term: exact
         return jnp.sum(logz - picked), lg, logz, capped
 
     if not grads:
@@ -145,20 +179,23 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
     def step(carry, xt):
         acc, dtable = carry
         xc, tc = xt
-        lc, lg, logz, capped = chunk_loss(xc, tc)
-        # d loss / d logits = (softmax - onehot) / total; padding columns get exp(-1e9 - logz) = 0.
-        dz = jnp.exp(lg - logz[..., None])
-        dz = jnp.where(jnp.arange(v) == tc[..., None], dz - 1.0, dz) / total
-        if softcap is not None:
-            dz = dz * (1.0 - jnp.square(capped))
-        dz = dz.astype(x.dtype)
-        dxc = _matmul_in(dz, w).astype(x.dtype)
+        if softcap is None:
+            lc, dz, dxc = _one_pass(xc, tc, w, w1, logits_of, total)
+        else:
+            lc, lg, logz, capped = chunk_loss(xc, tc)
+            # d loss / d logits = (softmax - onehot) / total; padding columns get exp(-1e9 - logz) = 0.
+            dz = jnp.exp(lg - logz[..., None])
+            dz = jnp.where(jnp.arange(v) == tc[..., None], dz - 1.0, dz) / total
+            dz = (dz * (1.0 - jnp.square(capped))).astype(x.dtype)
+            dxc = _matmul_in(dz, w).astype(x.dtype)
         # Each batch shard's contribution to the table's gradient stays on its devices: [s, V, D].
         dzs = dz.reshape(s, dz.shape[0] // s, *dz.shape[1:])
         xcs = xc.reshape(s, xc.shape[0] // s, *xc.shape[1:])
         part = jnp.einsum("sbtv,sbtd->svd", dzs, xcs, preferred_element_type=jnp.float32)
         return (acc + lc, dtable + _constrain(part, ("batch", "vocab", "embed"))), dxc
 
+    # The table with a column of ones: one matmul gives a chunk's unnormalised dx and its softmax's sum.
+    w1 = jnp.concatenate([w, jnp.ones((*w.shape[:-1], 1), w.dtype)], axis=-1) if softcap is None else None
     zero = (jnp.zeros((), jnp.float32),
             _constrain(jnp.zeros((s, *table.shape[-2:]), jnp.float32), ("batch", "vocab", "embed")))
     (loss, dtable), dxs = scans.scan(step, zero, (xs, ts))

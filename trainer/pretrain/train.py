@@ -68,7 +68,7 @@ class Steps:
         platform = mesh.devices.flat[0].platform  # of the devices compiled for: a TPU plan from a CPU host
         self.dtype = compute_dtype(t.dtype, platform)
         self.attention = attention.resolve(t.attention, platform, m.seq_len)
-        self.kernel = attention.Kernel(t.splash_layout, t.splash_bwd, t.splash_block)
+        self.kernel = attention.Kernel(t.splash_layout, t.splash_bwd, t.splash_block, t.splash_fwd)
         self.graphdef, _ = gpt2.abstract(m)
         self.vocab_parallel = use_vocab_parallel(cfg, mesh.size, mesh.shape[mesh_lib.DCN])
         self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES
