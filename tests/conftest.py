@@ -27,10 +27,11 @@ if "TPUCTL_SSH_KEY" not in os.environ:
 # that no worker starts a long module while the other has nothing left. Core-seconds measured on a cold cache
 # (test caches and compile cache empty, as on CI); the rest keep their order after these.
 LONGEST_FIRST = (
-    "test_preemption_e2e.py", "test_plan.py", "test_lora.py", "test_run_e2e.py", "test_attention.py",
-    "test_multislice_e2e.py", "test_demo.py", "test_bench.py", "test_sweep_e2e.py", "test_fresh_vm_e2e.py",
-    "test_access.py", "test_storage_outage.py", "test_trainer_multiproc.py", "test_gemma_sample.py",
-    "test_run_report.py", "test_run.py", "test_gemma_run_e2e.py", "test_loss_chunks.py",
+    "test_plan.py", "test_preemption_e2e.py", "test_lora.py", "test_multislice_e2e.py", "test_run_e2e.py",
+    "test_attention.py", "test_demo.py", "test_sweep_e2e.py", "test_bench.py", "test_fresh_vm_e2e.py",
+    "test_access.py", "test_lora_run_e2e.py", "test_gemma_sample.py", "test_run.py", "test_loss_chunks.py",
+    "test_trainer_multiproc.py", "test_gemma_run_e2e.py", "test_run_report.py", "test_gemma.py",
+    "test_storage_outage.py", "test_data_pull.py", "test_trainer_train.py",
 )
 
 
