@@ -70,6 +70,20 @@ def test_a_controller_that_cannot_be_created_is_one_line_with_the_fix(compute, k
     assert V.get(_where(compute.url)) is None  # nothing was left behind
 
 
+def test_an_api_that_refuses_the_look_up_is_one_line_with_the_fix(compute):
+    """`controller status`, `jobs` and a submit all look the controller up first: a disabled API says how to
+    enable it there too, not a traceback."""
+    compute.control.reset()
+    compute.control.service_disabled(op="get")
+    with pytest.raises(UserError) as e:
+        V.get(_where(compute.url))
+    assert str(e.value).startswith("cannot look up the tpuctl controller: the Compute Engine API is not enabled")
+    assert "gcloud services enable compute.googleapis.com --project proj-a" in str(e.value)
+    assert "\n" not in str(e.value), e.value
+    compute.control.reset()
+    assert V.get(_where(compute.url)) is None
+
+
 def test_a_jobs_secrets_are_read_by_the_controllers_account_only():
     srv = fake_secret_manager.start_in_thread()
     try:

@@ -64,33 +64,36 @@ def _why(e: Exception) -> str:
     return " ".join(str(msg).split())
 
 
-def refusal(e: Exception, where: Where) -> UserError:
-    """A create the API refused, as one line with the fix."""
+def refusal(e: Exception, where: Where, doing: str = "create") -> UserError:
+    """A call the API refused (a create, or a look-up: `doing`), as one line with the fix."""
     text = _why(e)
     if "SERVICE_DISABLED" in text or "has not been used in project" in text or "is disabled" in text:
-        return UserError(f"cannot create the tpuctl controller: the Compute Engine API is not enabled in project "
+        return UserError(f"cannot {doing} the tpuctl controller: the Compute Engine API is not enabled in project "
                          f"{where.project}: `gcloud services enable compute.googleapis.com --project "
                          f"{where.project}` ({text})")
     if "Quota" in text or "QUOTA" in text:
-        return UserError(f"cannot create the tpuctl controller ({MACHINE} in {where.zone}): {text}; ask for more "
+        return UserError(f"cannot {doing} the tpuctl controller ({MACHINE} in {where.zone}): {text}; ask for more "
                          "quota (IAM & Admin > Quotas) or free some in that region")
     if "Constraint" in text or "constraints/" in text:
-        return UserError(f"cannot create the tpuctl controller: an organisation policy forbids it: {text}; ask "
+        return UserError(f"cannot {doing} the tpuctl controller: an organisation policy forbids it: {text}; ask "
                          "your organisation's admin for an exception for this project")
     if "Permission" in text or "403" in text:
-        return UserError(f"cannot create the tpuctl controller: {text}; it needs roles/compute.instanceAdmin.v1 "
+        return UserError(f"cannot {doing} the tpuctl controller: {text}; it needs roles/compute.instanceAdmin.v1 "
                          "and roles/iam.serviceAccountUser on the controller's service account")
-    return UserError(f"cannot create the tpuctl controller {where.name} in {where.zone}: {text}")
+    return UserError(f"cannot {doing} the tpuctl controller {where.name} in {where.zone}: {text}")
 
 
 def get(where: Where) -> dict | None:
-    """The controller instance as the API has it ({name, status, created}), or None when there is none."""
+    """The controller instance as the API has it ({name, status, created}), or None when there is none. An API
+    that refuses the look-up (disabled, forbidden) is one line with the fix, for every command that asks."""
     from google.api_core import exceptions as gx
     inst, _ = _clients(where.endpoint)
     try:
         i = inst.get(project=where.project, zone=where.zone, instance=where.name, timeout=30)
     except gx.NotFound:
         return None
+    except gx.GoogleAPICallError as e:
+        raise refusal(e, where, "look up") from None
     return {"name": i.name, "status": i.status, "created": i.creation_timestamp, "zone": where.zone,
             "machine": i.machine_type.rsplit("/", 1)[-1]}
 

@@ -104,11 +104,7 @@ def ensure_controller(where: V.Where, store: JobStore, prov: provider.Provider, 
     if bundle_uri is None:
         raise UserError(f"no controller bundle recorded in gs://{where.bucket}: submit a job with `tpuctl run NAME "
                         "--detach -- ...` first")
-    from google.api_core import exceptions as gx
-    try:
-        inst = V.get(where)
-    except gx.GoogleAPICallError as e:  # the API disabled or forbidden: what a create would say, with the fix
-        raise V.refusal(e, where) from None
+    inst = V.get(where)  # an API that refuses even the look-up is one line with the fix (controller_vm.get)
     if inst is not None and inst["status"] in ("PROVISIONING", "STAGING", "RUNNING") and boot.get("booting") and \
             time.time() - boot.get("at", 0) < BOOT_WAIT_S:
         say(f"the tpuctl controller {where.name} is starting")
