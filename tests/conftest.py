@@ -1,6 +1,13 @@
 """Test-wide setup. Runs before any test module imports jax."""
 import glob
 import os
+import signal
+
+# A suite started as a background job of a non-interactive shell (`make test &`, a script's `nohup ... &`) inherits
+# SIGINT ignored, and so would every process it starts: the tests of what Ctrl-C does would see it lost. Python
+# leaves an ignored SIGINT ignored; the tests need it delivered, as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # 8 emulated CPU devices for every in-process JAX test (an inherited count wins, as in the trainer).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
