@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+# Its own TPUCTL_HOME; `make setup` fills its wheelhouse (--prefetch), which the tests link theirs from.
+HOME = Path.home() / ".tpuctl" / "demo"
 BUCKET = "tpuctl-demo"
 PROMPT = "ROMEO:\n"
 TOKENIZER = "plays-4k"
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accelerator", default="v4-16", help="v4-16 = 2 local hosts")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--no-sweep", action="store_true", help="skip the sweep at the end")
-    p.add_argument("--home", default=str(Path.home() / ".tpuctl" / "demo"))
+    p.add_argument("--home", default=str(HOME))
     p.add_argument("--prefetch", action="store_true",
                    help="only download what the demo's hosts install into its home's wheelhouse, and exit "
                         "(`make setup` does this: downloads belong to setup, not to the demo's minutes)")

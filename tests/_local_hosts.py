@@ -19,7 +19,7 @@ from orchestrator.jobs.launch import Worker
 # The wheelhouse, uv cache and dependency layers are a machine-wide cache (as $TPUCTL_HOME/wheelhouse is for
 # users): filled once per dependency list, then reused by every test run on this machine. So are the XLA compile
 # caches: jax/ for trainer processes here (conftest.py), wheelhouse/xla-cache for the local slices' hosts.
-TEST_CACHE = Path(os.environ.get("TPUCTL_TEST_CACHE") or Path.home() / ".cache" / "tpuctl-test")
+TEST_CACHE = Path(os.environ["TPUCTL_TEST_CACHE"])  # conftest.py sets it
 
 
 # Local hosts need root (namespaces) and openssh-server (`make setup` installs it); CI has both.

@@ -14,7 +14,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-TEST_CACHE = os.environ.get("TPUCTL_TEST_CACHE") or os.path.expanduser("~/.cache/tpuctl-test")  # _local_hosts's
+# The machine-wide test cache (wheelhouse, compile caches, downloaded reference files), set once here for every
+# test module (tests/_local_hosts.TEST_CACHE) and every process they start.
+TEST_CACHE = os.environ.setdefault("TPUCTL_TEST_CACHE", os.path.expanduser("~/.cache/tpuctl-test"))
 
 # One XLA compile cache for this process and every trainer subprocess the tests start here, under the machine's
 # test cache (tests/_local_hosts.TEST_CACHE): the same tiny programs are compiled by test after test (a reference
@@ -30,16 +32,14 @@ if "TPUCTL_SSH_KEY" not in os.environ:
 
 
 # `make setup` downloads the wheels the demo's hosts install (orchestrator/demo.py --prefetch, into the demo's
-# default home). The local slices of the tests install the same dependency lists from the test cache's wheelhouse:
+# home). The local slices of the tests install the same dependency lists from the test cache's wheelhouse:
 # a list the demo's wheelhouse already holds is hard-linked in rather than downloaded a second time (on a clean
 # machine, as on CI, that download is a minute or more of the first e2e test). Keyed by the dependency hash, as
 # orchestrator/jobs/bundle.fill_wheelhouse keys it; only lists it marked complete.
-DEMO_WHEELHOUSE = os.path.expanduser("~/.tpuctl/demo/wheelhouse")
-
-
 def _seed_wheelhouse() -> None:
     import shutil
-    for done in sorted(glob.glob(os.path.join(DEMO_WHEELHOUSE, "*", ".complete"))):
+    from orchestrator.demo import HOME  # stdlib only at import: no jax before the flags above
+    for done in sorted(glob.glob(os.path.join(HOME, "wheelhouse", "*", ".complete"))):
         src = os.path.dirname(done)
         dst = os.path.join(TEST_CACHE, "wheelhouse", os.path.basename(src))
         if os.path.exists(dst):

@@ -28,7 +28,7 @@ STRINGS = [
 
 def _cache_dir() -> str:
     """The machine-wide test cache the local-slice tests use too (TPUCTL_TEST_CACHE)."""
-    d = os.path.join(os.environ.get("TPUCTL_TEST_CACHE") or os.path.expanduser("~/.cache/tpuctl-test"), "wheels")
+    d = os.path.join(os.environ["TPUCTL_TEST_CACHE"], "wheels")  # conftest.py sets it
     os.makedirs(d, exist_ok=True)
     return d
 
