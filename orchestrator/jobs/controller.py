@@ -382,13 +382,12 @@ def merged_attempts(prior: list[dict], mine: list[dict], host: str) -> list[dict
     """A job's attempts across its controllers: those earlier ones recorded, then this one's (host), numbered on.
     This controller's first attempt after an earlier one's preemption counts the steps it redid, as supervise
     counts them between its own attempts."""
+    from orchestrator.jobs.supervise import steps_redone
     out = [dict(a) for a in prior]
     for a in mine:
         a = {**a, "attempt": len(out) + 1, "controller": host}
-        before = out[-1] if out else None
-        if before and before["outcome"] == "preempted" and "steps_redone" not in a and \
-                before.get("last_step") is not None and a.get("resumed_from") is not None:
-            a["steps_redone"] = max(0, before["last_step"] - a["resumed_from"])
+        if "steps_redone" not in a and (redone := steps_redone(out[-1] if out else None, a)) is not None:
+            a["steps_redone"] = redone
         out.append(a)
     return out
 

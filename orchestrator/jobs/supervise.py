@@ -119,9 +119,18 @@ def _attempt(n: int, result: RunResult | None, outcome: str, before: dict | None
         a["tail_s"] = wall - t["last_step_s"]
         if t["last_step"] > t["first_step"]:
             a["step_s"] = a["steps_s"] / (t["last_step"] - t["first_step"])
-    if before and before["outcome"] == "preempted" and before["last_step"] is not None and a["resumed_from"] is not None:
-        a["steps_redone"] = max(0, before["last_step"] - a["resumed_from"])
+    if (redone := steps_redone(before, a)) is not None:
+        a["steps_redone"] = redone
     return a
+
+
+def steps_redone(before: dict | None, a: dict) -> int | None:
+    """The steps attempt `a` trained again after a preemption ended `before`: from the step it resumed from to
+    the last one `before` reached. None when `before` was not a preemption, or either step is unknown."""
+    if before and before["outcome"] == "preempted" and before.get("last_step") is not None and \
+            a.get("resumed_from") is not None:
+        return max(0, before["last_step"] - a["resumed_from"])
+    return None
 
 
 def goodput(attempts: list[dict], wall_s: float) -> dict:
