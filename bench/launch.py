@@ -55,8 +55,8 @@ def _wheelhouse_root() -> Path:
     env = os.environ.get("TPUCTL_BENCH_WHEELHOUSE")
     if env:
         return Path(env)
-    test_cache = Path(os.environ.get("TPUCTL_TEST_CACHE") or Path.home() / ".cache" / "tpuctl-test")
-    return test_cache / "wheelhouse"
+    from bench import test_cache
+    return test_cache() / "wheelhouse"
 
 
 def bench(host_counts=(1, 4, 16), trainer_max_hosts: int = 4, say=print) -> None:

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def corpus(mb: float, seed: int = 0) -> Path:
     """The corpus, made once and kept (it takes about as long to make as to tokenise)."""
     from infra import webcorpus
-    cache = Path(os.environ.get("TPUCTL_TEST_CACHE") or Path.home() / ".cache" / "tpuctl-test")
+    from bench import test_cache
+    cache = test_cache()
     shard_mb = max(0.5, mb / 12)  # a dozen files or more: work for every worker
     d = cache / f"webcorpus-{mb:g}mb-seed{seed}-shard{shard_mb:g}"
     done = d.with_name(d.name + ".done")  # beside it: a file inside would be read as input

@@ -16,7 +16,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The machine-wide test cache (wheelhouse, compile caches, downloaded reference files), set once here for every
 # test module (tests/_local_hosts.TEST_CACHE) and every process they start.
-TEST_CACHE = os.environ.setdefault("TPUCTL_TEST_CACHE", os.path.expanduser("~/.cache/tpuctl-test"))
+from bench import test_cache  # noqa: E402 (stdlib only at import: no jax before the flags above)
+TEST_CACHE = os.environ.setdefault("TPUCTL_TEST_CACHE", str(test_cache()))
 
 # One XLA compile cache for this process and every trainer subprocess the tests start here, under the machine's
 # test cache (tests/_local_hosts.TEST_CACHE): the same tiny programs are compiled by test after test (a reference
