@@ -24,6 +24,9 @@ TEST_CACHE = os.environ.setdefault("TPUCTL_TEST_CACHE", str(test_cache()))
 # run, a resume, a sweep's trials), and on 2 CPU cores a compile costs more than the steps. Local slice hosts read
 # the one under their wheelhouse (infra/local_slice.py).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(TEST_CACHE, "jax"))
+# ... every compile, however short, as the trainer keeps them (trainer/common/loop.enable_compile_cache): the
+# suite's in-process tests compile the same small programs test after test.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # `tpuctl up` makes the user's SSH key for new VMs when there is none: tests get a key of their own, never the
 # user's ~/.ssh/google_compute_engine.

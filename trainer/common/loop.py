@@ -24,8 +24,14 @@ def enable_compile_cache() -> None:
     """Persistent XLA compilation cache (a restart after preemption skips recompiling).
 
     JAX_COMPILATION_CACHE_DIR wins; else $TPUCTL_CACHE/jax (default ~/.cache/tpuctl/jax), private to the user.
+
+    Every compile is kept, not only those over JAX's default second: a run's start compiles dozens of small
+    programs besides the step (parameter init, the checkpointer's per-shard slices, evaluation), each under a
+    second and together a few seconds of every host's restart.
     """
     from jax.experimental.compilation_cache import compilation_cache as cc
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if jax.config.jax_compilation_cache_dir:
         return
     root = Path(os.environ.get("TPUCTL_CACHE", Path.home() / ".cache" / "tpuctl"))
