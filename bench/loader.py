@@ -1,4 +1,4 @@
-"""Bench [11]: the pretraining loader's tokens/s from gs:// (the GCS emulator, TensorStore range reads of the
+"""Bench [12]: the pretraining loader's tokens/s from gs:// (the GCS emulator, TensorStore range reads of the
 windows of each batch) beside the same data read from a local file (memory-mapped), measured in the same run.
 
 The trainer's path: BatchLoader.iterate (grain's read-ahead threads) over a nanoGPT-layout train.bin, windows of
@@ -62,7 +62,7 @@ def main(say=print, quick: bool = False) -> None:
                 else:
                     os.environ[k] = v
     gs, mm = rates["gs://bench-data/owt"], rates[str(local)]
-    say(f"[11] loader, {n_tokens / 2**20:.0f}M-token train.bin, batches of {batch} x {seq + 1} tokens, {steps} "
+    say(f"[12] loader, {n_tokens / 2**20:.0f}M-token train.bin, batches of {batch} x {seq + 1} tokens, {steps} "
         f"steps: gs:// (GCS emulator, range reads) {gs:,.0f} tokens/s, local memmap {mm:,.0f} tokens/s")
-    say(f"[11] ratio gs/local: {gs / mm:.2f}x; gs:// against the 2M tokens/s a host needs: {gs / TARGET:.2f}x"
+    say(f"[12] ratio gs/local: {gs / mm:.2f}x; gs:// against the 2M tokens/s a host needs: {gs / TARGET:.2f}x"
         + ("  (--quick: sizes too small to mean anything)" if quick else ""))

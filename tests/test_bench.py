@@ -36,7 +36,7 @@ def test_quick_bench_prints_ratios():
     m = re.search(r"ratio save-every-2/no-save step time: ([0-9.]+)x", out)
     assert m and float(m.group(1)) > 0, out
     assert "[4b] gpt2-124m: skipped" in out and "[6] launch bench: skipped" in out
-    m = re.search(r"^\[11\] ratio gs/local: ([0-9.]+)x; gs:// against the 2M tokens/s a host needs: ([0-9.]+)x", out,
+    m = re.search(r"^\[12\] ratio gs/local: ([0-9.]+)x; gs:// against the 2M tokens/s a host needs: ([0-9.]+)x", out,
                   re.M)
     assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out
     m = re.search(r"^     ratio to off: profiled ([0-9.]+)x; inside the window [0-9.]+ ms", out, re.M)
