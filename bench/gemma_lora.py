@@ -109,8 +109,9 @@ def tunix():
     return step, {"n_lora": int(n_lora)}
 
 
-def worker(kind: str) -> int:
+def worker(kind: str, n_layers: int) -> int:
     _emulate()
+    CFG["n_layers"] = n_layers
     step, facts = {"ours": ours, "tunix": tunix}[kind]()
     for _ in range(2):  # compile (tunix) and warm up
         float(step())
@@ -125,9 +126,13 @@ def worker(kind: str) -> int:
     return 0
 
 
-def main(rounds: int = 3, per_round: int = 3) -> int:
+def main(rounds: int = 3, per_round: int = 3, n_layers: int = CFG["n_layers"]) -> int:
+    """n_layers: the config's depth (the suite's smoke run takes 1: every adapter is per layer, so the counts
+    scale with it, and the compiles are a quarter)."""
     _emulate()
-    procs = {k: subprocess.Popen([sys.executable, "-m", "bench.gemma_lora", "worker", k], stdin=subprocess.PIPE,
+    CFG["n_layers"] = n_layers
+    procs = {k: subprocess.Popen([sys.executable, "-m", "bench.gemma_lora", "worker", k, str(n_layers)],
+                                 stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, env=os.environ.copy()) for k in ("ours", "tunix")}
     try:
         facts = {}
@@ -163,5 +168,5 @@ def main(rounds: int = 3, per_round: int = 3) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
-        sys.exit(worker(sys.argv[2]))
+        sys.exit(worker(sys.argv[2], int(sys.argv[3])))
     sys.exit(main())
