@@ -24,6 +24,12 @@ TEST_CACHE = os.environ.setdefault("TPUCTL_TEST_CACHE", os.path.expanduser("~/.c
 # the one under their wheelhouse (infra/local_slice.py).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(TEST_CACHE, "jax"))
 
+# Trainers serve jax.profiler on 9999 + their process id by default, one port for the whole machine: the trainers
+# the tests start here (in-process or as subprocesses, tests/_trainer_util.env) serve none unless a test gives
+# one a free port of its own, so two modules running at once (pytest-xdist) never race for it. A local slice's
+# hosts have their slice's own ports (infra/local_slice.PROFILER_PORTS).
+os.environ.setdefault("TPUCTL_PROFILER_PORT", "0")
+
 # `tpuctl up` makes the user's SSH key for new VMs when there is none: tests get a key of their own, never the
 # user's ~/.ssh/google_compute_engine.
 if "TPUCTL_SSH_KEY" not in os.environ:
