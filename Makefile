@@ -35,9 +35,11 @@ $(BIN)/.demo-wheelhouse: $(BIN)/tpuctl
 	$(BIN)/python -m orchestrator.demo --prefetch
 	@touch $@
 
-# The 15 slowest tests are printed at the end of every run: the next slow test is seen the day it lands.
+# Two workers, a module each at a time, longest modules first (tests/conftest.py): most tests wait on compiles in
+# one process or on subprocesses and hosts, so a second worker fills the idle core. The 15 slowest tests are
+# printed at the end of every run: the next slow test is seen the day it lands.
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"

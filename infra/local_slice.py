@@ -29,6 +29,13 @@ from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,40}$")
+# The hosts of every local slice share this machine's network, so a trainer's jax.profiler server cannot be on
+# 9999 + its process id (trainer.common.profiling.PROFILER_PORT) there: two slices at once would collide, and
+# `tpuctl profile` could trace another slice's trainer. Every session on a slice's host has TPUCTL_PROFILER_PORT
+# = PROFILER_PORTS + 64 x B (sshd's SetEnv, whoever starts the trainer), B the slice's loopback block 127.0.B.x,
+# which no other running slice holds (its sshd listens there); + the process id, below the kernel's ephemeral
+# ports (from 32768) up to block 198.
+PROFILER_PORTS = 20000
 
 
 def tpuctl_home() -> Path:
@@ -65,6 +72,11 @@ class LocalHost:
     @property
     def internal_ip(self) -> str:
         return self.ip
+
+    @property
+    def profiler_port(self) -> int:
+        """TPUCTL_PROFILER_PORT in this host's sessions: its slice's own base (PROFILER_PORTS)."""
+        return profiler_port(self.ip)
 
 
 @dataclass
@@ -339,6 +351,11 @@ def _pick_ips(n: int, port: int, first_ip: str | None, base_dir: Path, name: str
     raise LocalSliceError(f"no free block of {n} loopback addresses with port {port} free")
 
 
+def profiler_port(ip: str) -> int:
+    """The profiler servers' base port of the hosts at loopback address 127.0.B.x (PROFILER_PORTS)."""
+    return PROFILER_PORTS + 64 * int(ip.split(".")[2])
+
+
 def _prepare_host(hdir: Path, host: LocalHost, key: Path, ips: list[str], hostnames: list[str],
                   authorized_keys: tuple[str, ...] = ()) -> None:
     etc = hdir / "etc"
@@ -376,6 +393,7 @@ MaxSessions 100
 ClientAliveInterval 15
 LogLevel ERROR
 Subsystem sftp internal-sftp
+SetEnv TPUCTL_PROFILER_PORT={host.profiler_port}
 """)
 
 

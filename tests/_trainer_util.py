@@ -40,7 +40,8 @@ def env(cache: str, devices: int | None = 8, **extra: str) -> dict:
     flags = " ".join(f for f in e.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
     if devices:
         flags += f" --xla_force_host_platform_device_count={devices}"
-    e.update(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", TPUCTL_CACHE=cache, PYTHONUNBUFFERED="1")
+    e.update(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", TPUCTL_CACHE=cache, PYTHONUNBUFFERED="1",
+             TPUCTL_PROFILER_PORT="0")  # no profiler server unless the test names a port (conftest.py)
     e.update(extra)
     return e
 

@@ -28,11 +28,34 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(TEST_CACHE, "jax
 # suite's in-process tests compile the same small programs test after test.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+# Trainers serve jax.profiler on 9999 + their process id by default, one port for the whole machine: the trainers
+# the tests start here (in-process or as subprocesses, tests/_trainer_util.env) serve none unless a test gives
+# one a free port of its own, so two modules running at once (pytest-xdist) never race for it. A local slice's
+# hosts have their slice's own ports (infra/local_slice.PROFILER_PORTS).
+os.environ.setdefault("TPUCTL_PROFILER_PORT", "0")
+
 # `tpuctl up` makes the user's SSH key for new VMs when there is none: tests get a key of their own, never the
 # user's ~/.ssh/google_compute_engine.
 if "TPUCTL_SSH_KEY" not in os.environ:
     import tempfile
     os.environ["TPUCTL_SSH_KEY"] = os.path.join(tempfile.mkdtemp(prefix="tpuctl-test-ssh-"), "google_compute_engine")
+
+
+# `make test` runs the modules on 2 workers (pytest-xdist, one module per worker at a time, so a module's shared
+# slice or emulator stays in one process). Workers take modules in collection order: the longest go first, so
+# that no worker starts a long module while the other has nothing left. Core-seconds measured on a cold cache
+# (test caches and compile cache empty, as on CI); the rest keep their order after these.
+LONGEST_FIRST = (
+    "test_plan.py", "test_preemption_e2e.py", "test_lora.py", "test_multislice_e2e.py", "test_run_e2e.py",
+    "test_attention.py", "test_trainer_train.py", "test_demo.py", "test_sweep_e2e.py", "test_bench.py",
+    "test_trainer_multiproc.py", "test_fresh_vm_e2e.py", "test_access.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # sorted() is stable: tests keep their order inside a module, and the modules not named keep theirs
+    items[:] = sorted(items, key=lambda it: rank.get(it.path.name, len(rank)))
 
 
 # `make setup` downloads the wheels the demo's hosts install (orchestrator/demo.py --prefetch, into the demo's

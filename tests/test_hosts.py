@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from _local_hosts import host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
+from _local_hosts import TEST_CACHE, host_processes, ssh, ssh_config, start, wait_idle, workers, needs_hosts
 from orchestrator.access.hosts import HostError, Hosts, RunGoing, SshConfig
 from orchestrator.jobs.launch import Worker
 
@@ -133,7 +133,8 @@ def test_a_host_whose_sshd_comes_up_after_ready_is_waited_for(tmp_path):
 
 def start_late(base, ip):
     from infra.local_slice import LocalSlice
-    return LocalSlice.start("late", 1, base, first_ip=ip)
+    # the machine's test wheelhouse, as every test slice (_local_hosts.start): not $TPUCTL_HOME's (~/.tpuctl here)
+    return LocalSlice.start("late", 1, base, first_ip=ip, wheelhouse=TEST_CACHE / "wheelhouse")
 
 
 def test_a_refused_key_fails_at_once_naming_user_and_key(sl, tmp_path):

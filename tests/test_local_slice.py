@@ -37,6 +37,8 @@ def test_each_host_is_its_own_machine(sl):
         assert not os.path.exists(f"/root/home-{hostname}")
         # the machine's Python is still reachable inside (bind-mounted back)
         assert ssh(sl, i, f"{sl.python} -c 'print(1)'").stdout.strip() == "1"
+        # every session on it (a trainer, whoever starts it) has its slice's profiler ports, not 9999's
+        assert ssh(sl, i, "echo $TPUCTL_PROFILER_PORT").stdout.strip() == str(h.profiler_port)
         # the trainer's compile cache is the machine's one, written from one host and read from the others
         ssh(sl, i, f"touch ~/.cache/tpuctl/jax/from-{hostname}")
     assert len(seen) == 3
@@ -46,14 +48,17 @@ def test_each_host_is_its_own_machine(sl):
         os.unlink(os.path.join(shared, f"from-lstest-w{i}"))  # each host's file is here
 
 
-def test_a_slice_kept_under_root_works(tmp_path):
-    """The default $TPUCTL_HOME is ~/.tpuctl: the hosts' private /root and /tmp both come from under /root."""
+def test_a_slice_kept_under_root_works(sl, tmp_path):
+    """The default $TPUCTL_HOME is ~/.tpuctl: the hosts' private /root and /tmp both come from under /root.
+    Started while another slice runs (in another base dir): its hosts' profiler ports are not that slice's."""
     base = tempfile.mkdtemp(prefix=".tpuctl-test-", dir=os.path.expanduser("~"))
     try:
         s = start("lsroot", 1, base)
         try:
-            out = ssh(s, 0, "hostname; touch /tmp/x-here; ls /tmp; echo $HOME").stdout.split()
-            assert out[0] == "lsroot-w0" and "x-here" in out and out[-1] == "/root"
+            out = ssh(s, 0, "hostname; touch /tmp/x-here; ls /tmp; echo $HOME $TPUCTL_PROFILER_PORT").stdout.split()
+            assert out[0] == "lsroot-w0" and "x-here" in out and out[-2] == "/root"
+            ports = {int(out[-1]), *(h.profiler_port for h in sl.hosts)}
+            assert len(ports) == 2 and min(abs(a - b) for a in ports for b in ports if a != b) >= 64, ports
             assert os.path.exists(os.path.join(base, "lsroot", "w0", "tmp", "x-here"))  # its own /tmp
         finally:
             s.stop()

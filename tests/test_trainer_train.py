@@ -144,14 +144,20 @@ def test_a_profiled_window_is_where_tensorboard_looks_and_its_split_adds_up_to_t
     h, = win["hosts"]
     assert win["window"] == (3, 5) and h["host"] == host and h["hardware"] == "CPU_ONLY"
     assert [s["step"] for s in h["steps"]] == [3, 4]
-    # The split is read from the trace; the step time it must add up to is the training loop's own wall clock
-    # (metrics.jsonl), which never looks at the trace. The loop counts step 2's checkpoint save (--ckpt-every 2)
-    # in step 3's time, and the trace's step 3 leaves it out: step 4 is compared.
-    measured = {r["step"]: r["step_time_s"] for r in metrics(straight)}
+    # The split is read from the trace, and its three parts are the whole traced step, none counted twice.
     for s in h["steps"]:
         assert s["compute_s"] > 0 and s["collective_s"] > 0 and s["idle_s"] >= 0, s
+        assert s["compute_s"] + s["collective_s"] + s["idle_s"] == pytest.approx(s["step_s"], rel=1e-6), s
+    # The traced step is the training loop's own (metrics.jsonl: its wall clock, which never looks at the trace).
+    # The loop counts step 2's checkpoint save (--ckpt-every 2) in step 3's time, which the trace's step 3 leaves
+    # out: step 4 is compared. The loop's clock also spans the host work around the traced step (reading the
+    # loss, the progress line), a few ms that a loaded machine stretches by its waits to be scheduled: the trace
+    # is never longer, and on a busy machine some 10% shorter. A trace step without its compute or its collectives
+    # (each about a third of the step or more here) is shorter than that.
+    measured = {r["step"]: r["step_time_s"] for r in metrics(straight)}
     s = h["steps"][1]
-    assert s["compute_s"] + s["collective_s"] + s["idle_s"] == pytest.approx(measured[4], rel=0.05), s
+    assert 0.8 * measured[4] <= s["compute_s"] + s["collective_s"] + s["idle_s"] <= 1.02 * measured[4], \
+        (s, measured[4])
     # 8 devices on the data axis: the gradients' reductions are collectives, named by kind.
     assert set(h["collectives"]) <= {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "other collective"}
     assert h["collectives"] and all(v > 0 for v in h["collectives"].values())

@@ -34,7 +34,6 @@ from orchestrator.spec import LOCAL_PROJECT, SliceSpec, UserError
 from orchestrator.state import SliceRecord, Worker
 
 MAX_HOSTS = 16  # a local slice is sshd processes on this machine: v4-4096 stays addresses only
-PROFILER_PORTS = 20000  # + 64 x the slice's loopback block (10..250) + the process id: below 36100
 OPTIONS = {"fresh": "hosts shaped like fresh TPU VMs: no uv, no wheelhouse, only the system's python3"}
 
 
@@ -180,14 +179,6 @@ class LocalProvider(Provider):
 
     def run_env(self, name: str, command: list[str], devices_per_host: int | None) -> dict[str, str]:
         env = {"TPUCTL_EMULATE_DEVICES": str(devices_per_host)} if devices_per_host else {}
-        # The hosts of every local slice share this machine's network: each slice's trainers serve jax.profiler
-        # on ports of their own (from the slice's loopback block, 127.0.B.x), not all on 9999 + process, where
-        # two slices at once would collide and `tpuctl profile` could trace another slice's trainer.
-        from infra.local_slice import LocalSlice
-        rec = state.lookup(name)
-        ls = LocalSlice.load(_host_slices(rec)[0] if rec else name)
-        if ls is not None and ls.hosts:
-            env["TPUCTL_PROFILER_PORT"] = str(PROFILER_PORTS + 64 * int(ls.hosts[0].ip.split(".")[2]))
         return {**env, **self.local_env(command)}
 
     def local_env(self, paths: list[str]) -> dict[str, str]:
