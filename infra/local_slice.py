@@ -247,6 +247,9 @@ class LocalSlice:
     # ---------------------------------------------------------------- stop
     def stop(self) -> None:
         """Kill every host's namespace (sshd and everything started under it) and remove the record."""
+        # Its members are listed while the namespace is still this host's: once it is gone, its id may name a
+        # newer host's namespace (another slice's, started meanwhile), whose processes are not ours to kill.
+        members = {h.index: ns_members(h.pidns, h.init_pid) for h in self.hosts}
         for h in self.hosts:
             if _pid_in_ns(h.init_pid, h.pidns):
                 _kill(h.init_pid, signal.SIGKILL)
@@ -258,7 +261,7 @@ class LocalSlice:
         for h in self.hosts:
             # Killing PID 1 of a PID namespace kills all of it; make sure, then reap unshare.
             while time.monotonic() < deadline:
-                strays = _pids_in_ns(h.pidns) if h.pidns else []
+                strays = [pid for pid in members[h.index] if _pid_in_ns(pid, h.pidns)]
                 if not strays:
                     break
                 for pid in strays:
@@ -522,6 +525,15 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "?"
+
+
+def ns_members(pidns: str, init_pid: int) -> list[int]:
+    """The live processes of a host's PID namespace, its init (sshd) included, while that init lives. A namespace
+    id ("pid:[inode]") is reused once the namespace is gone, and it is gone with its init: the kernel kills every
+    other member then. So with the init gone, nothing of this host is left, whatever now shows the same id."""
+    if not pidns or not _pid_in_ns(init_pid, pidns):
+        return []
+    return _pids_in_ns(pidns)
 
 
 def _pids_in_ns(pidns: str) -> list[int]:

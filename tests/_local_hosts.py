@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.local_slice import SSHD, LocalSlice, _pids_in_ns
+from infra.local_slice import SSHD, LocalSlice, ns_members
 from orchestrator.access.hosts import SshConfig
 from orchestrator.jobs.launch import Worker
 
@@ -57,7 +57,7 @@ def cmdline(pid: int) -> str:
 def host_processes(s: LocalSlice, i: int) -> list[tuple[int, str]]:
     """Everything alive in host i's PID namespace except its sshd listener (PID 1 there)."""
     h = s.hosts[i]
-    return [(p, cmdline(p)) for p in _pids_in_ns(h.pidns) if p != h.init_pid]
+    return [(p, cmdline(p)) for p in ns_members(h.pidns, h.init_pid) if p != h.init_pid]
 
 
 def wait_idle(s: LocalSlice, timeout: float = 15.0) -> dict[int, list[tuple[int, str]]]:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from _local_hosts import host_processes, ssh, start, needs_hosts
-from infra.local_slice import LocalSlice, LocalSliceError, _pids_in_ns
+from infra.local_slice import LocalSlice, LocalSliceError, _pid_in_ns, ns_members
 
 pytestmark = needs_hosts
 
@@ -89,13 +89,16 @@ def test_stop_from_another_process_kills_everything_started_on_the_hosts(tmp_pat
     for i in range(2):
         ssh(s, i, "setsid nohup sleep 4242 >/dev/null 2>&1 < /dev/null &")
     assert all(any("sleep 4242" in c for _, c in host_processes(s, i)) for i in range(2))
-    namespaces = [h.pidns for h in s.hosts]
+    # every process of each host before the stop (a namespace's id is reused once it is gone: another slice may
+    # have one with the same id by the time we look again, so the check is on these processes)
+    members = [(h.pidns, ns_members(h.pidns, h.init_pid)) for h in s.hosts]
+    assert all(len(pids) >= 2 for _, pids in members)  # sshd and the daemonised sleep at least
     p = subprocess.run([sys.executable, "-m", "infra.local_slice", "--base-dir", str(tmp_path), "stop", "lsstop"],
                        capture_output=True, text=True)
     assert p.returncode == 0 and "stopped lsstop" in p.stdout
     for h in s.hosts:  # they were this process's children: reap them
         os.waitpid(h.unshare_pid, 0)
-    assert all(_pids_in_ns(ns) == [] for ns in namespaces)
+    assert [pid for ns, pids in members for pid in pids if _pid_in_ns(pid, ns)] == []
     assert LocalSlice.load("lsstop", tmp_path) is None and not (tmp_path / "lsstop").exists()
     assert not LocalSlice.stop_by_name("lsstop", tmp_path)  # second stop: nothing to do
 
