@@ -334,9 +334,12 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
 
         # With no tpuctl to stop anything (this machine's network gone), a host that dies still ends the run on
         # every host: the trainers' own jax.distributed heartbeat, not an SSH session, owns the run's life.
-        outage = tmp_path / "outage"
-        hop = f"{sys.executable} -m infra.ssh_hop --outage {outage} %h %p"
-        cut = dataclasses.replace(kw["ssh"], proxy_commands={0: hop, 1: hop}, wait_s=300)
+        # One outage per host, so that w0's connection comes back first, as it may: its end (the jax heartbeat's
+        # abort) stops the run while w1 is still away, and w1's own end must still be read from its log (137),
+        # not taken for a lost connection.
+        outage = {i: tmp_path / f"outage{i}" for i in (0, 1)}
+        hop = {i: f"{sys.executable} -m infra.ssh_hop --outage {outage[i]} %h %p" for i in (0, 1)}
+        cut = dataclasses.replace(kw["ssh"], proxy_commands=hop, wait_s=300)
         out2 = io.StringIO()
 
         def trainer(i):
@@ -346,7 +349,8 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
             deadline = time.time() + 300
             while not re.search(r"step +5/", out2.getvalue()) and time.time() < deadline:
                 time.sleep(0.1)
-            outage.touch()
+            for f in outage.values():
+                f.touch()
             time.sleep(2)
             for pid in trainer(1):
                 os.kill(pid, sig.SIGKILL)
@@ -354,7 +358,11 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
             while trainer(0) and time.time() < deadline:
                 time.sleep(0.2)
             box["w0_left"] = trainer(0)
-            outage.unlink()
+            outage[0].unlink()
+            deadline = time.time() + 120
+            while "stopping" not in out2.getvalue() and time.time() < deadline:  # w0's end stops the run
+                time.sleep(0.2)
+            outage[1].unlink()
         box = {}
         t = threading.Thread(target=kill_w1_with_no_tpuctl, daemon=True)
         t.start()

@@ -33,6 +33,8 @@ HUNG = 124      # a host stopped advancing: every host was stopped
 # No host reported a new step for this long (after each had reported one): the run is hung. Compiles and the
 # first step are not judged (they come before a host's first report); saves are bounded by the trainer itself.
 DEFAULT_HANG_TIMEOUT_S = 300.0
+# A host whose connection is down when the run is being stopped: how long its end is looked for on a new one.
+STOP_RECONNECT_S = 20.0
 PROGRESS = "TPUCTL_PROGRESS step="  # every trainer process prints it at each logged step (docs/CONTRACTS.md)
 
 
@@ -389,11 +391,18 @@ class _Watcher:
                     break
                 if rc not in (None, -1) and not s.following:  # the host command failed before the run began
                     break
-                # The connection dropped: the run goes on on the host. Follow its log again on a new one.
-                if self.stopped or self.interrupted or not self._reconnect(i, err):
+                # The connection dropped: the run goes on on the host. Follow its log again on a new one. Also
+                # while the others are being stopped: how the run ended on this host is in its log (a trainer
+                # killed there reads 137, not a lost connection), so it is looked for, for a while.
+                if self.interrupted or not self._reconnect(i, err):
                     s.note(f"tpuctl: lost the SSH connection{': ' + _one_line(err) if err else ''}")
                     rc = 255
                     break
+                if self.stopped:  # the stop sent while this host was away never reached it
+                    try:
+                        self._stop_all(self.watch.fail_grace_s, [i])
+                    except Exception:  # noqa: BLE001 - following its log below says how it ended anyway
+                        pass
                 cmd = L.follow_command(self.hosts.layout, self.spec.run_id, skip_lines=s.lines,
                                        wrap_python="python3", wrap_script=self.hosts.helpers[L.HOSTWRAP])
         finally:
@@ -415,7 +424,9 @@ class _Watcher:
             self.lost.add(i)
         deadline = time.monotonic() + limit
         next_check = 0.0
-        while time.monotonic() < deadline and not (self.stopped or self.interrupted):
+        while time.monotonic() < deadline and not self.interrupted:
+            if self.stopped:  # the run is ending anyway: its end on this host is worth STOP_RECONNECT_S, no more
+                deadline = min(deadline, time.monotonic() + STOP_RECONNECT_S)
             if self.watch.slice_lost and time.monotonic() >= next_check:
                 next_check = time.monotonic() + 10
                 try:
