@@ -58,6 +58,8 @@ OURS = {
         "--splash-layout", "head-minor", "--splash-bwd", "split", "--splash-block", "512"],
     "ours, --splash-block 512": ["--splash-block", "512"],
     "ours, --optimizer-state sharded (ZeRO-1)": ["--optimizer-state", "sharded"],
+    "ours, --loss-chunk 0 --optimizer-state sharded": [
+        "--loss-chunk", "0", "--optimizer-state", "sharded"],
     "ours, --table-grads per-use (the default before once)": ["--table-grads", "per-use"],
     "ours, --logits compute (bf16 logits in the chunked loss)": ["--logits", "compute"],
     "ours, --splash-fwd compact (the forward's statistics in VMEM)": ["--splash-fwd", "compact"],

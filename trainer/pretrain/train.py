@@ -124,11 +124,11 @@ class Steps:
             # ZeRO-1: each device updates only its share of the parameters (read from its replica), then the new
             # parameters are gathered: the update reads and writes an eighth of the f32 state on each of 8
             # devices (given the replicated parameters, the compiler computes the update for all of them on
-            # every device). The gradients are all-reduced whole as in the replicated step and each device then
-            # takes its share: asked for a reduce-scatter, the TPU compiler splits the backward pass's weight
-            # matmuls into loops of collective permutes that move more bytes than the update saves (gpt2-124m on
-            # v5e-8: 67.2 GB against 43.9 with --loss-chunk 0); the barrier keeps it from turning the all-reduce
-            # and the slice back into one.
+            # every device). The barrier keeps the TPU compiler from windowing the backward pass's weight matmuls
+            # into loops of collective permutes that reduce-scatter as they go (gpt2-124m on v5e-8 with
+            # --loss-chunk 0: 63.4 GB a step without it, 41-48 GB with it, docs/verbs.md); past it, the compiler
+            # still fuses the all-reduce and each device's slice of the MLP kernels' bf16 gradients into
+            # reduce-scatters.
             grads = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(grads, self.param_sh))
             grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
             params = jax.lax.with_sharding_constraint(params, self.grad_sh)
@@ -141,7 +141,12 @@ class Steps:
 
     def _jit_train(self, fn):
         return jax.jit(fn, in_shardings=(self.param_sh, self.opt_sh, self.batch_sh, self.rep),
-                       out_shardings=(self.param_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
+                       out_shardings=(self.param_sh, self.opt_sh, self.rep),
+                       # ZeRO-1's parameters come out of an all-gather, which the compiler does not write into a
+                       # donated buffer: donated, each is copied out of the input before the step and into it
+                       # after (gpt2-124m on v5e-8, --loss-chunk 0: 41.3 GB and 3.91 GiB of temporaries a step
+                       # against 40.7 and 3.74 not donated; the old parameters are held until the step ends)
+                       donate_argnums=(1,) if self.split else (0, 1))
 
     def _eval_step(self, params, batch):
         return self._loss(params, batch, None)
