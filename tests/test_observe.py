@@ -141,6 +141,7 @@ def test_hoststat_alone_says_no_tpu_and_no_step():
     env = {**os.environ, "TPU_RUNTIME_METRICS_PORTS": str(_free_port())}
     env.pop("TPUCTL_TRAINER_PID", None)
     env.pop("TPUCTL_RUN_LOG", None)
+    env.pop("TPUCTL_PROFILER_PORT", None)  # the suite's "no profiler" (conftest.py): here, a host's default
     res = subprocess.run([sys.executable, "-m", "trainer", "hoststat"], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=120)
     stat = json.loads(res.stdout)
