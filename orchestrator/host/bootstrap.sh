@@ -74,6 +74,9 @@ use_pip_config() {
   v=$(pip_setting "$py" index-url); [ -n "$v" ] && [ -z "${UV_DEFAULT_INDEX:-}" ] && export UV_DEFAULT_INDEX=$v
   v=$(existing_urls "$(pip_setting "$py" extra-index-url)")
   [ -n "$v" ] && [ -z "${UV_INDEX:-}" ] && export UV_INDEX=$v
+  # pip takes the best version across all its indexes; uv, by default, only the first index that has the package
+  # (a pin found on an extra index alone would fail)
+  [ -n "$v" ] && [ -z "${UV_INDEX_STRATEGY:-}" ] && export UV_INDEX_STRATEGY=unsafe-best-match
   v=$(existing_urls "$(pip_setting "$py" find-links)")
   [ -n "$v" ] && [ -z "${UV_FIND_LINKS:-}" ] && export UV_FIND_LINKS=${v// /,}
   v=$(pip_setting "$py" constraint); [ -n "$v" ] && [ -f "$v" ] && export UV_CONSTRAINT=$v
