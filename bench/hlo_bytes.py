@@ -7,7 +7,10 @@ every computation the step runs as the cost analysis does (XLA's HloCostAnalysis
 - a fusion: its result, and each operand as its fused parameter is read (a parameter read only through slices
   or dynamic slices costs the slices; one updated in place by a dynamic-update-slice costs nothing, its update
   being the result);
-- a custom call (a Pallas kernel), a collective, a convert, a copy: its operands and its result;
+- a Pallas kernel that carries a cost estimate (trainer/models/xent_kernel.py's): the estimate's bytes, as the
+  compiler takes them; one without (splash attention's): its operands and its result, a lower bound of what it
+  moves, which the compiler counts as nothing (so this count runs above the compiler's by those kernels);
+- any other custom call, a collective, a convert, a copy: its operands and its result;
 - slice / dynamic-slice: twice the slice; dynamic-update-slice: twice the update;
 - parameter, constant, tuple, get-tuple-element, bitcast: nothing;
 - libtpu's async pairs (copy-start/copy-done, slice-start/slice-done): only the -start half, as the cost analysis
@@ -288,6 +291,10 @@ class Charger:
             return self.size(_tuple_elements(ins.shape)[1])
         if op == "copy-start":  # (destination, source, sync): the destination, once
             return self.size(_tuple_elements(ins.shape)[0])
+        if op == "custom-call":
+            m = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', ins.attrs)
+            if m:
+                return float(m.group(1))
         out = self.size(ins.shape)
         return out + sum(self.size(self.operand_shape(comp, o)) for o in ins.operands)
 
@@ -343,6 +350,7 @@ _BUCKETS = [
     ("trainer/models/xent.py", "per_shard", "embedding lookup"),
     ("trainer/models/vocab_parallel.py", "lookup", "embedding lookup"),
     ("trainer/models/xent.py", None, "logits + loss"),
+    ("trainer/models/xent_kernel.py", None, "logits + loss"),
     ("trainer/models/vocab_parallel.py", None, "logits + loss"),
     ("trainer/models/gpt2.py", "loss_fn", "logits + loss"),
     ("trainer/models/gpt2.py", "LayerNorm.", "layernorm"),

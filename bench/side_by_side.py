@@ -50,21 +50,24 @@ CHIPS = {"v5e-8": Chip("v5litepod-8", "v5e:2x4", "TPU v5 lite", "v5e-8"),
          "v6e-8": Chip("v6e-8", "v6e:2x4", "TPU v6 lite", "v6e-8")}
 # label -> our trainer flags: the default, then each change undone on its own (its own row)
 OURS = {
-    "ours, default": [],
-    "ours, --loss-chunk 0 (no loss chunks)": ["--loss-chunk", "0"],
-    "ours, --loss-chunk 128 (the default before 256)": ["--loss-chunk", "128"],
-    "ours, --loss-chunk 512": ["--loss-chunk", "512"],
+    "ours, default (the output layer and loss as Pallas kernels)": [],
+    "ours, --loss-kernel xla (XLA's loss in chunks of 256: the default before)": ["--loss-kernel", "xla"],
+    "ours, --loss-kernel xla --loss-chunk 0 (no loss chunks)": ["--loss-kernel", "xla", "--loss-chunk", "0"],
+    "ours, --loss-kernel xla --loss-chunk 128 (the default before 256)": ["--loss-kernel", "xla", "--loss-chunk", "128"],
+    "ours, --loss-kernel xla --loss-chunk 512": ["--loss-kernel", "xla", "--loss-chunk", "512"],
     "ours, splash head-minor, split, blocks of 512 (the default before)": [
         "--splash-layout", "head-minor", "--splash-bwd", "split", "--splash-block", "512"],
     "ours, --splash-block 512": ["--splash-block", "512"],
     "ours, --optimizer-state sharded (ZeRO-1)": ["--optimizer-state", "sharded"],
-    "ours, --loss-chunk 0 --optimizer-state sharded": [
-        "--loss-chunk", "0", "--optimizer-state", "sharded"],
-    "ours, --table-grads per-use (the default before once)": ["--table-grads", "per-use"],
-    "ours, --logits compute (bf16 logits in the chunked loss)": ["--logits", "compute"],
+    "ours, --loss-kernel xla --loss-chunk 0 --optimizer-state sharded": [
+        "--loss-kernel", "xla", "--loss-chunk", "0", "--optimizer-state", "sharded"],
+    "ours, --loss-kernel xla --table-grads per-use (the default before once)": [
+        "--loss-kernel", "xla", "--table-grads", "per-use"],
+    "ours, --loss-kernel xla --logits compute (bf16 logits in the chunked loss)": [
+        "--loss-kernel", "xla", "--logits", "compute"],
     "ours, --splash-fwd compact (the forward's statistics in VMEM)": ["--splash-fwd", "compact"],
 }
-V6E_OURS = ("ours, default", "ours, --loss-chunk 0 (no loss chunks)")
+V6E_OURS = tuple(list(OURS)[:3])  # the default, XLA's chunked loss, XLA's loss in one piece
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,23 @@ def test_bytes_per_instruction_loops_and_buckets():
     assert t["once"] == 2 * 4 * 2 ** 20 + 2 * 104 * 1024 * 4 + compare + 8 * 1024 * 2
     assert t["buckets"]["MLP, backward"] == 6 * 2 * 104 * 1024 * 4  # gpt2.py MLP.__call__ under transpose(
     assert t["buckets"]["step (grad norm, accumulation)"] == 2 * 4 * 2 ** 20
+
+
+KERNELS = '''HloModule jit_step, is_scheduled=true
+
+ENTRY %main (param.0: bf16[512,128], param.1: bf16[1024,128]) -> f32[1024,128] {
+  %param.0 = bf16[512,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %param.1 = bf16[1024,128]{1,0:T(8,128)(2,1)} parameter(1)
+  %estimated = f32[1024,128]{1,0:T(8,128)} custom-call(%param.1, %param.0), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"x","cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"7000000","remote_bytes_transferred":"0"}}}
+  ROOT %plain = f32[1024,128]{1,0:T(8,128)} custom-call(%param.1, %estimated), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"y"}}
+}
+'''
+
+
+def test_a_kernel_with_a_cost_estimate_is_charged_its_estimate_one_without_its_operands():
+    """As the TPU compiler counts a Pallas kernel that declares a cost estimate (its re-reads included); one that
+    declares none (splash attention) the compiler counts as nothing: here its operands and result."""
+    m = H.parse(KERNELS)
+    charges = {c.instr.name: c.bytes for c in H.walk(m, H.Charger(m))}
+    assert charges["estimated"] == 7_000_000
+    assert charges["plain"] == 1024 * 128 * 2 + 2 * 1024 * 128 * 4

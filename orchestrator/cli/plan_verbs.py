@@ -135,8 +135,10 @@ def render(p: P.Plan) -> str:
     if t:
         a_peak = f"{a.generation.peak_bf16_tflops:g} TFLOP/s/chip"
         if t["memory_s"] is not None:
+            kernels = f.get("kernel_bytes_uncounted") or 0.0
+            extra = f" + {kernels / 1e9:.3g} GB of Pallas kernels the compiler does not count" if kernels else ""
             lines.append(f"  step time: {t['step_s'] * 1e3:.3g} ms, bound by {t['bound']} (roofline: "
-                         f"{f['bytes_accessed'] / 1e9:.3g} GB at {a.generation.hbm_bytes_s / 1e9:g} GB/s/chip = "
+                         f"{f['bytes_accessed'] / 1e9:.3g} GB{extra} at {a.generation.hbm_bytes_s / 1e9:g} GB/s/chip = "
                          f"{t['memory_s'] * 1e3:.3g} ms; FLOPs at {a_peak} = {t['compute_s'] * 1e3:.3g} ms; "
                          f"r = memory/compute = {t['r']:.2f})")
         else:

@@ -143,16 +143,18 @@ class Plan:
         step moves at the chip's HBM bandwidth (memory_s, None without a bandwidth figure or a byte count); the
         step takes at least the larger of the two, whichever bounds it. r = memory_s / compute_s: above 1 the
         step waits on memory. None on a local slice's CPU devices. Both counts are the whole step's
-        (trainer/common/aot.py counts every loop's trips)."""
+        (trainer/common/aot.py counts every loop's trips). The bytes add, to the compiler's count, the operands
+        and results of the Pallas kernels it counts as nothing (those with no cost estimate: splash attention)."""
         compute = self.step_s()
         if compute is None:
             return None
         a, f = self.accelerator, self.figures
         bandwidth = a.generation.hbm_bytes_s
-        moved = f.get("bytes_accessed") or 0.0
+        moved = (f.get("bytes_accessed") or 0.0) + (f.get("kernel_bytes_uncounted") or 0.0)
         memory = moved * self.devices / (bandwidth * a.chips) if bandwidth and moved else None
         bound = "memory" if memory is not None and memory > compute else "compute"
         return {"step_s": max(compute, memory or 0.0), "bound": bound, "compute_s": compute, "memory_s": memory,
+                "bytes_moved": moved,
                 "r": memory / compute if memory is not None else None,
                 "hbm_bytes_s_per_device": bandwidth * a.chips / self.devices if bandwidth else None,
                 "peak_flops_per_device": a.peak_bf16_tflops * 1e12 / self.devices}
@@ -183,9 +185,11 @@ class Plan:
                "verdict": self.verdict(), "hbm_bytes_per_device": self.hbm_bytes,
                "per_device": {k: f[k] for k in ("params_bytes", "optimizer_bytes", "argument_bytes", "output_bytes",
                                                 "alias_bytes", "temp_bytes", "code_bytes", "total_bytes", "flops",
-                                                "bytes_accessed")},
-               # flops and bytes_accessed count the whole step ("counted" says how); program_*: the compiled
-               # program's own figures, a loop's body counted once
+                                                "bytes_accessed", "kernel_bytes_uncounted") if k in f},
+               # flops and bytes_accessed count the whole step ("counted" says how), as the TPU compiler counts
+               # it: no byte of a Pallas kernel without a cost estimate (kernel_bytes_uncounted: their operands
+               # and results, which the roofline adds); program_*: the compiled program's own figures, a loop's
+               # body counted once
                "counted": f.get("counted"),
                "program": {k: f[k] for k in ("program_flops", "program_bytes_accessed") if k in f},
                "headroom_bytes": self.headroom_bytes, "devices": f["devices"], "mesh": f["mesh"],

@@ -92,7 +92,9 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                            "mesh": t.mesh, "n_head": m.n_head, "attention": steps.attention, "remat": t.remat,
                            "loss_chunk": t.loss_chunk, "table_grads": t.table_grads,
                            "logits": t.logits, "splash_layout": t.splash_layout, "splash_bwd": t.splash_bwd,
-                           "splash_block": t.splash_block, "splash_fwd": t.splash_fwd},
+                           "splash_block": t.splash_block, "splash_fwd": t.splash_fwd,
+                           "loss_kernel": "xla" if steps.loss_kernel is None else "pallas",
+                           "optimizer_state": t.optimizer_state},
                  levers=("grad_accum", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled)
 
 
@@ -195,6 +197,30 @@ def has_loop(compiled) -> bool:
     return any(" while(" in line for line in (compiled.as_text() or "").splitlines())
 
 
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+             "s64": 8, "u64": 8, "f64": 8}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+
+
+def _arrays_bytes(text: str) -> int:
+    return sum(_ITEMSIZE.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(text))
+
+
+def uncounted_kernel_bytes(hlo_text: str) -> float:
+    """Bytes of the Pallas kernels that the TPU compiler's cost analysis counts as nothing: every kernel that
+    declares no cost estimate (splash attention's do not; trainer/models/xent_kernel.py's do, and are counted).
+    Their operands and results, once each: a lower bound of what they move (a kernel reads each input at least
+    once and writes each output), exact for one that streams every block once."""
+    total = 0
+    for line in hlo_text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line or '"cost_estimate"' in line:
+            continue
+        result = line.split(" custom-call(", 1)[0].split(" = ", 1)[-1]
+        operands = re.search(r"operand_layout_constraints=\{(.*?)\}, ", line)
+        total += _arrays_bytes(result) + (_arrays_bytes(operands.group(1)) if operands else 0)
+    return float(total)
+
+
 def whole_count(built: Built, compiled, twin: bool = True) -> tuple[dict, Any]:
     """The step's flops and bytes accessed counted whole, per device.
 
@@ -240,7 +266,8 @@ def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
     whole, counted_from = whole_count(built, compiled, twin=target.run_platform != "cpu")
     out_fig = {**_about(built, target, compile_s),
                "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
-               "code_bytes": code, "total_bytes": arg + out - alias + temp + code, **whole}
+               "code_bytes": code, "total_bytes": arg + out - alias + temp + code, **whole,
+               "kernel_bytes_uncounted": uncounted_kernel_bytes(counted_from.as_text() or "")}
     if target.slices > 1:
         from trainer.common import collectives
         out_fig.update(collectives.crossing(counted_from.as_text() or "", len(target.devices), target.slices))

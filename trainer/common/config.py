@@ -89,6 +89,11 @@ class TrainConfig:
     # head-minor, split kernel before them 128 moved 54.2 GB with 2.71 GiB, 256 46.3 GB with 2.92, 512 45.7 GB
     # with 3.30, 0 43.9 GB with 3.84. 256 takes most of the bytes off for little memory.
     loss_chunk: int = 256
+    # The output layer and its loss as two Pallas kernels that keep the logits in VMEM (trainer/models/
+    # xent_kernel.py) or as XLA's chunked loss above: auto = the kernels on TPU. gpt2-124m on v5e-8, per device,
+    # the output layer and loss alone (`python -m bench.tpu_bytes`, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1):
+    # 7.7 GB with XLA's chunks of 256, 1.4 GB with the kernels.
+    loss_kernel: str = "auto"
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
     # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: the TPU
     # compiler's gpt2-124m step on v5e-8 (--loss-chunk 0, 2026-12-03, libtpu 0.0.42.1) moves 41.9 GB with 3.93
@@ -183,6 +188,10 @@ HELP = {
                   "splash's own, which writes them to HBM (the same numbers)",
     "loss_chunk": "sequence positions whose output-layer logits are computed at once, forward and backward "
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
+    "loss_kernel": "auto, xla or pallas: the output layer and loss as two Pallas TPU kernels that never write a "
+                   "logit to HBM (they compute the logits twice; off TPU they run interpreted: slow, for checks), or "
+                   "as XLA's chunked loss (--loss-chunk); auto = the kernels when the step is compiled for TPU "
+                   "devices and a device's tokens and the table tile into their blocks, else XLA's",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
              "outputs; full: only its input) and so recomputes; trades compute for memory",
     "optimizer_state": "replicated or sharded: each parameter's AdamW moments whole on every device, or split "
@@ -279,6 +288,8 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--table-grads {t.table_grads}: choose once or per-use")
     if t.logits not in ("float32", "compute"):
         raise UsageError(f"--logits {t.logits}: choose float32 or compute")
+    if t.loss_kernel not in ("auto", "xla", "pallas"):
+        raise UsageError(f"--loss-kernel {t.loss_kernel}: choose auto, xla or pallas")
     if t.loss_chunk < 0:
         raise UsageError(f"--loss-chunk {t.loss_chunk}: must not be negative (0 = no chunks)")
     if t.dtype not in ("auto", "float32", "bfloat16"):

@@ -18,7 +18,7 @@ from trainer.common.mesh import RULES, constrain, sharding
 from trainer.models import attention as attention_lib
 from trainer.models import remat as remat_lib
 from trainer.models import vocab_parallel as vocab_parallel_lib
-from trainer.models import xent
+from trainer.models import xent, xent_kernel
 
 normal = jax.nn.initializers.normal
 
@@ -167,12 +167,15 @@ class GPT2(nnx.Module):
     def loss(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, dtype=jnp.float32,
              vocab_parallel: bool = False, loss_chunk: int = 0, attention: str = attention_lib.XLA,
              remat: str = "none", table_grads: str = "once", logits: str = "float32",
-             kernel: attention_lib.Kernel = attention_lib.Kernel()) -> jax.Array:
+             kernel: attention_lib.Kernel = attention_lib.Kernel(),
+             loss_kernel: xent_kernel.Kernel | None = None) -> jax.Array:
         """Mean next-token cross-entropy (f32) of int tokens [B, T+1]: inputs [:, :-1], targets [:, 1:].
 
         loss_chunk: sequence positions whose logits are computed at once (0: all of them, as [B, T, V]).
         table_grads: "once" (the table once per batch shard, xent.per_shard) or "per-use" (one table).
-        logits: "float32", or "compute": the chunked loss's logits written in the compute dtype."""
+        logits: "float32", or "compute": the chunked loss's logits written in the compute dtype.
+        loss_kernel: the output layer and loss as xent_kernel's Pallas kernels (no logit in HBM), where one
+        device's tokens and the table tile into their blocks; None (or shapes that do not tile): XLA's, chunked."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if vocab_parallel:
             x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, vocab_parallel=True, attention=attention,
@@ -184,6 +187,8 @@ class GPT2(nnx.Module):
         table = xent.per_shard(self.wte[...], shards) if shards > 1 else self.wte[...]
         x = self.hidden(inputs, dropout_key=dropout_key, dtype=dtype, attention=attention, remat=remat, table=table,
                         kernel=kernel)
+        if loss_kernel is not None and xent_kernel.fits(x.shape, table.shape, loss_kernel):
+            return xent_kernel.loss(x, table, targets, self.cfg.vocab_size, loss_kernel)
         if loss_chunk:
             return xent.chunked(x, table, targets, loss_chunk, self.cfg.vocab_size, None, logits == "compute")
         return loss_fn(xent.logits(x, table, self.cfg.vocab_size), targets)

@@ -22,7 +22,7 @@ from trainer.common import mesh as mesh_lib
 from trainer.pretrain import data, tokenizers
 from trainer.common.mesh import compute_dtype
 from trainer.common.config import Config, UsageError
-from trainer.models import attention, gpt2
+from trainer.models import attention, gpt2, xent_kernel
 
 def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
     """The config against the mesh: clear errors before anything is allocated."""
@@ -71,6 +71,13 @@ class Steps:
         self.kernel = attention.Kernel(t.splash_layout, t.splash_bwd, t.splash_block, t.splash_fwd)
         self.graphdef, _ = gpt2.abstract(m)
         self.vocab_parallel = use_vocab_parallel(cfg, mesh.size, mesh.shape[mesh_lib.DCN])
+        # the output layer's kernels where they apply: not with the vocabulary split over devices (its own loss),
+        # nor where one device's tokens and the table do not tile into their blocks
+        kernel = xent_kernel.resolve(t.loss_kernel, platform, mesh.devices.flat[0].device_kind)
+        shards = mesh.shape[mesh_lib.DCN] * mesh.shape["data"]
+        rows = t.batch_size // t.grad_accum
+        self.loss_kernel = None if kernel is None or self.vocab_parallel or rows % shards or xent_kernel.plan(
+            rows // shards * m.seq_len, m.padded_vocab, m.d_model, kernel.blocks) is None else kernel
         self.rules = mesh_lib.VOCAB_PARALLEL_RULES if self.vocab_parallel else mesh_lib.RULES
         self.param_sh = gpt2.param_shardings(m, mesh, self.rules)
         self.rep = mesh_lib.replicated(mesh)
@@ -98,7 +105,8 @@ class Steps:
         t = self.cfg.train
         return model.loss(tokens, dropout_key=key, dtype=self.dtype, vocab_parallel=self.vocab_parallel,
                           loss_chunk=t.loss_chunk, attention=self.attention, remat=t.remat,
-                          table_grads=t.table_grads, logits=t.logits, kernel=self.kernel)
+                          table_grads=t.table_grads, logits=t.logits, kernel=self.kernel,
+                          loss_kernel=self.loss_kernel)
 
     def _train_step(self, params, opt_state, batch, step):
         t = self.cfg.train
