@@ -404,6 +404,26 @@ def test_the_step_time_is_a_roofline_that_names_its_bound():
     assert P.Plan(catalog.lookup("v4-8"), P.CPU, _figures()).timing() == {}
 
 
+def test_the_roofline_adds_the_bytes_of_kernels_the_compiler_does_not_count():
+    """libtpu counts no byte of a Pallas kernel that declares no cost estimate (splash attention's): the plan adds
+    their operands and results, read from the compiled program's text, to the compiler's bytes for the roofline,
+    and keeps the compiler's own count apart (it is what MaxText's figures are). A kernel with an estimate
+    (the loss kernels') is the compiler's to count: not added again."""
+    hlo = ('  %splash.1 = (f32[8,1024,128]{2,1,0:T(8,128)}, bf16[8,12,1024,64]{3,2,1,0:T(8,128)(2,1)}) custom-call(%a, %b), '
+           'custom_call_target="tpu_custom_call", operand_layout_constraints={bf16[8,12,64,1024]{3,2,1,0}, s32[1024,128]{1,0}}, '
+           'backend_config={"custom_call_config":{"body":"x"}}\n'
+           '  %xent.2 = f32[50304,768]{1,0} custom-call(%c), custom_call_target="tpu_custom_call", operand_layout_'
+           'constraints={bf16[50304,768]{1,0}}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"1"}}}\n')
+    want = 8 * 1024 * 128 * 4 + 8 * 12 * 1024 * 64 * 2 + 8 * 12 * 64 * 1024 * 2 + 1024 * 128 * 4
+    assert aot.uncounted_kernel_bytes(hlo) == want
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(bytes_accessed=1.2e12, kernel_bytes_uncounted=1.2e12))
+    t = p.timing()
+    assert t["bytes_moved"] == 2.4e12 and t["memory_s"] == pytest.approx(2.0) and t["bound"] == "memory"
+    assert p.to_json()["per_device"]["bytes_accessed"] == 1.2e12
+    assert p.to_json()["per_device"]["kernel_bytes_uncounted"] == 1.2e12
+    assert "1.2e+03 GB + 1.2e+03 GB of Pallas kernels the compiler does not count" in render(p)
+
+
 def test_time_uses_the_arithmetic_when_the_compiler_counts_less():
     """The compiler counts a scanned loop's body once (--grad-accum) and no Pallas kernel."""
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(flops=1e12, model_flops_per_token=4 * 275e12 / 65536))

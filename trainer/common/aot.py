@@ -206,6 +206,19 @@ def _arrays_bytes(text: str) -> int:
     return sum(_ITEMSIZE.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(text))
 
 
+def _braced(line: str, opening: str) -> str:
+    """What the brace that `opening` ends with encloses in line (nested braces included); "" without it."""
+    start = line.find(opening)
+    if start < 0:
+        return ""
+    depth, i = 0, start + len(opening) - 1
+    for j in range(i, len(line)):
+        depth += {"{": 1, "}": -1}.get(line[j], 0)
+        if depth == 0:
+            return line[i + 1:j]
+    return line[i + 1:]
+
+
 def uncounted_kernel_bytes(hlo_text: str) -> float:
     """Bytes of the Pallas kernels that the TPU compiler's cost analysis counts as nothing: every kernel that
     declares no cost estimate (splash attention's do not; trainer/models/xent_kernel.py's do, and are counted).
@@ -216,8 +229,7 @@ def uncounted_kernel_bytes(hlo_text: str) -> float:
         if 'custom_call_target="tpu_custom_call"' not in line or '"cost_estimate"' in line:
             continue
         result = line.split(" custom-call(", 1)[0].split(" = ", 1)[-1]
-        operands = re.search(r"operand_layout_constraints=\{(.*?)\}, ", line)
-        total += _arrays_bytes(result) + (_arrays_bytes(operands.group(1)) if operands else 0)
+        total += _arrays_bytes(result) + _arrays_bytes(_braced(line, "operand_layout_constraints={"))
     return float(total)
 
 
