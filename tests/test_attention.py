@@ -161,7 +161,8 @@ def test_auto_follows_the_devices_compiled_for():
 
 def _compile_for_v5e(attn: str):
     """A one-layer GPT-2 step (T=1024, 4 sequences per device, a 1k vocabulary so the output layer stays small,
-    the loss in one piece so that no loop needs an unrolled twin to be counted) compiled for v5e:2x4 as `python -m
+    XLA's loss in one piece so that no loop needs an unrolled twin to be counted and no kernel but attention's is
+    in the program) compiled for v5e:2x4 as `python -m
     trainer.plan` does: (figures, compiled HLO text)."""
     import argparse
     from trainer.common import aot
@@ -171,7 +172,7 @@ def _compile_for_v5e(attn: str):
     target = aot.target(opts)
     args = parser().parse_args(["pretrain", "--ckpt-dir", "/tmp/unused", "--n-layer", "1", "--n-head", "4",
                                 "--d-model", "256", "--seq-len", "1024", "--batch-size", "32", "--vocab-size", "1024",
-                                "--dropout", "0", "--loss-chunk", "0", "--attention", attn])
+                                "--dropout", "0", "--loss-kernel", "xla", "--loss-chunk", "0", "--attention", attn])
     built = aot.BUILDERS["pretrain"](args, target)
     compiled = built.compile()
     return aot.figures(built, compiled, target, 0.0), compiled.as_text()
