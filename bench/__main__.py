@@ -38,7 +38,8 @@ def parse(argv):
     p.add_argument("--ckpt-every", type=int, default=None, help="K for the checkpoint-cost section (default 5)")
     p.add_argument("--maxtext", metavar="PATH",
                    help="MaxText's compile records for the side-by-side table (a JSON file or a folder of them; "
-                        "default $TPUCTL_MAXTEXT_FIGURES, else the shared maxtext bench folder)")
+                        "default $TPUCTL_MAXTEXT_FIGURES, else the shared maxtext bench folder; "
+                        "bench/maxtext_records/, v6e-8's, is read too)")
     p.add_argument("--skip", action="append", default=[], choices=SECTIONS,
                    help="leave out a section (repeatable)")
     return p.parse_args(argv)

@@ -7,9 +7,10 @@ a v6e-8. Each step is compiled ahead of time by libtpu on this machine (no TPU):
 (orchestrator/plan.py; every loop counted by its trip count), the seed's by bench/seed_plan.py (no loop), and
 MaxText's by the maxtext bench scripts, which need their own Python 3.12 venv (MaxText is not installed by the
 project): their JSON records are read from PATH (a record file or a folder of them; --maxtext, else
-$TPUCTL_MAXTEXT_FIGURES, else the shared bench folder beside the checkout). A chip with no MaxText record gets
-a "not measured" row. Only records that count every layer (scan_layers false) are shown: a scanned layer stack
-is counted once by the compiler.
+$TPUCTL_MAXTEXT_FIGURES, else the shared bench folder beside the checkout, which holds v5e-8's) and from
+bench/maxtext_records/ (committed: v6e-8's, made by the same scripts; its README says how); a record named
+alike in both is PATH's. A chip with no MaxText record in either gets a "not measured" row. Only records that
+count every layer (scan_layers false) are shown: a scanned layer stack is counted once by the compiler.
 
 Per device and step: temporaries, bytes accessed (the compiler's estimate of HBM traffic), the compiler's FLOPs,
 r = (bytes / HBM bandwidth) / (6 N T / peak) (above 1 the step waits on memory; 6 N T is the model's own
@@ -35,6 +36,9 @@ GIB = 2 ** 30
 ROOT = Path(__file__).resolve().parents[1]
 MAXTEXT_ENV = "TPUCTL_MAXTEXT_FIGURES"
 DEFAULT_MAXTEXT = ROOT.parent / "shared" / "bench" / "maxtext" / "out"
+# MaxText's records kept with the code: the shared folder has v5e-8's only, so v6e-8's live here (JSON records and
+# the venv's pip freeze, for their jax and libtpu); read beside whatever PATH is given.
+COMMITTED_MAXTEXT = ROOT / "bench" / "maxtext_records"
 STEP = ["pretrain", "--preset", "gpt2-124m", "--batch-size", "64", "--seq-len", "1024", "--ckpt-dir", "gs://bench/run"]
 
 
@@ -138,6 +142,14 @@ def maxtext_path(given: str | None = None) -> Path:
     return Path(given or os.environ.get(MAXTEXT_ENV) or DEFAULT_MAXTEXT)
 
 
+def maxtext_paths(given: str | None = None) -> list[Path]:
+    """Where MaxText's records are read: PATH (--maxtext, $TPUCTL_MAXTEXT_FIGURES or the shared folder), then the
+    committed ones (once, when PATH is that folder)."""
+    first = maxtext_path(given)
+    same = first.resolve() == COMMITTED_MAXTEXT.resolve()
+    return [first] if same else [first, COMMITTED_MAXTEXT]
+
+
 def _freeze_versions(folder: Path) -> dict[str, str]:
     """jax and libtpu from a pip freeze (venv_freeze.txt) the maxtext scripts keep beside their records."""
     for d in (folder, folder.parent):
@@ -156,12 +168,25 @@ def _maxtext_label(rec: dict) -> str:
     return f"MaxText, {block} block, {attention}, remat {rec.get('remat_policy', '?')}, {sharding}"
 
 
-def maxtext(chip: Chip, path: Path) -> list[Row]:
-    """MaxText's records for this chip and the same work, counted whole (unscanned layers)."""
-    files = sorted(path.glob("*.json")) if path.is_dir() else [path] if path.is_file() else []
-    versions = _freeze_versions(path if path.is_dir() else path.parent)
+def _records(paths: list[Path]):
+    """(file, versions from its folder's pip freeze) for each JSON record under `paths`; a record named as one
+    already read (same file name) is left out, so a given PATH's record wins over the committed one."""
+    seen = set()
+    for path in paths:
+        files = sorted(path.glob("*.json")) if path.is_dir() else [path] if path.is_file() else []
+        versions = _freeze_versions(path if path.is_dir() else path.parent)
+        for file in files:
+            if file.name not in seen:
+                seen.add(file.name)
+                yield file, versions
+
+
+def maxtext(chip: Chip, path: Path | list[Path]) -> list[Row]:
+    """MaxText's records for this chip and the same work, counted whole (unscanned layers), from a record file or
+    folder, or from each of a list of them (maxtext_paths())."""
+    paths = list(path) if isinstance(path, (list, tuple)) else [path]
     rows = []
-    for file in files:
+    for file, versions in _records(paths):
         try:
             rec = json.loads(file.read_text())
         except ValueError:
@@ -177,7 +202,7 @@ def maxtext(chip: Chip, path: Path) -> list[Row]:
                         n if isinstance(n, int) else 124_475_910, 64 * 1024, 8, "program (layers unscanned)",
                         rec.get("jax", versions.get("jax", "-")), rec.get("libtpu", versions.get("libtpu", "-"))))
     if not rows:
-        where = path if path.exists() else f"{path} (missing)"
+        where = ", ".join(str(p) if p.exists() else f"{p} (missing)" for p in paths)
         rows.append(Row("MaxText", note=f"not measured: no unscanned {chip.maxtext} record in {where}; the maxtext "
                                         f"bench scripts write one (compile_topology={chip.maxtext})"))
     return rows
@@ -204,9 +229,9 @@ def main(chips: list[str] | None = None, maxtext_at: str | None = None, say=prin
     if not has_libtpu():
         say("  skipped: libtpu is not installed (pip install 'tpuctl[plan]', or `make setup`, installs it)")
         return {}
-    path = maxtext_path(maxtext_at)
+    paths = maxtext_paths(maxtext_at)
     say(f"  gpt2-124m, batch 64 x 1024, bf16 over f32 weights, AdamW; per device and step. r = (bytes / HBM "
-        f"bandwidth) / (6NT / peak). MaxText records: {path}")
+        f"bandwidth) / (6NT / peak). MaxText records: {', '.join(map(str, paths))}")
     out: dict = {}
     for name in chips or list(CHIPS):
         chip = CHIPS[name]
@@ -217,7 +242,7 @@ def main(chips: list[str] | None = None, maxtext_at: str | None = None, say=prin
         rows = [ours(chip, label, flags) for label, flags in labels.items()]
         for row in rows:
             say(render(chip, row))
-        for row in [seed(chip), *maxtext(chip, path)]:
+        for row in [seed(chip), *maxtext(chip, paths)]:
             rows.append(row)
             say(render(chip, row))
         out[name] = [r.__dict__ for r in rows]
@@ -228,7 +253,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.side_by_side", description=__doc__.splitlines()[0])
     p.add_argument("--chips", default=",".join(CHIPS), help=f"comma-separated, from {', '.join(CHIPS)}")
     p.add_argument("--maxtext", help=f"MaxText's records: a JSON file or a folder of them (default: ${MAXTEXT_ENV}, "
-                                     f"else {DEFAULT_MAXTEXT})")
+                                     f"else {DEFAULT_MAXTEXT}); {COMMITTED_MAXTEXT.relative_to(ROOT)}/ is read too")
     a = p.parse_args()
     bad = [c for c in a.chips.split(",") if c and c not in CHIPS]
     if bad:

@@ -74,6 +74,37 @@ def test_side_by_side_reads_maxtexts_records_and_says_what_was_not_measured(tmp_
         assert len(missing) == 1 and missing[0].note.startswith("not measured")
         assert "not measured" in S.render(v6e, missing[0])
     assert S.maxtext_path(None) == S.DEFAULT_MAXTEXT or os.environ.get(S.MAXTEXT_ENV)
+    # Given PATH and the committed records together: v5e-8's come from PATH, v6e-8's from bench/maxtext_records/.
+    both = [tmp_path, S.COMMITTED_MAXTEXT]
+    assert [r.label for r in S.maxtext(v5e, both)] == [r.label for r in rows]
+    assert S.maxtext_paths(str(tmp_path)) == both and S.maxtext_paths(str(S.COMMITTED_MAXTEXT)) == [S.COMMITTED_MAXTEXT]
     # Our rows go through `tpuctl plan`'s API: a step it refuses (here before any compile) is a "failed" row.
     bad = S.ours(v5e, "ours, a bad flag", ["--no-such-flag"])
     assert bad.note == "failed: unrecognized arguments: --no-such-flag" and "failed" in S.render(v5e, bad)
+
+
+def test_side_by_side_reads_maxtexts_v6e_records_from_the_repository(tmp_path, monkeypatch):
+    """v6e-8's MaxText rows come from the committed records (bench/maxtext_records/, no compile here), each with
+    the jax and libtpu that compiled it, beside any PATH; without them (and none in PATH) the chip says "not
+    measured"."""
+    import json
+    from bench import side_by_side as S
+    v6e = S.CHIPS["v6e-8"]
+    rows = S.maxtext(v6e, S.maxtext_paths(str(tmp_path / "nothing-here")))
+    stems = {r.label.rsplit("[", 1)[-1].rstrip("]") for r in rows}
+    assert {"gpt3_auto_noscan_dp_v6e", "gpt3_auto_noscan_minimal_dp_v6e"} <= stems, [r.label for r in rows]
+    for r in rows:
+        assert not r.note and "data=8 (params replicated)" in r.label
+        assert (r.jax, r.libtpu) == ("0.12.0.1", "0.0.52"), r  # MaxText 0.2.5's venv, as its v5e-8 records
+        # per device and step, every layer counted: FLOPs near 6NT/8 = 6.1e12 or above (remat), tens of GB, GiBs
+        assert 5e12 < r.flops < 1e13 and 1e10 < r.bytes_accessed < 1e11 and 0 < r.temp_bytes < 8 * 2 ** 30
+        assert r.libtpu in S.render(v6e, r)
+    # each committed record is v6e-8's: none shows up for v5e-8 from here
+    assert S.maxtext(S.CHIPS["v5e-8"], S.COMMITTED_MAXTEXT)[0].note.startswith("not measured")
+    for rec in S.COMMITTED_MAXTEXT.glob("*.json"):
+        assert "compile_topology=v6e-8" in json.loads(rec.read_text())["overrides"]
+    # without the committed records (gone from where they are read) and none in PATH: one "not measured" row
+    monkeypatch.setattr(S, "COMMITTED_MAXTEXT", tmp_path / "gone")
+    missing = S.maxtext(v6e, S.maxtext_paths(str(tmp_path)))
+    assert len(missing) == 1 and missing[0].note.startswith("not measured") and "gone (missing)" in missing[0].note
+    assert "not measured" in S.render(v6e, missing[0])
