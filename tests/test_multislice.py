@@ -247,7 +247,10 @@ def test_plan_on_two_slices_compiles_the_hybrid_step_and_run_checks_it(env, caps
     assert f["mesh"] == {"dcn": 2, "data": 8, "model": 1} and f["devices"] == 16 and f["compiler"] == "tpu"
     assert out["dcn_ops_by_kind"].keys() == {"all-reduce"} and out["dcn_send_ops"] >= 1
     share = f["per_device"]["params_bytes"] / 8  # the gradient (f32, replicated like the params) over data=8
-    assert share <= out["dcn_send_bytes"] <= 1.03 * share, (out["dcn_send_bytes"], share)  # + tile padding
+    # the table's f32 share crosses once (twice, if its two uses were reduced apart); the compiler sends some
+    # other gradients in bf16, so the whole is between the table's share and the f32 share (+ tile padding)
+    table = 50304 * 128 * 4 / 8
+    assert table <= out["dcn_send_bytes"] <= 1.03 * share < 2 * table, (out["dcn_send_bytes"], share, table)
     said = []
     P.check_before_run("v5litepod-8", 2, argv, {}, cpu_devices=False, say=said.append)
     assert len(said) == 1 and said[0].startswith(
