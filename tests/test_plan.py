@@ -386,6 +386,33 @@ def test_does_not_fit_names_what_would_and_costs_add_up():
     assert fits.fits and P.suggest(fits) and "FITS" in render(fits)
 
 
+def test_remat_full_is_suggested_from_the_layers_count_and_only_where_it_is_not_on():
+    """--remat full keeps two layers' worth of the 32 GiB of activations (12 layers: 32 * 2 / 12), after the
+    batch-preserving --grad-accum and before the smaller batch; a step already at --remat full, or one that does
+    not say how many layers it has, gets no such suggestion. Checked against a compile: gpt2-124m on v5e-8 keeps
+    1.43 GB of activations (1.93 GB of temporaries, 0.50 GB of them gradients); this guess gives 0.74 GB of
+    temporaries at --remat full, and the compiler 0.80 GB."""
+    settings = {"batch_size": 64, "grad_accum": 1, "steps": 10, "mesh": "", "n_head": 12, "n_layer": 12,
+                "remat": "none"}
+    levers = ["grad_accum", "remat", "batch_size", "mesh_model"]
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings=settings, levers=levers))
+    p.suggestions = P.suggest(p)
+    changes = [s.change for s in p.suggestions]
+    assert changes[:3] == ["--grad-accum 2", "--remat full", "--batch-size 32"], changes
+    remat = p.suggestions[1]
+    assert remat.estimate_bytes == 8 * P.GIB + 32 * P.GIB * 2 // 12 and "a third more FLOPs" in remat.note
+    assert "would fit: --remat full (about 13.33 GiB per device, estimated)" in render(p)
+    for other in ({"remat": "full"}, {"n_layer": None}):
+        q = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings={**settings, **other}, levers=levers))
+        assert "--remat full" not in [s.change for s in P.suggest(q)]
+    dots = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings={**settings, "remat": "dots"}, levers=levers))
+    assert "--remat full" in [s.change for s in P.suggest(dots)]
+    # 40 GiB of activations over 2 layers keep all 40: over v4's 32 GiB, so not named
+    two = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings={**settings, "n_layer": 2}, levers=levers,
+                                                         temp_bytes=42 * P.GIB, total_bytes=48 * P.GIB))
+    assert "--remat full" not in [s.change for s in P.suggest(two)]
+
+
 def test_the_step_time_is_a_roofline_that_names_its_bound():
     """2.4 TB per device at v4's 1,200 GB/s take 2 s, the 275 TFLOP at its 275 TFLOP/s take 1 s: memory bounds the
     step, r = 2; the assumed MFU's time stays beside it, labelled. A local slice's CPU devices get no time."""

@@ -412,6 +412,22 @@ def _mesh_model(p: Plan) -> Suggestion | None:
     return None
 
 
+def _remat(p: Plan) -> Suggestion | None:
+    """--remat full keeps only each layer's input for the backward pass and recomputes the layer from it. The
+    estimate keeps two layers' worth of the activations (the inputs of all of them are about one layer's share;
+    one layer is recomputed at a time): a guess for a step whose activations are mostly the layers' (the loss's
+    logits are not, and the compile of the first suggestion checks it)."""
+    f, s = p.figures, p.figures["settings"]
+    if s.get("remat", "none") == "full" or not s.get("n_layer"):
+        return None
+    fixed, act = _split(f)
+    est = fixed + act * 2 // max(s["n_layer"], 2)
+    if est > p.hbm_bytes:
+        return None
+    return Suggestion("--remat full", est, "each layer recomputed from its input in the backward pass: the same "
+                                           "result for about a third more FLOPs (one more forward pass)")
+
+
 def _base_dtype(p: Plan) -> Suggestion | None:
     """A frozen base held in f32 (LoRA's --base-dtype): bf16 halves it."""
     f, s = p.figures, p.figures["settings"]
@@ -425,7 +441,8 @@ def _base_dtype(p: Plan) -> Suggestion | None:
 
 
 LEVERS: dict[str, Callable[[Plan], Suggestion | None]] = {
-    "grad_accum": _grad_accum, "batch_size": _batch_size, "mesh_model": _mesh_model, "base_dtype": _base_dtype,
+    "grad_accum": _grad_accum, "remat": _remat, "batch_size": _batch_size, "mesh_model": _mesh_model,
+    "base_dtype": _base_dtype,
 }
 
 

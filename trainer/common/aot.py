@@ -89,13 +89,14 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                  opt_state=steps.abstract_opt, tokens_per_step=t.batch_size * m.seq_len,
                  model_flops_per_token=metrics.flops_per_token(m), mesh=mesh_lib.shape_of(mesh), dtype=t.dtype,
                  settings={"batch_size": t.batch_size, "grad_accum": t.grad_accum, "steps": t.steps,
-                           "mesh": t.mesh, "n_head": m.n_head, "attention": steps.attention, "remat": t.remat,
+                           "mesh": t.mesh, "n_head": m.n_head, "n_layer": m.n_layer, "attention": steps.attention,
+                           "remat": t.remat,
                            "loss_chunk": t.loss_chunk, "table_grads": t.table_grads,
                            "logits": t.logits, "splash_layout": t.splash_layout, "splash_bwd": t.splash_bwd,
                            "splash_block": t.splash_block, "splash_fwd": t.splash_fwd,
                            "loss_kernel": "xla" if steps.loss_kernel is None else "pallas",
                            "optimizer_state": t.optimizer_state},
-                 levers=("grad_accum", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled)
+                 levers=("grad_accum", "remat", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled)
 
 
 def _lora_run(args: argparse.Namespace, run_platform: str):
@@ -144,9 +145,10 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  model_flops_per_token=lora_flops_per_token(cfg, lora_lib.count(cfg, run.lora), run.seq_len),
                  mesh=mesh_lib.shape_of(mesh), dtype=run.dtype,
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
-                           "base_dtype": run.base_dtype, "n_head": cfg.n_heads,
+                           "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
+                           "remat": run.remat,
                            "fsdp": True, "batch_per_device": not run.batch_size},
-                 levers=("base_dtype", "batch_size", "mesh_model"))
+                 levers=("base_dtype", "remat", "batch_size", "mesh_model"))
 
 
 def _needs_size(args: argparse.Namespace) -> None:
