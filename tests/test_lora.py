@@ -302,6 +302,38 @@ def test_prompt_targets_do_not_change_the_loss(bases):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_the_chunked_loss_equals_the_full_logits_and_gives_the_base_no_gradient(bases, family):
+    """A step's loss_sums take the output layer a chunk of positions at a time (Gemma 2 soft-caps its logits,
+    Gemma 3 does not): the same weighted sum, weight total and adapter gradients as token_losses' full logits,
+    in chunks of 16 of 64 and whole (--loss-chunk 0); the frozen embedding's gradient is zero."""
+    cfg = gc.TINY[family]
+    tok = _tok(bases)
+    rows = sft_data.build_rows([sft_data.encode(tok, [{"role": "user", "content": p}, {"role": "model", "content": r}])
+                                for p, r in FACTS[:3]], 64)
+    batch = {k: jnp.asarray(v) for k, v in rows.take(np.arange(len(rows))).items()}
+    base, lc = gemma.random_params(cfg, 3), lora_lib.LoraConfig(4, 8, 0.0, ("q", "v"))
+    lora = _trained(cfg, lc)
+
+    def full(lora, base):
+        ce = finetune.token_losses(cfg, lc, base, lora, batch)
+        return jnp.sum(ce * batch["weights"]) / jnp.sum(batch["weights"])
+    want, (g_lora, g_full_base) = jax.value_and_grad(full, argnums=(0, 1))(lora, base)
+    for chunk in (16, 0):
+        def chunked(lora, base):
+            s, n = finetune.loss_sums(cfg, lc, base, lora, batch, loss_chunk=chunk)
+            assert float(n) == float(jnp.sum(batch["weights"])) > 0
+            return s / n
+        got, (g, g_base) = jax.value_and_grad(chunked, argnums=(0, 1))(lora, base)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        for name in g_lora:
+            np.testing.assert_allclose(g[name], g_lora[name], rtol=1e-4, atol=1e-6 * float(jnp.abs(g_lora[name]).max()))
+        # The embedding's gradient comes from the input lookup alone: rows of tokens not in the inputs get none
+        # (through the full logits every row gets some: the softmax touches them all).
+        unused = np.setdiff1d(np.arange(cfg.vocab), np.asarray(batch["inputs"]))
+        assert float(jnp.abs(g_base["embed"][unused]).max()) == 0.0 < float(jnp.abs(g_full_base["embed"][unused]).max())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_packed_examples_lose_as_each_alone(bases, family):
     cfg = gc.TINY[family]
     tok = _tok(bases)

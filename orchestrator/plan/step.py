@@ -428,6 +428,36 @@ def _remat(p: Plan) -> Suggestion | None:
                                            "result for about a third more FLOPs (one more forward pass)")
 
 
+def _positions(chunk: int, seq_len: int) -> int:
+    """The positions a loss chunk of `chunk` takes (the trainer's xent.chunk_of): the largest divisor of seq_len
+    not above it; 0 or more than seq_len: all."""
+    if chunk <= 0 or chunk >= seq_len:
+        return seq_len
+    return max(c for c in range(1, chunk + 1) if seq_len % c == 0)
+
+
+def _loss_chunk(p: Plan) -> Suggestion | None:
+    """LoRA's --loss-chunk: the loss holds two f32 copies of a chunk's logits [rows, chunk, vocab] per device (its
+    softmax and the soft-capped logits; gemma2-2b on v5e-8, 4 rows of 512: 10.25 GiB whole, 7.29 GiB in chunks
+    of 128, this estimate 7.32). The largest chunk that fits: each chunk reads the embedding once more."""
+    f, s = p.figures, p.figures["settings"]
+    t, vocab = s.get("seq_len"), s.get("vocab")
+    if not t or not vocab:
+        return None
+    # a device's rows (the batch over dcn x data), its share of the vocabulary (split over model), f32 twice
+    per_position = 2 * (s["batch_size"] // _batch_axes(f)) * (vocab // f["mesh"]["model"]) * 4
+    now = _positions(s.get("loss_chunk", 0), t)
+    for c in (512, 256, 128, 64, 32, 16):
+        c = _positions(c, t)
+        if c >= now:
+            continue
+        est = f["total_bytes"] - per_position * (now - c)
+        if est <= p.hbm_bytes:
+            return Suggestion(f"--loss-chunk {c}", est, f"the loss's logits {c} positions at a time, not {now}: "
+                                                        "the same result; the embedding read once more a chunk")
+    return None
+
+
 def _base_dtype(p: Plan) -> Suggestion | None:
     """A frozen base held in f32 (LoRA's --base-dtype): bf16 halves it."""
     f, s = p.figures, p.figures["settings"]
@@ -442,7 +472,7 @@ def _base_dtype(p: Plan) -> Suggestion | None:
 
 LEVERS: dict[str, Callable[[Plan], Suggestion | None]] = {
     "grad_accum": _grad_accum, "remat": _remat, "batch_size": _batch_size, "mesh_model": _mesh_model,
-    "base_dtype": _base_dtype,
+    "base_dtype": _base_dtype, "loss_chunk": _loss_chunk,
 }
 
 

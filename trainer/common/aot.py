@@ -146,9 +146,12 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  mesh=mesh_lib.shape_of(mesh), dtype=run.dtype,
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
-                           "remat": run.remat,
+                           "remat": run.remat, "loss_chunk": run.loss_chunk, "seq_len": run.seq_len,
+                           "vocab": cfg.vocab,
                            "fsdp": True, "batch_per_device": not run.batch_size},
-                 levers=("base_dtype", "remat", "batch_size", "mesh_model"))
+                 levers=("base_dtype", "loss_chunk", "remat", "batch_size", "mesh_model"),
+                 # a twin only for the loss's own chunks: a loop the compiler makes itself stays in any twin
+                 compile_unrolled=(lambda: steps.compile_unrolled(base)) if steps.loss_chunks > 1 else None)
 
 
 def _needs_size(args: argparse.Namespace) -> None:

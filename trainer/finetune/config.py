@@ -46,6 +46,7 @@ class LoraRun:
     eval_every: int = 0             # val loss every N steps (and at the last); 0 = only at the last
     attention: str = "auto"         # auto (splash kernel on TPU, XLA elsewhere), xla, splash
     remat: str = "none"             # what each layer recomputes in the backward pass: none, dots, full
+    loss_chunk: int = 0             # positions whose logits exist at once in the loss (0: all)
     profile: str = ""               # START:END: steps every process traces (trainer/common/profiling.py)
 
     @property
@@ -73,7 +74,7 @@ class LoraRun:
         for flag, v in {"--seq-len": self.seq_len, "--keep": self.keep, "--log-every": self.log_every}.items():
             if v < 1:
                 raise UsageError(f"{flag} {v}: must be at least 1")
-        for flag, v in {"--batch-size": self.batch_size, "--steps": self.steps, "--lr": self.lr,
+        for flag, v in {"--batch-size": self.batch_size, "--loss-chunk": self.loss_chunk, "--steps": self.steps, "--lr": self.lr,
                         "--warmup-steps": self.warmup_steps, "--ckpt-every": self.ckpt_every,
                         "--eval-every": self.eval_every, "--weight-decay": self.weight_decay,
                         "--grad-clip": self.grad_clip}.items():

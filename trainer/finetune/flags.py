@@ -69,6 +69,10 @@ LORA_HELP = {
                  "a multiple of 128",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' outputs; "
              "full: only its input); trades compute for memory",
+    "loss_chunk": "sequence positions whose logits exist at once in the loss (0 = all: [rows, seq-len, vocab] f32 "
+                  "per device, 2 GB for Gemma's 256k vocabulary and 4 rows of 512, held twice); N < seq-len takes "
+                  "the largest divisor of seq-len not above N: less memory, the embedding read once more per chunk "
+                  "(`tpuctl plan` suggests it when a step does not fit)",
     "profile": "START:END: every process records a jax.profiler trace of steps START to END-1 into "
                "<ckpt-dir>/profiles/<run id>/ (TensorBoard's profile layout; e.g. 5:8 traces steps 5, 6 and 7)",
 }

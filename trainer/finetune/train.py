@@ -19,7 +19,7 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.common import checkpoint, loop, metrics, optim, profiling
+from trainer.common import checkpoint, loop, metrics, optim, profiling, scans
 from trainer.finetune import data as sft_data
 from trainer.gemma import tokenizer as tok_lib
 from trainer.gemma import weights
@@ -27,18 +27,34 @@ from trainer.common import mesh as mesh_lib
 from trainer.common.config import TrainConfig, UsageError
 from trainer.finetune.config import LoraRun
 from trainer.common.mesh import compute_dtype
-from trainer.models import attention, gemma, lora as lora_lib
+from trainer.models import attention, gemma, lora as lora_lib, xent
 
 
 def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
                  dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none") -> jax.Array:
-    """f32 next-token cross-entropy [B, T] of packed rows under base + adapters (unweighted).
+    """f32 next-token cross-entropy [B, T] of packed rows under base + adapters (unweighted), from the full
+    logits (for inspection and checks: a step takes loss_sums).
     attention: resolved (trainer/models/attention.py); remat: a policy of trainer/models/remat.py."""
     model = gemma.from_flat(cfg, base)
     logits, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
                       adapter=lora_lib.adapter(lc, lora, dropout_key), attention=attention, remat=remat)
     logz = jax.nn.logsumexp(logits, axis=-1)
     return logz - jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+
+
+def loss_sums(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
+              dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
+              loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(sum of weight x cross-entropy, sum of weights) of packed rows under base + adapters: what a step
+    differentiates. The output layer and the loss take loss_chunk positions at a time (trainer/models/xent.py;
+    0: all at once), so the [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist
+    whole, and the frozen embedding gets no gradient. The same sums as token_losses' up to the order of addition."""
+    model = gemma.from_flat(cfg, base)
+    x, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
+                 adapter=lora_lib.adapter(lc, lora, dropout_key), attention=attention, remat=remat, logits=False)
+    total = xent.chunked(x, base["embed"], batch["targets"], loss_chunk, None, cfg.fam.final_softcap, False,
+                         batch["weights"], False)
+    return total, jnp.sum(batch["weights"])
 
 
 class Steps:
@@ -67,16 +83,13 @@ class Steps:
         self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                          jax.eval_shape(self.tx.init, self.abstract_lora), self.opt_sh)
         batch_sh = {f: self.batch_sh for f in sft_data.FIELDS}
-        self._train = jax.jit(self._train_step, in_shardings=(self.lora_sh, self.opt_sh, self.base_sh, batch_sh,
-                                                              self.rep),
-                              out_shardings=(self.lora_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
+        self._train = self._jit_train(self._train_step)
         self._eval = jax.jit(self._eval_step, in_shardings=(self.lora_sh, self.base_sh, batch_sh),
                              out_shardings=self.rep)
 
     def _sums(self, lora, base, batch, key):
-        ce = token_losses(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
-                          attention=self.attention, remat=self.run.remat)
-        return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
+        return loss_sums(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
+                         attention=self.attention, remat=self.run.remat, loss_chunk=self.run.loss_chunk)
 
     def _train_step(self, lora, opt_state, base, batch, step):
         key = jax.random.fold_in(jax.random.key(self.run.seed), step)  # from (seed, step): any host count
@@ -92,19 +105,37 @@ class Steps:
     def _eval_step(self, lora, base, batch):
         return jnp.stack(self._sums(lora, base, batch, None))
 
-    def compile(self, base) -> float:
-        """Ahead-of-time compile of the train step, so no step's time includes compilation."""
-        t0 = time.perf_counter()
+    @property
+    def loss_chunks(self) -> int:
+        """How many chunks of positions the loss takes (1: the logits whole, no loop)."""
+        return self.run.seq_len // xent.chunk_of(self.run.loss_chunk, self.run.seq_len)
+
+    def _jit_train(self, fn):
+        batch_sh = {f: self.batch_sh for f in sft_data.FIELDS}
+        return jax.jit(fn, in_shardings=(self.lora_sh, self.opt_sh, self.base_sh, batch_sh, self.rep),
+                       out_shardings=(self.lora_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
+
+    def _train_args(self, base):
         shape = jax.ShapeDtypeStruct((self.global_batch, self.run.seq_len), jnp.int32, sharding=self.batch_sh)
         batch = {f: shape if f != "weights" else shape.update(dtype=jnp.float32) for f in sft_data.FIELDS}
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
         abstract_base = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in base.items()}
+        return self.abstract_lora, self.abstract_opt, abstract_base, batch, step
+
+    def compile(self, base) -> float:
+        """Ahead-of-time compile of the train step, so no step's time includes compilation."""
+        t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self._train = self._train.lower(self.abstract_lora, self.abstract_opt, abstract_base, batch,
-                                            step).compile()
+            self._train = self._train.lower(*self._train_args(base)).compile()
         took = time.perf_counter() - t0
         mesh_lib.meet("the compiled train step")
         return took
+
+    def compile_unrolled(self, base):
+        """The train step with the loss's chunks written out (trainer/common/scans.py), compiled for its cost
+        analysis only (a plan's whole-step count). Never run; a jit of its own."""
+        with scans.unrolled(), jax.set_mesh(self.mesh):
+            return self._jit_train(lambda *a: self._train_step(*a)).lower(*self._train_args(base)).compile()
 
     @property
     def train_fn(self):

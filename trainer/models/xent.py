@@ -113,7 +113,7 @@ def batch_shards(batch: int) -> int:
     return n if batch % n == 0 else 1
 
 
-def _one_pass(xc, tc, w, w1, logits_of, total: int):
+def _one_pass(xc, tc, wc, w, w1, logits_of, scale):
     """One chunk's summed loss, d loss / d logits (compute dtype) and dx, reading its f32 logits three times:
     written by their matmul (which also takes each row's max), read by the dx matmul and by the table's gradient.
 
@@ -122,32 +122,44 @@ def _one_pass(xc, tc, w, w1, logits_of, total: int):
     of its own sums the exponentials. The target's logit is x . table[target] (a gather of table rows, not of
     logits). e enters the matmul in the compute dtype, as d loss / d logits always did: on TPU the sum of a
     row's exponentials is rounded per term to bf16 (8 bits; errors of either sign, ~1e-3 of a token's loss at
-    worst), in f32 elsewhere."""
+    worst), in f32 elsewhere. wc: each position's weight [B, c] or None; scale: _scale's."""
     lg = logits_of(xc)
     top = jnp.max(lg, axis=-1)
     r = _matmul_in(jnp.exp(lg - top[..., None]).astype(xc.dtype), w1)
     d = xc.shape[-1]
     norm = r[..., d]
     rows = lookup(w, tc)
-    dxc = ((r[..., :d] / norm[..., None] - rows) / total).astype(xc.dtype)
+    dxc = ((r[..., :d] / norm[..., None] - rows) * scale).astype(xc.dtype)
     logz = top + jnp.log(norm)
     picked = jnp.einsum("btd,btd->bt", xc, rows, preferred_element_type=jnp.float32)
     # d loss / d logits = (softmax - onehot) / total; padding columns get exp(-1e9 - logz) = 0.
     dz = jnp.exp(lg - logz[..., None])
-    dz = jnp.where(jnp.arange(lg.shape[-1]) == tc[..., None], dz - 1.0, dz) / total
-    return jnp.sum(logz - picked), dz.astype(xc.dtype), dxc
+    dz = jnp.where(jnp.arange(lg.shape[-1]) == tc[..., None], dz - 1.0, dz) * scale
+    return _weighted_sum(logz - picked, wc), dz.astype(xc.dtype), dxc
+
+
+def _weighted_sum(ce: jax.Array, wc: jax.Array | None) -> jax.Array:
+    return jnp.sum(ce if wc is None else ce * wc)
+
+
+def _scale(wc: jax.Array | None, total: int):
+    """What d loss / d logits of each position is multiplied by: its weight (1 without weights) over the count."""
+    return (1.0 if wc is None else wc[..., None]) / total
 
 
 def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: float | None, grads: bool,
-            narrow: bool = False):
+            narrow: bool = False, weights: jax.Array | None = None, table_grads: bool = True):
     """The summed-then-averaged loss over chunks of positions, and with grads its (dx, dtable). narrow: each
-    chunk's logits written in the compute dtype (the softmax still computed in f32 from them)."""
+    chunk's logits written in the compute dtype (the softmax still computed in f32 from them). weights [B, T]:
+    the loss is the weighted sum instead (not averaged). table_grads=False: dtable is None (a frozen table: its
+    gradient is neither accumulated nor held)."""
     b, t, d = x.shape
     c = chunk_of(chunk, t)
-    n, total = t // c, b * t
+    n, total = t // c, (b * t if weights is None else 1)
     # [n, B, c, D]: the batch stays on its devices, each scan step takes one block of positions.
     xs = _constrain(x.reshape(b, n, c, d).swapaxes(0, 1), (None, "batch", "seq", "embed"))
     ts = _constrain(targets.reshape(b, n, c).swapaxes(0, 1), (None, "batch", "seq"))
+    ws = None if weights is None else _constrain(weights.reshape(b, n, c).swapaxes(0, 1), (None, "batch", "seq"))
     w = table.astype(x.dtype)
     shared = table.ndim == 3  # per_shard's copies: their gradient stays per shard
     s, v = (table.shape[0] if shared else batch_shards(b)), table.shape[-2]
@@ -158,7 +170,7 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
         z = z.astype(jnp.float32)  # a no-op, or a convert fused into each reader of the narrow logits
         return z if vocab_size is None or vocab_size == v else jnp.where(jnp.arange(v) < vocab_size, z, -1e9)
 
-    def chunk_loss(xc, tc):
+    def chunk_loss(xc, tc, wc):
         z = logits_of(xc)
         capped = jnp.tanh(z / softcap) if softcap is not None else None
         lg = capped * softcap if softcap is not None else z
@@ -168,26 +180,28 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
         top = jnp.max(lg, axis=-1)
         logz = top + jnp.log(jnp.sum(jnp.exp(lg - top[..., None]), axis=-1))
         picked = jnp.sum(jnp.where(jnp.arange(v) == tc[..., None], lg, 0.0), axis=-1)  # one term: exact
-        return jnp.sum(logz - picked), lg, logz, capped
+        return _weighted_sum(logz - picked, wc), lg, logz, capped
 
     if not grads:
         def step(acc, xt):
             return acc + chunk_loss(*xt)[0], None
-        loss, _ = scans.scan(step, jnp.zeros((), jnp.float32), (xs, ts))
+        loss, _ = scans.scan(step, jnp.zeros((), jnp.float32), (xs, ts, ws))
         return loss / total
 
     def step(carry, xt):
         acc, dtable = carry
-        xc, tc = xt
+        xc, tc, wc = xt
         if softcap is None:
-            lc, dz, dxc = _one_pass(xc, tc, w, w1, logits_of, total)
+            lc, dz, dxc = _one_pass(xc, tc, wc, w, w1, logits_of, _scale(wc, total))
         else:
-            lc, lg, logz, capped = chunk_loss(xc, tc)
+            lc, lg, logz, capped = chunk_loss(xc, tc, wc)
             # d loss / d logits = (softmax - onehot) / total; padding columns get exp(-1e9 - logz) = 0.
             dz = jnp.exp(lg - logz[..., None])
-            dz = jnp.where(jnp.arange(v) == tc[..., None], dz - 1.0, dz) / total
+            dz = jnp.where(jnp.arange(v) == tc[..., None], dz - 1.0, dz) * _scale(wc, total)
             dz = (dz * (1.0 - jnp.square(capped))).astype(x.dtype)
             dxc = _matmul_in(dz, w).astype(x.dtype)
+        if not table_grads:
+            return (acc + lc, dtable), dxc
         # Each batch shard's contribution to the table's gradient stays on its devices: [s, V, D].
         dzs = dz.reshape(s, dz.shape[0] // s, *dz.shape[1:])
         xcs = xc.reshape(s, xc.shape[0] // s, *xc.shape[1:])
@@ -197,30 +211,38 @@ def _chunks(x, table, targets, chunk: int, vocab_size: int | None, softcap: floa
     # The table with a column of ones: one matmul gives a chunk's unnormalised dx and its softmax's sum.
     w1 = jnp.concatenate([w, jnp.ones((*w.shape[:-1], 1), w.dtype)], axis=-1) if softcap is None else None
     zero = (jnp.zeros((), jnp.float32),
-            _constrain(jnp.zeros((s, *table.shape[-2:]), jnp.float32), ("batch", "vocab", "embed")))
-    (loss, dtable), dxs = scans.scan(step, zero, (xs, ts))
+            _constrain(jnp.zeros((s, *table.shape[-2:]), jnp.float32), ("batch", "vocab", "embed"))
+            if table_grads else None)
+    (loss, dtable), dxs = scans.scan(step, zero, (xs, ts, ws))
     dx = dxs.swapaxes(0, 1).reshape(b, t, d)
+    if not table_grads:
+        return loss / total, dx, None
     return loss / total, dx, (dtable if shared else dtable.sum(0)).astype(table.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 8))
 def chunked(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int, vocab_size: int | None = None,
-            softcap: float | None = None, narrow: bool = False) -> jax.Array:
+            softcap: float | None = None, narrow: bool = False, weights: jax.Array | None = None,
+            table_grads: bool = True) -> jax.Array:
     """Mean cross-entropy (f32) of hidden states x [B, T, D] against int targets [B, T], never holding more
     than one chunk of positions' logits (chunk_of(chunk, T) of them); its gradients come from the same pass.
     table: [V, D], or per_shard's copies [s, V, D] (their gradient left per shard). narrow: the logits in the
-    compute dtype (_chunks)."""
-    return _chunks(x, table, targets, chunk, vocab_size, softcap, grads=False, narrow=narrow)
+    compute dtype (_chunks). weights [B, T] (f32): the weighted sum of the positions' cross-entropies instead
+    of the mean (LoRA's loss mask; the caller divides). table_grads=False: a frozen table (LoRA's base): its
+    gradient is zero, never computed."""
+    return _chunks(x, table, targets, chunk, vocab_size, softcap, grads=False, narrow=narrow, weights=weights)
 
 
-def _chunked_fwd(x, table, targets, chunk, vocab_size, softcap, narrow):
-    loss, dx, dtable = _chunks(x, table, targets, chunk, vocab_size, softcap, grads=True, narrow=narrow)
-    return loss, (dx, dtable)
+def _chunked_fwd(x, table, targets, chunk, vocab_size, softcap, narrow, weights, table_grads):
+    loss, dx, dtable = _chunks(x, table, targets, chunk, vocab_size, softcap, grads=True, narrow=narrow,
+                               weights=weights, table_grads=table_grads)
+    return loss, (dx, dtable, table)
 
 
-def _chunked_bwd(chunk, vocab_size, softcap, narrow, res, g):
-    dx, dtable = res
-    return (dx * g).astype(dx.dtype), dtable * g, None
+def _chunked_bwd(chunk, vocab_size, softcap, narrow, table_grads, res, g):
+    dx, dtable, table = res
+    dtable = dtable * g if table_grads else jnp.zeros_like(table)
+    return (dx * g).astype(dx.dtype), dtable, None, None
 
 
 chunked.defvjp(_chunked_fwd, _chunked_bwd)
