@@ -234,7 +234,8 @@ def test_gemma2_27b_lora_on_v5litepod_8_does_not_fit_and_the_plan_names_what_wou
     what the temporaries leave beside the gathered base: 0.66 GB here since the loss no longer holds the logits
     through autodiff (0.92 before), so model=4 (6 GiB gathered, 4 rows) is now estimated at 15.2 GiB, under 16;
     compiled, with the loss before, it needed 26.98 GiB (model=8: estimated 13.21, compiled 14.71, fits). The
-    split underestimates this step's activations: known, not fixed."""
+    split underestimates this step's activations: known, not fixed. `tpuctl plan` compiles model=4, and when the
+    compiler refutes it, model=8 too (test_a_suggestion_the_compiler_refutes_is_followed_by_its_levers_next)."""
     # XLA attention: the step whose figures the lever arithmetic was checked against by compiling its suggestions
     # (splash, the TPU default, stops memory assignment elsewhere: its refused figures differ).
     argv = [*LORA, "--model", "gemma2-27b", "--batch-size", "8", "--attention", "xla"]
@@ -513,6 +514,36 @@ def test_the_first_suggestion_is_compiled_too(monkeypatch):
     direct = P.plan("v4-8", [*argv, *first.change.split()], cpu_devices=True)
     assert direct.cached and direct.total_bytes == first.compiled_bytes and direct.fits == first.compiled_fits
     assert "(compiled: " in render(p)
+
+
+def test_a_suggestion_the_compiler_refutes_is_followed_by_its_levers_next(monkeypatch):
+    """Tensor parallelism over 2 is estimated to fit (18 GiB of state halved, 18 of activations: 27 of 32 GiB) but
+    compiled needs 40; the plan then compiles the same lever's next change, model=4 (estimated 22.5), and shows
+    both with their compiled totals: one more compile, only when the first is refuted (here compile_figures
+    answers from given figures)."""
+    levers = ["mesh_model"]
+    main = _figures(temp_bytes=20 * P.GIB, total_bytes=36 * P.GIB, levers=levers)
+    compiled = {"model=2": 40 * P.GIB, "model=4": 20 * P.GIB}
+    asked = []
+
+    def fake(a, argv, **kw):
+        asked.append(argv[-1])
+        mesh = next((m for m in compiled if argv[-1].endswith(m)), None)
+        return (main if mesh is None else {**main, "total_bytes": compiled[mesh]}), False
+    monkeypatch.setattr(P, "compile_figures", fake)
+    p = P.plan("v4-8", ["pretrain", "--mesh", "data=4,model=1"], cpu_devices=True)
+    assert asked == ["data=4,model=1", "data=2,model=2", "data=1,model=4"]
+    assert [(s.change, s.estimate_bytes, s.compiled_bytes, s.compiled_fits) for s in p.suggestions] == [
+        ("--mesh data=2,model=2", 27 * P.GIB, 40 * P.GIB, False),
+        ("--mesh data=1,model=4", int(22.5 * P.GIB), 20 * P.GIB, True)]
+    text = render(p)
+    assert "estimated to fit, but compiled it does NOT: --mesh data=2,model=2" in text
+    assert "would fit: --mesh data=1,model=4 (compiled: 20.00 GiB" in text
+    # A first suggestion the compiler confirms: nothing more is compiled.
+    compiled["model=2"] = 30 * P.GIB
+    asked.clear()
+    p = P.plan("v4-8", ["pretrain", "--mesh", "data=4,model=1"], cpu_devices=True)
+    assert asked == ["data=4,model=1", "data=2,model=2"] and len(p.suggestions) == 1
 
 
 def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():

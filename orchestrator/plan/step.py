@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from orchestrator import catalog
 from orchestrator.spec import UserError
@@ -49,6 +50,7 @@ class Suggestion:
     note: str
     compiled_bytes: int | None = None  # the compiler's per-device total for it, when `plan` compiled it
     compiled_fits: bool | None = None
+    lever: str = ""               # the LEVERS entry that made it
 
 
 @dataclass
@@ -364,7 +366,7 @@ def _on_devices(p: Plan, devices: int) -> int:
     return fixed + (act if s.get("batch_per_device") else act * n // devices)
 
 
-def _grad_accum(p: Plan) -> Suggestion | None:
+def _grad_accum(p: Plan) -> Iterator[Suggestion]:
     f, s = p.figures, p.figures["settings"]
     fixed, act = _split(f)
     for k in (2, 4, 8, 16, 32):
@@ -373,12 +375,11 @@ def _grad_accum(p: Plan) -> Suggestion | None:
             continue
         est = fixed + f["params_bytes"] * (s["grad_accum"] == 1) + act // k  # + the f32 gradient accumulator
         if est <= p.hbm_bytes:
-            return Suggestion(f"--grad-accum {ga}", est, f"the same batch in {ga} micro-batches: activations "
+            yield Suggestion(f"--grad-accum {ga}", est, f"the same batch in {ga} micro-batches: activations "
                                                          f"/{k}, same result, more passes per step")
-    return None
 
 
-def _batch_size(p: Plan) -> Suggestion | None:
+def _batch_size(p: Plan) -> Iterator[Suggestion]:
     f, s = p.figures, p.figures["settings"]
     fixed, act = _split(f)
     for k in (2, 4, 8, 16, 32):
@@ -387,12 +388,11 @@ def _batch_size(p: Plan) -> Suggestion | None:
             continue
         est = fixed + act // k
         if est <= p.hbm_bytes:
-            return Suggestion(f"--batch-size {b}", est, f"a {k}x smaller per-device batch: fewer tokens per step "
+            yield Suggestion(f"--batch-size {b}", est, f"a {k}x smaller per-device batch: fewer tokens per step "
                                                         "(changes the optimisation; --grad-accum keeps it)")
-    return None
 
 
-def _mesh_model(p: Plan) -> Suggestion | None:
+def _mesh_model(p: Plan) -> Iterator[Suggestion]:
     f, s = p.figures, p.figures["settings"]
     fixed, act = _split(f)
     n = _slice_devices(f)  # --mesh is one slice's
@@ -408,23 +408,22 @@ def _mesh_model(p: Plan) -> Suggestion | None:
             est = (fixed * f["mesh"]["model"]) // m + act
             note = f"params, optimizer state and gradients split over {m} devices (tensor parallel)"
         if est <= p.hbm_bytes:
-            return Suggestion(f"--mesh data={n // m},model={m}", est, note)
-    return None
+            yield Suggestion(f"--mesh data={n // m},model={m}", est, note)
 
 
-def _remat(p: Plan) -> Suggestion | None:
+def _remat(p: Plan) -> Iterator[Suggestion]:
     """--remat full keeps only each layer's input for the backward pass and recomputes the layer from it. The
     estimate keeps two layers' worth of the activations (the inputs of all of them are about one layer's share;
     one layer is recomputed at a time): a guess for a step whose activations are mostly the layers' (the loss's
     logits are not, and the compile of the first suggestion checks it)."""
     f, s = p.figures, p.figures["settings"]
     if s.get("remat", "none") == "full" or not s.get("n_layer"):
-        return None
+        return
     fixed, act = _split(f)
     est = fixed + act * 2 // max(s["n_layer"], 2)
     if est > p.hbm_bytes:
-        return None
-    return Suggestion("--remat full", est, "each layer recomputed from its input in the backward pass: the same "
+        return
+    yield Suggestion("--remat full", est, "each layer recomputed from its input in the backward pass: the same "
                                            "result for about a third more FLOPs (one more forward pass)")
 
 
@@ -436,14 +435,14 @@ def _positions(chunk: int, seq_len: int) -> int:
     return max(c for c in range(1, chunk + 1) if seq_len % c == 0)
 
 
-def _loss_chunk(p: Plan) -> Suggestion | None:
+def _loss_chunk(p: Plan) -> Iterator[Suggestion]:
     """LoRA's --loss-chunk: the loss holds two f32 copies of a chunk's logits [rows, chunk, vocab] per device (its
     softmax and the soft-capped logits; gemma2-2b on v5e-8, 4 rows of 512: 10.25 GiB whole, 7.29 GiB in chunks
     of 128, this estimate 7.32). The largest chunk that fits: each chunk reads the embedding once more."""
     f, s = p.figures, p.figures["settings"]
     t, vocab = s.get("seq_len"), s.get("vocab")
     if not t or not vocab:
-        return None
+        return
     # a device's rows (the batch over dcn x data), its share of the vocabulary (split over model), f32 twice
     per_position = 2 * (s["batch_size"] // _batch_axes(f)) * (vocab // f["mesh"]["model"]) * 4
     now = _positions(s.get("loss_chunk", 0), t)
@@ -453,31 +452,37 @@ def _loss_chunk(p: Plan) -> Suggestion | None:
             continue
         est = f["total_bytes"] - per_position * (now - c)
         if est <= p.hbm_bytes:
-            return Suggestion(f"--loss-chunk {c}", est, f"the loss's logits {c} positions at a time, not {now}: "
+            yield Suggestion(f"--loss-chunk {c}", est, f"the loss's logits {c} positions at a time, not {now}: "
                                                         "the same result; the embedding read once more a chunk")
-    return None
 
 
-def _base_dtype(p: Plan) -> Suggestion | None:
+def _base_dtype(p: Plan) -> Iterator[Suggestion]:
     """A frozen base held in f32 (LoRA's --base-dtype): bf16 halves it."""
     f, s = p.figures, p.figures["settings"]
     if s.get("base_dtype") != "float32":
-        return None
+        return
     est = f["total_bytes"] - (_base(f) + _gathered(f)) // 2  # its shard and the gathered copy
     if est > p.hbm_bytes:
-        return None
-    return Suggestion("--base-dtype bfloat16", est, "the frozen base in bf16: half its bytes (the adapters and "
+        return
+    yield Suggestion("--base-dtype bfloat16", est, "the frozen base in bf16: half its bytes (the adapters and "
                                                     "their optimizer state stay f32)")
 
 
-LEVERS: dict[str, Callable[[Plan], Suggestion | None]] = {
+# Each lever yields every change it could make whose estimate fits, best first; a plan shows the first of each.
+LEVERS: dict[str, Callable[[Plan], Iterator[Suggestion]]] = {
     "grad_accum": _grad_accum, "remat": _remat, "batch_size": _batch_size, "mesh_model": _mesh_model,
     "base_dtype": _base_dtype, "loss_chunk": _loss_chunk,
 }
 
 
 def suggest(p: Plan) -> list[Suggestion]:
-    return [s for s in (LEVERS[name](p) for name in p.figures.get("levers", ()) if name in LEVERS) if s]
+    out = []
+    for name in p.figures.get("levers", ()):
+        first = next(LEVERS[name](p), None) if name in LEVERS else None
+        if first is not None:
+            first.lever = name
+            out.append(first)
+    return out
 
 
 def _larger(a: catalog.AcceleratorType) -> list[catalog.AcceleratorType]:
@@ -547,8 +552,17 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
     if not p.fits:
         p.suggestions = suggest(p)
         if alternatives and p.suggestions:
-            _compile_suggestion(p, p.suggestions[0], argv, cpu_devices=cpu_devices, num_slices=num_slices,
-                                progress=progress, use_cache=use_cache)
+            kw = dict(cpu_devices=cpu_devices, num_slices=num_slices, progress=progress, use_cache=use_cache)
+            first = p.suggestions[0]
+            _compile_suggestion(p, first, argv, **kw)
+            # An estimate the compiler refutes: its lever's next change that fits by estimate, compiled too (one
+            # more compile at most), shown after it.
+            if first.compiled_fits is False and first.lever in LEVERS:
+                nxt = next(itertools.islice(LEVERS[first.lever](p), 1, None), None)
+                if nxt is not None:
+                    nxt.lever = first.lever
+                    _compile_suggestion(p, nxt, argv, **kw)
+                    p.suggestions.insert(1, nxt)
         if alternatives and not cpu_devices:
             p.alternative = next_size(p, argv, num_slices=num_slices, progress=progress, use_cache=use_cache)
     return p
