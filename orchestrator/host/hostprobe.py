@@ -106,8 +106,8 @@ def find_stale(root):
             members.append(wrapper)
         if members:
             stale.append({"kind": "trainer", "path": pidfile, "pid": rec.get("pgid") or wrapper,
-                          "pgid": rec.get("pgid"), "run_id": rec.get("run_id"), "tag": rec.get("tag", ""),
-                          "cmd": cmdline(members[0])})
+                          "pgid": rec.get("pgid"), "wrapper": wrapper, "run_id": rec.get("run_id"),
+                          "tag": rec.get("tag", ""), "cmd": cmdline(members[0])})
         else:
             os.unlink(pidfile)  # a record of a run that is gone: not a problem, just litter
     return stale
@@ -128,6 +128,8 @@ def kill_stale(stale, grace=3.0):
     for s in stale:
         if s["kind"] == "trainer" and s.get("pgid"):
             targets.append((s["pgid"], True))
+            if s.get("wrapper"):  # its keeper, outside the group: it stops the group too, and records the end
+                targets.append((s["wrapper"], False))
         elif s.get("pid"):
             targets.append((s["pid"], False))
     for pid, group in targets:
@@ -137,7 +139,11 @@ def kill_stale(stale, grace=3.0):
         time.sleep(0.05)
     for pid, group in targets:
         _kill(pid, signal.SIGKILL, group)
-    time.sleep(0.05)
+    # SIGKILL is delivered asynchronously: wait until they are gone (a dying trainer can still hold the TPU's
+    # device files the next run opens)
+    deadline = time.time() + 5.0
+    while time.time() < deadline and any((pgid_members(p) if g else alive(p)) for p, g in targets):
+        time.sleep(0.05)
     for s in stale:
         if s["kind"] in ("lockfile", "device") and s["path"] == LOCKFILE and os.path.exists(LOCKFILE):
             try:
