@@ -106,3 +106,38 @@ def test_tensorstore_credentials_line_is_silenced_at_its_log_level():
         assert p.returncode == 0 and "read failed" in p.stdout, p.stderr[-2000:]
     assert "GOOGLE_AUTH_TOKEN_FOR_TESTING" in out["loud"].stderr
     assert "google_auth_provider" not in out["quiet"].stderr, out["quiet"].stderr
+
+
+def test_a_restart_over_the_same_folder_drops_what_a_killed_server_left_half_written(tmp_path, monkeypatch):
+    """The stand-in writes an object to a temporary file and renames it into place (its metadata in an extended
+    attribute); killed between the two, it leaves a file that makes every listing of that folder answer 404.
+    GCS shows an object whole or not at all, so a restart over the folder drops the leftover and lists the rest."""
+    import urllib.error
+    import urllib.request
+    data, home = tmp_path / "data", tmp_path / "home"
+    emu = gcs.start(home=home, backend="filesystem", data_dir=str(data), buckets=("outage-b",), record=False,
+                    reuse=False)
+    try:
+        req = urllib.request.Request(f"{emu.endpoint}/upload/storage/v1/b/outage-b/o?uploadType=media&"
+                                     "name=run/7/manifest", data=b"whole", method="POST")
+        urllib.request.urlopen(req).read()
+    finally:
+        os.kill(emu.pid, 9)
+        emu.stop()
+    folder = data / "outage-b" / "run" / "7"
+    (folder / ".manifest1390746563").write_bytes(b"")  # what a SIGKILL mid-write leaves: no metadata attribute
+    listing = "/storage/v1/b/outage-b/o?prefix=run/&delimiter=/"
+
+    def restart_and_list():
+        emu = gcs.start(home=home, backend="filesystem", data_dir=str(data), record=False, reuse=False)
+        try:
+            return json.loads(urllib.request.urlopen(emu.endpoint + listing).read())
+        finally:
+            emu.stop()
+    with monkeypatch.context() as m:  # the stand-in as it is: the listing fails
+        m.setattr(gcs, "_drop_unfinished_uploads", lambda data_dir: [])
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            restart_and_list()
+    out = restart_and_list()
+    assert out.get("prefixes") == ["run/7/"], out
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest"]
