@@ -143,6 +143,7 @@ def start(*, port: int | None = None, home: Path | str | None = None, backend: s
     """Start fake-gcs-server on 127.0.0.1 (or reuse the recorded one) and create the buckets."""
     home = Path(home) if home else None
     emu = running(home) if reuse else None
+    reused = emu is not None
     if emu is None:
         port = port or _free_port()
         if backend not in ("memory", "filesystem"):
@@ -173,8 +174,13 @@ def start(*, port: int | None = None, home: Path | str | None = None, backend: s
             tmp = rec.with_suffix(".tmp")
             tmp.write_text(json.dumps(dataclasses.asdict(emu)))
             os.replace(tmp, rec)
-    for b in buckets:
-        emu.create_bucket(b)
+    try:
+        for b in buckets:
+            emu.create_bucket(b)
+    except GcsError:
+        if not reused:  # one this call started: not left running behind the error
+            emu.stop()
+        raise
     return emu
 
 

@@ -141,3 +141,12 @@ def test_a_restart_over_the_same_folder_drops_what_a_killed_server_left_half_wri
     out = restart_and_list()
     assert out.get("prefixes") == ["run/7/"], out
     assert sorted(p.name for p in folder.iterdir()) == ["manifest"]
+
+
+def test_a_bucket_the_stand_in_refuses_is_one_error_and_leaves_no_server(tmp_path):
+    data = tmp_path / "refused-data"
+    with pytest.raises(gcs.GcsError, match="could not create bucket 'b'.*invalid bucket name"):
+        gcs.start(home=tmp_path / "home", backend="filesystem", data_dir=str(data), buckets=("b",), record=False,
+                  reuse=False)
+    left = subprocess.run(["pgrep", "-f", f"filesystem-root {data}"], capture_output=True, text=True).stdout
+    assert left == "", left
