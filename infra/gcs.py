@@ -118,23 +118,20 @@ def running(home: Path | str | None = None) -> GcsEmulator | None:
     return emu if emu.alive() else None
 
 
-def _drop_unfinished_uploads(data_dir: Path) -> list[Path]:
+def _drop_unfinished_uploads(data_dir: Path) -> None:
     """fake-gcs-server's filesystem backend writes an object to a temporary file beside it and renames it into
     place, the object's metadata in the file's `user.metadata` extended attribute. A server killed mid-write
     leaves the temporary file without that attribute, and every later listing of its folder answers 404. Real
     GCS uploads are atomic: an object is there whole or not at all. So a restart over the same folder (a bucket
     outage that ends) first drops those files, as GCS would never have shown them."""
-    dropped = []
     for root, _, files in os.walk(data_dir):
         for f in files:
             path = Path(root) / f
             try:
                 if "user.metadata" not in os.listxattr(path):
                     path.unlink()
-                    dropped.append(path)
             except OSError:
                 continue
-    return dropped
 
 
 def start(*, port: int | None = None, home: Path | str | None = None, backend: str = "memory",

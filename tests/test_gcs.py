@@ -135,7 +135,7 @@ def test_a_restart_over_the_same_folder_drops_what_a_killed_server_left_half_wri
         finally:
             emu.stop()
     with monkeypatch.context() as m:  # the stand-in as it is: the listing fails
-        m.setattr(gcs, "_drop_unfinished_uploads", lambda data_dir: [])
+        m.setattr(gcs, "_drop_unfinished_uploads", lambda data_dir: None)
         with pytest.raises(urllib.error.HTTPError, match="404"):
             restart_and_list()
     out = restart_and_list()

@@ -123,6 +123,13 @@ def _kill(pid, sig, group=False):
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _wait_gone(targets, seconds):
+    """Until no (pid, is_group) target has a live process, at most `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and any((pgid_members(p) if g else alive(p)) for p, g in targets):
+        time.sleep(0.05)
+
+
 def kill_stale(stale, grace=3.0):
     targets = []
     for s in stale:
@@ -134,16 +141,12 @@ def kill_stale(stale, grace=3.0):
             targets.append((s["pid"], False))
     for pid, group in targets:
         _kill(pid, signal.SIGTERM, group)
-    deadline = time.time() + grace
-    while time.time() < deadline and any((pgid_members(p) if g else alive(p)) for p, g in targets):
-        time.sleep(0.05)
+    _wait_gone(targets, grace)
     for pid, group in targets:
         _kill(pid, signal.SIGKILL, group)
     # SIGKILL is delivered asynchronously: wait until they are gone (a dying trainer can still hold the TPU's
     # device files the next run opens)
-    deadline = time.time() + 5.0
-    while time.time() < deadline and any((pgid_members(p) if g else alive(p)) for p, g in targets):
-        time.sleep(0.05)
+    _wait_gone(targets, 5.0)
     for s in stale:
         if s["kind"] in ("lockfile", "device") and s["path"] == LOCKFILE and os.path.exists(LOCKFILE):
             try:

@@ -74,8 +74,8 @@ class LoraRun:
         for flag, v in {"--seq-len": self.seq_len, "--keep": self.keep, "--log-every": self.log_every}.items():
             if v < 1:
                 raise UsageError(f"{flag} {v}: must be at least 1")
-        for flag, v in {"--batch-size": self.batch_size, "--loss-chunk": self.loss_chunk, "--steps": self.steps, "--lr": self.lr,
-                        "--warmup-steps": self.warmup_steps, "--ckpt-every": self.ckpt_every,
+        for flag, v in {"--batch-size": self.batch_size, "--loss-chunk": self.loss_chunk, "--steps": self.steps,
+                        "--lr": self.lr, "--warmup-steps": self.warmup_steps, "--ckpt-every": self.ckpt_every,
                         "--eval-every": self.eval_every, "--weight-decay": self.weight_decay,
                         "--grad-clip": self.grad_clip}.items():
             if v < 0:

@@ -82,9 +82,9 @@ class Steps:
         self.opt_sh = optim.state_shardings(self.tx, self.abstract_lora, self.lora_sh, self.rep)
         self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                          jax.eval_shape(self.tx.init, self.abstract_lora), self.opt_sh)
-        batch_sh = {f: self.batch_sh for f in sft_data.FIELDS}
+        self.fields_sh = {f: self.batch_sh for f in sft_data.FIELDS}  # a batch dict's fields, each split so
         self._train = self._jit_train(self._train_step)
-        self._eval = jax.jit(self._eval_step, in_shardings=(self.lora_sh, self.base_sh, batch_sh),
+        self._eval = jax.jit(self._eval_step, in_shardings=(self.lora_sh, self.base_sh, self.fields_sh),
                              out_shardings=self.rep)
 
     def _sums(self, lora, base, batch, key):
@@ -111,8 +111,7 @@ class Steps:
         return self.run.seq_len // xent.chunk_of(self.run.loss_chunk, self.run.seq_len)
 
     def _jit_train(self, fn):
-        batch_sh = {f: self.batch_sh for f in sft_data.FIELDS}
-        return jax.jit(fn, in_shardings=(self.lora_sh, self.opt_sh, self.base_sh, batch_sh, self.rep),
+        return jax.jit(fn, in_shardings=(self.lora_sh, self.opt_sh, self.base_sh, self.fields_sh, self.rep),
                        out_shardings=(self.lora_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
 
     def _train_args(self, base):
