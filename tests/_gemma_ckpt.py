@@ -2,6 +2,7 @@
 implementation (tunix) loaded from the same files, for parity tests."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -21,6 +22,22 @@ TINY = {
 # What the flax layout cannot carry (no config file): the loader takes these as overrides.
 FLAX_OVERRIDES = {f: dict(sliding_window=c.sliding_window, global_rope_scale=c.global_rope_scale)
                   for f, c in TINY.items()}
+
+# Gemma 4, one tiny config per kind of size. Global heads twice as wide as local ones (how the loader finds the
+# global layers); "e": the E sizes' 4:1 pattern, kv sharing over the last 5 of 10 layers (their sources: the
+# last global and the last local layer before them) with a wider MLP there, per-layer embeddings; "dense": the
+# 31B's k=v global layers with fewer kv heads; "moe": 26B-A4B's experts beside a dense MLP.
+_G4 = gemma.GemmaConfig("gemma4", vocab=96, d_model=64, n_layers=7, n_heads=4, n_kv_heads=2, head_dim=16, ff=96,
+                        sliding_window=4, query_pre_attn_scalar=1.0, global_head_dim=32)
+TINY4 = {
+    "e": dataclasses.replace(_G4, n_layers=10, n_kv_heads=1, pattern=(gemma.LOCAL,) * 4 + (gemma.GLOBAL,),
+                             kv_shared_layers=5, shared_ff=192, per_layer_dim=8),
+    "dense": dataclasses.replace(_G4, global_kv_heads=1, k_eq_v_global=True),
+    "moe": dataclasses.replace(_G4, ff=48, global_kv_heads=1, k_eq_v_global=True, n_experts=8, top_k=2,
+                               expert_ff=24),
+}
+FLAX_OVERRIDES4 = {k: dict(sliding_window=c.sliding_window, kv_shared_layers=c.kv_shared_layers, top_k=c.top_k)
+                   for k, c in TINY4.items()}
 
 
 def write_flax(root: str, cfg: gemma.GemmaConfig, flat: dict, variation: str = "tiny", mesh=None) -> str:
@@ -112,13 +129,37 @@ def tunix_model(cfg: gemma.GemmaConfig, path: str, layout: str):
     return ts.create_model_from_safe_tensors(path, tcfg, dtype=jnp.float32)
 
 
-def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
+def tunix_gemma4(cfg: gemma.GemmaConfig, path: str):
+    """Google's Gemma 4 (tunix) of `cfg`, loaded by tunix's loader from the Kaggle flax checkpoint at `path`."""
+    import jax.numpy as jnp
+    from tunix.models.gemma4 import model as tm, params as tp
+    pattern = tuple(tm.AttentionType.GLOBAL if t == gemma.GLOBAL else tm.AttentionType.LOCAL_SLIDING
+                    for t in (cfg.pattern or cfg.fam.pattern))
+    tcfg = tm.ModelConfig(
+        num_layers=cfg.n_layers, num_embed=cfg.vocab, embed_dim=cfg.d_model, hidden_dim=cfg.ff,
+        num_heads=cfg.n_heads, head_dim=cfg.head_dim, num_kv_heads=cfg.n_kv_heads,
+        sliding_window_size=cfg.sliding_window, per_layer_input_dim=cfg.per_layer_dim,
+        num_global_kv_heads=cfg.global_kv_heads or None, global_key_size=cfg.global_head_dim,
+        attention_pattern=pattern, frac_shared_layers=cfg.kv_shared_layers / cfg.n_layers,
+        k_eq_v_global=cfg.k_eq_v_global, override_kv_shared_ffw_hidden=cfg.shared_ff or None,
+        enable_moe=bool(cfg.n_experts), num_experts=cfg.n_experts or None, num_experts_per_tok=cfg.top_k or None,
+        expert_dim=cfg.expert_ff or None, moe_dense_hidden_dim=cfg.ff if cfg.n_experts else None,
+        param_dtype=jnp.float32, use_sliding_window_kv_cache=False)
+    return tp.create_model_from_checkpoint(os.path.abspath(os.path.join(path, "tiny")), tcfg, dtype=jnp.float32)
+
+
+def tunix_logits_jax(model, tokens):
+    """Google's causal forward pass over int tokens [B, T] (traceable)."""
     import jax.numpy as jnp
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
     logits, _ = model(jnp.asarray(tokens), positions, None, mask)
-    return np.asarray(logits)
+    return logits
+
+
+def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
+    return np.asarray(tunix_logits_jax(model, tokens))
 
 
 TEXT = """To be, or not to be, that is the question:

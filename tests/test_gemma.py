@@ -172,8 +172,10 @@ def test_model_flag_that_contradicts_the_checkpoint(ckpts):
     for layout in ("flax", "transformers"):
         with pytest.raises(UsageError, match=r"--model gemma3: .* is a gemma2 checkpoint; pass --model gemma2"):
             weights.inspect(ckpts["gemma2", layout][0], family="gemma3")
-    with pytest.raises(UsageError, match="--model gemma4: expected one of gemma2, gemma3"):
+    with pytest.raises(UsageError, match="--model gemma4: .* is a gemma2 checkpoint; pass --model gemma2"):
         weights.inspect(ckpts["gemma2", "flax"][0], family="gemma4")
+    with pytest.raises(UsageError, match="--model gemma5: expected one of gemma2, gemma3, gemma4"):
+        weights.inspect(ckpts["gemma2", "flax"][0], family="gemma5")
 
 
 def test_hf_config_json_supplies_what_shapes_cannot(ckpts):

@@ -27,33 +27,24 @@ from trainer.models import gemma, lora as lora_lib
 
 
 def flax_tree(cfg: gemma.GemmaConfig, flat: dict, fused: bool | None = None, gating_df: bool | None = None) -> dict:
-    """Our flat params -> the Orbax tree of a Kaggle flax checkpoint. fused: q, k, v in one [3, H, D, hd]
-    einsum (default when heads == kv heads); gating_df: gating stored [2, D, F] (default for Gemma 2)."""
+    """Our flat params -> the Orbax tree of a Kaggle flax checkpoint (weights.flax_names). fused: q, k, v in one
+    [3, H, D, hd] einsum (default when heads == kv heads, before Gemma 4); gating_df: gating stored [2, D, F]
+    (default for Gemma 2)."""
     a = {k: np.asarray(v) for k, v in flat.items()}
-    fused = cfg.n_heads == cfg.n_kv_heads if fused is None else fused
+    fused = cfg.n_heads == cfg.n_kv_heads and cfg.family != "gemma4" if fused is None else fused
     gating_df = cfg.family == "gemma2" if gating_df is None else gating_df
-    t = {"transformer/embedder": {"input_embedding": a["embed"]}, "transformer/final_norm": {"scale": a["final_norm"]}}
-    for i in range(cfg.n_layers):
-        p, s = f"transformer/layer_{i}/", f"layers.{i}."
-        gating = a[s + "gating"]
-        if gating_df:
-            gating = np.ascontiguousarray(gating.transpose(0, 2, 1))
-        if fused:
-            t[p + "attn/qkv_einsum"] = {"w": np.concatenate([a[s + "q"][None], a[s + "kv"]])}
-        else:
-            t[p + "attn/q_einsum"] = {"w": a[s + "q"]}
-            t[p + "attn/kv_einsum"] = {"w": a[s + "kv"]}
-        t.update({
-            p + "attn/attn_vec_einsum": {"w": a[s + "o"]}, p + "mlp/gating_einsum": {"w": gating},
-            p + "mlp/linear": {"w": a[s + "linear"]},
-            p + "pre_attention_norm": {"scale": a[s + "pre_attn_norm"]},
-            p + "post_attention_norm": {"scale": a[s + "post_attn_norm"]},
-            p + "pre_ffw_norm": {"scale": a[s + "pre_ffw_norm"]},
-            p + "post_ffw_norm": {"scale": a[s + "post_ffw_norm"]},
-        })
-        if cfg.fam.qk_norm:
-            t[p + "attn/_query_norm"] = {"scale": a[s + "q_norm"]}
-            t[p + "attn/_key_norm"] = {"scale": a[s + "k_norm"]}
+    t: dict[str, dict] = {}
+    for ours, (key, leaf) in weights.flax_names(cfg, fused).items():
+        x = a[ours]
+        if ours.endswith(".gating") and gating_df:
+            x = np.ascontiguousarray(x.transpose(0, 2, 1))
+        elif fused and ours.endswith(".q"):
+            x = np.concatenate([x[None], a[ours[:-1] + "kv"]])
+        elif fused and ours.endswith(".kv"):
+            continue  # written with q
+        elif key.endswith("attn/k_einsum"):
+            x = x[0]
+        t.setdefault(key, {})[leaf] = x
     return t
 
 

@@ -93,32 +93,55 @@ def locate(path: str) -> tuple[str, str]:
 
 # ---------------------------------------------------------------- flax (Orbax params dir)
 
-def _flax_names(n_layers: int, qk_norm: bool, fused_qkv: bool) -> dict[str, tuple[str, str]]:
-    """Our flat name -> (Orbax key, leaf) in a Kaggle flax checkpoint."""
+_FLAX_GEMMA4 = {  # per layer: ours -> (module under transformer/layer_i, leaf)
+    "post_mlp_norm": ("dense_post_ffw_norm", "scale"), "pre_moe_norm": ("moe_pre_ffw_norm", "scale"),
+    "post_moe_norm": ("moe_post_ffw_norm", "scale"), "router": ("moe", "router_logits"),
+    "router_scale": ("moe", "router_scale"), "expert_scale": ("moe", "per_expert_scale"),
+    "experts_gating": ("moe", "gating_einsum"), "experts_linear": ("moe", "linear"),
+    "ple_gate": ("per_layer_input_gate", "w"), "ple_proj": ("per_layer_projection", "w"),
+    "ple_norm": ("post_per_layer_input_norm", "scale"), "skip_scale": ("", "skip_scale"),
+}
+
+
+def flax_names(cfg: gemma.GemmaConfig, fused: bool = False) -> dict[str, tuple[str, str]]:
+    """Our flat name -> (Orbax key, leaf) in a Kaggle flax checkpoint. Gemma 4's global layers with one k=v
+    projection hold it as attn/k_einsum [K, D, hd] (ours: kv [1, K, D, hd])."""
     out = {"embed": ("transformer/embedder", "input_embedding"), "final_norm": ("transformer/final_norm", "scale")}
-    for i in range(n_layers):
+    if cfg.per_layer_dim:
+        out.update({"ple_embed": ("transformer/embedder", "per_layer_embeddings"),
+                    "ple_in": ("transformer/embedder/per_layer_model_projection", "w"),
+                    "ple_in_norm": ("transformer/embedder/per_layer_projection_norm", "scale")})
+    lay = gemma.param_layout(cfg)
+    for i in range(cfg.n_layers):
         p = f"transformer/layer_{i}/"
-        out[f"layers.{i}.q"] = (p + ("attn/qkv_einsum" if fused_qkv else "attn/q_einsum"), "w")
-        out[f"layers.{i}.kv"] = (p + ("attn/qkv_einsum" if fused_qkv else "attn/kv_einsum"), "w")
+        out[f"layers.{i}.q"] = (p + ("attn/qkv_einsum" if fused else "attn/q_einsum"), "w")
+        kv = "attn/qkv_einsum" if fused else "attn/k_einsum" if cfg.attn_dims(i)[2] == 1 else "attn/kv_einsum"
+        out[f"layers.{i}.kv"] = (p + kv, "w")
         out[f"layers.{i}.o"] = (p + "attn/attn_vec_einsum", "w")
         out[f"layers.{i}.gating"] = (p + "mlp/gating_einsum", "w")
         out[f"layers.{i}.linear"] = (p + "mlp/linear", "w")
         for ours, theirs in _NORMS.items():
             out[f"layers.{i}.{ours}"] = (p + theirs, "scale")
-        if qk_norm:
+        if cfg.fam.qk_norm:
             out[f"layers.{i}.q_norm"] = (p + "attn/_query_norm", "scale")
             out[f"layers.{i}.k_norm"] = (p + "attn/_key_norm", "scale")
+        for ours, (module, leaf) in _FLAX_GEMMA4.items():
+            if f"layers.{i}.{ours}" in lay:
+                out[f"layers.{i}.{ours}"] = ((p + module).rstrip("/"), leaf)
     return out
 
 
 def _family(found: set[str], where: str) -> str:
-    """Gemma 3 has QK-norm; Gemma 2 has post-attention/post-ffw norms without it."""
+    """Gemma 4 has a scalar per layer; Gemma 3 QK-norm; Gemma 2 post-attention/post-ffw norms without it."""
+    if "skip_scale" in found and "q_norm" in found:
+        return "gemma4"
     if "q_norm" in found and "post_ffw_norm" in found:
         return "gemma3"
     if "post_ffw_norm" in found and "post_attn_norm" in found and "q_norm" not in found:
         return "gemma2"
     raise UsageError(f"{where}: matches no known Gemma family (Gemma 2: post-norms; Gemma 3: post-norms + "
-                     f"QK-norm); found layer params: {', '.join(sorted(found)) or 'none'}")
+                     f"QK-norm; Gemma 4: QK-norm + a scalar per layer); found layer params: "
+                     f"{', '.join(sorted(found)) or 'none'}")
 
 
 def _flax_meta(params_path: str) -> dict[str, dict]:
@@ -141,20 +164,28 @@ def _flax_config(params_path: str, family: str | None, overrides: dict):
             leaf = key[len("transformer/layer_0/"):]
             found.add({"pre_attention_norm": "pre_attn_norm", "post_attention_norm": "post_attn_norm",
                        "attn/_query_norm": "q_norm", "attn/_key_norm": "k_norm"}.get(leaf, leaf.split("/")[-1]))
+    if "skip_scale" in meta.get("transformer/layer_0", {}):
+        found.add("skip_scale")
     fam = _family(found, where)
     _check_family(family, fam, where)
     shape = lambda k, leaf: tuple(meta[k][leaf].shape)  # noqa: E731
     n = sum(1 for k in meta if k.startswith("transformer/layer_") and k.endswith("/attn/attn_vec_einsum"))
     fused = "transformer/layer_0/attn/qkv_einsum" in meta
     shapes = {"embed": shape("transformer/embedder", "input_embedding")}
-    if fused:
-        _, h, d, hd = shape("transformer/layer_0/attn/qkv_einsum", "w")
-        shapes["layers.0.q"], shapes["layers.0.kv"] = (h, d, hd), (2, h, d, hd)
-    else:
-        shapes["layers.0.q"] = shape("transformer/layer_0/attn/q_einsum", "w")
-        shapes["layers.0.kv"] = shape("transformer/layer_0/attn/kv_einsum", "w")
-    shapes["layers.0.linear"] = shape("transformer/layer_0/mlp/linear", "w")
-    shapes.update({f"layers.{i}.q": shapes["layers.0.q"] for i in range(n)})
+    for i in range(n):
+        p = f"transformer/layer_{i}/"
+        if fused:
+            _, h, d, hd = shape(p + "attn/qkv_einsum", "w")
+            shapes[f"layers.{i}.q"], shapes[f"layers.{i}.kv"] = (h, d, hd), (2, h, d, hd)
+        else:
+            shapes[f"layers.{i}.q"] = shape(p + "attn/q_einsum", "w")
+            shapes[f"layers.{i}.kv"] = (shape(p + "attn/kv_einsum", "w") if p + "attn/kv_einsum" in meta
+                                        else (1,) + shape(p + "attn/k_einsum", "w"))
+        shapes[f"layers.{i}.linear"] = shape(p + "mlp/linear", "w")
+    if "per_layer_embeddings" in meta["transformer/embedder"]:
+        shapes["ple_embed"] = shape("transformer/embedder", "per_layer_embeddings")
+    if "transformer/layer_0/moe" in meta:
+        shapes["layers.0.experts_gating"] = shape("transformer/layer_0/moe", "gating_einsum")
     cfg = gemma.GemmaConfig.from_shapes(fam, shapes, **overrides)
     return cfg, meta, fused
 
@@ -168,7 +199,7 @@ def _check_family(wanted: str | None, found: str, where: str) -> None:
 def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.Array]:
     import orbax.checkpoint as ocp
     cfg = ck.cfg
-    names = _flax_names(cfg.n_layers, cfg.fam.qk_norm, fused)
+    names = flax_names(cfg, fused)
     lay = gemma.param_layout(cfg)
     mshape = dict(mesh.shape)
     target, args, post = {}, {}, {}
@@ -181,6 +212,8 @@ def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.
         elif fused and ours.endswith((".q", ".kv")):  # [3, H, D, hd] when heads == kv heads
             raw_axes = (None, "heads", "fsdp", "head_dim")
             fix = (lambda x: x[0]) if ours.endswith(".q") else (lambda x: x[1:])
+        elif key.endswith("attn/k_einsum"):  # Gemma 4's k=v projection: [K, D, hd]
+            raw_axes, fix = axes[1:], lambda x: x[None]
         sh = jax.sharding.NamedSharding(mesh, gemma.fitted_spec(raw_axes, raw_shape, mshape))
         dt = dtype or meta[key][leaf].dtype
         target.setdefault(key, {})[leaf] = jax.ShapeDtypeStruct(raw_shape, dt, sharding=sh)

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) in Flax NNX, sharded by the same logical-axis rules as GPT-2 (trainer/common/mesh.py).
+"""Gemma 2, 3 and 4 (text) in Flax NNX, sharded by the same logical-axis rules as GPT-2 (trainer/common/mesh.py).
 
 What differs between generations is one row of FAMILIES; the sizes (layers, widths, heads, kv heads,
 vocab) come from a checkpoint's array shapes (GemmaConfig.from_shapes) or from the named-size table
@@ -6,9 +6,22 @@ SIZES, which also lets a caller build the model from abstract shapes without any
 
 Parameter layout = Kaggle's flax layout (so a checkpoint restores without reshuffling):
 embed [V, D], q [H, D, hd], kv [2, K, D, hd], o [H, hd, D], gating [2, F, D] (gate, up), linear [F, D],
-RMSNorm scales [D] (and [hd] for Gemma 3's QK-norm), applied as x * (1 + scale).
+RMSNorm scales [D] (and [hd] for the QK-norm of Gemma 3 and 4), applied as x * (1 + scale) (Gemma 2, 3) or
+x * scale (Gemma 4).
 The D dimension of every matrix is sharded over `data` (fsdp) and heads / mlp / vocab over `model`;
 a dimension that a mesh axis does not divide (one kv head on model=2) stays whole (mesh.fitted_spec).
+
+Gemma 4 adds, each a field of GemmaConfig that is off for the older families:
+- global layers with their own head width and kv heads (global_head_dim, global_kv_heads), rotating only a
+  quarter of each head (Family.global_rope_fraction), and on the larger sizes one projection for k and v
+  (k_eq_v_global: kv is [1, K, D, hd] there); values RMS-normalised without a scale; no query scaling
+  (query_pre_attn_scalar 1);
+- the E sizes' kv sharing (the last kv_shared_layers layers attend over the keys and values of the last
+  earlier layer of their kind; their own kv parameters are kept as the checkpoint holds them, unused) with a
+  wider MLP there (shared_ff), and per-layer embeddings (per_layer_dim P: a [V, L, P] table plus a projection
+  of the embedded token, one [P] input per layer, gated into the residual after the MLP);
+- 26B-A4B's routed experts beside the dense MLP (trainer/models/moe.py), each branch with its own norms;
+- a learned scalar per layer on its output (skip_scale).
 """
 from __future__ import annotations
 
@@ -23,6 +36,7 @@ from flax import nnx
 
 from trainer.common.mesh import RULES, fitted_spec
 from trainer.models import attention as attention_lib
+from trainer.models import moe as moe_lib
 from trainer.models import remat as remat_lib
 from trainer.models import xent
 from trainer.models.gpt2 import loss_fn
@@ -41,12 +55,17 @@ class Family:
     global_rope_base: int
     attn_softcap: float | None      # tanh soft-capping of attention logits
     final_softcap: float | None     # ... and of the output logits
-    qk_norm: bool                   # RMSNorm on q and k per head (Gemma 3)
+    qk_norm: bool                   # RMSNorm on q and k per head (Gemma 3, 4)
+    norm_plus_one: bool = True      # RMSNorm scales applied as 1 + scale (Gemma 2, 3) or as they are (Gemma 4)
+    v_norm: bool = False            # values RMS-normalised per head, without a scale (Gemma 4)
+    global_rope_fraction: float = 1.0  # share of a global head's dims that RoPE rotates (the rest keep position 0)
 
 
 FAMILIES: dict[str, Family] = {
     "gemma2": Family("gemma2", (LOCAL, GLOBAL), 4096, 10_000, 10_000, 50.0, 30.0, False),
     "gemma3": Family("gemma3", (LOCAL,) * 5 + (GLOBAL,), 512, 10_000, 1_000_000, None, None, True),
+    "gemma4": Family("gemma4", (LOCAL,) * 5 + (GLOBAL,), 1024, 10_000, 1_000_000, None, 30.0, True,
+                     norm_plus_one=False, v_norm=True, global_rope_fraction=0.25),
 }
 
 
@@ -63,6 +82,17 @@ class GemmaConfig:
     sliding_window: int
     query_pre_attn_scalar: float    # q is scaled by its inverse square root
     global_rope_scale: float = 1.0  # linear RoPE position scaling of global layers (Gemma 3 4b and up)
+    # Gemma 4 (module docstring); the defaults are the older families'.
+    pattern: tuple[str, ...] = ()   # attention types repeated over the depth (empty: the family's)
+    global_head_dim: int = 0        # head width of global layers (0: head_dim)
+    global_kv_heads: int = 0        # kv heads of global layers (0: n_kv_heads)
+    k_eq_v_global: bool = False     # global layers project k once and use it as v too
+    kv_shared_layers: int = 0       # the last N layers reuse an earlier layer's keys and values
+    shared_ff: int = 0              # MLP width of those layers (0: ff)
+    per_layer_dim: int = 0          # per-layer embedding width P (0: none)
+    n_experts: int = 0              # routed experts beside the dense MLP (0: none)
+    top_k: int = 0                  # experts per token
+    expert_ff: int = 0              # each expert's MLP width
 
     @property
     def fam(self) -> Family:
@@ -70,28 +100,84 @@ class GemmaConfig:
 
     @property
     def layer_types(self) -> tuple[str, ...]:
-        p = self.fam.pattern
+        p = self.pattern or self.fam.pattern
         return tuple(p[i % len(p)] for i in range(self.n_layers))
+
+    def attn_dims(self, i: int) -> tuple[int, int, int]:
+        """(kv heads, head width, 1 if k is v else 2) of layer i."""
+        if self.layer_types[i] == GLOBAL:
+            return (self.global_kv_heads or self.n_kv_heads, self.global_head_dim or self.head_dim,
+                    1 if self.k_eq_v_global else 2)
+        return self.n_kv_heads, self.head_dim, 2
+
+    def ff_of(self, i: int) -> int:
+        return self.shared_ff or self.ff if self.kv_source(i) != i else self.ff
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys and values layer i attends over: itself, or for the last kv_shared_layers
+        layers the last earlier layer of the same attention type."""
+        first = self.n_layers - self.kv_shared_layers
+        if i < first:
+            return i
+        kind = self.layer_types[i]
+        return max(j for j in range(first) if self.layer_types[j] == kind)
+
+    @property
+    def kv_origins(self) -> frozenset[int]:
+        return frozenset(self.kv_source(i) for i in range(self.n_layers) if self.kv_source(i) != i)
 
     @classmethod
     def from_shapes(cls, family: str, shapes: dict[str, tuple[int, ...]], **overrides) -> "GemmaConfig":
-        """Sizes from our-layout parameter shapes ({'embed': (V, D), 'layers.0.q': (H, D, hd), ...}).
+        """Sizes from our-layout parameter shapes ({'embed': (V, D), 'layers.0.q': (H, D, hd), ...}; for Gemma 4
+        every layer's q, kv and linear, and ple_embed / layers.0.experts_gating where present).
 
-        The constants shapes cannot tell (window, query scalar, RoPE scale) come from the named size
-        with the same shapes if there is one, else the family's defaults; `overrides` win over both."""
+        The constants shapes cannot tell (window, query scalar, RoPE scale; Gemma 4's kv sharing and experts
+        per token) come from the named size with the same shapes if there is one, else the family's defaults;
+        `overrides` win over both."""
         v, d = shapes["embed"]
         h, _, hd = shapes["layers.0.q"]
         k = shapes["layers.0.kv"][1]
         f = shapes["layers.0.linear"][0]
         n = sum(1 for name in shapes if name.startswith("layers.") and name.endswith(".q"))
-        dims = dict(vocab=v, d_model=d, n_layers=n, n_heads=h, n_kv_heads=k, head_dim=hd, ff=f)
+        dims: dict[str, Any] = dict(vocab=v, d_model=d, n_layers=n, n_heads=h, n_kv_heads=k, head_dim=hd, ff=f)
+        if family == "gemma4":
+            dims.update(_gemma4_dims(shapes, n))
         named = next((c for c in SIZES.values() if c.family == family and all(
             getattr(c, key) == val for key, val in dims.items() if key != "vocab")), None)
-        base = dict(sliding_window=FAMILIES[family].sliding_window, query_pre_attn_scalar=float(hd))
+        rest = [fl.name for fl in dataclasses.fields(cls) if fl.name not in dims and fl.name != "family"]
         if named:
-            base = dict(sliding_window=named.sliding_window, query_pre_attn_scalar=named.query_pre_attn_scalar,
-                        global_rope_scale=named.global_rope_scale)
-        return cls(family=family, **dims, **{**base, **overrides})
+            base = {key: getattr(named, key) for key in rest}
+        else:
+            base = dict(sliding_window=FAMILIES[family].sliding_window,
+                        query_pre_attn_scalar=1.0 if family == "gemma4" else float(hd))
+            if dims.get("n_experts"):
+                base["top_k"] = 8
+        return cls(family=family, **{**base, **dims, **overrides})
+
+
+def _gemma4_dims(shapes: dict[str, tuple[int, ...]], n: int) -> dict[str, Any]:
+    """What Gemma 4's shapes tell beyond the common sizes: where the global layers are (their heads are
+    wider), their kv heads and k=v projection, the kv-shared layers' wider MLP, per-layer embeddings, experts."""
+    out: dict[str, Any] = {}
+    widths = [shapes[f"layers.{i}.q"][2] for i in range(n)]
+    g = next((i for i, w in enumerate(widths) if w != widths[0]), None)
+    if g is not None:
+        c, kg, _, hdg = shapes[f"layers.{g}.kv"]
+        pattern = (LOCAL,) * g + (GLOBAL,)
+        out.update(global_head_dim=hdg, k_eq_v_global=c == 1)
+        if pattern != FAMILIES["gemma4"].pattern:  # written the way SIZES writes it, so a named size matches
+            out["pattern"] = pattern
+        if kg != shapes["layers.0.kv"][1]:
+            out["global_kv_heads"] = kg
+    ffs = [shapes[f"layers.{i}.linear"][0] for i in range(n) if f"layers.{i}.linear" in shapes]
+    if len(ffs) == n and ffs[-1] != ffs[0]:
+        out.update(shared_ff=ffs[-1], kv_shared_layers=sum(1 for x in ffs if x == ffs[-1]))
+    if "ple_embed" in shapes:
+        out["per_layer_dim"] = shapes["ple_embed"][2]
+    if "layers.0.experts_gating" in shapes:
+        e, _, fe, _ = shapes["layers.0.experts_gating"]
+        out.update(n_experts=e, expert_ff=fe)
+    return out
 
 
 def _size(family, vocab, d, layers, heads, kv, hd, ff, window, scalar=None, rope_scale=1.0) -> GemmaConfig:
@@ -110,28 +196,72 @@ SIZES: dict[str, GemmaConfig] = {
     "gemma3-12b": _size("gemma3", 262144, 3840, 48, 16, 8, 256, 15360, 1024, rope_scale=8.0),
     "gemma3-27b": _size("gemma3", 262144, 5376, 62, 32, 16, 128, 21504, 1024, scalar=5376 // 32,
                         rope_scale=8.0),
+    # Gemma 4: global layers' heads are 512 wide; no query scaling (the QK-norm sets the scale).
+    "gemma4-e2b": dataclasses.replace(
+        _size("gemma4", 262144, 1536, 35, 8, 1, 256, 6144, 512, scalar=1), pattern=(LOCAL,) * 4 + (GLOBAL,),
+        global_head_dim=512, kv_shared_layers=20, shared_ff=12288, per_layer_dim=256),
+    "gemma4-e4b": dataclasses.replace(
+        _size("gemma4", 262144, 2560, 42, 8, 2, 256, 10240, 512, scalar=1),
+        global_head_dim=512, kv_shared_layers=18, per_layer_dim=256),
+    "gemma4-31b": dataclasses.replace(
+        _size("gemma4", 262144, 5376, 60, 32, 16, 256, 21504, 1024, scalar=1),
+        global_head_dim=512, global_kv_heads=4, k_eq_v_global=True),
+    "gemma4-26b-a4b": dataclasses.replace(
+        _size("gemma4", 262144, 2816, 30, 16, 8, 256, 2112, 1024, scalar=1),
+        global_head_dim=512, global_kv_heads=2, k_eq_v_global=True, n_experts=128, top_k=8, expert_ff=704),
 }
+
+
+_BLOCK_NORMS = ("pre_attn_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm")
+_MOE_NORMS = ("post_mlp_norm", "pre_moe_norm", "post_moe_norm")  # the dense branch's own, the experts' two
 
 
 def param_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """Flat name -> (shape, logical axes) of every parameter."""
-    v, d, h, k, hd, f = cfg.vocab, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ff
+    v, d, h = cfg.vocab, cfg.d_model, cfg.n_heads
     out = {"embed": ((v, d), ("vocab", "fsdp")), "final_norm": ((d,), (None,))}
+    if cfg.per_layer_dim:
+        pd, n = cfg.per_layer_dim, cfg.n_layers
+        out.update({"ple_embed": ((v, n, pd), ("vocab", None, "fsdp")),
+                    "ple_in": ((d, n, pd), ("fsdp", None, None)), "ple_in_norm": ((pd,), (None,))})
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
+        k, hd, c = cfg.attn_dims(i)
+        f = cfg.ff_of(i)
         out.update({
             p + "q": ((h, d, hd), ("heads", "fsdp", "head_dim")),
-            p + "kv": ((2, k, d, hd), (None, "kv_heads", "fsdp", "head_dim")),
+            p + "kv": ((c, k, d, hd), (None, "kv_heads", "fsdp", "head_dim")),
             p + "o": ((h, hd, d), ("heads", "head_dim", "fsdp")),
             p + "gating": ((2, f, d), (None, "mlp", "fsdp")),
             p + "linear": ((f, d), ("mlp", "fsdp")),
         })
-        for norm in ("pre_attn_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm"):
+        for norm in _BLOCK_NORMS + (_MOE_NORMS if cfg.n_experts else ()):
             out[p + norm] = ((d,), (None,))
         if cfg.fam.qk_norm:
             out[p + "q_norm"] = ((hd,), (None,))
             out[p + "k_norm"] = ((hd,), (None,))
+        if cfg.n_experts:
+            e, fe = cfg.n_experts, cfg.expert_ff
+            out.update({
+                p + "router": ((d, e), ("fsdp", None)), p + "router_scale": ((d,), (None,)),
+                p + "expert_scale": ((e,), (None,)),
+                p + "experts_gating": ((e, 2, fe, d), (None, None, "mlp", "fsdp")),
+                p + "experts_linear": ((e, fe, d), (None, "mlp", "fsdp")),
+            })
+        if cfg.per_layer_dim:
+            pd = cfg.per_layer_dim
+            out.update({p + "ple_gate": ((d, pd), ("fsdp", None)), p + "ple_proj": ((pd, d), (None, "fsdp")),
+                        p + "ple_norm": ((d,), (None,))})
+        if cfg.family == "gemma4":
+            out[p + "skip_scale"] = ((1,), (None,))
     return out
+
+
+def _is_scale(cfg: GemmaConfig, name: str) -> bool:
+    """A multiplier applied as it is (Gemma 4's norm scales, skip_scale, the router's and experts' scales),
+    whose neutral value is 1 rather than 0."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.endswith("_scale") or (leaf.endswith("norm") and not cfg.fam.norm_plus_one)
 
 
 def count_params(cfg: GemmaConfig) -> int:
@@ -152,16 +282,21 @@ def _constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, fitted_spec(axes, x.shape, dict(mesh.shape)))
 
 
-def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array | None, plus_one: bool = True) -> jax.Array:
+    """x / rms(x) times (1 + scale), or times scale (plus_one=False), or alone (scale None)."""
     xf = x.astype(jnp.float32)  # statistics in f32 whatever the compute dtype
     y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + 1e-6)
-    return (y * (1 + scale.astype(jnp.float32))).astype(x.dtype)
+    if scale is not None:
+        y = y * (scale.astype(jnp.float32) + (1 if plus_one else 0))
+    return y.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, base: int, scale: float = 1.0) -> jax.Array:
-    """Rotary embedding of x [B, T, N, hd] at int positions [B, T] (halves rotated, as Gemma does)."""
+def rope(x: jax.Array, positions: jax.Array, base: int, scale: float = 1.0, fraction: float = 1.0) -> jax.Array:
+    """Rotary embedding of x [B, T, N, hd] at int positions [B, T] (halves rotated, as Gemma does); only the
+    first fraction of the hd/2 frequency pairs rotate (Gemma 4's global layers), the others stay as they are."""
     hd = x.shape[-1]
-    timescale = base ** (2 * jnp.arange(hd // 2) / hd)
+    idx = jnp.arange(hd // 2)
+    timescale = jnp.where(idx < int(fraction * hd // 2), base ** (2 * idx / hd), jnp.inf)
     angle = positions[..., None] / timescale / scale
     sin, cos = jnp.sin(angle)[..., None, :], jnp.cos(angle)[..., None, :]
     a, b = jnp.split(x, 2, axis=-1)
@@ -172,8 +307,10 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def _p(rngs: nnx.Rngs | None, shape, axes, init_std: float) -> nnx.Param:
-    if rngs is None or init_std == 0:  # abstract / to be loaded, or a norm scale (applied as 1 + scale)
+def _p(rngs: nnx.Rngs | None, shape, axes, init_std: float, one: bool = False) -> nnx.Param:
+    if one:  # a multiplier applied as it is (_is_scale)
+        val = jnp.ones(shape, jnp.float32)
+    elif rngs is None or init_std == 0:  # abstract / to be loaded, or a norm scale (applied as 1 + scale)
         val = jnp.zeros(shape, jnp.float32)
     else:
         val = init_std * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -182,47 +319,64 @@ def _p(rngs: nnx.Rngs | None, shape, axes, init_std: float) -> nnx.Param:
 
 class Layer(nnx.Module):
     def __init__(self, cfg: GemmaConfig, i: int, rngs: nnx.Rngs | None):
-        lay = param_layout(cfg)
-        for name in ("q", "kv", "o", "gating", "linear", "pre_attn_norm", "post_attn_norm", "pre_ffw_norm",
-                     "post_ffw_norm") + (("q_norm", "k_norm") if cfg.fam.qk_norm else ()):
-            shape, axes = lay[f"layers.{i}.{name}"]
-            setattr(self, name, _p(rngs, shape, axes, 0.0 if name.endswith("norm") else 0.02))
+        prefix = f"layers.{i}."
+        for name, (shape, axes) in param_layout(cfg).items():
+            if name.startswith(prefix):
+                leaf = name[len(prefix):]
+                setattr(self, leaf, _p(rngs, shape, axes, 0.0 if len(shape) == 1 else 0.02, _is_scale(cfg, name)))
         self.cfg = cfg
         self.kind = cfg.layer_types[i]
+        self.shares_kv = cfg.kv_source(i) != i
 
-    def attention(self, x, positions, cache, cache_index, segment_ids=None, adapter=None, impl=attention_lib.XLA):
+    def norm(self, x, name):
+        return rms_norm(x, getattr(self, name)[...], self.cfg.fam.norm_plus_one)
+
+    def attention(self, x, positions, cache, cache_index, segment_ids=None, adapter=None, impl=attention_lib.XLA,
+                  shared=None):
+        """-> (output, updated cache, (k, v) as attended over). shared: the (k, v) of the layer this one
+        takes them from (kv sharing), over positions 0.. of the cache when there is one."""
         cfg, fam, dt = self.cfg, self.cfg.fam, x.dtype
         ad = adapter or (lambda name, inp, y: y)
-        q = ad("q", x, jnp.einsum("btd,ndh->btnh", x, self.q[...].astype(dt)))
-        k, v = jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...].astype(dt))
-        k, v = ad("k", x, k), ad("v", x, v)
-        if fam.qk_norm:
-            q, k = rms_norm(q, self.q_norm[...]), rms_norm(k, self.k_norm[...])
         local = self.kind == LOCAL
         base = fam.local_rope_base if local else fam.global_rope_base
         scale = 1.0 if local else cfg.global_rope_scale
-        q = rope(q, positions, base, scale) * jnp.asarray(cfg.query_pre_attn_scalar ** -0.5, dt)
-        k = rope(k, positions, base, scale)
+        frac = 1.0 if local else fam.global_rope_fraction
+        q = ad("q", x, jnp.einsum("btd,ndh->btnh", x, self.q[...].astype(dt)))
+        if fam.qk_norm:
+            q = self.norm(q, "q_norm")
+        q = rope(q, positions, base, scale, frac) * jnp.asarray(cfg.query_pre_attn_scalar ** -0.5, dt)
         q = _constrain(q, ("batch", "seq", "heads", "head_dim"))
-        if cache is not None:  # write this call's keys/values at cache_index, attend over the whole cache
-            k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, cache_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, cache_index, 0, 0))
-            cache = {"k": k, "v": v}
-            k, v = k.astype(dt), v.astype(dt)
-            key_pos = jnp.arange(k.shape[1])[None, :]
+        if shared is not None:
+            k, v = shared
+            key_pos = jnp.arange(k.shape[1])[None, :] if cache_index is not None else positions
         else:
-            key_pos = positions
+            kv = jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...].astype(dt))
+            k = ad("k", x, kv[0])
+            v = ad("v", x, kv[1]) if kv.shape[0] == 2 else k  # k_eq_v: one projection, the same adapter
+            if fam.v_norm:
+                v = rms_norm(v, None)
+            if fam.qk_norm:
+                k = self.norm(k, "k_norm")
+            k = rope(k, positions, base, scale, frac)
+            if cache is not None:  # write this call's keys/values at cache_index, attend over the whole cache
+                k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, cache_index, 0, 0))
+                v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, cache_index, 0, 0))
+                cache = {"k": k, "v": v}
+                k, v = k.astype(dt), v.astype(dt)
+                key_pos = jnp.arange(k.shape[1])[None, :]
+            else:
+                key_pos = positions
         k = _constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = _constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        if cache is None and impl != attention_lib.XLA:  # training: positions 0..T-1 (or per packed example)
+        if cache_index is None and impl != attention_lib.XLA:  # training: positions 0..T-1 (or per packed example)
             enc = attention_lib.splash(q, k, v, window=cfg.sliding_window if local else None,
                                        softcap=fam.attn_softcap, segment_ids=segment_ids,
                                        interpret=impl == attention_lib.INTERPRET)
             out = ad("o", enc, jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt)))
-            return _constrain(out, ("batch", "seq", "embed")), cache
+            return _constrain(out, ("batch", "seq", "embed")), cache, (k, v)
         b, t, h, hd = q.shape
-        groups = h // cfg.n_kv_heads
-        qg = q.reshape(b, t, cfg.n_kv_heads, groups, hd)
+        n_kv = k.shape[2]
+        qg = q.reshape(b, t, n_kv, h // n_kv, hd)
         logits = jnp.einsum("btkgh,bskh->btkgs", qg, k, preferred_element_type=jnp.float32)
         logits = softcap(logits, fam.attn_softcap)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
@@ -235,7 +389,7 @@ class Layer(nnx.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(dt)
         enc = jnp.einsum("btkgs,bskh->btkgh", probs, v).reshape(b, t, h, hd)
         out = ad("o", enc, jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt)))
-        return _constrain(out, ("batch", "seq", "embed")), cache
+        return _constrain(out, ("batch", "seq", "embed")), cache, (k, v)
 
     def mlp(self, x, adapter=None):
         dt = x.dtype
@@ -245,13 +399,30 @@ class Layer(nnx.Module):
         hid = _constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
         return _constrain(ad("down", hid, hid @ self.linear[...].astype(dt)), ("batch", "seq", "embed"))
 
+    def experts(self, x, adapter=None):
+        names = ("router", "router_scale", "expert_scale", "experts_gating", "experts_linear")
+        ad = None if adapter is None else (lambda name, inp, y, groups: adapter(name, inp, y, groups))
+        out = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, ad)
+        return _constrain(out, ("batch", "seq", "embed"))
+
     def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None,
-                 attention=attention_lib.XLA):
-        a, cache = self.attention(rms_norm(x, self.pre_attn_norm[...]), positions, cache, cache_index,
-                                  segment_ids, adapter, attention)
-        x = x + rms_norm(a, self.post_attn_norm[...])
-        h = self.mlp(rms_norm(x, self.pre_ffw_norm[...]), adapter)
-        return x + rms_norm(h, self.post_ffw_norm[...]), cache
+                 attention=attention_lib.XLA, per_layer=None, shared=None):
+        """-> (x, updated cache, this layer's (k, v)). per_layer [B, T, P]: this layer's per-layer input."""
+        a, cache, kv = self.attention(self.norm(x, "pre_attn_norm"), positions, cache, cache_index, segment_ids,
+                                      adapter, attention, shared)
+        x = x + self.norm(a, "post_attn_norm")
+        h = self.mlp(self.norm(x, "pre_ffw_norm"), adapter)
+        if self.cfg.n_experts:
+            h = self.norm(h, "post_mlp_norm") + self.norm(self.experts(self.norm(x, "pre_moe_norm"), adapter),
+                                                          "post_moe_norm")
+        x = x + self.norm(h, "post_ffw_norm")
+        if per_layer is not None:
+            dt = x.dtype
+            g = jax.nn.gelu(x @ self.ple_gate[...].astype(dt), approximate=True) * per_layer
+            x = x + self.norm(g @ self.ple_proj[...].astype(dt), "ple_norm")
+        if self.cfg.family == "gemma4":
+            x = x * self.skip_scale[...].astype(x.dtype)
+        return x, cache, kv
 
 
 class Gemma(nnx.Module):
@@ -259,8 +430,21 @@ class Gemma(nnx.Module):
         self.cfg = cfg
         lay = param_layout(cfg)
         self.embed = _p(rngs, *lay["embed"], 0.02)
+        if cfg.per_layer_dim:
+            self.ple_embed = _p(rngs, *lay["ple_embed"], 0.02)
+            self.ple_in = _p(rngs, *lay["ple_in"], 0.02)
+            self.ple_in_norm = _p(rngs, *lay["ple_in_norm"], 0.0, one=True)
         self.layers = nnx.List([Layer(cfg, i, rngs) for i in range(cfg.n_layers)])
-        self.final_norm = _p(rngs, *lay["final_norm"], 0.0)
+        self.final_norm = _p(rngs, *lay["final_norm"], 0.0, _is_scale(cfg, "final_norm"))
+
+    def per_layer_inputs(self, tokens: jax.Array, x: jax.Array) -> jax.Array:
+        """Gemma 4's per-layer inputs [B, T, L, P]: the token's row of the per-layer table (times sqrt(P)) and
+        a projection of its embedding x (times 1/sqrt(D), normalised), averaged in the root-mean-square sense."""
+        dt, cfg = x.dtype, self.cfg
+        proj = jnp.einsum("btd,dnp->btnp", x, self.ple_in[...].astype(dt) * jnp.asarray(cfg.d_model ** -0.5, dt))
+        proj = rms_norm(proj, self.ple_in_norm[...], cfg.fam.norm_plus_one)
+        table = jnp.take(self.ple_embed[...], tokens, axis=0).astype(dt)
+        return (proj + table * jnp.asarray(math.sqrt(cfg.per_layer_dim), dt)) * jnp.asarray(0.5 ** 0.5, dt)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: list | None = None,
                  cache_index: jax.Array | int = 0, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
@@ -272,41 +456,53 @@ class Gemma(nnx.Module):
         init_cache) they are written at cache_index..cache_index+T-1 and attend to everything before.
         segment_ids [B, T] (no cache): tokens attend only to tokens of the same id (packed examples).
         adapter(layer, projection, input, output) -> output: a low-rank update (trainer/models/lora.py)
-        added to the projections q, k, v, o, gate, up, down.
+        added to the projections q, k, v, o, gate, up, down (and the experts', with a 5th argument: the
+        rows per expert).
         attention (no cache): a resolved implementation (attention.resolve); the splash kernel masks by
         index (causal, the local layers' window, segment_ids), which is what positions 0..T-1 per example mean.
         remat (no cache): a policy of trainer/models/remat.py for each layer.
         logits=False: the final hidden states [B, T, D] instead of logits (a chunked loss computes those)."""
+        cfg = self.cfg
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None] + cache_index, (b, t))
         emb = self.embed[...]
-        x = jnp.take(emb, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(self.cfg.d_model), dtype)
+        x = jnp.take(emb, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(cfg.d_model), dtype)
         x = _constrain(x, ("batch", "seq", "embed"))
+        ple = self.per_layer_inputs(tokens, x) if cfg.per_layer_dim else None
         new_cache = [] if cache is not None else None
+        kvs: dict[int, tuple] = {}  # the (k, v) of layers that later layers share
         for i, layer in enumerate(self.layers):
             ad = None if adapter is None else functools.partial(adapter, i)
+            per_layer = None if ple is None else ple[:, :, i]
+            shared = kvs.get(cfg.kv_source(i)) if layer.shares_kv else None
             if cache is None:
-                x = _remat_layer(layer, remat, positions, segment_ids, ad, attention)(x)
-                continue
-            x, c = layer(x, positions, cache[i], cache_index, segment_ids, ad)
-            new_cache.append(c)
-        x = rms_norm(x, self.final_norm[...])
+                x, kv = _remat_layer(layer, remat, positions, segment_ids, ad, attention)(x, per_layer, shared)
+            else:
+                x, c, kv = layer(x, positions, cache[i], cache_index, segment_ids, ad, per_layer=per_layer,
+                                 shared=shared)
+                new_cache.append(c)
+            if i in cfg.kv_origins:
+                kvs[i] = kv
+        x = rms_norm(x, self.final_norm[...], cfg.fam.norm_plus_one)
         if not logits:
             return x, new_cache
-        return xent.logits(x, emb, softcap=self.cfg.fam.final_softcap), new_cache
+        return xent.logits(x, emb, softcap=cfg.fam.final_softcap), new_cache
 
 
 def _remat_layer(layer: Layer, policy: str, positions, segment_ids, adapter, attention: str):
-    """x -> the layer's output (no cache), under the remat policy; the other inputs are closed over."""
+    """(x, per-layer input, shared kv) -> (the layer's output, its kv) (no cache), under the remat policy; the
+    other inputs are closed over."""
+    def run(lay, x, per_layer, shared):
+        out, _, kv = lay(x, positions, None, None, segment_ids, adapter, attention, per_layer, shared)
+        return out, kv
     if policy == "none":
-        return lambda x: layer(x, positions, None, None, segment_ids, adapter, attention)[0]
+        return lambda x, per_layer, shared: run(layer, x, per_layer, shared)
     remat_lib.check(policy)
     graphdef, state = nnx.split(layer)
-    call = jax.checkpoint(lambda state, x: nnx.merge(graphdef, state)(x, positions, None, None, segment_ids, adapter,
-                                                                      attention)[0],
+    call = jax.checkpoint(lambda state, *args: run(nnx.merge(graphdef, state), *args),
                           policy=remat_lib.POLICIES[policy])
-    return lambda x: call(state, x)
+    return lambda x, per_layer, shared: call(state, x, per_layer, shared)
 
 
 def loss(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, dtype=jnp.float32, *,
@@ -321,9 +517,14 @@ def loss(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, dtyp
     return loss_fn(xent.logits(x, params["embed"], softcap=cfg.fam.final_softcap), tokens[:, 1:])
 
 
-def init_cache(cfg: GemmaConfig, batch: int, length: int, dtype=jnp.float32) -> list[dict[str, jax.Array]]:
-    shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.n_layers)]
+def init_cache(cfg: GemmaConfig, batch: int, length: int, dtype=jnp.float32) -> list[dict[str, jax.Array] | None]:
+    """Per layer {k, v} [B, length, K, hd] (None for a layer that attends over another's)."""
+    out = []
+    for i in range(cfg.n_layers):
+        k, hd, _ = cfg.attn_dims(i)
+        shape = (batch, length, k, hd)
+        out.append(None if cfg.kv_source(i) != i else {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+    return out
 
 
 def abstract(cfg: GemmaConfig):
@@ -351,10 +552,14 @@ def from_flat(cfg: GemmaConfig, flat: dict[str, jax.Array]) -> Gemma:
 
 
 def random_params(cfg: GemmaConfig, seed: int = 0) -> dict[str, jax.Array]:
-    """Flat f32 random params (tests, benchmarks): normal(0.02) matrices, small random norm scales."""
+    """Flat f32 random params (tests, benchmarks): normal matrices scaled by their input width, small random
+    norm scales (around 1 where a scale is applied as it is)."""
     key = jax.random.key(seed)
     out = {}
     for i, (name, (shape, _)) in enumerate(param_layout(cfg).items()):
-        std = 0.1 if len(shape) == 1 else 0.5 / math.sqrt(shape[-1] if name != "embed" else shape[1])
-        out[name] = std * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+        fan_in = {"embed": shape[-1], "ple_embed": shape[-1], "ple_in": shape[0], "ple_gate": shape[0],
+                  "router": shape[0]}.get(name.rsplit(".", 1)[-1], shape[-1])
+        std = 0.1 if len(shape) == 1 else 0.5 / math.sqrt(fan_in)
+        val = std * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+        out[name] = val + 1.0 if _is_scale(cfg, name) else val
     return out
