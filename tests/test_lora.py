@@ -88,8 +88,9 @@ def _mesh():
 
 def test_targets_counts_and_gemma2_2b_sizes():
     assert lora_lib.resolve_targets("v,q") == ("q", "v")
-    assert lora_lib.resolve_targets("all") == tuple(lora_lib.TARGETS)
-    assert lora_lib.resolve_targets("*_proj") == tuple(lora_lib.TARGETS)
+    assert lora_lib.resolve_targets("all") == lora_lib.DENSE == ("q", "k", "v", "o", "gate", "up", "down")
+    assert lora_lib.resolve_targets("*_proj") == lora_lib.DENSE  # globs never reach the experts
+    assert lora_lib.resolve_targets("attn,experts") == ("q", "k", "v", "o") + lora_lib.EXPERTS
     assert lora_lib.resolve_targets("mlp") == ("gate", "up", "down")
     assert lora_lib.resolve_targets("q_proj,down") == ("q", "down")
     for bad in ("qq", "q,attention", "lm_head"):
@@ -103,7 +104,7 @@ def test_targets_counts_and_gemma2_2b_sizes():
         want = c.n_layers * sum(8 * sum(io[t]) for t in lc.targets)
         assert lora_lib.count(c, lc) == want
     assert lora_lib.count(c, lora_lib.LoraConfig(8, 16, 0.0, ("q", "v"))) == 1_597_440
-    assert lora_lib.count(c, lora_lib.LoraConfig(8, 16, 0.0, tuple(lora_lib.TARGETS))) == 10_383_360
+    assert lora_lib.count(c, lora_lib.LoraConfig(8, 16, 0.0, lora_lib.DENSE)) == 10_383_360
 
 
 def _batch(cfg, b=2, t=12, seed=0):
@@ -120,11 +121,24 @@ def _trained(cfg, lc, seed=1):
             for n, a in lora.items()}
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma4_adapters_follow_each_layers_projections():
+    e, moe = gc.TINY4["e"], gc.TINY4["moe"]
+    lay = lora_lib.param_layout(e, lora_lib.LoraConfig(4, 8, 0.0, lora_lib.DENSE))
+    assert lay["layers.4.q.b"][0] == (4, 4, 32) and lay["layers.0.q.b"][0] == (4, 4, 16)  # global heads are wider
+    assert "layers.4.k.a" in lay and "layers.5.k.a" not in lay and "layers.5.v.a" not in lay  # kv-shared: none
+    assert lay["layers.5.down.a"][0] == (192, 4) and lay["layers.0.down.a"][0] == (96, 4)
+    lay = lora_lib.param_layout(moe, lora_lib.LoraConfig(4, 8, 0.0, lora_lib.DENSE + lora_lib.EXPERTS))
+    assert "layers.5.k.b" in lay and "layers.5.v.a" not in lay  # k=v global layer: its k adapter feeds both
+    assert lay["layers.0.expert_gate.a"][0] == (8, 64, 4) and lay["layers.0.expert_down.b"][0] == (8, 4, 64)
+    with pytest.raises(UsageError, match="--targets expert_gate,expert_up,expert_down: this model has no experts"):
+        lora_lib.check_model(e, lora_lib.LoraConfig(4, 8, 0.0, lora_lib.EXPERTS))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4-e", "gemma4-moe"])
 def test_b_zero_is_the_base_and_merge_equals_adapters(family):
-    cfg = gc.TINY[family]
+    cfg = gc.TINY4[family[7:]] if family.startswith("gemma4") else gc.TINY[family]
     base = gemma.random_params(cfg, 3)
-    lc = lora_lib.LoraConfig(4, 8, 0.0, tuple(lora_lib.TARGETS))
+    lc = lora_lib.LoraConfig(4, 8, 0.0, tuple(lora_lib.TARGETS) if cfg.n_experts else lora_lib.DENSE)
     x = _batch(cfg)
     logits = jax.jit(lambda params, lora=None: gemma.from_flat(cfg, params)(
         jnp.asarray(x["inputs"]), adapter=None if lora is None else lora_lib.adapter(lc, lora))[0])

@@ -45,13 +45,14 @@ LORA_HELP = {
     "val_data": "validation JSONL (default: --val-fraction of --data)",
     "val_fraction": "share of --data held out for the validation loss when there is no --val-data",
     "tokenizer": "tokenizer.model / tokenizer.json (default: the one beside --weights)",
-    "model": "expected family (gemma2, gemma3) or size (gemma2-2b, gemma2-27b, gemma3-1b, ...; the checkpoint "
+    "model": "expected family (gemma2, gemma3, gemma4) or size (gemma2-2b, gemma3-1b, gemma4-e2b, ...; the checkpoint "
              "must be that size): a size lets `tpuctl plan` build the step without reading --weights "
              "(default: from the checkpoint)",
     "rank": "r: the adapters' inner width",
     "alpha": "the update is scaled by alpha / rank",
     "dropout": "dropout on the adapters' input (the base path is never dropped)",
-    "targets": "projections to adapt: q,k,v,o,gate,up,down (or q_proj...), attn, mlp, all, or globs",
+    "targets": "projections to adapt: q,k,v,o,gate,up,down (or q_proj...), attn, mlp, all, or globs; on Gemma 4 "
+               "26B-A4B also its experts, only when named: experts (or expert_gate,expert_up,expert_down)",
     "base_dtype": "dtype the frozen base is held in: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16",
     "dtype": "compute dtype: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16",
     "seq_len": "row length in tokens (examples are packed into rows)",

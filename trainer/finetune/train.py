@@ -62,6 +62,7 @@ class Steps:
 
     def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, mesh, total_steps: int, global_batch: int):
         self.run, self.cfg, self.mesh, self.lc = run, cfg, mesh, run.lora
+        lora_lib.check_model(cfg, self.lc)
         self.wait_each_step = mesh_lib.one_step_in_flight(mesh)
         platform = mesh.devices.flat[0].platform  # of the devices compiled for (a TPU plan from a CPU host)
         self.dtype = compute_dtype(run.dtype, platform)

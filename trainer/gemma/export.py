@@ -76,6 +76,10 @@ def hf_tensors(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
 
 def peft_tensors(lc: lora_lib.LoraConfig, lora: dict) -> dict[str, np.ndarray]:
     """Our adapters -> PEFT's lora_A [r, in] / lora_B [out, r], in and out flattened as HF flattens heads."""
+    experts = [t for t in lc.targets if lora_lib.TARGETS[t].experts]
+    if experts:
+        raise UsageError(f"adapters on {','.join(experts)}: PEFT has no layout for per-expert adapters; export them "
+                         "merged (--merge)")
     out = {}
     for name, a in lora.items():
         _, i, target, which = name.split(".")

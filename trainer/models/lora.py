@@ -3,6 +3,11 @@
 A target is one projection of every layer: q, k, v, o (attention), gate, up, down (MLP). Its adapter is
 A [*in, r] and B [r, *out], where in/out are the projection's input and output dims in the model's own
 layout (q: D -> [H, hd]; o: [H, hd] -> D; down: F -> D), so it adds r * (in + out) parameters per layer.
+Dims are each layer's own (Gemma 4's global layers have wider heads, its kv-shared layers a wider MLP). A
+layer without the projection has no adapter for it: Gemma 4's k=v global layers have no v (their k adapter
+feeds both), and its kv-shared layers no k or v (they attend over another layer's).
+On Gemma 4's experts (26B-A4B), expert_gate, expert_up and expert_down, only when named (--targets experts):
+one A [E, in, r] and B [E, r, out] per layer, each expert its own pair, applied to the rows routed to it.
 As in the LoRA paper (and PEFT): A starts Kaiming-uniform, B at zero (step 0 is the base model), dropout
 drops the adapter's input only, and the update is scaled by alpha / r. LoRA params are f32 whatever the
 base's dtype, and they carry logical axes so the mesh rules shard them like the matrices they adapt.
@@ -29,6 +34,7 @@ class Target:
     out_axes: tuple[str, ...]    # its output dims (trailing dims of B)
     to_base: tuple[int, ...]     # transposes the [*in, *out] update into the base slice's layout
     hf: str                      # Hugging Face / PEFT module name
+    experts: bool = False        # one adapter per expert (a leading E dim; the base sliced on its dim 1)
 
 
 TARGETS: dict[str, Target] = {
@@ -39,8 +45,14 @@ TARGETS: dict[str, Target] = {
     "gate": Target("gating", 0, ("fsdp",), ("mlp",), (1, 0), "mlp.gate_proj"),
     "up": Target("gating", 1, ("fsdp",), ("mlp",), (1, 0), "mlp.up_proj"),
     "down": Target("linear", None, ("mlp",), ("fsdp",), (0, 1), "mlp.down_proj"),
+    "expert_gate": Target("experts_gating", 0, ("fsdp",), ("mlp",), (0, 2, 1), "experts.gate_proj", True),
+    "expert_up": Target("experts_gating", 1, ("fsdp",), ("mlp",), (0, 2, 1), "experts.up_proj", True),
+    "expert_down": Target("experts_linear", None, ("mlp",), ("fsdp",), (0, 1, 2), "experts.down_proj", True),
 }
-ALIASES = {"all": ("*",), "attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+DENSE = tuple(n for n, t in TARGETS.items() if not t.experts)
+EXPERTS = tuple(n for n, t in TARGETS.items() if t.experts)
+# Globs and `all` reach the dense projections only: the experts are adapted when named.
+ALIASES = {"all": DENSE, "attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "experts": EXPERTS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,30 +86,53 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
         if not pat:
             continue
         pats = ALIASES.get(pat, (pat,))
-        hits = {n for n, t in TARGETS.items() for p in pats
-                if fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(t.hf.split(".")[-1], p)}
+        hits = {n for n, t in TARGETS.items() for p in pats if n == p or not t.experts and (
+                fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(t.hf.split(".")[-1], p))}
         if not hits:
             raise UsageError(f"--targets {pat!r} matches no projection of the model; use names from "
-                             f"{','.join(TARGETS)} (or q_proj... as Hugging Face names them), attn, mlp or all")
+                             f"{','.join(TARGETS)} (or q_proj... as Hugging Face names them), attn, mlp, all "
+                             "or experts")
         picked |= hits
     if not picked:
         raise UsageError("--targets is empty; name the projections to adapt, e.g. q,v or all")
     return tuple(n for n in TARGETS if n in picked)
 
 
-def _dims(cfg: gemma.GemmaConfig) -> dict[str, int]:
-    return {"fsdp": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-            "mlp": cfg.ff}
+def _dims(cfg: gemma.GemmaConfig, i: int) -> dict[str, int]:
+    k, hd, _ = cfg.attn_dims(i)
+    return {"fsdp": cfg.d_model, "heads": cfg.n_heads, "kv_heads": k, "head_dim": hd, "mlp": cfg.ff_of(i)}
+
+
+def applies(cfg: gemma.GemmaConfig, i: int, name: str) -> bool:
+    """Whether layer i has the projection `name` (module docstring)."""
+    if name in ("k", "v") and cfg.kv_source(i) != i:
+        return False
+    if name == "v" and cfg.attn_dims(i)[2] == 1:
+        return False
+    return not TARGETS[name].experts or bool(cfg.n_experts)
+
+
+def check_model(cfg: gemma.GemmaConfig, lc: LoraConfig) -> None:
+    if any(TARGETS[t].experts for t in lc.targets) and not cfg.n_experts:
+        raise UsageError(f"--targets {','.join(t for t in lc.targets if TARGETS[t].experts)}: this model has no "
+                         "experts (only Gemma 4 26B-A4B has); adapt q,k,v,o,gate,up,down")
 
 
 def param_layout(cfg: gemma.GemmaConfig, lc: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """Flat name ('layers.3.q.a') -> (shape, logical axes) of every LoRA parameter."""
-    dims, out = _dims(cfg), {}
+    out = {}
     for i in range(cfg.n_layers):
+        dims = dict(_dims(cfg, i), mlp=cfg.expert_ff) if cfg.n_experts else _dims(cfg, i)
         for name in lc.targets:
+            if not applies(cfg, i, name):
+                continue
             t = TARGETS[name]
-            out[f"layers.{i}.{name}.a"] = (tuple(dims[a] for a in t.in_axes) + (lc.rank,), t.in_axes + (None,))
-            out[f"layers.{i}.{name}.b"] = ((lc.rank,) + tuple(dims[a] for a in t.out_axes), (None,) + t.out_axes)
+            d = dims if t.experts else _dims(cfg, i)
+            lead, lead_axes = ((cfg.n_experts,), (None,)) if t.experts else ((), ())
+            out[f"layers.{i}.{name}.a"] = (lead + tuple(d[a] for a in t.in_axes) + (lc.rank,),
+                                           lead_axes + t.in_axes + (None,))
+            out[f"layers.{i}.{name}.b"] = (lead + (lc.rank,) + tuple(d[a] for a in t.out_axes),
+                                           lead_axes + (None,) + t.out_axes)
     return out
 
 
@@ -120,7 +155,8 @@ def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None) -> dict[s
         if name.endswith(".b"):
             make = lambda shape=shape: jnp.zeros(shape, jnp.float32)
         else:
-            bound = 1.0 / math.sqrt(math.prod(shape[:-1]))
+            fan_in = math.prod(shape[:-1]) // (cfg.n_experts if TARGETS[name.split(".")[2]].experts else 1)
+            bound = 1.0 / math.sqrt(fan_in)
             make = lambda shape=shape, k=jax.random.fold_in(key, j), b=bound: jax.random.uniform(
                 k, shape, jnp.float32, -b, b)
         out[name] = jax.jit(make, out_shardings=sh.get(name))() if sh else make()
@@ -128,25 +164,31 @@ def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None) -> dict[s
 
 
 def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array | None = None):
-    """The model's adapter hook: (layer, projection, input, output) -> output + scale * B(A(drop(input)))."""
-    def apply(i: int, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """The model's adapter hook: (layer, projection, input, output[, rows per expert]) -> output +
+    scale * B(A(drop(input))); an expert target's rows are grouped by expert (trainer/models/moe.py)."""
+    def apply(i: int, name: str, x: jax.Array, y: jax.Array, groups: jax.Array | None = None) -> jax.Array:
         a = lora.get(f"layers.{i}.{name}.a")
         if a is None:
             return y
         b = lora[f"layers.{i}.{name}.b"]
-        n_in = a.ndim - 1
         if dropout_key is not None and lc.dropout > 0:
             k = jax.random.fold_in(jax.random.fold_in(dropout_key, i), list(TARGETS).index(name))
             keep = jax.random.bernoulli(k, 1.0 - lc.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - lc.dropout), 0).astype(x.dtype)
-        h = jnp.tensordot(x.astype(jnp.float32), a, axes=n_in)
+        if groups is not None:  # rows [N, in] grouped by expert; a [E, in, r], b [E, r, out]
+            h = jax.lax.ragged_dot(x.astype(jnp.float32), a, group_sizes=groups)
+            return y + (lc.scale * jax.lax.ragged_dot(h, b, group_sizes=groups)).astype(y.dtype)
+        h = jnp.tensordot(x.astype(jnp.float32), a, axes=a.ndim - 1)
         return y + (lc.scale * jnp.tensordot(h, b, axes=1)).astype(y.dtype)
     return apply
 
 
 def delta(lc: LoraConfig, lora: dict[str, jax.Array], i: int, name: str) -> jax.Array:
-    """scale * A @ B of one projection, in the layout of the base slice it adds to."""
+    """scale * A @ B of one projection (per expert for an expert target), in the layout of the base slice it
+    adds to."""
     a, b = lora[f"layers.{i}.{name}.a"], lora[f"layers.{i}.{name}.b"]
+    if TARGETS[name].experts:
+        return (lc.scale * jnp.einsum("eir,ero->eio", a, b)).transpose(TARGETS[name].to_base)
     return (lc.scale * jnp.tensordot(a, b, axes=1)).transpose(TARGETS[name].to_base)
 
 
@@ -156,12 +198,19 @@ def merge(cfg: gemma.GemmaConfig, lc: LoraConfig, base: dict[str, jax.Array],
     out = dict(base)
     for i in range(cfg.n_layers):
         for name in lc.targets:
+            if f"layers.{i}.{name}.a" not in lora:
+                continue
             t = TARGETS[name]
             key = f"layers.{i}.{t.base}"
             w = out[key]
             d = delta(lc, lora, i, name)
             upd = w.astype(jnp.float32)
-            upd = upd.at[t.index].add(d) if t.index is not None else upd + d
+            if t.index is None:
+                upd = upd + d
+            elif t.experts:
+                upd = upd.at[:, t.index].add(d)
+            else:
+                upd = upd.at[t.index].add(d)
             out[key] = jax.device_put(upd.astype(w.dtype), w.sharding) if hasattr(w, "sharding") else upd.astype(w.dtype)
     return out
 
