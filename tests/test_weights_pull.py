@@ -23,6 +23,7 @@ from trainer.models import gemma
 KEY = "k-secret-5f2e"  # must never show up in any output
 MODELS = {(fam, layout): f"google/{fam.replace('gemma', 'gemma-')}/{layout}/tiny"
           for fam in ("gemma2", "gemma3") for layout in ("flax", "transformers")}
+GEMMA4 = "google/gemma-4/flax/tiny"  # the E sizes' kind (kv sharing, per-layer embeddings), nested as Gemma 4 ships
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,12 @@ def world(tmp_path_factory):
             gc.write_tokenizer(str(vdir / "tokenizer.model"), cfg.vocab)
         else:
             gc.write_hf(str(vdir), cfg, flat)
+    cfg4 = gc.TINY4["e"]
+    params["gemma4"] = gemma.random_params(cfg4, seed=11)
+    gc.write_flax(str(root / GEMMA4 / "1"), cfg4, params["gemma4"])
+    gc.write_tokenizer(str(root / GEMMA4 / "1" / "tokenizer.model"), cfg4.vocab)
     fake = FakeKaggle(root, {"alice": KEY, "bob": "bob-key"},
-                      {"google/gemma-2": {"alice"}, "google/gemma-3": {"alice"}})
+                      {"google/gemma-2": {"alice"}, "google/gemma-3": {"alice"}, "google/gemma-4": {"alice"}})
     url = fake.start()
     emu = gcs.start(home=tmp_path_factory.mktemp("home"), buckets=("models",))
     mp = pytest.MonkeyPatch()
@@ -94,6 +99,61 @@ print(json.dumps(out))
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+_GEMMA4_FLOW = r"""
+import json, sys
+import numpy as np
+from trainer.cli import main
+from trainer.common import mesh as M
+from trainer.finetune import train as finetune
+from trainer.gemma import weights
+from trainer.models import gemma, lora
+weights_path, data, tmp = sys.argv[1:]
+common = ["--model", "gemma4", "--weights", weights_path, "--data", data, "--seq-len", "48", "--batch-size", "4",
+          "--mesh", "data=4,model=2", "--targets", "attn,mlp", "--dropout", "0.1", "--lr", "1e-2", "--log-every", "1",
+          "--dtype", "float32", "--base-dtype", "float32"]
+assert main(["lora", *common, "--ckpt-dir", tmp + "/straight", "--steps", "2"]) == 0
+assert main(["lora", *common, "--ckpt-dir", tmp + "/split", "--steps", "1"]) == 0
+assert main(["lora", *common, "--ckpt-dir", tmp + "/split", "--steps", "2"]) == 0  # resumes at step 1
+assert main(["export", "--weights", weights_path, "--adapters", tmp + "/split", "--out", tmp + "/merged", "--merge"]) == 0
+mesh = M.make_mesh({"data": 4, "model": 2})
+ck, base = weights.load(weights_path, mesh)
+lc, adapters = finetune.load_adapters(tmp + "/split", ck.cfg, mesh)
+merged_ck, merged = weights.load(tmp + "/merged", mesh)
+tokens = np.random.RandomState(0).randint(0, ck.cfg.vocab, (1, 10))
+applied = np.asarray(gemma.from_flat(ck.cfg, base)(tokens, adapter=lora.adapter(lc, adapters))[0])
+folded = np.asarray(gemma.from_flat(merged_ck.cfg, merged)(tokens)[0])
+plain = np.asarray(gemma.from_flat(ck.cfg, base)(tokens)[0])
+print(json.dumps({"cfg_same": merged_ck.cfg == ck.cfg, "merge_err": float(np.abs(applied - folded).max()),
+                  "moved": float(np.abs(applied - plain).max()), "adapters": sorted(adapters)[:3]}))
+"""
+
+
+@pytest.mark.slow
+def test_gemma4_from_kaggle_to_adapters_a_merged_export_and_a_sample(world, tmp_path):
+    """The local flow on a tiny Gemma 4: pull from the Kaggle stand-in into the GCS emulator, LoRA from gs://
+    (resumed once, to the losses of a straight run), the adapters saved, a merged export, a sample from it."""
+    res, _ = _pull(world, GEMMA4, "gs://models/gemma4")
+    assert res.files > 2 and not res.already_staged
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}?", "response": "to be or not to be"[: 6 + i]}) + "\n"
+                            for i in range(12)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", _GEMMA4_FLOW, "gs://models/gemma4", str(data), str(tmp_path)], env=env,
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["cfg_same"] and got["merge_err"] <= 1e-4 and got["moved"] > 1e-3, got
+    losses = {d: [json.loads(ln)["loss"] for ln in open(tmp_path / d / "metrics.jsonl")] for d in ("straight", "split")}
+    assert len(losses["split"]) == 2 and losses["split"] == pytest.approx(losses["straight"], abs=1e-6)
+    assert sorted(os.listdir(tmp_path / "split" / "2")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "meta",
+                                                            "opt", "params"]  # adapters only, no base
+    s = subprocess.run([sys.executable, "-m", "trainer", "sample", "--weights", str(tmp_path / "merged"), "--prompt",
+                        "To be", "--max-new-tokens", "4", "--temperature", "0", "--mesh", "data=4,model=2"],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert s.returncode == 0 and "tokens in" in s.stderr and "gemma4 10 layers" in s.stderr, s.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -26,10 +26,13 @@ from trainer.common.config import UsageError
 from trainer.models import gemma, lora as lora_lib
 
 
-def flax_tree(cfg: gemma.GemmaConfig, flat: dict, fused: bool | None = None, gating_df: bool | None = None) -> dict:
+def flax_tree(cfg: gemma.GemmaConfig, flat: dict, fused: bool | None = None, gating_df: bool | None = None,
+              nested: bool | None = None) -> dict:
     """Our flat params -> the Orbax tree of a Kaggle flax checkpoint (weights.flax_names). fused: q, k, v in one
     [3, H, D, hd] einsum (default when heads == kv heads, before Gemma 4); gating_df: gating stored [2, D, F]
-    (default for Gemma 2)."""
+    (default for Gemma 2); nested: a level per name, as Gemma 4 ships (default for Gemma 4; else one level
+    under 'transformer/layer_i/...' keys)."""
+    nested = cfg.family == "gemma4" if nested is None else nested
     a = {k: np.asarray(v) for k, v in flat.items()}
     fused = cfg.n_heads == cfg.n_kv_heads and cfg.family != "gemma4" if fused is None else fused
     gating_df = cfg.family == "gemma2" if gating_df is None else gating_df
@@ -44,7 +47,7 @@ def flax_tree(cfg: gemma.GemmaConfig, flat: dict, fused: bool | None = None, gat
             continue  # written with q
         elif key.endswith("attn/k_einsum"):
             x = x[0]
-        t.setdefault(key, {})[leaf] = x
+        weights._at(t, key, leaf, nested, x)
     return t
 
 
@@ -133,7 +136,8 @@ def export(weights_path: str, adapters: str, out: str, *, merge: bool, mesh_spec
         meta = weights._flax_meta(ck.path)
         fused = "transformer/layer_0/attn/qkv_einsum" in meta
         g = tuple(meta["transformer/layer_0/mlp/gating_einsum"]["w"].shape)
-        tree = flax_tree(ck.cfg, _gather(merged), fused=fused, gating_df=g[1] == ck.cfg.d_model != ck.cfg.ff)
+        tree = flax_tree(ck.cfg, _gather(merged), fused=fused, gating_df=g[1] == ck.cfg.d_model != ck.cfg.ff,
+                         nested=weights.is_nested(ck.path))
         target = out.rstrip("/") + "/" + ck.path.rstrip("/").rsplit("/", 1)[-1]
         ckpt = ocp.StandardCheckpointer()
         ckpt.save(target if "://" in target else os.path.abspath(target), tree)

@@ -1,6 +1,7 @@
 """Gemma weights in Kaggle's two layouts -> sharded params on the mesh, each process reading its slices.
 
-- flax: an Orbax params dir (keys `transformer/layer_i/...`) beside `tokenizer.model`. Restored by
+- flax: an Orbax params dir beside `tokenizer.model`, its keys `transformer/layer_i/...` one level deep
+  (Gemma 2, 3) or the same path nested a level per name (Gemma 4: transformer -> layer_i -> attn -> ...). Restored by
   Orbax/tensorstore with the target shardings, so each process fetches only the chunks its devices hold.
   Chunks are what the checkpoint was written with: an array saved from one host is one chunk, which every
   process reads whole (one array at a time, never the whole model at once).
@@ -145,11 +146,39 @@ def _family(found: set[str], where: str) -> str:
 
 
 def _flax_meta(params_path: str) -> dict[str, dict]:
+    """Orbax key ('transformer/layer_0/attn/q_einsum') -> {leaf: array metadata}, whether the checkpoint's tree is
+    one level deep under such keys or nested a level per name (is_nested tells which)."""
     import orbax.checkpoint as ocp
     meta = ocp.PyTreeCheckpointer().metadata(params_path)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
-    return {k: dict(v) for k, v in tree.items() if isinstance(v, dict) or hasattr(v, "items")}
+    out: dict[str, dict] = {}
+
+    def walk(node, path):
+        for k, v in node.items():
+            if isinstance(v, dict) or hasattr(v, "items"):
+                walk(v, path + (k,))
+            elif path:
+                out.setdefault("/".join(path), {})[k] = v
+    walk(tree, ())
+    return out
+
+
+def is_nested(params_path: str) -> bool:
+    import orbax.checkpoint as ocp
+    meta = ocp.PyTreeCheckpointer().metadata(params_path)
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", getattr(meta, "item_metadata", meta))
+    return "transformer" in tree
+
+
+def _at(tree: dict, key: str, leaf: str, nested: bool, value=None):
+    """tree[key][leaf] (one level deep) or tree[a][b]...[leaf] (nested): set it to value, or get it."""
+    path = (key.split("/") if nested else [key]) + [leaf]
+    for name in path[:-1]:
+        tree = tree.setdefault(name, {}) if value is not None else tree[name]
+    if value is not None:
+        tree[path[-1]] = value
+    return tree[path[-1]]
 
 
 def _flax_config(params_path: str, family: str | None, overrides: dict):
@@ -200,6 +229,7 @@ def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.
     import orbax.checkpoint as ocp
     cfg = ck.cfg
     names = flax_names(cfg, fused)
+    nested = is_nested(ck.path)
     lay = gemma.param_layout(cfg)
     mshape = dict(mesh.shape)
     target, args, post = {}, {}, {}
@@ -216,15 +246,15 @@ def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.
             raw_axes, fix = axes[1:], lambda x: x[None]
         sh = jax.sharding.NamedSharding(mesh, gemma.fitted_spec(raw_axes, raw_shape, mshape))
         dt = dtype or meta[key][leaf].dtype
-        target.setdefault(key, {})[leaf] = jax.ShapeDtypeStruct(raw_shape, dt, sharding=sh)
-        args.setdefault(key, {})[leaf] = ocp.ArrayRestoreArgs(sharding=sh, dtype=dt)
+        _at(target, key, leaf, nested, jax.ShapeDtypeStruct(raw_shape, dt, sharding=sh))
+        _at(args, key, leaf, nested, ocp.ArrayRestoreArgs(sharding=sh, dtype=dt))
         post[ours] = (key, leaf, fix)
     raw = ocp.PyTreeCheckpointer().restore(
         ck.path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
     shardings = gemma.shardings(cfg, mesh)
     out = {}
     for ours, (key, leaf, fix) in post.items():
-        x = raw[key][leaf]
+        x = _at(raw, key, leaf, nested)
         out[ours] = x if fix is None else jax.jit(fix, out_shardings=shardings[ours])(x)
     return out
 
