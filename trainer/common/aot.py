@@ -118,9 +118,8 @@ def lora_flops_per_token(cfg, n_adapter: int, seq_len: int) -> float:
     (2 + 2 per weight; no weight gradient), the adapters' 6 per weight, and attention's scores and mixing
     (forward 4 x T x heads x head_dim per layer, backward twice that)."""
     from trainer.models import gemma
-    matmul = sum(math.prod(s) for n, (s, _) in gemma.param_layout(cfg).items() if len(s) > 1)  # embed = output
-    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-    return 4.0 * matmul + 6.0 * n_adapter + attention
+    attention = 12 * seq_len * gemma.attention_width(cfg)
+    return 4.0 * gemma.matmul_params(cfg) + 6.0 * n_adapter + attention
 
 
 def _lora(args: argparse.Namespace, target: Target) -> Built:

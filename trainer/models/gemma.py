@@ -268,6 +268,26 @@ def count_params(cfg: GemmaConfig) -> int:
     return sum(math.prod(shape) for shape, _ in param_layout(cfg).values())
 
 
+def matmul_params(cfg: GemmaConfig) -> float:
+    """Weights a token is multiplied by on its way through (the tied embedding once, as the output layer): not
+    the per-layer embedding table (a lookup), nor the kv of layers that attend over another's (unused), and of
+    the experts top_k in n_experts."""
+    total = 0.0
+    for name, (shape, _) in param_layout(cfg).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if len(shape) < 2 or name == "ple_embed" or (leaf == "kv" and cfg.kv_source(int(name.split(".")[1])) !=
+                                                     int(name.split(".")[1])):
+            continue
+        share = cfg.top_k / cfg.n_experts if leaf.startswith("experts_") else 1.0
+        total += share * math.prod(shape)
+    return total
+
+
+def attention_width(cfg: GemmaConfig) -> int:
+    """Sum over layers of heads x head width: what attention's scores and mixing cost per query and key."""
+    return sum(cfg.n_heads * cfg.attn_dims(i)[1] for i in range(cfg.n_layers))
+
+
 def shardings(cfg: GemmaConfig, mesh, rules: dict = RULES) -> dict[str, jax.sharding.NamedSharding]:
     """Flat name -> NamedSharding from the logical axes through `rules` (dims the mesh does not divide
     stay whole)."""
