@@ -64,6 +64,19 @@ def write_flax(root: str, cfg: gemma.GemmaConfig, flat: dict, variation: str = "
 
 
 def hf_config(cfg: gemma.GemmaConfig) -> dict:
+    if cfg.family == "gemma4":
+        text = dict(
+            model_type="gemma4_text", hidden_size=cfg.d_model, intermediate_size=cfg.ff,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim, global_head_dim=cfg.global_head_dim or cfg.head_dim,
+            num_global_key_value_heads=cfg.global_kv_heads or None, attention_k_eq_v=cfg.k_eq_v_global,
+            num_kv_shared_layers=cfg.kv_shared_layers, use_double_wide_mlp=cfg.shared_ff == 2 * cfg.ff,
+            hidden_size_per_layer_input=cfg.per_layer_dim, vocab_size=cfg.vocab, vocab_size_per_layer_input=cfg.vocab,
+            sliding_window=cfg.sliding_window, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention" if t == gemma.LOCAL else "full_attention" for t in cfg.layer_types],
+            enable_moe_block=bool(cfg.n_experts), num_experts=cfg.n_experts or None,
+            top_k_experts=cfg.top_k or None, moe_intermediate_size=cfg.expert_ff or None, torch_dtype="float32")
+        return dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", text_config=text)
     common = dict(hidden_size=cfg.d_model, intermediate_size=cfg.ff, num_hidden_layers=cfg.n_layers,
                   num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                   vocab_size=cfg.vocab, sliding_window=cfg.sliding_window,
@@ -129,10 +142,11 @@ def tunix_model(cfg: gemma.GemmaConfig, path: str, layout: str):
     return ts.create_model_from_safe_tensors(path, tcfg, dtype=jnp.float32)
 
 
-def tunix_gemma4(cfg: gemma.GemmaConfig, path: str):
-    """Google's Gemma 4 (tunix) of `cfg`, loaded by tunix's loader from the Kaggle flax checkpoint at `path`."""
+def tunix_gemma4(cfg: gemma.GemmaConfig, path: str, layout: str = "flax"):
+    """Google's Gemma 4 (tunix) of `cfg`, loaded by tunix's loader for `layout` (Kaggle's flax checkpoint, or
+    the transformers framework's safetensors) from `path`."""
     import jax.numpy as jnp
-    from tunix.models.gemma4 import model as tm, params as tp
+    from tunix.models.gemma4 import model as tm, params as tp, params_safetensors as ts
     pattern = tuple(tm.AttentionType.GLOBAL if t == gemma.GLOBAL else tm.AttentionType.LOCAL_SLIDING
                     for t in (cfg.pattern or cfg.fam.pattern))
     tcfg = tm.ModelConfig(
@@ -145,6 +159,8 @@ def tunix_gemma4(cfg: gemma.GemmaConfig, path: str):
         enable_moe=bool(cfg.n_experts), num_experts=cfg.n_experts or None, num_experts_per_tok=cfg.top_k or None,
         expert_dim=cfg.expert_ff or None, moe_dense_hidden_dim=cfg.ff if cfg.n_experts else None,
         param_dtype=jnp.float32, use_sliding_window_kv_cache=False)
+    if layout == "transformers":
+        return ts.create_model_from_safe_tensors(path, tcfg, dtype=jnp.float32)
     return tp.create_model_from_checkpoint(os.path.abspath(os.path.join(path, "tiny")), tcfg, dtype=jnp.float32)
 
 

@@ -23,10 +23,12 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
+    """{kind: path} of Kaggle flax checkpoints, {(kind, 'transformers'): path} of safetensors ones."""
     out = {}
     for kind, cfg in gc.TINY4.items():
         flat = gemma.random_params(cfg, seed=3)
         out[kind] = gc.write_flax(str(tmp_path_factory.mktemp(f"gemma4-{kind}")), cfg, flat)
+        out[kind, "transformers"] = gc.write_hf(str(tmp_path_factory.mktemp(f"gemma4-{kind}-hf")), cfg, flat)
     return out
 
 
@@ -67,6 +69,46 @@ def test_logits_and_greedy_tokens_match_googles_implementation(ckpts, mesh, kind
     prompt = [int(t) for t in tokens[0, :5]]
     ours_tokens = gen.generate(cfg, params, prompt, gen.SampleConfig(max_new_tokens=4), mesh=mesh)
     assert ours_tokens == _greedy_reference(ref_model, prompt, 4)
+
+
+@pytest.mark.parametrize("kind", list(gc.TINY4))
+def test_transformers_layout_matches_googles_implementation(ckpts, mesh, kind):
+    """Kaggle's transformers framework (Hugging Face's Gemma4ForConditionalGeneration names, config.json): the
+    sizes and what shapes cannot tell from config.json, logits as tunix's safetensors loader makes them."""
+    cfg = gc.TINY4[kind]
+    path = ckpts[kind, "transformers"]
+    ck, params = weights.load(path, mesh)
+    assert ck.cfg == cfg and ck.layout == "transformers"
+    tokens = np.random.RandomState(7).randint(0, cfg.vocab, (2, SEQ))
+    ref = gc.tunix_logits(gc.tunix_gemma4(cfg, path, "transformers"), tokens)
+    with jax.set_mesh(mesh):
+        ours = np.asarray(jax.jit(lambda p, t: gemma.from_flat(cfg, p)(t)[0])(params, jnp.asarray(tokens)))
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_transformers_layout_without_the_kv_shared_layers_kv(ckpts, mesh, tmp_path):
+    """Hugging Face saves no k/v projections or k-norm for layers that attend over another's (unused: kv_source):
+    they load as zeros, everything else as before."""
+    import json
+    import os
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    cfg, src = gc.TINY4["e"], ckpts["e", "transformers"]
+    shutil.copytree(src, tmp_path / "hf")
+    first = cfg.n_layers - cfg.kv_shared_layers
+    for f in os.listdir(tmp_path / "hf"):
+        if f.endswith(".safetensors"):
+            t = load_file(tmp_path / "hf" / f)
+            keep = {n: v for n, v in t.items() if not any(f"layers.{i}.self_attn.{x}" in n for i in range(first, cfg.n_layers)
+                                                          for x in ("k_proj", "v_proj", "k_norm"))}
+            save_file(keep, tmp_path / "hf" / f, metadata={"format": "pt"})
+    assert json.load(open(tmp_path / "hf" / "config.json"))["text_config"]["num_kv_shared_layers"] == 5
+    (_, full), (ck, pruned) = weights.load(src, mesh), weights.load(str(tmp_path / "hf"), mesh)
+    assert ck.cfg == cfg
+    gone = {f"layers.{i}.{x}" for i in range(first, cfg.n_layers) for x in ("kv", "k_norm")}
+    for name in full:
+        want = np.zeros(full[name].shape) if name in gone else np.asarray(full[name])
+        np.testing.assert_array_equal(np.asarray(pruned[name]), want)
 
 
 def test_named_sizes():

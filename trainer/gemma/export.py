@@ -53,6 +53,8 @@ def flax_tree(cfg: gemma.GemmaConfig, flat: dict, fused: bool | None = None, gat
 
 def hf_tensors(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
     """Our flat params -> Hugging Face Gemma tensors (matrices [out, in], heads flattened head-major)."""
+    if cfg.family == "gemma4":
+        return _hf_tensors4(cfg, flat)
     a = {k: np.asarray(v) for k, v in flat.items()}
     h, k, d, hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.head_dim
     out = {"model.embed_tokens.weight": a["embed"], "model.norm.weight": a["final_norm"]}
@@ -75,6 +77,51 @@ def hf_tensors(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
             out[p + "self_attn.q_norm.weight"] = a[s + "q_norm"]
             out[p + "self_attn.k_norm.weight"] = a[s + "k_norm"]
     return {n: np.ascontiguousarray(v) for n, v in out.items()}
+
+
+def _hf_tensors4(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
+    """Gemma 4 as Hugging Face's Gemma4ForConditionalGeneration names its text model (the layout Kaggle's
+    transformers framework serves): per-layer tables flattened [V, L*P], experts [E, 2 Fe, D] and [E, D, Fe]."""
+    a = {k: np.asarray(v) for k, v in flat.items()}
+    h, d, n = cfg.n_heads, cfg.d_model, cfg.n_layers
+    m = "model.language_model."
+    out = {m + "embed_tokens.weight": a["embed"], m + "norm.weight": a["final_norm"]}
+    if cfg.per_layer_dim:
+        out.update({m + "embed_tokens_per_layer.weight": a["ple_embed"].reshape(cfg.vocab, -1),
+                    m + "per_layer_model_projection.weight": a["ple_in"].transpose(1, 2, 0).reshape(-1, d),
+                    m + "per_layer_projection_norm.weight": a["ple_in_norm"]})
+    for i in range(n):
+        p, s = f"{m}layers.{i}.", f"layers.{i}."
+        k, hd, _ = cfg.attn_dims(i)
+        kv = a[s + "kv"]
+        out.update({
+            p + "self_attn.q_proj.weight": a[s + "q"].transpose(0, 2, 1).reshape(h * hd, d),
+            p + "self_attn.k_proj.weight": kv[0].transpose(0, 2, 1).reshape(k * hd, d),
+            p + "self_attn.o_proj.weight": a[s + "o"].transpose(2, 0, 1).reshape(d, h * hd),
+            p + "self_attn.q_norm.weight": a[s + "q_norm"], p + "self_attn.k_norm.weight": a[s + "k_norm"],
+            p + "mlp.gate_proj.weight": a[s + "gating"][0], p + "mlp.up_proj.weight": a[s + "gating"][1],
+            p + "mlp.down_proj.weight": a[s + "linear"].T, p + "layer_scalar": a[s + "skip_scale"],
+            p + "input_layernorm.weight": a[s + "pre_attn_norm"],
+            p + "post_attention_layernorm.weight": a[s + "post_attn_norm"],
+            p + "pre_feedforward_layernorm.weight": a[s + "pre_ffw_norm"],
+            p + "post_feedforward_layernorm.weight": a[s + "post_ffw_norm"],
+        })
+        if kv.shape[0] == 2:
+            out[p + "self_attn.v_proj.weight"] = kv[1].transpose(0, 2, 1).reshape(k * hd, d)
+        if cfg.per_layer_dim:
+            out.update({p + "per_layer_input_gate.weight": a[s + "ple_gate"].T,
+                        p + "per_layer_projection.weight": a[s + "ple_proj"].T,
+                        p + "post_per_layer_input_norm.weight": a[s + "ple_norm"]})
+        if cfg.n_experts:
+            g = a[s + "experts_gating"]
+            out.update({p + "post_feedforward_layernorm_1.weight": a[s + "post_mlp_norm"],
+                        p + "pre_feedforward_layernorm_2.weight": a[s + "pre_moe_norm"],
+                        p + "post_feedforward_layernorm_2.weight": a[s + "post_moe_norm"],
+                        p + "router.proj.weight": a[s + "router"].T, p + "router.scale": a[s + "router_scale"],
+                        p + "router.per_expert_scale": a[s + "expert_scale"],
+                        p + "experts.gate_up_proj": g.reshape(g.shape[0], -1, d),
+                        p + "experts.down_proj": a[s + "experts_linear"].transpose(0, 2, 1)})
+    return {name: np.ascontiguousarray(v) for name, v in out.items()}
 
 
 def peft_tensors(lc: lora_lib.LoraConfig, lora: dict) -> dict[str, np.ndarray]:

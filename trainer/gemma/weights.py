@@ -279,8 +279,11 @@ class SafeTensors:
         return self.index[name][2]
 
     def read(self, name: str, rows: slice, cols: slice | None = None) -> np.ndarray:
-        """tensor[rows] (1-D) or tensor[rows, cols] (2-D), fetching only those bytes."""
+        """tensor[rows] (1-D) or tensor[rows, cols] (2-D; a tensor of more dims as [all but the last, last]),
+        fetching only those bytes."""
         f, dt, shape, off = self.index[name]
+        if len(shape) > 2:
+            shape = (int(np.prod(shape[:-1])), shape[-1])
         dtype = np.dtype(_ST_DTYPES[dt])
         item = dtype.itemsize
         r0, r1, _ = rows.indices(shape[0])
@@ -294,7 +297,7 @@ class SafeTensors:
                 starts, ends = [off + r0 * ncol * item], [off + r1 * ncol * item]
             elif r1 - r0 > MAX_ROW_REQUESTS:  # e.g. a vocab's rows: whole-row groups, cut as they arrive
                 step = max(1, GROUP_BYTES // (ncol * item))
-                return np.concatenate([self.read(name, slice(r, min(r + step, r1)))[:, c0:c1]
+                return np.concatenate([self.read(name, slice(r, min(r + step, r1)))[:, c0:c1].reshape(-1, c1 - c0)
                                        for r in range(r0, r1, step)])
             else:
                 starts = [off + (r * ncol + c0) * item for r in range(r0, r1)]
@@ -309,7 +312,7 @@ class SafeTensors:
 
 
 def _hf_prefix(st: SafeTensors) -> str:
-    for prefix in ("model.", "language_model.model."):
+    for prefix in ("model.", "language_model.model.", "model.language_model."):
         if prefix + "embed_tokens.weight" in st.index:
             return prefix
     raise UsageError("safetensors: no model.embed_tokens.weight (found: "
@@ -329,8 +332,12 @@ def _hf_config(folder: str, family: str | None, overrides: dict):
     found = {ours for ours, theirs in _HF_NORMS.items() if lp + theirs + ".weight" in st.index}
     if lp + "self_attn.q_norm.weight" in st.index:
         found.add("q_norm")
+    if lp + "layer_scalar" in st.index:
+        found.add("skip_scale")
     fam = _family(found, where)
     _check_family(family, fam, where)
+    if fam == "gemma4":
+        return _hf_gemma4_config(st, pre, folder, overrides)
     conf = {}
     fs, p = _fs(folder)
     if fs.exists(_join(p, "config.json")):
@@ -358,9 +365,96 @@ def _hf_config(folder: str, family: str | None, overrides: dict):
     return cfg, st, pre
 
 
+def _hf_conf(folder: str) -> dict:
+    fs, p = _fs(folder)
+    if not fs.exists(_join(p, "config.json")):
+        return {}
+    with fs.open(_join(p, "config.json")) as fh:
+        conf = json.load(fh)
+    return conf.get("text_config", conf)
+
+
+def _hf_gemma4_config(st: SafeTensors, pre: str, folder: str, overrides: dict):
+    """Gemma 4's sizes from the tensors (each layer's head width from its q_norm; the kv-shared layers may
+    have no k/v projections: theirs are shaped as the first layer's of the same width) and what they cannot
+    tell from config.json (layer_types, sliding_window, num_kv_shared_layers, top_k_experts)."""
+    v, d = st.shape(pre + "embed_tokens.weight")
+    n = sum(1 for name in st.index if name.startswith(pre + "layers.") and name.endswith("self_attn.o_proj.weight"))
+    shapes: dict[str, tuple] = {"embed": (v, d)}
+    kv_by_width: dict[int, tuple] = {}
+    for i in range(n):
+        lp = f"{pre}layers.{i}."
+        hd = st.shape(lp + "self_attn.q_norm.weight")[0]
+        shapes[f"layers.{i}.q"] = (st.shape(lp + "self_attn.q_proj.weight")[0] // hd, d, hd)
+        if lp + "self_attn.k_proj.weight" in st.index:
+            c = 2 if lp + "self_attn.v_proj.weight" in st.index else 1
+            kv_by_width.setdefault(hd, (c, st.shape(lp + "self_attn.k_proj.weight")[0] // hd, d, hd))
+        shapes[f"layers.{i}.kv"] = kv_by_width[hd]
+        shapes[f"layers.{i}.linear"] = (st.shape(lp + "mlp.down_proj.weight")[1], d)
+    if pre + "embed_tokens_per_layer.weight" in st.index:
+        shapes["ple_embed"] = (v, n, st.shape(pre + "embed_tokens_per_layer.weight")[1] // n)
+    if pre + "layers.0.experts.gate_up_proj" in st.index:
+        e, f2, _ = st.shape(pre + "layers.0.experts.gate_up_proj")
+        shapes["layers.0.experts_gating"] = (e, 2, f2 // 2, d)
+    conf = _hf_conf(folder)
+    from_conf: dict = {}
+    if conf.get("sliding_window"):
+        from_conf["sliding_window"] = int(conf["sliding_window"])
+    if "num_kv_shared_layers" in conf:
+        from_conf["kv_shared_layers"] = int(conf["num_kv_shared_layers"])
+    if conf.get("top_k_experts"):
+        from_conf["top_k"] = int(conf["top_k_experts"])
+    cfg = gemma.GemmaConfig.from_shapes("gemma4", shapes, **{**from_conf, **overrides})
+    return cfg, st, pre
+
+
+_HF4 = {"post_mlp_norm": "post_feedforward_layernorm_1", "pre_moe_norm": "pre_feedforward_layernorm_2",
+        "post_moe_norm": "post_feedforward_layernorm_2", "ple_norm": "post_per_layer_input_norm"}
+
+
 def _hf_block(st: SafeTensors, pre: str, cfg: gemma.GemmaConfig, ours: str, idx: tuple[slice, ...]) -> np.ndarray:
     """Our parameter's block at `idx` (slices of our shape), from the Hugging Face tensors."""
-    hd = cfg.head_dim
+    full = lambda s, n: slice(*s.indices(n)[:2])  # noqa: E731
+    shape = gemma.param_layout(cfg)[ours][0]
+    idx = tuple(full(s, n) for s, n in zip(idx, shape))
+    if ours == "ple_embed":  # [V, L*P] -> [V, L, P]
+        vv, n, pp = idx
+        raw = st.read(pre + "embed_tokens_per_layer.weight", vv)
+        return raw.reshape(raw.shape[0], cfg.n_layers, -1)[:, n, pp]
+    if ours == "ple_in":  # [L*P, D] -> [D, L, P]
+        d, n, pp = idx
+        raw = st.read(pre + "per_layer_model_projection.weight", slice(n.start * cfg.per_layer_dim,
+                                                                         n.stop * cfg.per_layer_dim), d)
+        return raw.reshape(n.stop - n.start, cfg.per_layer_dim, -1)[:, pp].transpose(2, 0, 1)
+    if ours == "ple_in_norm":
+        return st.read(pre + "per_layer_projection_norm.weight", idx[0])
+    if ours.startswith("layers."):
+        _, i, kind = ours.split(".")
+        lp = f"{pre}layers.{i}."
+        if kind in _HF4:
+            return st.read(lp + _HF4[kind] + ".weight", idx[0])
+        if kind == "skip_scale":
+            return st.read(lp + "layer_scalar", idx[0])
+        if kind in ("router_scale", "expert_scale"):
+            return st.read(lp + ("router.scale" if kind == "router_scale" else "router.per_expert_scale"), idx[0])
+        if kind in ("ple_gate", "ple_proj", "router"):  # [out, in] stored -> ours [in, out]
+            a, b = idx
+            name = {"ple_gate": "per_layer_input_gate.weight", "ple_proj": "per_layer_projection.weight",
+                    "router": "router.proj.weight"}[kind]
+            return st.read(lp + name, b, a).T
+        if kind == "experts_gating":  # [E, 2 Fe, D] -> [E, 2, Fe, D]
+            e, c, f, d = idx
+            fe = cfg.expert_ff
+            raw = st.read(lp + "experts.gate_up_proj", slice(e.start * 2 * fe, e.stop * 2 * fe), d)
+            return raw.reshape(e.stop - e.start, 2, fe, -1)[:, c, f]
+        if kind == "experts_linear":  # [E, D, Fe] -> [E, Fe, D]
+            e, f, d = idx
+            dm = cfg.d_model
+            raw = st.read(lp + "experts.down_proj", slice(e.start * dm, e.stop * dm), f)
+            return raw.reshape(e.stop - e.start, dm, -1)[:, d].transpose(0, 2, 1)
+        if kind in ("kv", "k_norm") and lp + "self_attn.k_proj.weight" not in st.index:
+            return np.zeros(tuple(s.stop - s.start for s in idx), np.float32)  # a kv-shared layer's: never used
+    hd = cfg.attn_dims(int(ours.split(".")[1]))[1] if ours.startswith("layers.") else cfg.head_dim
     if ours == "embed":
         return st.read(pre + "embed_tokens.weight", idx[0], idx[1])
     if ours == "final_norm":
@@ -376,12 +470,9 @@ def _hf_block(st: SafeTensors, pre: str, cfg: gemma.GemmaConfig, ours: str, idx:
         raw = st.read(name, slice(h.start * hd, h.stop * hd), d)
         return raw.reshape(h.stop - h.start, hd, -1)[:, e].transpose(0, 2, 1)
 
-    full = lambda s, n: slice(*s.indices(n)[:2])  # noqa: E731
-    shape = gemma.param_layout(cfg)[ours][0]
-    idx = tuple(full(s, n) for s, n in zip(idx, shape))
     if kind == "q":
         return heads(lp + "self_attn.q_proj.weight", *idx)
-    if kind == "kv":
+    if kind == "kv":  # (Gemma 4's k=v layers: [1, K, D, hd] from k_proj alone)
         c, k, d, e = idx
         return np.stack([heads(lp + f"self_attn.{'kv'[j]}_proj.weight", k, d, e) for j in range(c.start, c.stop)])
     if kind == "o":  # [D, H*hd] -> [h, hd, D] block
