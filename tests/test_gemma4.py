@@ -65,6 +65,8 @@ def test_logits_and_greedy_tokens_match_googles_implementation(ckpts, mesh, kind
         with jax.set_mesh(mesh):
             ours_bf16 = np.asarray(run(params, jnp.asarray(tokens), jnp.bfloat16))
         assert np.abs(ours_bf16 - ref).mean() <= 0.08 * np.abs(ref).mean()
+    if kind == "dense":
+        return  # (greedy decoding: on the kinds whose cache differs, kv-shared layers and experts)
     # Greedy decoding through our KV cache (shared layers read their source's cache) picks Google's tokens.
     prompt = [int(t) for t in tokens[0, :5]]
     ours_tokens = gen.generate(cfg, params, prompt, gen.SampleConfig(max_new_tokens=4), mesh=mesh)

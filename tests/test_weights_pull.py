@@ -108,7 +108,7 @@ from trainer.cli import main
 from trainer.common import mesh as M
 from trainer.finetune import train as finetune
 from trainer.gemma import weights
-from trainer.models import gemma, lora
+from trainer.models import lora
 weights_path, data, tmp = sys.argv[1:]
 common = ["--model", "gemma4", "--weights", weights_path, "--data", data, "--seq-len", "48", "--batch-size", "4",
           "--mesh", "data=4,model=2", "--targets", "attn,mlp", "--dropout", "0.1", "--lr", "1e-2", "--log-every", "1",
@@ -121,12 +121,10 @@ mesh = M.make_mesh({"data": 4, "model": 2})
 ck, base = weights.load(weights_path, mesh)
 lc, adapters = finetune.load_adapters(tmp + "/split", ck.cfg, mesh)
 merged_ck, merged = weights.load(tmp + "/merged", mesh)
-tokens = np.random.RandomState(0).randint(0, ck.cfg.vocab, (1, 10))
-applied = np.asarray(gemma.from_flat(ck.cfg, base)(tokens, adapter=lora.adapter(lc, adapters))[0])
-folded = np.asarray(gemma.from_flat(merged_ck.cfg, merged)(tokens)[0])
-plain = np.asarray(gemma.from_flat(ck.cfg, base)(tokens)[0])
-print(json.dumps({"cfg_same": merged_ck.cfg == ck.cfg, "merge_err": float(np.abs(applied - folded).max()),
-                  "moved": float(np.abs(applied - plain).max()), "adapters": sorted(adapters)[:3]}))
+want = lora.merge(ck.cfg, lc, base, adapters)
+print(json.dumps({"cfg_same": merged_ck.cfg == ck.cfg, "layout": merged_ck.layout,
+                  "merge_err": max(float(np.abs(np.asarray(merged[n]) - np.asarray(want[n])).max()) for n in want),
+                  "moved": max(float(np.abs(np.asarray(merged[n]) - np.asarray(base[n])).max()) for n in base)}))
 """
 
 
@@ -145,7 +143,7 @@ def test_gemma4_from_kaggle_to_adapters_a_merged_export_and_a_sample(world, tmp_
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got["cfg_same"] and got["merge_err"] <= 1e-4 and got["moved"] > 1e-3, got
+    assert got["cfg_same"] and got["layout"] == "flax" and got["merge_err"] <= 1e-6 and got["moved"] > 1e-4, got
     losses = {d: [json.loads(ln)["loss"] for ln in open(tmp_path / d / "metrics.jsonl")] for d in ("straight", "split")}
     assert len(losses["split"]) == 2 and losses["split"] == pytest.approx(losses["straight"], abs=1e-6)
     assert sorted(os.listdir(tmp_path / "split" / "2")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "meta",
