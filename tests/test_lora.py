@@ -134,6 +134,29 @@ def test_gemma4_adapters_follow_each_layers_projections():
         lora_lib.check_model(e, lora_lib.LoraConfig(4, 8, 0.0, lora_lib.EXPERTS))
 
 
+def test_gemma4_peft_adapters_are_the_merge_in_hugging_face_terms():
+    """Gemma 4's PEFT modules sit under the text model's path, each layer's heads flattened at its own width."""
+    from trainer.gemma import export
+    cfg = gc.TINY4["e"]
+    lc = lora_lib.LoraConfig(4, 8, 0.0, lora_lib.DENSE)
+    base, lora = gemma.random_params(cfg, 3), _trained(cfg, lc)
+    peft = export.peft_tensors(lc, lora, cfg.family)
+    hb, hm = export.hf_tensors(cfg, base), export.hf_tensors(cfg, lora_lib.merge(cfg, lc, base, lora))
+    assert len(peft) == len(lora)  # one lora_A or lora_B each
+    for name, w in hb.items():
+        stem = name[:-len(".weight")]
+        a = peft.get(f"base_model.model.{stem}.lora_A.weight")
+        if a is None:
+            np.testing.assert_array_equal(hm[name], w)
+            continue
+        b = peft[f"base_model.model.{stem}.lora_B.weight"]
+        np.testing.assert_allclose(w + lc.scale * b @ a, hm[name], atol=1e-5)
+    assert "base_model.model.model.language_model.layers.4.self_attn.q_proj.lora_B.weight" in peft
+    with pytest.raises(UsageError, match="PEFT has no layout for per-expert adapters"):
+        moe = gc.TINY4["moe"]
+        export.peft_tensors(lora_lib.LoraConfig(4, 8, 0.0, lora_lib.EXPERTS), {}, moe.family)
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4-e", "gemma4-moe"])
 def test_b_zero_is_the_base_and_merge_equals_adapters(family):
     cfg = gc.TINY4[family[7:]] if family.startswith("gemma4") else gc.TINY[family]

@@ -124,8 +124,9 @@ def _hf_tensors4(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(v) for name, v in out.items()}
 
 
-def peft_tensors(lc: lora_lib.LoraConfig, lora: dict) -> dict[str, np.ndarray]:
-    """Our adapters -> PEFT's lora_A [r, in] / lora_B [out, r], in and out flattened as HF flattens heads."""
+def peft_tensors(lc: lora_lib.LoraConfig, lora: dict, family: str = "gemma2") -> dict[str, np.ndarray]:
+    """Our adapters -> PEFT's lora_A [r, in] / lora_B [out, r], in and out flattened as HF flattens heads, under
+    the module path of the family's Hugging Face model (Gemma 4's text model: model.language_model)."""
     experts = [t for t in lc.targets if lora_lib.TARGETS[t].experts]
     if experts:
         raise UsageError(f"adapters on {','.join(experts)}: PEFT has no layout for per-expert adapters; export them "
@@ -135,7 +136,8 @@ def peft_tensors(lc: lora_lib.LoraConfig, lora: dict) -> dict[str, np.ndarray]:
         _, i, target, which = name.split(".")
         x = np.asarray(a, np.float32)
         mat = x.reshape(-1, lc.rank).T if which == "a" else x.reshape(lc.rank, -1).T
-        key = f"base_model.model.model.layers.{i}.{lora_lib.TARGETS[target].hf}.lora_{which.upper()}.weight"
+        model = "model.language_model" if family == "gemma4" else "model"
+        key = f"base_model.model.{model}.layers.{i}.{lora_lib.TARGETS[target].hf}.lora_{which.upper()}.weight"
         out[key] = np.ascontiguousarray(mat)
     return out
 
@@ -172,7 +174,7 @@ def export(weights_path: str, adapters: str, out: str, *, merge: bool, mesh_spec
             from safetensors.numpy import save
             fs.makedirs(p, exist_ok=True)
             with fs.open(f"{p}/adapter_model.safetensors", "wb") as f:
-                f.write(save(peft_tensors(lc, host), metadata={"format": "pt"}))
+                f.write(save(peft_tensors(lc, host, ck.cfg.family), metadata={"format": "pt"}))
             with fs.open(f"{p}/adapter_config.json", "w") as f:
                 json.dump(peft_config(lc, weights_path), f, indent=1)
         return "peft"
