@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.common.config import UsageError
 from trainer.common.mesh import RULES, fitted_spec
 from trainer.models import attention as attention_lib
 from trainer.models import moe as moe_lib
@@ -120,7 +121,11 @@ class GemmaConfig:
         if i < first:
             return i
         kind = self.layer_types[i]
-        return max(j for j in range(first) if self.layer_types[j] == kind)
+        sources = [j for j in range(first) if self.layer_types[j] == kind]
+        if not sources:
+            raise UsageError(f"kv_shared_layers {self.kv_shared_layers} of {self.n_layers}: layer {i} ({kind}) has no "
+                             f"earlier {kind} layer to share keys and values with")
+        return sources[-1]
 
     @property
     def kv_origins(self) -> frozenset[int]:
@@ -421,8 +426,7 @@ class Layer(nnx.Module):
 
     def experts(self, x, adapter=None):
         names = ("router", "router_scale", "expert_scale", "experts_gating", "experts_linear")
-        ad = None if adapter is None else (lambda name, inp, y, groups: adapter(name, inp, y, groups))
-        out = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, ad)
+        out = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, adapter)
         return _constrain(out, ("batch", "seq", "embed"))
 
     def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None,
