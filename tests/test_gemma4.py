@@ -28,7 +28,8 @@ def ckpts(tmp_path_factory):
     for kind, cfg in gc.TINY4.items():
         flat = gemma.random_params(cfg, seed=3)
         out[kind] = gc.write_flax(str(tmp_path_factory.mktemp(f"gemma4-{kind}")), cfg, flat)
-        out[kind, "transformers"] = gc.write_hf(str(tmp_path_factory.mktemp(f"gemma4-{kind}-hf")), cfg, flat)
+        if kind != "dense":
+            out[kind, "transformers"] = gc.write_hf(str(tmp_path_factory.mktemp(f"gemma4-{kind}-hf")), cfg, flat)
     return out
 
 
@@ -65,15 +66,15 @@ def test_logits_and_greedy_tokens_match_googles_implementation(ckpts, mesh, kind
         with jax.set_mesh(mesh):
             ours_bf16 = np.asarray(run(params, jnp.asarray(tokens), jnp.bfloat16))
         assert np.abs(ours_bf16 - ref).mean() <= 0.08 * np.abs(ref).mean()
-    if kind == "dense":
-        return  # (greedy decoding: on the kinds whose cache differs, kv-shared layers and experts)
+    if kind != "e":
+        return  # (greedy decoding: on the kind whose cache differs, kv-shared layers reading their source's)
     # Greedy decoding through our KV cache (shared layers read their source's cache) picks Google's tokens.
     prompt = [int(t) for t in tokens[0, :5]]
     ours_tokens = gen.generate(cfg, params, prompt, gen.SampleConfig(max_new_tokens=4), mesh=mesh)
     assert ours_tokens == _greedy_reference(ref_model, prompt, 4)
 
 
-@pytest.mark.parametrize("kind", list(gc.TINY4))
+@pytest.mark.parametrize("kind", ["e", "moe"])  # (moe's global layers are k=v too)
 def test_transformers_layout_matches_googles_implementation(ckpts, mesh, kind):
     """Kaggle's transformers framework (Hugging Face's Gemma4ForConditionalGeneration names, config.json): the
     sizes and what shapes cannot tell from config.json, logits as tunix's safetensors loader makes them."""

@@ -138,7 +138,7 @@ def test_gemma4_peft_adapters_are_the_merge_in_hugging_face_terms():
     """Gemma 4's PEFT modules sit under the text model's path, each layer's heads flattened at its own width."""
     from trainer.gemma import export
     cfg = gc.TINY4["e"]
-    lc = lora_lib.LoraConfig(4, 8, 0.0, lora_lib.DENSE)
+    lc = lora_lib.LoraConfig(4, 8, 0.0, ("q", "k", "down"))
     base, lora = gemma.random_params(cfg, 3), _trained(cfg, lc)
     peft = export.peft_tensors(lc, lora, cfg.family)
     hb, hm = export.hf_tensors(cfg, base), export.hf_tensors(cfg, lora_lib.merge(cfg, lc, base, lora))

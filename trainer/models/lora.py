@@ -147,20 +147,22 @@ def shardings(cfg: gemma.GemmaConfig, lc: LoraConfig, mesh) -> dict[str, jax.sha
 
 def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None) -> dict[str, jax.Array]:
     """f32 adapters: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's Kaiming-uniform, a=sqrt(5)), B = 0.
-    Each array comes from (seed, its name) alone, placed by the rules when a mesh is given."""
+    Each array comes from (seed, its name) alone, placed by the rules when a mesh is given; all of them from
+    one compiled program (a model's hundreds of adapters, one compile)."""
     key = jax.random.key(seed)
-    sh = shardings(cfg, lc, mesh) if mesh is not None else {}
-    out = {}
-    for j, (name, (shape, _)) in enumerate(param_layout(cfg, lc).items()):
-        if name.endswith(".b"):
-            make = lambda shape=shape: jnp.zeros(shape, jnp.float32)
-        else:
+    lay = param_layout(cfg, lc)
+
+    def make() -> dict[str, jax.Array]:
+        out = {}
+        for j, (name, (shape, _)) in enumerate(lay.items()):
+            if name.endswith(".b"):
+                out[name] = jnp.zeros(shape, jnp.float32)
+                continue
             fan_in = math.prod(shape[:-1]) // (cfg.n_experts if TARGETS[name.split(".")[2]].experts else 1)
             bound = 1.0 / math.sqrt(fan_in)
-            make = lambda shape=shape, k=jax.random.fold_in(key, j), b=bound: jax.random.uniform(
-                k, shape, jnp.float32, -b, b)
-        out[name] = jax.jit(make, out_shardings=sh.get(name))() if sh else make()
-    return out
+            out[name] = jax.random.uniform(jax.random.fold_in(key, j), shape, jnp.float32, -bound, bound)
+        return out
+    return jax.jit(make, out_shardings=shardings(cfg, lc, mesh) if mesh is not None else None)()
 
 
 def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array | None = None):
