@@ -326,7 +326,7 @@ def test_lora_without_a_model_size_is_not_planned_and_runs_unplanned():
     assert time.monotonic() - t0 < 20 and said[0].startswith("not planned: `lora` is planned from its model size")
     res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--local", "--", *LORA, "--model", "gemma2-3b"])
     assert res.exit_code == 1 and _error_lines(res)[0].startswith("Error: --model gemma2-3b: choose a family "
-                                                                  "(gemma2, gemma3) or a size (gemma2-2b, ")
+                                                                  "(gemma2, gemma3, gemma4) or a size (gemma2-2b, ")
 
 
 def test_the_run_checks_the_checkpoint_is_the_size_model_names():
