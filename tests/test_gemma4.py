@@ -89,9 +89,9 @@ def test_transformers_layout_matches_googles_implementation(ckpts, mesh, kind):
     assert np.abs(ours - ref).max() <= 1e-4
 
 
-def test_transformers_layout_without_the_kv_shared_layers_kv(ckpts, mesh, tmp_path):
-    """Hugging Face saves no k/v projections or k-norm for layers that attend over another's (unused: kv_source):
-    they load as zeros, everything else as before."""
+def test_checkpoints_without_the_kv_shared_layers_kv(ckpts, mesh, tmp_path):
+    """Hugging Face saves no k/v projections or k-norm for layers that attend over another's (unused: kv_source),
+    and a flax checkpoint may not either: they load as zeros, everything else as before."""
     import json
     import os
     import shutil
@@ -108,10 +108,23 @@ def test_transformers_layout_without_the_kv_shared_layers_kv(ckpts, mesh, tmp_pa
     assert json.load(open(tmp_path / "hf" / "config.json"))["text_config"]["num_kv_shared_layers"] == 5
     (_, full), (ck, pruned) = weights.load(src, mesh), weights.load(str(tmp_path / "hf"), mesh)
     assert ck.cfg == cfg
+    import orbax.checkpoint as ocp
+    from trainer.gemma import export
+    tree = export.flax_tree(cfg, full)
+    for i in range(first, cfg.n_layers):
+        for name in ("kv_einsum", "_key_norm"):
+            del tree["transformer"][f"layer_{i}"]["attn"][name]
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(str(tmp_path / "flax" / "tiny"), tree)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    flax_ck, flax_pruned = weights.load(str(tmp_path / "flax"), mesh, **gc.FLAX_OVERRIDES4["e"])
+    assert flax_ck.cfg == cfg
     gone = {f"layers.{i}.{x}" for i in range(first, cfg.n_layers) for x in ("kv", "k_norm")}
     for name in full:
         want = np.zeros(full[name].shape) if name in gone else np.asarray(full[name])
         np.testing.assert_array_equal(np.asarray(pruned[name]), want)
+        np.testing.assert_array_equal(np.asarray(flax_pruned[name]), want)
 
 
 def test_named_sizes():

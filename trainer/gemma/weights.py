@@ -208,8 +208,14 @@ def _flax_config(params_path: str, family: str | None, overrides: dict):
             shapes[f"layers.{i}.q"], shapes[f"layers.{i}.kv"] = (h, d, hd), (2, h, d, hd)
         else:
             shapes[f"layers.{i}.q"] = shape(p + "attn/q_einsum", "w")
-            shapes[f"layers.{i}.kv"] = (shape(p + "attn/kv_einsum", "w") if p + "attn/kv_einsum" in meta
-                                        else (1,) + shape(p + "attn/k_einsum", "w"))
+            if p + "attn/kv_einsum" in meta:
+                shapes[f"layers.{i}.kv"] = shape(p + "attn/kv_einsum", "w")
+            elif p + "attn/k_einsum" in meta:
+                shapes[f"layers.{i}.kv"] = (1,) + shape(p + "attn/k_einsum", "w")
+            else:  # a kv-shared layer saved without its (unused) kv: shaped as an earlier layer of its width
+                width = shapes[f"layers.{i}.q"][2]
+                shapes[f"layers.{i}.kv"] = next(shapes[f"layers.{j}.kv"] for j in range(i)
+                                                if shapes[f"layers.{j}.q"][2] == width)
         shapes[f"layers.{i}.linear"] = shape(p + "mlp/linear", "w")
     if "per_layer_embeddings" in meta["transformer/embedder"]:
         shapes["ple_embed"] = shape("transformer/embedder", "per_layer_embeddings")
@@ -233,9 +239,15 @@ def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.
     lay = gemma.param_layout(cfg)
     mshape = dict(mesh.shape)
     target, args, post = {}, {}, {}
+    shardings = gemma.shardings(cfg, mesh)
+    absent = {}  # a kv-shared layer's unused kv / k-norm, when the checkpoint has none: zeros
     for ours, (key, leaf) in names.items():
-        raw_shape = tuple(meta[key][leaf].shape)
         shape, axes = lay[ours]
+        if key not in meta and ours.endswith((".kv", ".k_norm")):
+            absent[ours] = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype or jnp.float32),
+                                   out_shardings=shardings[ours])()
+            continue
+        raw_shape = tuple(meta[key][leaf].shape)
         raw_axes, fix = axes, None
         if ours.endswith(".gating") and raw_shape != shape:  # Gemma 2 2b stores [2, D, F]
             raw_axes, fix = (None, "fsdp", "mlp"), lambda x: x.transpose(0, 2, 1)
@@ -251,12 +263,11 @@ def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.
         post[ours] = (key, leaf, fix)
     raw = ocp.PyTreeCheckpointer().restore(
         ck.path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
-    shardings = gemma.shardings(cfg, mesh)
     out = {}
     for ours, (key, leaf, fix) in post.items():
         x = _at(raw, key, leaf, nested)
         out[ours] = x if fix is None else jax.jit(fix, out_shardings=shardings[ours])(x)
-    return out
+    return {**out, **absent}
 
 
 # ---------------------------------------------------------------- transformers (safetensors)
