@@ -141,14 +141,14 @@ def _compile_v5e(argv: list[str]) -> tuple[dict, int]:
 def test_the_chunked_loss_counts_as_much_work_as_the_full_logits():
     """The TPU compiler counts a while loop's body once: XLA's chunked loss's scan alone reports a quarter of the
     output layer. Counted whole (its unrolled twin), the chunked step does the work of the full-logits one
-    within 2%, and both at least 6 x params x tokens per device. The output layer as Pallas kernels (the default
-    on TPU) has no loop, and the compiler counts it from the kernels' cost estimates: nothing at all without
+    within 2%, and both at least 6 x params x tokens per device. The output layer as Pallas kernels (--loss-kernel
+    pallas) has no loop, and the compiler counts it from the kernels' cost estimates: nothing at all without
     them. It computes the logits twice (one more [tokens, V, D] matmul) and moves less than either."""
     whole = [*WHOLE, "--vocab-parallel", "off"]  # 4,096 tokens a step: auto would split the vocabulary instead
     xla = [*whole, "--loss-kernel", "xla"]
     chunked, n_params = _compile_v5e([*xla, "--loss-chunk", "64"])
     full, _ = _compile_v5e([*xla, "--loss-chunk", "0"])
-    kernels, _ = _compile_v5e(whole)
+    kernels, _ = _compile_v5e([*whole, "--loss-kernel", "pallas"])
     assert chunked["counted"] == "unrolled" and full["counted"] == "program" == kernels["counted"]
     assert chunked["program_flops"] < 0.6 * chunked["flops"]  # the loop's body once: what the plan used to say
     assert abs(chunked["flops"] - full["flops"]) <= 0.02 * full["flops"], (chunked["flops"], full["flops"])
