@@ -23,8 +23,9 @@ def parse(argv):
     p.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="leave out a section")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the sections run (no figures)")
     p.add_argument("--cpu", action="store_true", help="run on this host's CPU when it has no TPU (with --quick)")
-    p.add_argument("--summarize", metavar="DIR", help="read a check's folder from a TPU host (its JSON and trace) "
-                                                      "and print its table, the trace summarized here")
+    p.add_argument("--summarize", metavar="DIR", help="read a check's folder from a TPU host (its tpu-check.json, "
+                                                      "or a JSON file) and print its table; a trace kept beside it "
+                                                      "is summarized here and its row written into the JSON")
     return p.parse_args(argv)
 
 
@@ -115,7 +116,11 @@ def summarize(folder: str) -> int:
     if os.path.exists(trace):
         row = dataclasses.asdict(profile.summarize(trace))
         data["rows"] = [r for r in data["rows"] if r["section"] != "profile"] + [row]
-    data = report.build(data["about"], data["rows"], data.get("failed", {}))
+        data = report.build(data["about"], data["rows"], data.get("failed", {}))
+        with open(path, "w") as f:  # the summary joins the record it was read beside
+            json.dump(data, f, indent=1, default=float)
+    else:
+        data = report.build(data["about"], data["rows"], data.get("failed", {}))
     print(report.render(data))
     return 0
 

@@ -30,8 +30,20 @@ def calibrate(rows: list[dict]) -> dict | None:
     return {**measured, "other_bytes_s": other, "other_from": ref["name"]}
 
 
+def _replan(about: dict, rows: list[dict]) -> None:
+    """Each row's plan time from its work at trainer/common/calibration.py's rates as they are now (a record read
+    back is priced by the current table, not by the one it was taken with)."""
+    from trainer.common import calibration, chips
+    kind = about.get("device_kind", "")
+    rates = calibration.for_kind(kind, chips.PEAK_FLOPS.get(kind), chips.HBM_BYTES_S.get(kind))
+    for r in rows:
+        if rates is not None and "work" in (r.get("figures") or {}):
+            r["plan_s"] = calibration.estimate(r["figures"]["work"], rates)["step_s"]
+
+
 def build(about: dict, rows: list[dict], failed: dict) -> dict:
     from trainer.common import calibration
+    _replan(about, rows)
     summary = {}
     ours, seed = _find(rows, "steps", "ours, batch 16"), _find(rows, "steps", "seed, batch 16")
     if ours and seed and ours.get("tokens_per_s") and seed.get("tokens_per_s"):

@@ -20,7 +20,6 @@ BATCHES = (8, 16, 32)
 # (row name, TrainConfig fields) at batch 8: each alternative of a choice the trainer makes
 ALTERNATIVES = {
     "loss kernel: pallas": {"loss_kernel": "pallas"},
-    "loss kernel: xla": {"loss_kernel": "xla"},
     "attention: xla": {"attention": "xla"},
     "splash block 512": {"splash_block": 512},
     "remat full": {"remat": "full"},

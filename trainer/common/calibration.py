@@ -47,20 +47,25 @@ class Rates:
 V5E_PEAK, V5E_HBM = 197e12, 819e9
 
 V5E = Rates(
-    matmul_flops_s=176.7e12,
-    attention_flops_s={64: 62.6e12, 256: 103e12},
-    loss_kernel_flops_s=185.4e12,
-    other_bytes_s=1.28e12,
-    source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05 (xprof of the trainer's steps)",
+    matmul_flops_s=189.2e12,
+    attention_flops_s={64: 52.1e12, 256: 76.6e12},
+    loss_kernel_flops_s=180.8e12,
+    other_bytes_s=954e9,
+    source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05 (python -m bench.tpu: its classes "
+           "section, and the default gpt2-124m step at batch 16 for elementwise work; "
+           "bench/tpu_records/v5e-2026-12-05.json)",
     figures={
-        "matmul": "gpt2-124m batch 8: XLA's convolution fusions did 4.20 TFLOP in 23.8 ms",
-        "attention 64": "the same step: splash forward and backward 14.8 ms for 12 layers x 8 x 1024 positions, "
-                        "0.93 TFLOP by the arithmetic",
-        "attention 256": "gemma3-1b LoRA, 8 x 512: splash 4.5% of a 144.2 ms device step for 0.67 TFLOP",
-        "loss kernel": "gpt2-124m batch 8: the two loss kernels did 2.53 TFLOP in 13.7 ms",
-        "other": "gpt2-124m batch 8: the rest of the device step, 10.1 ms (Pallas loss) and 10.4 ms (XLA loss), "
-                 "against 12.6 and 13.5 GB of elementwise bytes by the compiler's count: 1.28 TB/s of counted bytes, "
-                 "above the 819 GB/s HBM: libtpu keeps some of what it counts in on-chip memory",
+        "matmul": "bf16 MLP matmuls at gpt2-124m's shapes (8192 x 768 x 3072) 188.9 TFLOP/s and gemma2-2b's "
+                  "(2048 x 2304 x 9216) 189.5 TFLOP/s: their mean",
+        "attention 64": "splash forward and backward, 16 x 1024 positions, 12 heads of 64, by the arithmetic "
+                        "(12 T heads head_dim per token): 52.1 TFLOP/s, 26% of the peak",
+        "attention 256": "the same for 8 x 512 positions, 4 heads of 256 on one kv head (gemma3-1b's): 76.6 TFLOP/s",
+        "loss kernel": "the two loss kernels forward and backward, 8 x 1024 tokens, vocabulary 50304: 180.8 TFLOP/s "
+                       "of their 8 N V D",
+        "other": "gpt2-124m at batch 16: the 121.2 ms step less its matmuls, splash and loss at the rates above "
+                 "leaves 20.9 ms for 20.0 GB of elementwise bytes by the compiler's count: 954 GB/s, above the "
+                 "681 GB/s that a * x + b over 1 GiB arrays reaches (libtpu keeps some of what it counts on chip). "
+                 "The one rate set from a step: batches 8 and 32 and both LoRA steps check it (within 10%)",
     })
 
 

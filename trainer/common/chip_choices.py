@@ -21,12 +21,14 @@ class Choices:
 V5E = Choices(
     loss_kernel="xla", attention="splash",
     source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05: gpt2-124m, T 1024, the trainer's step "
-           "timed alone (python -m bench.tpu) and through the CLI",
+           "(python -m bench.tpu, bench/tpu_records/v5e-2026-12-05.json) and the trainer CLI",
     evidence={
-        "loss_kernel": "xla against pallas: batch 8 64.6 against 66.6 ms a step, batch 32 248.3 against 253.5 ms, "
-                       "the CLI at batch 16 135.0k against 133.3k tok/s; the loss and its gradients alone for 8 x "
-                       "1024 tokens: 12.9 ms (XLA, chunks of 256) against 15.0 ms (the kernels)",
-        "attention": "splash against xla: batch 8 66.6 against 124.2 ms a step",
+        "loss_kernel": "xla against pallas: batch 8 60.4 against 62.5 ms a step (the check), batch 32 248.3 against "
+                       "253.5 ms, the CLI at batch 16 135.0k against 133.3k tok/s; the loss and its gradients alone "
+                       "for 8 x 1024 tokens: 12.0 ms (XLA, chunks of 256) against 14.0 ms (the kernels)",
+        "attention": "splash against xla: batch 8 60.4 against 118.1 ms a step",
+        "kept defaults": "--splash-block 1024 (512: 60.4 ms, the same), --remat none (full: 73.1 ms), "
+                         "--loss-chunk 256 (0: 64.3 ms), all at batch 8",
     })
 
 MEASURED = {"TPU v5 lite": V5E, "TPU v5e": V5E}
