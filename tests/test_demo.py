@@ -24,6 +24,12 @@ def test_speaker_turns_are_capitalised_names_alone_on_their_line():
     known = demo.words_of_the_plays()
     assert {"romeo", "speak", "soft", "o'er"} <= known and "thatuc" not in known
     assert demo.play_words("But soft! Thatuc speaks o'er", known) == (4, 5)
+    # judge pools its samples: one with no turn and words half of the plays' does not sink a set that clears the bar
+    play = demo.PROMPT + "But soft!\n\nJULIET:\nAy me.\n\nROMEO:\nShe speaks.\n"
+    pool = [play] * (demo.MIN_TURNS // 2) + [demo.PROMPT + "Thatuc soft qzx speaks"]
+    assert demo.judge(pool, known)[0] and "words of the plays" in demo.judge(pool, known)[1]
+    assert not demo.judge(pool[:1] * (demo.MIN_TURNS // 2 - 1), known)[0]  # too few turns
+    assert not demo.judge([demo.PROMPT + "Thatuc qzx soft\n\nJULIET:\nAy.\n"] * demo.MIN_TURNS, known)[0]
 
 
 @pytest.mark.slow
@@ -54,10 +60,13 @@ def test_the_demo_training_writes_a_sample_that_reads_like_a_play(tmp_path_facto
                        cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
     assert s.returncode == 0, s.stderr[-3000:]
     assert s.stdout.startswith(demo.PROMPT)
-    written = s.stdout[len(demo.PROMPT):]
-    assert len(demo.speaker_turns(written)) >= 3, s.stdout
-    known, total = demo.play_words(written, demo.words_of_the_plays())
-    assert total >= 50 and known >= 0.9 * total, (known, total, s.stdout)
+    # The demo's judgement, over its seeds pooled (demo.JUDGE_SEEDS: the bars and their margins are written there);
+    # the sample the demo shows is the first of them.
+    from trainer.pretrain import sample
+    samples = sample.generate_seeds(str(ckpt), demo.PROMPT, demo.JUDGE_SEEDS, **demo.SAMPLE_OPTIONS)
+    assert s.stdout == samples[0] + "\n"
+    ok, line = demo.judge(samples, demo.words_of_the_plays())
+    assert ok, line + "\n" + "\n\n".join(samples)
     check_greedy_sampling_is_the_model_argmax(ckpt)
 
 
