@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _skips import needs_setup
 from trainer.common import mesh as mesh_lib
 from trainer.common.config import PRESETS, UsageError
 from trainer.models import attention, gemma, gpt2
@@ -179,7 +180,8 @@ def _compile_for_v5e(attn: str):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("trainer.common.aot").common.aot.has_libtpu(), reason="libtpu not installed (the `plan` extra)")
+@needs_setup(not __import__("trainer.common.aot").common.aot.has_libtpu(),
+             "libtpu (the `plan` extra, which `make setup` installs)")
 def test_splash_step_for_v5e_has_the_kernel_and_fewer_temporaries_than_xla():
     splash, hlo = _compile_for_v5e("splash")
     xla, xla_hlo = _compile_for_v5e("xla")

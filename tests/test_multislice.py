@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from _skips import needs_setup
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live, make_spec  # noqa: F401
 from orchestrator.jobs import launch as L
 from orchestrator import slices, state
@@ -15,7 +16,7 @@ from orchestrator.spec import SliceSpec, UserError, slice_spec_from_mapping
 from orchestrator.state import Worker
 from trainer.common.aot import has_libtpu
 
-needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
+needs_libtpu = needs_setup(not has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
 
 
 def _short(names):

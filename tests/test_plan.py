@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from flax import nnx
 
 from _local_hosts import TEST_CACHE, local_mode, needs_hosts
+from _skips import needs_setup
 from orchestrator import catalog, state
 from orchestrator.cli import run_verbs as cli_run
 from orchestrator.plan import step as P
@@ -38,7 +39,7 @@ from trainer.finetune.config import LoraRun
 from trainer.models import gemma, gpt2
 from trainer.models import lora as lora_lib
 
-needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
+needs_libtpu = needs_setup(not has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
 TINY = ["pretrain", "--preset", "gpt2-tiny", "--ckpt-dir", "/tmp/plan-ckpt"]
 # --weights need not exist: a plan takes the model's size from --model and never reads them
 LORA = ["lora", "--weights", "gs://b/gemma", "--data", "gs://b/train.jsonl", "--ckpt-dir", "gs://b/lora", "--rank", "8"]

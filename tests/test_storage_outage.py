@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from _skips import skip_setup
 from _trainer_util import TINY, env, session_cache, shakespeare
 from infra import gcs
 
@@ -74,7 +75,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_step(tmp_p
     """The checkpoint dir is a small tmpfs that fills up on the third save: one line naming the dir, the host and
     the full device (exit 3), and the steps saved before it still restore."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+        skip_setup("root, to mount a tmpfs (CI runs as root)")
     data = shakespeare(tmp_path_factory)
     ckpt = tmp_path / "small"
     ckpt.mkdir()
