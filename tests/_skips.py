@@ -31,21 +31,19 @@ def needs_setup(missing: bool, what: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(missing, reason=SETUP + what)
 
 
-def skip_setup(what: str):
-    pytest.skip(SETUP + what)
+def skip_setup(what: str, *, allow_module_level: bool = False):
+    pytest.skip(SETUP + what, allow_module_level=allow_module_level)
 
 
 def needs_machine(missing: bool, what: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(missing, reason=MACHINE + what)
 
 
-def skip_machine(what: str):
-    pytest.skip(MACHINE + what)
+def skip_machine(what: str, *, allow_module_level: bool = False):
+    pytest.skip(MACHINE + what, allow_module_level=allow_module_level)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
+def _fail_a_setup_skip(report) -> None:
     if report.skipped and on_ci() and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         reason = reason.removeprefix("Skipped: ")
@@ -53,4 +51,19 @@ def pytest_runtest_makereport(item, call):
             report.outcome = "failed"
             report.longrepr = (f"on CI (CI=true) `make setup` has run, yet this test skipped: {reason}\n"
                                "(a skip that no setup can cure is declared with tests/_skips.needs_machine)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_a_setup_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips itself whole (allow_module_level=True): the same rule, as a collection error, which
+    stops the run before any test (pytest's own rule for those)."""
+    report = yield
+    _fail_a_setup_skip(report)
     return report

@@ -53,7 +53,7 @@ LONGEST_FIRST = (
 
 
 # A skip fails the run on CI unless it is one no setup can cure (tests/_skips.py): the hook that decides.
-from _skips import pytest_runtest_makereport  # noqa: E402,F401 (a hook: pytest finds it by name here)
+from _skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401 (hooks: found by name)
 
 
 def pytest_collection_modifyitems(session, config, items):
