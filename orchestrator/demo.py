@@ -103,8 +103,8 @@ def judge(samples: list[str], known: set[str]) -> tuple[bool, str]:
     counts = [play_words(w, known) for w in written]
     good, total = sum(k for k, _ in counts), sum(n for _, n in counts)
     ok = turns >= MIN_TURNS and total > 0 and good >= MIN_PLAY_WORDS * total
-    return ok, (f"{len(samples)} samples: {turns} speaker turns, and {good} of {total} words "
-                f"({100 * good / max(total, 1):.1f}%) are words of the plays; the bar is {MIN_TURNS} turns and "
+    return ok, (f"{turns} speaker turns, and {good} of {total} words ({100 * good / max(total, 1):.1f}%) are words "
+                f"of the plays, over {len(samples)} samples; the bar is {MIN_TURNS} turns and "
                 f"{MIN_PLAY_WORDS:.0%} (an untrained model writes {UNTRAINED}): "
                 + ("the model reads like a play" if ok else "the model does NOT read like a play"))
 
