@@ -39,8 +39,10 @@ def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_fac
         gone = time.monotonic()
         rc = p.wait(timeout=150)
         # The budget (60 s, TPUCTL_STORAGE_TIMEOUT_S) is the promise: from the bucket going away to the exit. The
-        # watch decides 7 s inside it (a probe's 5 s timeout, 2 s for the exit: bucket_watch.py), room for a
-        # loaded machine's late wakeups; a run the watch missed exits when a later operation's own 60 s run out.
+        # watch stops the run 53-55 s after the last answer (the budget less a probe's 5 s timeout and 2 s for the
+        # exit, plus up to 2 s between probes: bucket_watch.py); a killed emulator refuses at once, so the probe's
+        # 5 s are room for a loaded machine's late wakeups. A run the watch missed would exit only when a later
+        # operation's own 60 s ran out.
         took = time.monotonic() - gone
     finally:
         if p.poll() is None:
