@@ -132,7 +132,7 @@ def test_the_stand_in_refuses_a_multislice_spec_the_service_refuses(fake):
     api.create_queued_resource(ZONE, "m2", "m2", body, node_count=3)
     slices_ready = lambda: len([n for n in live(fake)[0] if n["state"] == "READY"]) == 3  # noqa: E731
     import time
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # waits for the event (no measure): a loaded machine's room
     while not slices_ready() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _short(n["name"] for n in live(fake)[0]) == ["m2-0", "m2-1", "m2-2"]

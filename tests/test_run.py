@@ -550,7 +550,7 @@ def test_a_taken_coordinator_port_is_a_preflight_error_not_a_crash(sl, tmp_path,
     ssh(sl, 0, "setsid nohup python3 -c \"import socket, time; s = socket.socket(); "
                f"s.bind(('{ip}', {port})); s.listen(); time.sleep(120)\" port-squatter >/dev/null 2>&1 < /dev/null &")
     try:
-        deadline = time.time() + 10
+        deadline = time.time() + 60  # waits for the event (no measure): a loaded machine's room
         while ssh(sl, 0, f"grep -q ':{port:04X} .* 0A ' /proc/net/tcp", check=False).returncode != 0:
             assert time.time() < deadline
             time.sleep(0.1)
