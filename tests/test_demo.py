@@ -51,8 +51,11 @@ def test_the_demo_training_writes_a_sample_that_reads_like_a_play(tmp_path_facto
     recs = metrics(ckpt)
     assert [r["step"] for r in recs] == [1, *range(50, demo.STEPS + 1, 50)]
     assert [r["step"] for r in recs if "val_loss" in r] == [demo.STEPS // 2, demo.STEPS]
-    assert recs[-1]["loss"] <= recs[0]["loss"] - 2.5, recs  # from ln(4096) = 8.3 at the start
-    assert recs[-1]["val_loss"] < recs[0]["loss"] - 2.5
+    # From ln(4096) = 8.3 at the start, the demo's run ends 2.7 lower on its last batch and 2.9 on validation (5.62
+    # and 5.47 on this repository's machine); an untrained model ends where it began. The bar sits midway, 1.2
+    # below the trained losses: one batch's loss moves by 0.1-0.2 from one logged step to the next here.
+    assert recs[-1]["loss"] <= recs[0]["loss"] - 1.5, recs
+    assert recs[-1]["val_loss"] < recs[0]["loss"] - 1.5
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in recs)  # CPU: no peak known
     assert (ckpt / "tensorboard").is_dir() and any((ckpt / "tensorboard").iterdir())
 
