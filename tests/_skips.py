@@ -1,10 +1,9 @@
 """Every skip in the suite says why, in one of two kinds, and on CI only one kind may skip.
 
 - needs_setup / skip_setup: something `make setup` installs or fetches is missing (openssh-server, root for the
-  local slice's namespaces, libtpu of the `plan` extra, chromium, Google's tokenizers from the package index). On a
-  developer's machine that is a skip; on CI (`CI=true`, as `.ci/run` runs after its own `make setup`) it is a
-  failure that names what setup should have installed: a suite that skips a third of its local-slice tests must
-  not pass.
+  local slice's namespaces, libtpu of the `plan` extra, chromium, Google's Gemma tokenizers). On a developer's
+  machine that is a skip; on CI (`CI=true`, as `.ci/run` runs after its own `make setup`) it is a failure that
+  names what setup should have installed: a suite that skipped every test on a local slice must not pass.
 - needs_machine / skip_machine: the machine itself lacks it (a TPU chip, a Linux C library, a host PATH without
   uv); no setup can add it, so it stays a skip everywhere.
 
