@@ -1,9 +1,9 @@
 """The splash attention kernel (Pallas, run by its interpreter on CPU) against XLA attention, and --attention.
 
 Kernel: causal, a sliding window, soft-capped scores, one kv head for all (MQA) and two for four query heads
-(GQA), packed rows (segment ids), forward and gradients, f32 (1e-5 / 1e-4) and bf16 (stated below). Models: GPT-2's attention and Gemma's local (window,
-soft-cap, GQA) and global (MQA, QK-norm) layers with splash equal their XLA path on a 2x2 mesh (batch over
-data, heads over model, as the kernel's shard_map has them). Shapes are the kernel's smallest: 128 positions.
+(GQA), packed rows (segment ids), forward and gradients, f32 (1e-5 / 1e-4) and bf16 (stated below). Models:
+GPT-2's attention and Gemma's local (window, soft-cap, GQA) and global (MQA, QK-norm) layers with splash equal
+their XLA path on a 2x2 mesh (batch over data, heads over model, as the kernel's shard_map has them). Shapes are the kernel's smallest: 128 positions.
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def _pytest(tmp_path: Path, ci: str | None, *test_files: str) -> subprocess.Comp
         env["CI"] = ci
     # -p _skips: the plugin as tests/conftest.py registers it; -c /dev/null: none of this repository's settings
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "_skips", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-c", os.devnull, "--rootdir", str(tmp_path), "-rA", "-v", *(test_files or ["test_tiny.py"])],
+                           "-c", os.devnull, "--rootdir", str(tmp_path), "-rA", "-v",
+                           *(test_files or ["test_tiny.py"])],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
