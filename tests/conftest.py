@@ -52,6 +52,10 @@ LONGEST_FIRST = (
 )
 
 
+# A skip fails the run on CI unless it is one no setup can cure (tests/_skips.py): the hook that decides.
+from _skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401 (hooks: found by name)
+
+
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # sorted() is stable: tests keep their order inside a module, and the modules not named keep theirs
