@@ -242,7 +242,7 @@ def test_a_jobs_goodput_counts_the_attempts_of_every_controller_it_had(bucket):
     a.record_attempts([attempt("preempted", 0, 27, 27.0)])
     a.on_line("[tpuctl] n's VMs were preempted at step 27; recreating n (1/3); the trainer resumes ...")
     b = runner("ctl-b")  # the next `tpuctl jobs` brings it: re-attached, preempted once more, then done
-    b.on_line("[tpuctl] n's VMs were preempted at step 41; recreating n (1/3); the trainer resumes ...")
+    b.on_line("[tpuctl] n's VMs were preempted at step 41; recreating n (2/3); the trainer resumes ...")
     b.record_attempts([attempt("preempted", 20, 41, 21.0), {**attempt("done", 40, 60, 20.0), "steps_redone": 1}])
     b._finish("SUCCEEDED", "done", goodput=b.job_goodput())
     # what `tpuctl jobs` lists (this module's other jobs read live, and have no controller to revive)
