@@ -270,25 +270,39 @@ def test_detach_without_a_gs_ckpt_dir_is_refused_before_anything_is_made(tmp_pat
     assert not (tmp_path / "home" / "jobs.json").exists()
 
 
-def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anything_is_made(bucket):
-    """The controller writes the job bucket as its own service account. The project's IAM policy (Resource
-    Manager's stand-in; the GCS emulator has no bucket IAM) not granting it storage.objects.create+get+delete is one
-    line naming roles/storage.objectAdmin and the account, before any controller, secret, bundle or job record;
-    a policy that cannot be read is a warning; once granted, submit goes past the check (to the controller VM,
-    refused here by the Compute Engine stand-in)."""
+def test_refusals_at_submit_come_before_the_controller_vm_and_leave_the_bucket_as_it_was(bucket):
+    """Two refusals of `run --detach`, each one line with its fix, before the controller VM is asked for, and
+    leaving the bucket's listing, the project's instances and Secret Manager as they were:
+    - the controller's service account cannot write the job bucket: the bucket's testIamPermissions, asked as that
+      account (the local cloud's bucket IAM stand-in weighs the bucket's policy and the project's), is refused;
+      granted on the bucket's own policy, the check passes;
+    - Secret Manager refuses the job's secrets (the API disabled; an IAM deny on secrets.create): the secrets are
+      stored before the VM, so the refusal comes first.
+    The Compute Engine stand-in refuses every insert for quota after recording it, so a VM asked for shows in its
+    inserts: only the last submit, past every check, asks (and its stored secret is deleted with the refusal)."""
     from click.testing import CliRunner
     from google.auth.credentials import AnonymousCredentials
     from google.auth.transport.requests import AuthorizedSession
+    from google.cloud import storage
     from infra.fake_login_apis import FakeLoginControl
+    from infra.fake_secret_manager import FakeSecretsControl
     from orchestrator import provider, state
     from orchestrator.cli.run_verbs import run
+    from orchestrator.jobs import bucket_access
+    from orchestrator.jobs.bucket_access import ROLE
+    from orchestrator.provider.local import service_url
     from orchestrator.state import SliceRecord
     state.save(SliceRecord(name="iam", project=P, zone=Z, accelerator="v4-8", provider="local", status="ready",
                            node=f"projects/{P}/locations/{Z}/nodes/iam"))
     url = provider.of(state.lookup("iam")).resource_manager_endpoint()
     ctl, crm = FakeLoginControl(url), AuthorizedSession(AnonymousCredentials())
+    sm = FakeSecretsControl(service_url("secrets"))
     sa = default_service_account(P)
     store = JobStore("jobs-b")
+    ctl.bucket_project("jobs-b", P)
+    # the bucket's IAM as its owner sees it (no credentials: the project's owner, to the stand-in)
+    bucket_iam = storage.Client(project=P, credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": url}).bucket("jobs-b")
 
     def objects() -> dict[str, str]:  # the whole bucket, object by object: a refusal leaves it as it was
         return {b.name: b.md5_hash for b in store.client.list_blobs(store.bucket)}
@@ -301,30 +315,44 @@ def test_a_bucket_the_controllers_account_cannot_write_is_refused_before_anythin
             {"role": role, "members": [f"serviceAccount:{sa}", "user:me@example.com"]}]}})
         assert r.status_code == 200, r.text
 
-    def submit():
-        return CliRunner().invoke(run, ["iam", "--detach", "--no-plan", "--secret-env", "HOME", "--", "pretrain",
-                                        "--steps", "3", "--ckpt-dir", "gs://jobs-b/iam"])
+    def refused(*says: str, progress: bool = False) -> None:
+        r = CliRunner().invoke(run, ["iam", "--detach", "--no-plan", "--secret-env", "HOME", "--", "pretrain",
+                                     "--steps", "3", "--ckpt-dir", "gs://jobs-b/iam"])
+        errors = [line for line in r.stderr.splitlines() if not line.startswith("[tpuctl]")]  # past the progress
+        assert r.exit_code == 1 and len(errors) == 1 and (progress or len(r.stderr.splitlines()) == 1), r.output
+        assert all(x in errors[0] for x in says) and "warning" not in r.output, r.output
+        assert objects() == before  # no bundle, no heartbeat, no write-check probe, no job record
+        assert not sm.state()["secrets"]
+        assert not ctl.compute_state()["instances"]
 
-    ctl.service_disabled(op="insert")  # past the check, the controller VM is refused: no test here makes one
-    grant("roles/storage.objectViewer")  # reads, cannot write
-    r = submit()
-    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
-    assert (f"the controller's service account {sa} cannot write gs://jobs-b: grant it roles/storage.objectAdmin"
-            in r.stderr), r.stderr
-    assert objects() == before and not ctl.compute_state()["instances"]
-    assert not (bucket / "local" / "fake_secret_manager.json").exists()  # Secret Manager was never asked
-    assert not (bucket / "jobs.json").exists()
+    ctl.quota(sync=True)  # any insert is recorded, then refused
+    grant("roles/storage.objectViewer")  # reads, cannot write; nor is it an editor the bucket's default names
+    refused(f"the controller's service account {sa} cannot write gs://jobs-b (it lacks storage.objects.create, "
+            f"storage.objects.delete): grant it {ROLE} on gs://jobs-b")
+    assert not sm.state()["calls"] and not ctl.compute_state()["inserts"]  # Secret Manager was never asked
+    # Where submit cannot act as the account (no token creator role on it), the policies read say the same.
+    with pytest.raises(UserError) as e:
+        bucket_access.check("jobs-b", P, "default", endpoint=url, iam_endpoint=url, as_account=None, warn=print)
+    assert f"{sa} cannot write gs://jobs-b: grant it {ROLE}" in str(e.value), e.value
 
-    grant("roles/storage.objectAdmin")
-    r = submit()
-    assert r.exit_code == 1 and "cannot write" not in r.output and "warning" not in r.output, r.output
-    assert "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
-    assert objects() == before  # no bundle, no "booting" heartbeat, no write-check probe
-    ctl.deny("resourcemanager")  # the submitter may not read the project's policy: a warning, not a refusal
-    r = submit()
-    assert r.exit_code == 1 and "gcloud services enable compute.googleapis.com" in r.stderr, r.stderr
-    assert "warning: could not check that the controller's service account can write gs://jobs-b" in r.stderr
-    assert objects() == before and not ctl.compute_state()["instances"]
+    policy = bucket_iam.get_iam_policy(requested_policy_version=3)
+    policy.bindings.append({"role": ROLE, "members": {f"serviceAccount:{sa}"}})
+    bucket_iam.set_iam_policy(policy)  # granted on the bucket: the check passes
+    warned: list[str] = []
+    assert bucket_access.check("jobs-b", P, "default", endpoint=url, iam_endpoint=url, as_account=None,
+                               warn=warned.append) == sa and not warned
+    sm.service_disabled()
+    refused(f"Secret Manager is not enabled in project {P}: `gcloud services enable secretmanager.googleapis.com "
+            f"--project {P}`")
+    sm.reset()
+    sm.deny("secretmanager.secrets.create")
+    refused("cannot store the job's secrets in Secret Manager", "Permission 'secretmanager.secrets.create' denied",
+            "ask for roles/secretmanager.admin on the project")
+    assert not ctl.compute_state()["inserts"]  # no VM was asked for by any refusal so far
+    sm.reset()
+    refused("Quota 'CPUS' exceeded", progress=True)  # past every check: the VM is asked for, refused, and the secret dropped
+    assert len(ctl.compute_state()["inserts"]) == 1
+    assert [c["method"] for c in sm.state()["calls"]].count("DELETE") == 1, sm.state()["calls"]
 
 
 def test_which_grants_let_the_controller_write():
