@@ -200,10 +200,11 @@ def test_max_restarts_is_one_budget_across_controllers_that_die_mid_recovery(env
         runs = Path(environ["TPUCTL_HOME"]) / "runs" / "sup-j"
 
         def controller():
-            p = subprocess.Popen([sys.executable, "-m", "orchestrator.jobs.controller", "--bucket", "sup-jobs",
-                                  "--project", rec.project, "--zone", rec.zone, "--provider", "local",
-                                  "--poll-s", "0.5"], env=cenv, stdout=open(tmp_path / f"ctl{len(controllers)}.log", "w"),
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+            with open(tmp_path / f"ctl{len(controllers)}.log", "w") as log:
+                p = subprocess.Popen([sys.executable, "-m", "orchestrator.jobs.controller", "--bucket", "sup-jobs",
+                                      "--project", rec.project, "--zone", rec.zone, "--provider", "local",
+                                      "--poll-s", "0.5"], env=cenv, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
             controllers.append(p)
             return p
 

@@ -278,7 +278,8 @@ def cmd_runs(a):
             running, rc, stopped = _status(pidfile)
             ended = _read_json(exit_file(pidfile)) or {}
             trainer = _is_trainer(rec.get("pgid")) if running else None
-            out.append({"trainer": trainer, "run_id": rec.get("run_id") or ended.get("run_id") or os.path.basename(pidfile)[:-4],
+            out.append({"trainer": trainer,
+                        "run_id": rec.get("run_id") or ended.get("run_id") or os.path.basename(pidfile)[:-4],
                         "tag": rec.get("tag") or ended.get("tag", ""),
                         "started": rec.get("started") or ended.get("started"), "running": running, "rc": rc,
                         "stopped": stopped, "ended": ended.get("ended")})
