@@ -364,6 +364,15 @@ def test_refusals_at_submit_come_before_the_controller_vm_and_leave_the_bucket_a
     refused("Quota 'CPUS' exceeded", progress=True)
     assert len(ctl.compute_state()["inserts"]) == 1
     assert [c["method"] for c in sm.state()["calls"]].count("DELETE") == 1, sm.state()["calls"]
+    # You may not read the project: the check is a warning, but the secrets' reader (`default`'s email) cannot be
+    # told, which is a refusal naming the flag.
+    ctl.deny("resourcemanager")
+    r = CliRunner().invoke(run, ["iam", "--detach", "--no-plan", "--secret-env", "HOME", "--", "pretrain",
+                                 "--steps", "3", "--ckpt-dir", "gs://jobs-b/iam"])
+    assert r.exit_code == 1 and r.stderr.startswith("[tpuctl] warning: could not check that the controller's "
+                                                    "service account can write gs://jobs-b"), r.output
+    assert "pass --controller-service-account EMAIL" in r.stderr.splitlines()[-1], r.output
+    assert objects() == before and len(ctl.compute_state()["inserts"]) == 1 and not sm.state()["secrets"]
 
 
 def test_which_grants_let_the_controller_write():
