@@ -257,8 +257,19 @@ def _sleeping_run(sl, tmp_path) -> subprocess.Popen:
 
 
 def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
+    """Also, while that run (a --raw script, not the trainer) goes: `top` and `profile` say in one line that it
+    is not a trainer run and what they cannot show of it, and run nothing beside it."""
+    from orchestrator.cli.observe_verbs import profile, top
     p = _sleeping_run(sl, tmp_path)
     try:
+        for verb, cannot in ((top, "top cannot show its step, step time, tokens/s, chips or straggler"),
+                             (profile, "profile cannot show a trace of it")):
+            res = CliRunner().invoke(verb, ["runs", *_cli_flags(sl)], env=_cli_env(sl, tmp_path))
+            assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1, res.output
+            assert "is not a trainer run (`tpuctl run runs -- pretrain|lora ...`; this one is --raw or a script)" \
+                in res.output and cannot in res.output, res.output
+        # nothing ran beside it: each host has the run's own processes only
+        assert not [c for i in range(3) for _, c in host_processes(sl, i) if "beside" in c or "hoststat" in c]
         p.send_signal(signal.SIGINT)
         rest = p.communicate(timeout=60)[0]
     finally:

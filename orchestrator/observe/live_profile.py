@@ -42,6 +42,8 @@ def profile(name: str, steps: int, flags: SshFlags = SshFlags(),
     if steps < 1:
         raise UserError(f"--steps {steps}: profile at least 1 step")
     with open_live(name, flags, note) as live:
+        live.needs_trainer("profile", "a trace of it: the trace comes from the trainer's profiler server, which "
+                                      "this command does not serve (jax.profiler in your own script can)")
         times = []
         for b in live.beside(HOSTSTAT, timeout=60):
             try:
