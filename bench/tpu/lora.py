@@ -66,11 +66,11 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
                       mesh={}, dtype="", settings={}, levers=(), compile_unrolled=None,
                       kernel_attention_flops_per_token=(12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
                                                         if steps.attention != "xla" else 0.0), head_dim=cfg.head_dim)
-    whole, counted = aot.whole_count(built, steps.train_fn, twin=False)
-    work = aot.work(built, {"flops": whole["flops"], "devices": 1}, counted.as_text() or "")
     rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
-    row.figures["work"] = work
-    row.plan_s = calibration.estimate(work, rates)["step_s"] if rates else None
+    if rates is not None:  # a chip: the plan's time for this compiled step (its loss has no loop: no twin)
+        whole, counted = aot.whole_count(built, steps.train_fn, twin=False)
+        row.figures["work"] = aot.work(built, {"flops": whole["flops"], "devices": 1}, counted.as_text() or "")
+        row.plan_s = calibration.estimate(row.figures["work"], rates)["step_s"]
     return row
 
 

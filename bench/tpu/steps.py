@@ -36,6 +36,9 @@ def plan_seconds(steps, compiled, tokens: int, s: Settings) -> tuple[float | Non
     """The plan's calibrated time for this compiled step (trainer/common/aot.work by class, at
     trainer/common/calibration's rates for this chip), as `tpuctl plan` computes it for a chip of this kind."""
     from trainer.common import aot, calibration
+    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
+    if rates is None:  # a CPU: no plan time (and no unrolled twin to compile for it)
+        return None, {}
     m = steps.cfg.model
     built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=tokens, model_flops_per_token=0.0,
                       mesh={}, dtype="", settings={}, levers=(), compile_unrolled=steps.compile_unrolled,
@@ -44,9 +47,6 @@ def plan_seconds(steps, compiled, tokens: int, s: Settings) -> tuple[float | Non
                       head_dim=m.head_dim)
     whole, counted_from = aot.whole_count(built, compiled)
     work = aot.work(built, {"flops": whole["flops"], "devices": jax.device_count()}, counted_from.as_text() or "")
-    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
-    if rates is None:
-        return None, work
     return calibration.estimate(work, rates)["step_s"], work
 
 
@@ -72,7 +72,9 @@ def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bo
               note=f"attention {tr.steps.attention}, loss {'xla' if tr.steps.loss_kernel is None else 'pallas'}",
               figures={"batch": batch, "train": train or {}, "loss": float(one())})
     if plan:
-        row.plan_s, row.figures["work"] = plan_seconds(tr.steps, tr.steps.train_fn, batch * m.seq_len, s)
+        row.plan_s, work = plan_seconds(tr.steps, tr.steps.train_fn, batch * m.seq_len, s)
+        if work:
+            row.figures["work"] = work
     del tr
     return row
 
