@@ -214,3 +214,23 @@ def test_tpu_traces_in_one_folder_each_read_as_their_own_host_s_device_step_spli
     text = profiles.describe(win)
     assert "t1v-w0 (TPU): device step 7.8 ms" in text and "t1v-w1 (TPU): device step 2.5 ms" in text
     assert "op time by category: custom-call 48.1%" in text and "TFLOP/s" in text
+
+
+def test_tpuctl_profile_summarizes_each_host_s_own_trace_and_names_one_it_cannot_read(tmp_path):
+    from orchestrator.observe import live_profile
+    session = tmp_path / "profiles" / "r1" / "plugins" / "profile" / "live_1"
+    session.mkdir(parents=True)
+    traces = {}
+    for i, name in enumerate(XPROF_READS):
+        p = session / f"t1v-w{i}.xplane.pb"
+        p.write_bytes(gzip.decompress((TPU_TRACES / f"{name}.xplane.pb.gz").read_bytes()))
+        traces[f"w{i}"] = str(p)
+    (session / "t1v-w2.xplane.pb").write_bytes(b"not a trace")
+    traces["w2"] = str(session / "t1v-w2.xplane.pb")
+    res = live_profile.Profiled("r1", "live_1", 1000, traces=traces)
+    live_profile.summarize(res)
+    assert [round(res.summaries[w]["device_step_s"] * 1e3, 2) for w in ("w0", "w1")] == [7.84, 2.54]
+    assert "error" in res.summaries["w2"]
+    text = live_profile.where(res)
+    assert "w0 (TPU): device step 7.8 ms" in text and "w1 (TPU): device step 2.5 ms" in text
+    assert "w2: trace not summarized here: " in text

@@ -354,6 +354,9 @@ def test_a_sigstopped_trainer_host_is_named_and_nothing_is_left(tmp_path_factory
         folder = ckpt / "profiles" / r.run_id / "plugins" / "profile" / res["session"]
         assert [p.name[-len("-p0.xplane.pb"):] for p in folder.glob("*.xplane.pb")] == ["-p0.xplane.pb"], res
         assert all(Path(p).stat().st_size > 0 for p in res["traces"].values())
+        # ... summarized where the verb ran: w0's own steps, from its own trace
+        assert list(res["summaries"]) == ["w0"] and res["summaries"]["w0"]["hardware"] == "CPU_ONLY", res
+        assert res["summaries"]["w0"]["mean"]["step_s"] > 0 and res["summaries"]["w0"]["top_ops"], res
         # ... which the report reads as a session of that run, w0's steps split with xprof.
         env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_") and k != "XLA_FLAGS"}
         rep = subprocess.run([sys.executable, "-m", "trainer", "report", "--ckpt-dir", str(ckpt),
