@@ -7,9 +7,9 @@ PIP     := $(BIN)/python -m pip
 # the Python >= 3.11 the project needs anyway).
 DATA_WHEELS := $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['tpuctl']['data-wheels']))")
 
-.PHONY: setup sys-deps test test-fast demo bench lint clean
+.PHONY: setup sys-deps test test-fast demo bench tpu-check lint clean
 
-setup: sys-deps $(BIN)/tpuctl $(BIN)/.demo-wheelhouse
+setup: sys-deps $(BIN)/tpuctl $(BIN)/.demo-wheelhouse $(BIN)/.gemma-tokenizers
 
 # openssh-server runs the local slice's hosts (real sshd processes on loopback); chromium opens report pages
 # in the headless-browser test (tests/test_report_browser.py).
@@ -43,6 +43,13 @@ $(BIN)/.demo-wheelhouse: $(BIN)/tpuctl
 # Two workers, a module each at a time, longest modules first (tests/conftest.py): most tests wait on compiles in
 # one process or on subprocesses and hosts, so a second worker fills the idle core. The 15 slowest tests are
 # printed at the end of every run: the next slow test is seen the day it lands.
+# Google's Gemma tokenizers (in the maxtext wheel; never committed), which tests/test_gemma_tokenizer.py checks ours
+# against: downloaded here into the machine's test cache, where the test finds them (the same pin as its WHEEL).
+$(BIN)/.gemma-tokenizers: $(BIN)/tpuctl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 maxtext==0.2.5 \
+	  -d "$$($(BIN)/python -c 'from bench import test_cache; print(test_cache() / "wheels")')"
+	@touch $@
+
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
@@ -54,6 +61,11 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m bench
+
+# On a TPU host: the chip's own check (bench/tpu), with the host's python3 and its JAX and libtpu (docs/tpu-check.md:
+# what to copy to a host without internet). Elsewhere it says there is no TPU and exits 0.
+tpu-check:
+	$(PY) -m bench.tpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,5 +1,5 @@
 """Where a TPU step's HBM bytes go: the step compiled once for a TPU topology (libtpu ahead of time, as `tpuctl
-plan` compiles it), its optimized HLO charged per instruction and per jax source (bench/hlo_bytes.py).
+plan` compiles it), its optimized HLO charged per instruction and per jax source (trainer/common/hlo_bytes.py).
 
     python -m bench.tpu_bytes [--tpu v5e:2x4 --devices 8] [--json OUT] [--hlo OUT.hlo] -- pretrain --preset \\
         gpt2-124m --batch-size 64 --seq-len 1024 --ckpt-dir gs://b/run [FLAGS]
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hlo", help="also keep the optimized HLO text here")
     p.add_argument("--from-hlo", help="count this saved HLO text instead of compiling (no compiler figures)")
     a = p.parse_args(own)
-    from bench import hlo_bytes
+    from trainer.common import hlo_bytes
     if a.from_hlo:
         text, compiler = open(a.from_hlo).read(), None
     else:

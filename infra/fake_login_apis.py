@@ -18,6 +18,8 @@ answers both:
   digit turned into `_`, as OS Login names accounts of the account's own domain.)
   Cloud Resource Manager v1   GET /v1/projects/P, POST /v1/projects/P:getIamPolicy, :setIamPolicy: a project and
                       its IAM policy (infra/fake_project_iam.py: routes, defaults, sources)
+  Cloud Storage JSON v1   GET|PUT /storage/v1/b/B/iam, GET /storage/v1/b/B/iam/testPermissions: a bucket's IAM
+                      policy and what a caller holds on it (infra/fake_bucket_iam.py: routes, callers, defaults)
 
 Errors are google.rpc shapes: {"error": {code, message, status, details: [ErrorInfo]}}; Compute Engine's own add
 `errors: [{message, domain, reason}]`.
@@ -27,6 +29,8 @@ Control under /_fake/ (JSON, FakeLoginControl is its client):
   POST deny {what: compute|oslogin|resourcemanager, permission?}   403 IAM_PERMISSION_DENIED for that API (until
                                                           reset)
   POST username {account, username}                      the POSIX name the profile reports for an account
+  POST bucket_project {bucket, project}                   the project a bucket belongs to (its policy's default,
+                                                          its project's grants); set once: answers the one it has
   GET  state                                              imported keys per account, with their expiry
   POST reset
   Compute Engine instances (FakeLoginControl has a method for each):
@@ -71,6 +75,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from infra import serving
 from infra.serving import Control, Running
 from infra.fake_compute_instances import ComputeError, ComputeInstances, InstancesConfig
+from infra.fake_bucket_iam import BucketPolicies, caller_of
 from infra.fake_project_iam import IamError, ProjectPolicies
 
 _ZONE = r"/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)"
@@ -106,11 +111,14 @@ class LoginState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     compute: ComputeInstances = field(default=None)  # type: ignore[assignment]
     iam: ProjectPolicies = field(default_factory=ProjectPolicies)
+    buckets: BucketPolicies = field(default=None)  # type: ignore[assignment]
     vm_hosts: dict[tuple[str, str, str], tuple[str, str]] = field(default_factory=dict)  # instance -> host, base
 
     def __post_init__(self):
         if self.compute is None:
             self.compute = ComputeInstances(lock=self.lock)
+        if self.buckets is None:
+            self.buckets = BucketPolicies(self.iam)
 
     def project(self, project: str) -> dict:
         self.compute.check_service("project", project)
@@ -196,6 +204,14 @@ def _handler(state: LoginState):
                 if method == "POST":
                     state._check("resourcemanager", f"resourcemanager.projects.{m.group(2)}")  # noqa: SLF001
                     return (state.iam.get if m.group(2) == "getIamPolicy" else state.iam.set)(m.group(1), body)
+            if m := re.fullmatch(r"/storage/v1/b/([^/]+)/iam(/testPermissions)?", path):
+                caller = caller_of(self.headers.get("Authorization"))
+                if method == "GET" and m.group(2):
+                    return state.buckets.test(caller, m.group(1), q.get("permissions") or [])
+                if method == "GET":
+                    return state.buckets.get(caller, m.group(1))
+                if method == "PUT":
+                    return state.buckets.set(caller, m.group(1), body)
             for verb, rx, name in _COMPUTE_ROUTES:
                 if verb == method and (m := rx.fullmatch(path)):
                     return self._compute(name, m, body, q)
@@ -243,6 +259,8 @@ def _handler(state: LoginState):
             if what == "deny" and method == "POST":
                 state.denied[body["what"]] = body.get("permission") or ""
                 return {"ok": True}
+            if what == "bucket_project" and method == "POST":
+                return state.buckets.belongs(body["bucket"], body["project"])
             if what == "username" and method == "POST":
                 state.usernames[body["account"]] = body["username"]
                 return {"ok": True}
@@ -256,6 +274,7 @@ def _handler(state: LoginState):
                     _stop_vm_host(*host)
                 state.vm_hosts.clear()
                 state.iam.reset()
+                state.buckets.reset()
                 c.reset()
                 return {"ok": True}
             raise _Err(404, "NOT_FOUND", f"no such control endpoint: {method} /_fake/{what}")
@@ -268,6 +287,9 @@ def _handler(state: LoginState):
 
         def do_DELETE(self):
             self._do("DELETE")
+
+        def do_PUT(self):
+            self._do("PUT")
 
     return H
 
@@ -312,6 +334,9 @@ class FakeLoginControl(Control):
 
     def deny(self, what: str, permission: str | None = None) -> dict:
         return self.call("POST", "deny", {"what": what, "permission": permission})
+
+    def bucket_project(self, bucket: str, project: str) -> dict:
+        return self.call("POST", "bucket_project", {"bucket": bucket, "project": project})
 
     def set_username(self, account: str, username: str) -> dict:
         return self.call("POST", "username", {"account": account, "username": username})

@@ -1,6 +1,6 @@
 """Cloud Resource Manager v1's projects and their IAM policies, served by infra/fake_login_apis.py beside Compute
 Engine and OS Login: what `tpuctl run --detach` reads to tell whether the controller's service account can write
-the job bucket (the GCS emulator has no bucket IAM, so locally the project's policy is the whole answer).
+the job bucket, with the bucket's own policy (infra/fake_bucket_iam.py, which weighs this one too).
 
 Modelled on the v1 API as Google's generated clients call it (googleapis/google-api-ruby-client
 generated/google/apis/cloudresourcemanager_v1/service.rb: get_project, get_project_iam_policy,

@@ -34,6 +34,8 @@ status only, and `state` shows each version's size and CRC32C, not its data.
 Control under /_fake/ (JSON; FakeSecretsControl is its client):
   POST grant {project, member, role}       a project-level role (e.g. roles/secretmanager.admin)
   POST inject {kind: service_disabled, times?}   403 SERVICE_DISABLED with the activation URL
+  POST deny {permission, project?}         an IAM deny policy: that permission is refused to every caller, the
+                                           owner too (deny policies override any grant), until reset
   GET  health                              {ok, pid}
   GET  state                               secrets (labels, versions without data, policy), grants, calls
   POST reset
@@ -133,11 +135,14 @@ class SecretsState:
     secrets: dict[tuple[int, str], _Secret] = field(default_factory=dict)
     grants: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # (project, member) -> roles
     injections: list[dict] = field(default_factory=list)
+    denies: list[dict] = field(default_factory=list)  # {permission, project: number or None}
     calls: list[dict] = field(default_factory=list)  # method, path, caller, status: never a payload
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     # ---- who may ------------------------------------------------------------------------------------------
     def may(self, caller: str, perm: str, number: int, secret: _Secret | None) -> bool:
+        if any(d["permission"] == perm and d.get("project") in (None, number) for d in self.denies):
+            return False
         if caller == OWNER:
             return True
         roles = set(self.grants.get((number, caller), ()))
@@ -296,6 +301,7 @@ class SecretsState:
 
     def reset(self) -> None:
         self.secrets.clear(), self.grants.clear(), self.injections.clear(), self.calls.clear()
+        self.denies.clear()
 
 
 def _number(project: str) -> int:
@@ -383,6 +389,12 @@ def _handler(state: SecretsState, log: Callable[[str], None] | None):
                     raise ValueError(f"unknown injection kind {body.get('kind')!r}; one of service_disabled")
                 state.injections.append(dict(body))
                 return {"ok": True}
+            if what == "deny" and method == "POST":
+                if body.get("permission") not in ALL:
+                    raise ValueError(f"unknown permission {body.get('permission')!r}; one of {', '.join(sorted(ALL))}")
+                state.denies.append({"permission": body["permission"],
+                                     "project": _number(body["project"]) if body.get("project") else None})
+                return {"ok": True}
             if what == "state":
                 return state.snapshot()
             if what == "health":
@@ -412,6 +424,10 @@ class FakeSecretsControl(Control):
 
     def service_disabled(self, *, project: str | None = None, times: int | None = None) -> dict:
         return self.call("POST", "inject", {"kind": "service_disabled", "project": project, "times": times})
+
+    def deny(self, permission: str, *, project: str | None = None) -> dict:
+        """An IAM deny policy on `permission` (in `project`, else everywhere): every caller is refused it."""
+        return self.call("POST", "deny", {"permission": permission, "project": project})
 
     def state(self) -> dict:
         return self.call("GET", "state")

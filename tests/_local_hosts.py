@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _skips import needs_setup
 from infra.local_slice import SSHD, LocalSlice, ns_members
 from orchestrator.access.hosts import SshConfig
 from orchestrator.jobs.launch import Worker
@@ -22,9 +23,11 @@ from orchestrator.jobs.launch import Worker
 TEST_CACHE = Path(os.environ["TPUCTL_TEST_CACHE"])  # conftest.py sets it
 
 
-# Local hosts need root (namespaces) and openssh-server (`make setup` installs it); CI has both.
-needs_hosts = pytest.mark.skipif(os.geteuid() != 0 or not os.access(SSHD, os.X_OK),
-                                 reason="local slice needs root and /usr/sbin/sshd (make sys-deps)")
+# Local hosts need root (namespaces) and openssh-server (`make setup` installs it); CI has both, and there a
+# missing one fails the tests (tests/_skips.py).
+needs_hosts = needs_setup(os.geteuid() != 0 or not os.access(SSHD, os.X_OK),
+                          "a local slice needs root (its hosts' namespaces; CI runs as root) and /usr/sbin/sshd "
+                          "(openssh-server: `make sys-deps`)")
 
 
 def start(name: str, n: int, base: Path) -> LocalSlice:

@@ -1,9 +1,9 @@
 """The splash attention kernel (Pallas, run by its interpreter on CPU) against XLA attention, and --attention.
 
-Kernel: causal, a sliding window, soft-capped scores, grouped kv heads, forward and gradients, f32
-(1e-5 / 1e-4) and bf16 (stated below). Models: GPT-2's attention and Gemma's local (window,
-soft-cap, GQA) and global (MQA, QK-norm) layers with splash equal their XLA path on a 2x2 mesh (batch over
-data, heads over model, as the kernel's shard_map has them). Shapes are the kernel's smallest: 128 positions.
+Kernel: causal, a sliding window, soft-capped scores, one kv head for all (MQA) and two for four query heads
+(GQA), packed rows (segment ids), forward and gradients, f32 (1e-5 / 1e-4) and bf16 (stated below). Models:
+GPT-2's attention and Gemma's local (window, soft-cap, GQA) and global (MQA, QK-norm) layers with splash equal
+their XLA path on a 2x2 mesh (batch over data, heads over model, as the kernel's shard_map has them). Shapes are the kernel's smallest: 128 positions.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _skips import needs_setup
 from trainer.common import mesh as mesh_lib
 from trainer.common.config import PRESETS, UsageError
 from trainer.models import attention, gemma, gpt2
@@ -44,17 +45,24 @@ def reference(q, k, v, window=None, softcap=None, segments=None):
     return jnp.einsum("btkgs,bskh->btkgh", p, v).reshape(b, t, h, hd)
 
 
-def _qkv(dtype, kv_heads):
+def _qkv(dtype, kv_heads, heads=H):
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((B, T, H, HD)) * HD ** -0.5 * 3  # scores of a few units: soft-capping bites
+    q = rng.standard_normal((B, T, heads, HD)) * HD ** -0.5 * 3  # scores of a few units: soft-capping bites
     k, v = (rng.standard_normal((B, T, kv_heads, HD)) for _ in range(2))
     return tuple(jnp.asarray(a, dtype) for a in (q, k, v))
 
+
+# Packed rows, as a packed batch has them: documents of different lengths, boundaries off the kernel's 128-position
+# blocks and different in each row, a document of one position, and a row that is one document.
+SEGMENTS = np.stack([np.repeat([0, 1, 2, 3], [50, 1, 40, 37]), np.zeros(T, int)]).astype(np.int32)
 
 CASES = {
     "causal": dict(kv_heads=H),
     "window": dict(kv_heads=1, window=16),
     "softcap": dict(kv_heads=1, softcap=2.0),
+    "gqa": dict(heads=4, kv_heads=2),  # query heads 0, 1 read kv head 0; 2, 3 read kv head 1
+    "packed": dict(heads=4, kv_heads=2, segments=SEGMENTS),
+    "packed-window-softcap": dict(kv_heads=1, window=16, softcap=2.0, segments=SEGMENTS),
 }
 
 
@@ -63,19 +71,21 @@ F32, BF16 = (jnp.float32, (1e-5, 1e-4)), (jnp.bfloat16, (1e-2, 2e-2))  # (forwar
 
 # f32: absolute. bf16 (8 mantissa bits): relative to the largest magnitude of each reference tensor.
 # The kernel's other ways of running (attention.Kernel: q, k, v unpadded with the sequence minor, one backward
-# kernel, the forward pass of trainer/models/splash_fwd.py) compute the same attention: the causal and window
-# cases with them.
+# kernel, the forward pass of trainer/models/splash_fwd.py) compute the same attention: the causal, window and
+# packed GQA cases with them, and bf16 with soft-capping (the Gemma 2 layers' scores as a TPU run computes them).
 SEQ_MINOR_FUSED = attention.Kernel(layout="seq-minor", bwd="fused", fwd="compact")
 
 
 @pytest.mark.parametrize("case,dtype,tol,kernel", [(c, *F32, attention.Kernel()) for c in CASES]
                          + [("causal", *BF16, attention.Kernel())]
-                         + [(c, *F32, SEQ_MINOR_FUSED) for c in ("causal", "window")])
+                         + [(c, *F32, SEQ_MINOR_FUSED) for c in ("causal", "window", "packed")]
+                         + [("softcap", *BF16, SEQ_MINOR_FUSED)])
 def test_splash_matches_xla_attention_forward_and_gradients(case, dtype, tol, kernel):
     kw = dict(CASES[case])
-    q, k, v = _qkv(dtype, kw.pop("kv_heads"))
-    seg = None  # packed rows: the Gemma layer test below
-    probe = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, HD)), dtype)
+    seg = kw.pop("segments", None)
+    seg = None if seg is None else jnp.asarray(seg)
+    q, k, v = _qkv(dtype, kw.pop("kv_heads"), kw.pop("heads", H))
+    probe = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), dtype)
 
     def f(impl):
         def run(q, k, v):
@@ -179,7 +189,8 @@ def _compile_for_v5e(attn: str):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("trainer.common.aot").common.aot.has_libtpu(), reason="libtpu not installed (the `plan` extra)")
+@needs_setup(not __import__("trainer.common.aot").common.aot.has_libtpu(),
+             "libtpu (the `plan` extra, which `make setup` installs)")
 def test_splash_step_for_v5e_has_the_kernel_and_fewer_temporaries_than_xla():
     splash, hlo = _compile_for_v5e("splash")
     xla, xla_hlo = _compile_for_v5e("xla")

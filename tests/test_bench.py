@@ -73,7 +73,13 @@ def test_side_by_side_reads_maxtexts_records_and_says_what_was_not_measured(tmp_
     for missing in (S.maxtext(v6e, tmp_path), S.maxtext(v5e, tmp_path / "nothing-here")):
         assert len(missing) == 1 and missing[0].note.startswith("not measured")
         assert "not measured" in S.render(v6e, missing[0])
-    assert S.maxtext_path(None) == S.DEFAULT_MAXTEXT or os.environ.get(S.MAXTEXT_ENV)
+    # Where the records are read: --maxtext, else $TPUCTL_MAXTEXT_FIGURES, else the shared folder.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(S.MAXTEXT_ENV, raising=False)
+        assert S.maxtext_path(None) == S.DEFAULT_MAXTEXT
+        mp.setenv(S.MAXTEXT_ENV, str(tmp_path / "from-env"))
+        assert S.maxtext_path(None) == tmp_path / "from-env"
+        assert S.maxtext_path(str(tmp_path / "given")) == tmp_path / "given"
     # Given PATH and the committed records together: v5e-8's come from PATH, v6e-8's from bench/maxtext_records/.
     both = [tmp_path, S.COMMITTED_MAXTEXT]
     assert [r.label for r in S.maxtext(v5e, both)] == [r.label for r in rows]

@@ -11,7 +11,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
-import pytest
+from _skips import skip_machine
 
 BOOTSTRAP = Path(__file__).resolve().parents[1] / "orchestrator" / "host" / "bootstrap.sh"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # what sshd gives a session
@@ -52,7 +52,7 @@ def _bootstrap(home: Path, path: str, *extra: str) -> subprocess.CompletedProces
 def test_fresh_host_without_uv_or_wheelhouse_installs_from_the_index(tmp_path):
     """A host with only the image's python3: uv comes from the index, every path is absolute, deps install."""
     if any(os.access(os.path.join(d, "uv"), os.X_OK) for d in BASE_PATH.split(":")):
-        pytest.skip("uv is on the system PATH here: this test needs a host without it")
+        skip_machine("a PATH without uv (uv is on the system PATH here: this test needs a host without it)")
     home = _host_home(tmp_path, "six==1.17.0\n")
     r = _bootstrap(home, BASE_PATH)
     assert r.returncode == 0, r.stderr + r.stdout

@@ -315,9 +315,10 @@ def test_logs_tail_refuses_negative_and_follow_ends_when_its_tpuctl_is_gone(env)
     res = run("logs", "lg", "--tail", "-1", ok=False)
     assert res.exit_code == 2 and "-1 is not in the range x>=0" in res.output
     assert run("logs", "lg", "--tail", "2").output.splitlines() == ["[w0] two", "[w0] three"]
-    t0 = time.monotonic()
-    res = run("logs", "lg", "--follow")                          # returns although run.json has no end
-    assert time.monotonic() - t0 < 10 and res.output.splitlines()[:3] == ["[w0] one", "[w0] two", "[w0] three"]
+    # returns although run.json has no end: follow has no clock of its own, it ends only when it sees the run
+    # ended, here by its tpuctl's pid being gone (said on stderr, checked below)
+    res = run("logs", "lg", "--follow")
+    assert res.output.splitlines()[:3] == ["[w0] one", "[w0] two", "[w0] three"]
     assert f"(pid {dead.pid}) is gone" in res.stderr
 
 

@@ -11,6 +11,7 @@ import zipfile
 
 import pytest
 
+from _skips import skip_setup
 from trainer.gemma import tokenizer as tok_lib
 from trainer.common.config import UsageError
 
@@ -44,8 +45,8 @@ def google_models(tmp_path_factory) -> dict[str, str]:
                            timeout=300)
         wheels = glob.glob(os.path.join(cache, "maxtext-0.2.5-*.whl"))
         if not wheels:
-            pytest.skip(f"the package index is unreachable, so Google's tokenizers ({WHEEL}) could not be "
-                        f"fetched: {p.stderr.strip().splitlines()[-1:]}")
+            skip_setup(f"Google's tokenizers ({WHEEL}, which `make setup` downloads into {cache}); fetching them "
+                       f"now failed: {p.stderr.strip().splitlines()[-1:]}")
     out = tmp_path_factory.mktemp("google-tokenizers")
     z = zipfile.ZipFile(wheels[0])
     paths = {}

@@ -1,9 +1,9 @@
-"""bench/hlo_bytes.py on a small optimized-HLO text written as libtpu prints one: tiled (padded) sizes, a fused
+"""trainer/common/hlo_bytes.py on a small optimized-HLO text written as libtpu prints one: tiled (padded) sizes, a fused
 parameter read through a slice, an async copy counted once, a loop body times its trip count, and each
 instruction's bucket from its jax stack frame (forward, backward). No compile: pure text."""
 from __future__ import annotations
 
-from bench import hlo_bytes as H
+from trainer.common import hlo_bytes as H
 
 HLO = '''HloModule jit_step, is_scheduled=true
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from _skips import needs_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,12 +44,12 @@ def _second_allocation_faults(mode: str, **env) -> int:
     return int(r.stdout.strip())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+@needs_machine(not sys.platform.startswith("linux"), "glibc (Linux)")
 def test_cpu_backend_reuses_freed_memory():
     assert _second_allocation_faults("emulate") < 8
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+@needs_machine(not sys.platform.startswith("linux"), "glibc (Linux)")
 def test_glibc_defaults_kept_off_cpu_or_when_opted_out():
     # Without the CPU backend chosen (e.g. a TPU host), or with the opt-out, glibc maps the buffer afresh.
     assert _second_allocation_faults("none") >= 64

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from _skips import needs_setup
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live, make_spec  # noqa: F401
 from orchestrator.jobs import launch as L
 from orchestrator import slices, state
@@ -15,7 +16,7 @@ from orchestrator.spec import SliceSpec, UserError, slice_spec_from_mapping
 from orchestrator.state import Worker
 from trainer.common.aot import has_libtpu
 
-needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
+needs_libtpu = needs_setup(not has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
 
 
 def _short(names):
@@ -131,7 +132,7 @@ def test_the_stand_in_refuses_a_multislice_spec_the_service_refuses(fake):
     api.create_queued_resource(ZONE, "m2", "m2", body, node_count=3)
     slices_ready = lambda: len([n for n in live(fake)[0] if n["state"] == "READY"]) == 3  # noqa: E731
     import time
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # waits for the event (no measure): a loaded machine's room
     while not slices_ready() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _short(n["name"] for n in live(fake)[0]) == ["m2-0", "m2-1", "m2-2"]

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from flax import nnx
 
 from _local_hosts import TEST_CACHE, local_mode, needs_hosts
+from _skips import needs_setup
 from orchestrator import catalog, state
 from orchestrator.cli import run_verbs as cli_run
 from orchestrator.plan import step as P
@@ -38,7 +39,7 @@ from trainer.finetune.config import LoraRun
 from trainer.models import gemma, gpt2
 from trainer.models import lora as lora_lib
 
-needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="libtpu not installed (make setup installs the plan extra)")
+needs_libtpu = needs_setup(not has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
 TINY = ["pretrain", "--preset", "gpt2-tiny", "--ckpt-dir", "/tmp/plan-ckpt"]
 # --weights need not exist: a plan takes the model's size from --model and never reads them
 LORA = ["lora", "--weights", "gs://b/gemma", "--data", "gs://b/train.jsonl", "--ckpt-dir", "gs://b/lora", "--rank", "8"]
@@ -141,14 +142,14 @@ def _compile_v5e(argv: list[str]) -> tuple[dict, int]:
 def test_the_chunked_loss_counts_as_much_work_as_the_full_logits():
     """The TPU compiler counts a while loop's body once: XLA's chunked loss's scan alone reports a quarter of the
     output layer. Counted whole (its unrolled twin), the chunked step does the work of the full-logits one
-    within 2%, and both at least 6 x params x tokens per device. The output layer as Pallas kernels (the default
-    on TPU) has no loop, and the compiler counts it from the kernels' cost estimates: nothing at all without
+    within 2%, and both at least 6 x params x tokens per device. The output layer as Pallas kernels (--loss-kernel
+    pallas) has no loop, and the compiler counts it from the kernels' cost estimates: nothing at all without
     them. It computes the logits twice (one more [tokens, V, D] matmul) and moves less than either."""
     whole = [*WHOLE, "--vocab-parallel", "off"]  # 4,096 tokens a step: auto would split the vocabulary instead
     xla = [*whole, "--loss-kernel", "xla"]
     chunked, n_params = _compile_v5e([*xla, "--loss-chunk", "64"])
     full, _ = _compile_v5e([*xla, "--loss-chunk", "0"])
-    kernels, _ = _compile_v5e(whole)
+    kernels, _ = _compile_v5e([*whole, "--loss-kernel", "pallas"])
     assert chunked["counted"] == "unrolled" and full["counted"] == "program" == kernels["counted"]
     assert chunked["program_flops"] < 0.6 * chunked["flops"]  # the loop's body once: what the plan used to say
     assert abs(chunked["flops"] - full["flops"]) <= 0.02 * full["flops"], (chunked["flops"], full["flops"])
@@ -321,9 +322,9 @@ def test_lora_without_a_model_size_is_not_planned_and_runs_unplanned():
                                  "--model SIZE (e.g. --model gemma2-2b; the run checks the checkpoint is that size); "
                                  "--model gemma2 names a family only"]
     said = []
-    t0 = time.monotonic()
     assert P.gate("v5litepod-8", LORA, cpu_devices=False, on_skip=said.append) is None
-    assert time.monotonic() - t0 < 20 and said[0].startswith("not planned: `lora` is planned from its model size")
+    assert said[0].startswith("not planned: `lora` is planned from its model size")
+    _planner_answers_before_jax("v5litepod-8", LORA)
     res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--local", "--", *LORA, "--model", "gemma2-3b"])
     assert res.exit_code == 1 and _error_lines(res)[0].startswith("Error: --model gemma2-3b: choose a family "
                                                                   "(gemma2, gemma3, gemma4) or a size (gemma2-2b, ")
@@ -568,6 +569,18 @@ def test_plan_help_explains_every_flag_and_the_exit_codes():
 
 # ---- must-show 5: bad input ------------------------------------------------------------------------------------
 
+def _planner_answers_before_jax(accelerator: str, argv: list[str]) -> None:
+    """The planner process the gate starts (P._aot_argv), run as the gate runs it: it says there is nothing to plan
+    (exit NOTHING_TO_PLAN) with jax never imported, so neither jax nor libtpu started for the answer."""
+    planner = P._aot_argv(catalog.lookup(accelerator), cpu_devices=False)
+    assert planner[1:3] == ["-m", "trainer.plan"], planner
+    r = subprocess.run([sys.executable, "-c", "import sys; from trainer import plan; rc = plan.main(sys.argv[1:]); "
+                        "print(rc, 'jax' in sys.modules)", *planner[3:], "--", *argv], capture_output=True,
+                       text=True, timeout=120, cwd=Path(P.__file__).resolve().parents[2])
+    from trainer.common.aot import NOTHING_TO_PLAN
+    assert r.stdout.split() == [str(NOTHING_TO_PLAN), "False"], r.stdout + r.stderr
+
+
 def _error_lines(res) -> list[str]:
     return [ln for ln in res.stderr.splitlines() if ln.startswith("Error:")]
 
@@ -587,9 +600,8 @@ def test_trainer_args_the_trainer_rejects_give_its_own_message_once():
     assert res.exit_code == 1 and _error_lines(res) == ["Error: unrecognized arguments: --no-such-flag"]
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", "prepare", "--out", "/tmp/x"])
     assert res.exit_code == 1 and "`prepare` has no train step to plan" in _error_lines(res)[0]
-    t0 = time.monotonic()
     assert P.gate("v4-8", ["prepare", "--out", "/tmp/x"], cpu_devices=False) is None  # run/up launch it unplanned
-    assert time.monotonic() - t0 < 20  # answered before jax or libtpu start
+    _planner_answers_before_jax("v4-8", ["prepare", "--out", "/tmp/x"])
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--mfu", "0", "--", *TINY])
     assert res.exit_code == 1 and "--mfu 0.0: give a fraction in (0, 1]" in _error_lines(res)[0]
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8"])
@@ -629,7 +641,7 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home, sig):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "Error: interrupted", err
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # waits for the event (no measure): a loaded machine's room
     while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{child}")
@@ -703,3 +715,28 @@ def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path
         res = CliRunner().invoke(cli_run.run, cmd)
         assert res.exit_code == 0 and "[tpuctl] plan: fits on v4-8" in res.output, res.output
         assert "already at step 2" in res.output
+
+
+def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofline_its_lower_bound():
+    """gpt2-124m at 8 sequences on one v5e chip, as the compiler counted it (work by class: XLA's matmuls 6.115
+    TFLOP, splash 0.928 TFLOP at head_dim 64, 13.5 GB of elementwise bytes; 37.0 GB in all): each class at the
+    rate the chip did it (trainer/common/calibration.py) gives the 60.4 ms the chip measured within 10%, where the
+    roofline gave 45 ms. On v6e, not measured, the same efficiencies at its peak, and said so."""
+    from trainer.common import calibration
+    work = {"matmul_flops": 6.115e12, "attention_flops": 0.928e12, "head_dim": 64, "loss_kernel_flops": 0.0,
+            "other_bytes": 13.5e9}
+    f = _figures(device_kind="TPU v5 lite", devices=1, mesh={"data": 1, "model": 1}, flops=6.115e12,
+                 bytes_accessed=37.0e9, tokens_per_step=8192, model_flops_per_token=854e6, work=work,
+                 total_bytes=4 * P.GIB)
+    p = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, f)
+    t = p.timing()
+    assert t["estimate"] == "calibrated" and t["calibrated"]["measured"]
+    assert abs(t["step_s"] / 0.0604 - 1) <= 0.10, t["step_s"]
+    assert t["roofline_step_s"] == pytest.approx(37.0e9 / 819e9) and t["roofline_step_s"] < t["step_s"]
+    terms = t["calibrated"]["terms"]
+    assert terms["matmul"] == pytest.approx(6.115e12 / calibration.V5E.matmul_flops_s)
+    assert terms["attention"] == pytest.approx(0.928e12 / calibration.V5E.attention_flops_s[64])
+    text = render(p)
+    assert "calibrated (matmul" in text and "measured on this chip kind" in text and "roofline (a lower bound)" in text
+    v6e = P.Plan(catalog.lookup("v6e-1"), P.TPU, {**f, "device_kind": "TPU v6 lite"}).timing()
+    assert not v6e["calibrated"]["measured"] and v6e["step_s"] < t["step_s"]

@@ -72,10 +72,13 @@ def test_a_preempted_run_is_recreated_resumes_and_ends_bit_equal(spot):
         assert (f"1 preemption(s): lost at step {first['last_step']}, resumed from step {second['resumed_from']}; "
                 f"{res['steps_redone']} step(s) redone") in err
 
-        # Goodput: the parts add up to the wall time (within 1%), and the table says where the time went.
+        # Goodput: the parts add up to the wall time, and the table says where the time went. What no part
+        # claims (unaccounted) is the bookkeeping between attempts here: the local slice record and the run's
+        # step files read, milliseconds; 5% of the wall (several seconds) is out of a loaded machine's reach,
+        # while a recreate or a start-up left out of its part would take seconds of it.
         g = res["goodput"]
-        parts = g["productive_s"] + g["lost_to_preemptions_s"] + g["overhead_s"]
-        assert abs(parts - g["wall_s"]) <= 0.01 * g["wall_s"], g
+        parts = g["productive_s"] + g["lost_to_preemptions_s"] + g["overhead_s"] + g["unaccounted_s"]
+        assert abs(parts - g["wall_s"]) < 1e-6 and abs(g["unaccounted_s"]) < 0.05 * g["wall_s"], g
         assert g["restarts"] == 1 and 0 < g["goodput"] < 1 and g["redone_s"] > 0 and second["recover_s"] > 0, g
         assert f"goodput {g['goodput']:.1%}" in err and "attempt  outcome" in err
         status = json.loads(spot.cli("status", spot.name, "--local", "--json").stdout)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+import gzip
+import os
+from pathlib import Path
+
 from trainer.common import profiling, steptimes
 from trainer.common.config import UsageError
 from trainer.experiments import profiles, where_time_goes
@@ -116,9 +120,10 @@ def _gviz(cols: list[str], rows: list[list], p: dict | None = None) -> dict:
     return {"cols": [{"id": c} for c in cols], "rows": [{"c": [{"v": v} for v in r]} for r in rows], "p": p or {}}
 
 
-def test_on_tpu_the_split_and_the_ops_are_xprof_s_own_breakdown_and_hlo_stats(monkeypatch):
-    """No TPU here: xprof's tables in the shape its overview_page and hlo_stats have (their column ids as xprof
-    2.24.2 names them on a CPU trace, rows as a TPU trace fills them)."""
+def test_on_a_gpu_shaped_step_table_the_split_and_the_ops_are_xprof_s_own_breakdown_and_hlo_stats(monkeypatch):
+    """xprof's tables in the shape its overview_page has where the device is not a TPU (the column ids xprof
+    2.24.2 names on a CPU trace: deviceComputeTimeMs, ..., stepTimeMs) and hlo_stats' rows. A TPU's step table has
+    other columns: the real TPU traces below."""
     step_cols = ["stepnum", "deviceComputeTimeMs", "deviceToDeviceTimeMs", "deviceCollectivesTimeMs",
                  "hostComputeTimeMs", "kernelLaunchTimeMs", "infeedTimeMs", "outfeedTimeMs", "compileTimeMs",
                  "otherTimeMs", "tooltip", "stepTimeMs"]
@@ -134,7 +139,8 @@ def test_on_tpu_the_split_and_the_ops_are_xprof_s_own_breakdown_and_hlo_stats(mo
     assert (h["host"], h["hardware"]) == ("t1v-w0-p0", "TPU") and "hlo_stats" in h["source"]
     assert [(s["step"], s["compute_s"], s["collective_s"]) for s in h["steps"]] == [
         (5, pytest.approx(0.08), pytest.approx(0.012)), (6, pytest.approx(0.07), pytest.approx(0.02))]
-    assert h["steps"][0]["idle_s"] == pytest.approx(0.008) and h["mean"]["step_s"] == pytest.approx(0.1)
+    assert h["steps"][0]["input_s"] == pytest.approx(0.005) and h["steps"][0]["idle_s"] == pytest.approx(0.003)
+    assert h["mean"]["step_s"] == pytest.approx(0.1)
     assert h["collectives"] == {"all-reduce": pytest.approx(20e-6), "all-gather": pytest.approx(10e-6)}  # per step
     assert [o["op"] for o in h["top_ops"][:4]] == ["fusion.1", "all-reduce.2", "fusion.2", "all-gather-start.1"]
     assert len(h["top_ops"]) == 10 and h["top_ops"][0]["share"] == pytest.approx(100 / 200)
@@ -170,3 +176,61 @@ def test_without_xprof_the_report_names_the_windows_it_could_not_read(tmp_path, 
     text = where_time_goes.section(str(tmp_path), _records([0.0] * 3))["text"]
     assert f"1 profiled window(s) under {tmp_path}/profiles, not read: reading profiles needs xprof" in text
     assert "Measured by the training loop" in text and "No profile" not in text
+
+
+# Two different TPU traces, each of two steps (--profile 3:5) of a small GPT-2 on one v5e chip (jax 0.10.2, libtpu
+# 0.0.42.1, 2026-12-05), and xprof's own reading of each file: its overview_page's active step
+# (active_steptime_ms_average) and hlo_stats' op time by category (each category's share of all ops' self time).
+TPU_TRACES = Path(__file__).parent / "data" / "tpu_traces"
+XPROF_READS = {"gpt2-2l-b4-t512": (7.84, {"custom-call": 48.1, "loop fusion": 26.7, "convolution fusion": 13.1}),
+               "gpt2-4l-d256-b8-t256": (2.54, {"custom-call": 55.8, "loop fusion": 19.5,
+                                               "convolution fusion": 10.5})}
+
+
+def test_tpu_traces_in_one_folder_each_read_as_their_own_host_s_device_step_split_and_ops(tmp_path):
+    session = tmp_path / "profiles" / "r1" / "plugins" / "profile" / "steps_3_5"
+    session.mkdir(parents=True)
+    for i, name in enumerate(XPROF_READS):  # our layout: every host's trace in the session's one folder
+        (session / f"t1v-w{i}.xplane.pb").write_bytes(gzip.decompress((TPU_TRACES / f"{name}.xplane.pb.gz").read_bytes()))
+    win, = profiles.summarize_run(str(tmp_path))
+    assert [h["host"] for h in win["hosts"]] == ["t1v-w0", "t1v-w1"]
+    for h, (active_ms, categories) in zip(win["hosts"], XPROF_READS.values()):
+        assert h["hardware"] == "TPU" and "TPU step table" in h["source"]
+        assert h["device_step_s"] * 1e3 == pytest.approx(active_ms, rel=0.05)
+        for category, pct in categories.items():
+            assert abs(100 * h["categories"][category] - pct) <= 2, (category, h["categories"])
+        assert len(h["steps"]) == 2
+        for st in h["steps"]:
+            assert st["compute_s"] > 0 and st["step_s"] >= st["compute_s"]
+            assert st["compute_s"] + st["collective_s"] + st["input_s"] + st["idle_s"] == pytest.approx(
+                st["step_s"], rel=0.01)
+        # the loss kernels lead, at the rates xprof measured (near the chip's 197 TFLOP/s bf16 peak)
+        top = h["top_ops"][0]
+        assert top["op"].startswith("xent_") and top["category"] == "custom-call" and 150e12 < top["flop_s"] < 197e12
+    # each its own figures, and nothing written beside them (xprof's ALL_HOSTS cache would answer every host
+    # with the first one's)
+    assert win["hosts"][0]["device_step_s"] > 2.5 * win["hosts"][1]["device_step_s"]
+    assert sorted(os.listdir(session)) == ["t1v-w0.xplane.pb", "t1v-w1.xplane.pb"]
+    text = profiles.describe(win)
+    assert "t1v-w0 (TPU): device step 7.8 ms" in text and "t1v-w1 (TPU): device step 2.5 ms" in text
+    assert "op time by category: custom-call 48.1%" in text and "TFLOP/s" in text
+
+
+def test_tpuctl_profile_summarizes_each_host_s_own_trace_and_names_one_it_cannot_read(tmp_path):
+    from orchestrator.observe import live_profile
+    session = tmp_path / "profiles" / "r1" / "plugins" / "profile" / "live_1"
+    session.mkdir(parents=True)
+    traces = {}
+    for i, name in enumerate(XPROF_READS):
+        p = session / f"t1v-w{i}.xplane.pb"
+        p.write_bytes(gzip.decompress((TPU_TRACES / f"{name}.xplane.pb.gz").read_bytes()))
+        traces[f"w{i}"] = str(p)
+    (session / "t1v-w2.xplane.pb").write_bytes(b"not a trace")
+    traces["w2"] = str(session / "t1v-w2.xplane.pb")
+    res = live_profile.Profiled("r1", "live_1", 1000, traces=traces)
+    live_profile.summarize(res)
+    assert [round(res.summaries[w]["device_step_s"] * 1e3, 2) for w in ("w0", "w1")] == [7.84, 2.54]
+    assert "error" in res.summaries["w2"]
+    text = live_profile.where(res)
+    assert "w0 (TPU): device step 7.8 ms" in text and "w1 (TPU): device step 2.5 ms" in text
+    assert "w2: trace not summarized here: " in text

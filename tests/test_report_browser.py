@@ -6,13 +6,12 @@ from __future__ import annotations
 import base64
 import re
 
-import pytest
-
 from _browser_util import CHROMIUM, NO_CHROMIUM, TAB_BLUE, look, near, pixels
+from _skips import needs_setup
 from _sweep_util import lr_sweep
 from trainer.experiments import report
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+pytestmark = needs_setup(CHROMIUM is None, NO_CHROMIUM)
 
 
 def test_the_report_page_renders_its_table_and_charts_in_headless_chromium(tmp_path):

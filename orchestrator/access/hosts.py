@@ -36,6 +36,9 @@ from orchestrator.jobs.launch import HOSTWRAP, HostLayout, Worker, _home_path
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 HOST_DIR = Path(__file__).resolve().parents[1] / "host"  # the files pushed to every host
+# The accelerator probe the trainer uses too, sent ahead of hostprobe.py's source (stdlib only, as that is).
+from trainer.common import accelerators  # noqa: E402 (jax-free)
+PROBE_SOURCE = Path(accelerators.__file__)
 MIN_FREE_GB = 2.0
 MAX_SKEW_S = 60.0     # TLS to GCS and the coordinator's deadlines go wrong past this
 WARN_SKEW_S = 2.0
@@ -412,7 +415,7 @@ class Hosts:
 
         coordinator: IP:PORT where worker 0 will serve jax.distributed; preflight checks it is free."""
         self.wait_reachable(say)
-        src = (HOST_DIR / "hostprobe.py").read_text()
+        src = PROBE_SOURCE.read_text() + "\n" + (HOST_DIR / "hostprobe.py").read_text()
         args = ["--root", self.layout.root]
         if bundle is not None:
             args += ["--app-hash", bundle.short, "--deps-key", bundle.deps_hash[:16]]

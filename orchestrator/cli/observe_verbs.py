@@ -48,10 +48,12 @@ def profile(name, steps, as_json, flags):
       tpuctl profile NAME --steps 3
 
     Each host's trace goes to the run's CKPT_DIR/profiles/RUN_ID/plugins/profile/live_<time>/ (TensorBoard's
-    profile plugin layout; `tpuctl report NAME` summarises it). A host whose profiler server does not answer
-    is named and the exit status is 1; the other hosts' traces are kept.
+    profile plugin layout), each then summarised here as `tpuctl report NAME` does: the device step, its split,
+    op categories and top ops, each host's from its own trace (needs xprof: the `profile` extra). A host whose
+    profiler server does not answer is named and the exit status is 1; the other hosts' traces are kept.
     """
     from orchestrator.observe import live_profile as P
     res = P.profile(name, steps, flags, note=_note)
+    P.summarize(res)
     click.echo(json.dumps(res.to_json()) if as_json else P.where(res))
     sys.exit(1 if res.failed else 0)

@@ -49,9 +49,12 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
     as an estimate. Per device: parameters, optimizer state, temporaries, total, the chip's HBM, headroom and
     a verdict; when it does not fit, what would (estimated; the first one compiled to check) and the next
     slice size that does (compiled). FLOPs and HBM bytes per step, counted whole (every loop's trips), from
-    the compiler, and FLOPs from the model's arithmetic; the step time as a roofline (the FLOPs at the chip's
-    peak or the bytes at its HBM bandwidth, whichever is longer: which one bounds the step, and their ratio r),
-    and at --mfu; tokens/s, wall time and $ (list price, on-demand and spot) for both.
+    the compiler, and FLOPs from the model's arithmetic; the step time calibrated by the chip (each class of
+    work, matmuls, attention and loss kernels, elementwise bytes, at the rate a chip was measured to do it; for
+    a chip kind not measured, v5e's efficiencies at its peak and bandwidth, said so); the roofline beside it as
+    a lower bound (the FLOPs at the chip's peak or the bytes at its HBM bandwidth, whichever is longer: which
+    one bounds the step, and their ratio r), and at --mfu; tokens/s, wall time and $ (list price, on-demand
+    and spot) for both.
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
     from orchestrator.cli.options import StatusLine, TpuctlError
@@ -137,17 +140,26 @@ def render(p: P.Plan) -> str:
         if t["memory_s"] is not None:
             kernels = f.get("kernel_bytes_uncounted") or 0.0
             extra = f" + {kernels / 1e9:.3g} GB of Pallas kernels the compiler does not count" if kernels else ""
-            lines.append(f"  step time: {t['step_s'] * 1e3:.3g} ms, bound by {t['bound']} (roofline: "
+            cal = t.get("calibrated")
+            if cal:
+                terms = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in cal["terms"].items() if v)
+                lines.append(f"  step time: {t['step_s'] * 1e3:.3g} ms, calibrated ({terms}; each class of work at "
+                             f"the rate a chip did it: "
+                             + ("measured on this chip kind" if cal["measured"] else "NOT measured on this chip "
+                                "kind, v5e's efficiencies scaled to its peak and bandwidth") + ")")
+            lines.append(f"  {'roofline (a lower bound)' if cal else 'step time'}: {t['roofline_step_s'] * 1e3:.3g} ms, "
+                         f"bound by {t['bound']} ("
                          f"{f['bytes_accessed'] / 1e9:.3g} GB{extra} at {a.generation.hbm_bytes_s / 1e9:g} GB/s/chip = "
                          f"{t['memory_s'] * 1e3:.3g} ms; FLOPs at {a_peak} = {t['compute_s'] * 1e3:.3g} ms; "
                          f"r = memory/compute = {t['r']:.2f})")
         else:
+            cal = None
             lines.append(f"  step time: {t['step_s'] * 1e3:.3g} ms at peak ({a_peak}; no HBM bandwidth figure for "
                          f"{a.generation.name}: compute only)")
         lines += [f"  at an assumed MFU of {p.mfu:g} (an assumption, --mfu): {t['step_s_at_mfu'] * 1e3:.3g} ms",
-                  f"  tokens/s: {t['tokens_per_s']:,.0f} at the roofline, {t['tokens_per_s_at_mfu']:,.0f} at "
+                  f"  tokens/s: {t['tokens_per_s']:,.0f} at the {t['estimate']} step, {t['tokens_per_s_at_mfu']:,.0f} at "
                   f"MFU {p.mfu:g}",
-                  f"  {t['steps']:,} steps: {t['wall_s'] / 3600:.2f} h at the roofline: ${t['usd_on_demand']:,.2f} "
+                  f"  {t['steps']:,} steps: {t['wall_s'] / 3600:.2f} h at the {t['estimate']} step: ${t['usd_on_demand']:,.2f} "
                   f"on-demand, ${t['usd_spot']:,.2f} spot; {t['wall_s_at_mfu'] / 3600:.2f} h at MFU {p.mfu:g}: "
                   f"${t['usd_on_demand_at_mfu']:,.2f} / ${t['usd_spot_at_mfu']:,.2f} (list prices "
                   f"${t['price_per_hour_on_demand']:.2f}/${t['price_per_hour_spot']:.2f} per hour; estimates)"]

@@ -25,9 +25,15 @@ import time
 
 LOCKFILE = "/tmp/libtpu_lockfile"
 
+# The accelerator probe is the trainer's own (trainer/common/accelerators.py): the orchestrator sends its source
+# ahead of this file's (orchestrator/access/hosts.py), so on a host tpu_nodes is already defined here; run from
+# the repository, it is imported.
+if "tpu_nodes" not in globals():
+    from trainer.common.accelerators import tpu_nodes
+
 
 def device_paths():
-    return sorted(glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit()])
+    return tpu_nodes()
 
 
 def holders(paths, raw=False):

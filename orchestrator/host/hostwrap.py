@@ -16,8 +16,9 @@ keep:   the detached keeper: loads the run's secrets from a 0600 file (deleted a
 follow: prints the log from line --skip-lines on, as it grows, until the run has ended and the log is read;
         then `TPUCTL_EXIT <rc>[ stopped]` on a line of its own ("stopped": `stop` ended it), and exits with rc. Its first line is `TPUCTL_FOLLOW <n>`.
         Killing it (the SSH session went away) does nothing to the run.
-runs:   `TPUCTL_RUNS [{run_id, tag, started, running, rc}]`: the runs this host knows (live, or ended with an
-        exit file).
+runs:   `TPUCTL_RUNS [{run_id, tag, started, running, rc, trainer}]`: the runs this host knows (live, or ended
+        with an exit file); trainer, for a live one: whether its command is `... -m trainer pretrain|lora` (what
+        `tpuctl top` and `profile` can look into), read from /proc.
 stop:   SIGTERM to the recorded group, SIGKILL after a grace period, also to the keeper.
 state:  one line with the group's processes and their /proc state (T: stopped), to name a host that hangs.
 beside: runs ARGS with the live trainer's own Python (argv[0]), environment and working directory, read from
@@ -276,12 +277,28 @@ def cmd_runs(a):
             rec = _read_json(pidfile) or {}
             running, rc, stopped = _status(pidfile)
             ended = _read_json(exit_file(pidfile)) or {}
-            out.append({"run_id": rec.get("run_id") or ended.get("run_id") or os.path.basename(pidfile)[:-4],
+            trainer = _is_trainer(rec.get("pgid")) if running else None
+            out.append({"trainer": trainer,
+                        "run_id": rec.get("run_id") or ended.get("run_id") or os.path.basename(pidfile)[:-4],
                         "tag": rec.get("tag") or ended.get("tag", ""),
                         "started": rec.get("started") or ended.get("started"), "running": running, "rc": rc,
                         "stopped": stopped, "ended": ended.get("ended")})
     print("TPUCTL_RUNS " + json.dumps(out))
     return 0
+
+
+TRAINER_VERBS = ("pretrain", "lora")  # the trainer's verbs that train: progress lines and a profiler server
+
+
+def _is_trainer(pgid):
+    """Whether the process leading the run's group runs `... -m trainer pretrain|lora` (None: it cannot be read)."""
+    try:
+        with open("/proc/%d/cmdline" % int(pgid), "rb") as f:
+            words = [w.decode("utf-8", "replace") for w in f.read().split(b"\0")]
+    except (OSError, TypeError, ValueError):
+        return None
+    return any(words[i] == "-m" and words[i + 1] == "trainer" and words[i + 2] in TRAINER_VERBS
+               for i in range(len(words) - 2))
 
 
 def cmd_state(a):

@@ -45,6 +45,11 @@ class RunOptions:
     # know it (going, or ended while no controller watched) instead of running the command again.
     follow_run: str | None = None
     on_attempt: Callable[[list[dict]], None] | None = None  # supervise's Policy.on_attempt (a managed job's record)
+    # A managed job's restarts so far, as its record counts them across controllers: --max-restarts is one budget
+    # for the whole job. restart_pending: the last one was begun and its controller died before the slice was
+    # READY again (recover_before_run finishes it without counting it again).
+    restarts_used: int = 0
+    restart_pending: bool = False
 
 
 def command_argv(command: list[str], raw: bool = False) -> list[str]:
@@ -84,7 +89,10 @@ def run(name: str, command: list[str], flags: SshFlags = SshFlags(), opts: RunOp
     policy = Policy(on_preemption=opts.on_preemption, max_restarts=opts.max_restarts, cancelled=opts.cancelled,
                     on_attempt=opts.on_attempt)
     # Preempted since the last run: the same --on-preemption policy as during a run.
-    restarts_used = 0 if flags.hosts else recover_before_run(name, policy=policy, progress=say)
+    restarts_used = opts.restarts_used
+    if not flags.hosts:
+        restarts_used += recover_before_run(name, policy=policy, progress=say, used=opts.restarts_used,
+                                            pending=opts.restart_pending)
     target = reach(name, flags, say=note)
     if target.slices > 1:
         per = len(target.workers) // target.slices

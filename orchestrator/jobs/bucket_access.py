@@ -2,7 +2,8 @@
 runs as its own service account, and a bucket only the submitter can write would fail the job on its VM, after a
 controller, a secret and a job record exist.
 
-It reads the bucket's IAM policy (google-cloud-storage) and the project's (Cloud Resource Manager v1
+It asks the bucket's testIamPermissions as the controller's account (check); where it cannot act as that account,
+it reads the bucket's IAM policy (google-cloud-storage) and the project's (Cloud Resource Manager v1
 projects.getIamPolicy, REST) and refuses only when neither grants the account, or everyone (allUsers,
 allAuthenticatedUsers), roles that together hold storage.objects.create, get and delete. A policy this caller
 cannot read, or a grant to members that cannot be expanded here (a group, a domain, another project's
@@ -118,11 +119,27 @@ def service_account_email(account: str, number: Callable[[], str]) -> str:
     return account if account != "default" else f"{number()}-compute@developer.gserviceaccount.com"
 
 
-def check(bucket, project: str, account: str, *, endpoint: str | None, bucket_iam: bool = True,
-          warn: Callable[[str], None]) -> None:
-    """Refuse (UserError, one line with the fix) when the controller's account surely cannot write `bucket` (a
-    google.cloud.storage Bucket); warn once when that cannot be told from here."""
-    fix = f"grant it {ROLE} on gs://{bucket.name}"
+PERMISSIONS = tuple(f"storage.objects.{p}" for p in sorted(NEEDED))
+
+
+def _bucket(name: str, project: str, endpoint: str | None, credentials=None):
+    """gs://name as google-cloud-storage sees it on the API that holds its IAM (None: Cloud Storage's own)."""
+    from google.cloud import storage
+    kw = {"client_options": {"api_endpoint": endpoint}} if endpoint else {}
+    return storage.Client(project=project, credentials=credentials, **kw).bucket(name)
+
+
+def check(bucket: str, project: str, account: str, *, endpoint: str | None, iam_endpoint: str | None = None,
+          as_account: Callable[[str], object] | None = None, warn: Callable[[str], None]) -> str | None:
+    """Refuse (UserError, one line with the fix) when the controller's account cannot write gs://bucket; warn once
+    when that cannot be told from here. Returns the account's email (None when it could not be told).
+
+    First the service's own answer: the bucket's testIamPermissions (google-cloud-storage Bucket.test_iam_permissions,
+    JSON API GET b/BUCKET/iam/testPermissions), asked as the account itself (as_account), since that call answers
+    for its caller only; it weighs every grant (groups, folders, conditions) as the job's writes will be weighed.
+    Where acting as the account is refused (no roles/iam.serviceAccountTokenCreator on it), the policies are read
+    and judged instead (judge)."""
+    fix = f"grant it {ROLE} on gs://{bucket}"
     known: dict[str, str] = {}
 
     def number() -> str:  # the project's number, read once: the default account's email and convenience members
@@ -132,36 +149,52 @@ def check(bucket, project: str, account: str, *, endpoint: str | None, bucket_ia
     try:
         email = service_account_email(account, number)
     except Exception as e:  # noqa: BLE001 - no answer about the account: the job may still work
-        warn(f"could not check that the controller's service account can write gs://{bucket.name} (its email: "
+        warn(f"could not check that the controller's service account can write gs://{bucket} (its email: "
              f"{_short(e)}): it needs {ROLE} there")
-        return
+        return None
     member = f"serviceAccount:{email}"
+
+    def refuse(why: str) -> UserError:
+        return UserError(f"the controller's service account {email} cannot write gs://{bucket}{why}: {fix} (gcloud "
+                         f"storage buckets add-iam-policy-binding gs://{bucket} --member={member} --role={ROLE}), "
+                         "or pass --controller-service-account")
+    asked = None
+    if as_account is not None:
+        try:
+            held = set(_bucket(bucket, project, iam_endpoint, as_account(email)).test_iam_permissions(
+                list(PERMISSIONS), timeout=30))
+        except Exception as e:  # noqa: BLE001 - cannot act as it, or no answer: the policies are read instead
+            asked = f"testIamPermissions as it: {_short(e)}"
+        else:
+            if set(PERMISSIONS) <= held:
+                return email
+            lacks = ", ".join(p for p in PERMISSIONS if p not in held)
+            raise refuse(f" (it lacks {lacks})")
     v, project_policy, ids = Verdict(), None, (project,)
+    if asked:
+        v.unread.append(asked)
     try:
         s, base = _crm(endpoint)
         project_policy = _call(s, "POST", f"{base}/v1/projects/{project}:getIamPolicy",
                                {"options": {"requestedPolicyVersion": 3}})
         judge(member, [project_policy], verdict=v)
-        if bucket_iam:
-            ids = (project, number())
+        ids = (project, number())
     except Exception as e:  # noqa: BLE001 - unread: judged on what could be read
         v.unread.append(f"project {project}'s policy: {_short(e)}")
-    if bucket_iam and not v.ok:
+    if not v.ok:
         try:
-            pol = bucket.get_iam_policy(requested_policy_version=3).to_api_repr()
-            judge(member, [pol], ids, project_policy, verdict=v)
+            pol = _bucket(bucket, project, iam_endpoint).get_iam_policy(requested_policy_version=3, timeout=30)
+            judge(member, [pol.to_api_repr()], ids, project_policy, verdict=v)
         except Exception as e:  # noqa: BLE001 - unread: judged on what could be read
-            v.unread.append(f"gs://{bucket.name}'s policy: {_short(e)}")
+            v.unread.append(f"gs://{bucket}'s policy: {_short(e)}")
     if v.ok:
-        return
-    if v.unread or v.unsure:
+        return email
+    if v.unread[bool(asked):] or v.unsure:
         why = "; ".join(v.unread + ([f"grants it may hold: {', '.join(v.unsure[:3])}"] if v.unsure else []))
-        warn(f"could not check that the controller's service account {email} can write gs://{bucket.name} "
+        warn(f"could not check that the controller's service account {email} can write gs://{bucket} "
              f"({why}): if the job fails to write its record, {fix}")
-        return
-    raise UserError(f"the controller's service account {email} cannot write gs://{bucket.name}: {fix} (gcloud "
-                    f"storage buckets add-iam-policy-binding gs://{bucket.name} --member={member} --role={ROLE}), "
-                    "or pass --controller-service-account")
+        return email
+    raise refuse("")
 
 
 def _short(e: BaseException) -> str:

@@ -29,7 +29,9 @@ from orchestrator.jobs import controller_vm as V
 from orchestrator.jobs import job_secrets
 from orchestrator.jobs.store import LIVE, JobStore, initial_state
 
-_RECREATING = re.compile(r"recreating \S+ \((\d+)/\d+\)")
+_RECREATING = re.compile(r"recreating \S+ \((\d+)/\d+[,)]")  # N: the job's restarts so far, this one included
+_READY_AGAIN = re.compile(r"\S+ is READY again; (relaunching|running)")
+_BEFORE_RUN = re.compile(r"before this run; recreating|their recreate was not finished")
 _TRIAL = re.compile(r"\[(\d+)/(\d+)\] (\S+): tpuctl run")
 _FOLLOWING = re.compile(r"run (\S+) of this same command is still going")
 _ENDED = re.compile(r"run (\S+) of this same command ended on the hosts while nobody followed it")
@@ -79,7 +81,12 @@ class JobRunner(threading.Thread):
         self.seen_run_ids: set[str] = set()
         # The attempts earlier controllers of this job recorded (a replaced controller's): its goodput counts them.
         self.prior: list[dict] = list(self.st.get("attempts") or [])
-        self.prior_recoveries = int(self.st.get("recoveries") or 0)  # ... and its recoveries count on from theirs
+        # A job that was going when its last controller stopped writing: the stretch from that controller's last
+        # write to this one's first attempt was watched by nobody. What it was (the run going on, or the slice
+        # being recovered) is told by how this controller picks the job up (on_line), and goes into goodput so.
+        self.unwatched_since = self.st.get("updated") if self.st["state"] in ("RUNNING", "RECOVERING") else None
+        self.pickup = "starting"     # running | recovering, once the pick-up says which
+        self.unwatched: dict | None = None
 
     # ---- the record
     def event(self, text: str) -> None:
@@ -98,14 +105,22 @@ class JobRunner(threading.Thread):
             self.event(f"state {changed['state']}" + (f": {kw['message']}" if kw.get("message") else ""))
 
     def on_line(self, line: str) -> None:
+        if _BEFORE_RUN.search(line):
+            self.pickup = "recovering"
         if m := _RECREATING.search(line):
-            self.set(state="RECOVERING", recoveries=self.prior_recoveries + int(m.group(1)))
+            # Counted job-wide by supervise (RunOptions.restarts_used); pending until the slice is READY again,
+            # so a controller that dies in between leaves the next one to finish it as the same restart.
+            self.set(state="RECOVERING", recoveries=int(m.group(1)), restart_pending=True)
+        elif _READY_AGAIN.search(line):
+            self.set(restart_pending=False)
         elif m := _TRIAL.search(line):
             self.set(message=f"trial {m.group(1)}/{m.group(2)}: {m.group(3)}")
         elif m := _FOLLOWING.search(line):
+            self.pickup = "running"
             self.set(run_id=m.group(1))
             self.event(f"re-attached to run {m.group(1)}, still going on the hosts")
         elif m := _ENDED.search(line):
+            self.pickup = "running"
             self.set(run_id=m.group(1))
             self.event(f"run {m.group(1)} ended while no controller followed it: its end read from the hosts")
 
@@ -142,12 +157,20 @@ class JobRunner(threading.Thread):
         return self.cancel is not None
 
     def record_attempts(self, mine: list[dict]) -> None:
-        """supervise's attempts so far under this controller, kept in the job's record after the earlier ones."""
+        """supervise's attempts so far under this controller, kept in the job's record after the earlier ones.
+        The first carries the stretch nobody watched before it (unwatched_s), as the pick-up found it."""
+        if mine and self.unwatched_since is not None and self.unwatched is None:
+            start = time.time() - mine[0]["wall_s"]  # told as the attempt ends
+            self.unwatched = {"unwatched_s": max(0.0, start - self.unwatched_since),
+                              # the job was going but its run is run again: what it did meanwhile is lost
+                              "unwatched": self.pickup if self.pickup != "starting" else "recovering"}
+        if self.unwatched:
+            mine = [{**mine[0], **self.unwatched}, *mine[1:]]
         self.set(attempts=merged_attempts(self.prior, mine, self.ctl.host))
 
     def job_goodput(self) -> dict | None:
         """Where the job's wall time went, from its start to now, over every attempt any of its controllers saw end
-        (the time an attempt ran while no controller watched it, before a re-attach, is unaccounted)."""
+        (a stretch no controller watched counts as what it was: the run going on, or its slice recovered)."""
         from orchestrator.jobs.supervise import goodput
         attempts = self.st.get("attempts") or []
         if not attempts:
@@ -192,13 +215,16 @@ class JobRunner(threading.Thread):
         else:
             self.set(controller=self.ctl.host, controller_since=self.ctl.started)
         prov = provider.of(rec)
-        secrets = job_secrets.read(spec.get("secrets") or {}, endpoint=prov.secrets_endpoint(),
-                                   credentials=prov.secrets_credentials(self.ctl.member))
+        secrets = job_secrets.read(spec["secrets"], endpoint=prov.secrets_endpoint(),
+                                   credentials=prov.secrets_credentials(self.ctl.member)) if spec.get("secrets") else {}
+        run = spec.get("kind") != "sweep"  # a sweep's trials each have --max-restarts of their own
         # A job that was going follows its run where the hosts still know it (re-attach, or its end read there)
         # rather than running the command again.
         opts = attached.RunOptions(**spec["opts"], secrets=secrets, plan=False, bundle=self._bundle(),
                                    cancelled=self.cancelled, follow_run=self.st.get("run_id") if going else None,
-                                   on_attempt=self.record_attempts if spec.get("kind") != "sweep" else None)
+                                   on_attempt=self.record_attempts if run else None,
+                                   restarts_used=int(self.st.get("recoveries") or 0) if run else 0,
+                                   restart_pending=bool(self.st.get("restart_pending")) if run and going else False)
         syncer = threading.Thread(target=self._sync_loop, daemon=True, name=f"sync-{self.id}")
         syncer.start()
         try:
@@ -209,12 +235,10 @@ class JobRunner(threading.Thread):
                                    note=self.log.note)
                 outcome, msg, extra = "SUCCEEDED", f"done in {res.timings.get('total_s', 0):.0f} s", \
                     {"goodput": self.job_goodput() or res.goodput, "run_id": res.run_id}
-        except RunFailed as e:
+        except (RunFailed, UserError, OSError) as e:  # UserError: a preemption past the budget (Preempted) too
             outcome, msg, extra = ("CANCELLED", "cancelled", {}) if self.cancel else ("FAILED", str(e), {})
             if g := self.job_goodput():
                 extra["goodput"] = g
-        except (UserError, OSError) as e:
-            outcome, msg, extra = ("CANCELLED", "cancelled", {}) if self.cancel else ("FAILED", str(e), {})
         self.ended.set()
         syncer.join(10)
         self.sync()

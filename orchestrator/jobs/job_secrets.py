@@ -25,7 +25,9 @@ def secret_id(job_id: str, env_name: str) -> str:
 
 
 def _why(e: Exception) -> str:
-    return " ".join(str(getattr(e, "message", None) or e).split())
+    """The API's own words: the REST transport puts the request (METHOD URL:) before them."""
+    why = " ".join(str(getattr(e, "message", None) or e).split())
+    return re.sub(r"^(GET|POST|PUT|PATCH|DELETE) \S+: ", "", why)
 
 
 def store(project: str, job_id: str, values: dict[str, str], reader: str, *, endpoint: str | None = None,
@@ -51,7 +53,8 @@ def store(project: str, job_id: str, values: dict[str, str], reader: str, *, end
             out[env_name] = s.name
     except gx.GoogleAPICallError as e:
         drop(out, endpoint=endpoint, credentials=credentials)
-        if isinstance(e, gx.Forbidden) and "SERVICE_DISABLED" in _why(e):
+        # The reason is the error's ErrorInfo (google.api_core puts it in .reason), not its message.
+        if isinstance(e, gx.Forbidden) and "SERVICE_DISABLED" in (getattr(e, "reason", None) or "", _why(e)):
             raise UserError(f"Secret Manager is not enabled in project {project}: `gcloud services enable "
                             f"secretmanager.googleapis.com --project {project}` ({_why(e)})") from None
         if isinstance(e, gx.Forbidden):

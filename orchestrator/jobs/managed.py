@@ -171,41 +171,55 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
     store = open_store(bucket, prov)
     store.check()
     # The controller writes the bucket as its own account: refused here, before a controller, secret or record
-    # exists, when that account surely cannot.
-    bucket_access.check(store.bucket, rec.project, d.controller_service_account,
-                        endpoint=prov.resource_manager_endpoint(), bucket_iam=prov.bucket_iam(),
-                        warn=lambda m: say(f"warning: {m}"))
+    # exists, when that account cannot.
+    email = bucket_access.check(bucket, rec.project, d.controller_service_account,
+                                endpoint=prov.resource_manager_endpoint(),
+                                iam_endpoint=prov.bucket_iam_endpoint(bucket, rec.project),
+                                as_account=prov.as_account, warn=lambda m: say(f"warning: {m}"))
     if opts.plan and argv[:3] == [L.PYTHON, "-m", "trainer"] and not sweep:  # a sweep plans each trial itself
         from orchestrator.plan import step as P
         P.check_before_run(rec.accelerator, rec.slices, argv[3:], prov.local_env(argv), cpu_devices=prov.cpu_devices,
                            say=say)
-    bundle = B.build(workdir=opts.workdir, extras=B.trainer_extras(argv, L.PYTHON))
-    bundle_uri = f"gs://{bucket}/tpuctl/bundles/{bundle.hash[:16]}/{bundle.wheel.name}"
-    blob = store.bucket.blob(bundle_uri.split("/", 3)[3])
-    uploaded = []
-    if not blob.exists():  # the wheel and its dependency list: what a controller VM installs (controller_vm.py)
-        reqs = store.bucket.blob(bundle_uri.split("/", 3)[3].rsplit("/", 1)[0] + "/requirements.txt")
-        reqs.upload_from_string(bundle.requirements_text())
-        uploaded.append(reqs)
-        blob.upload_from_filename(str(bundle.wheel))
-        uploaded.append(blob)
     spec_base = {"project": rec.project, "zone": rec.zone, "bucket": bucket,
                  "controller_service_account": d.controller_service_account, "controller_idle": d.controller_idle}
     where = _where(spec_base, prov)
-    say(f"plan: {name} at {rec.price_per_hour:.2f} $/hour while the job lives, supervised by {where.name} "
-        f"({V.MACHINE}, {V.PRICE_PER_HOUR:.4f} $/hour while it has live jobs, then {d.controller_idle:g} idle "
-        "minutes)")
+    job_id = new_job_id()
+    # The secrets go first: a Secret Manager that refuses (API disabled, no access) is found before a controller
+    # VM exists. Their reader is the controller's account: the live controller's own, else the one it will run as.
+    secret_refs: dict[str, str] = {}
+    if opts.secrets:
+        alive = controller_alive(store, where.region)
+        email = (alive or {}).get("service_account_email") or email
+        if not email:
+            raise UserError(f"cannot tell the email of the controller's service account "
+                            f"{d.controller_service_account!r}, which must read the job's secrets: pass "
+                            "--controller-service-account EMAIL")
+        secret_refs = job_secrets.store(rec.project, job_id, opts.secrets, f"serviceAccount:{email}",
+                                        endpoint=prov.secrets_endpoint(), credentials=prov.secrets_credentials())
+    uploaded = []
     try:
-        hb = ensure_controller(where, store, prov, say, bundle_uri=bundle_uri)
-    except UserError:
-        if not _exists(where):  # refused: the bundle this submit uploaded goes too (one already there stays)
+        bundle = B.build(workdir=opts.workdir, extras=B.trainer_extras(argv, L.PYTHON))
+        bundle_uri = f"gs://{bucket}/tpuctl/bundles/{bundle.hash[:16]}/{bundle.wheel.name}"
+        blob = store.bucket.blob(bundle_uri.split("/", 3)[3])
+        if not blob.exists():  # the wheel and its dependency list: what a controller VM installs (controller_vm.py)
+            reqs = store.bucket.blob(bundle_uri.split("/", 3)[3].rsplit("/", 1)[0] + "/requirements.txt")
+            reqs.upload_from_string(bundle.requirements_text())
+            uploaded.append(reqs)
+            blob.upload_from_filename(str(bundle.wheel))
+            uploaded.append(blob)
+        say(f"plan: {name} at {rec.price_per_hour:.2f} $/hour while the job lives, supervised by {where.name} "
+            f"({V.MACHINE}, {V.PRICE_PER_HOUR:.4f} $/hour while it has live jobs, then {d.controller_idle:g} idle "
+            "minutes)")
+        ensure_controller(where, store, prov, say, bundle_uri=bundle_uri)
+    except BaseException:
+        # Refused (or interrupted) before the job exists: its secrets go, and the bundle this submit uploaded
+        # unless a controller VM is there to boot from it (one already there stays).
+        if secret_refs:
+            job_secrets.drop(secret_refs, endpoint=prov.secrets_endpoint(), credentials=prov.secrets_credentials())
+        if uploaded and not _exists(where):
             for b in uploaded:
                 b.delete()
         raise
-    job_id = new_job_id()
-    reader = f"serviceAccount:{hb.get('service_account_email') or where.service_account}"
-    secret_refs = job_secrets.store(rec.project, job_id, opts.secrets, reader, endpoint=prov.secrets_endpoint(),
-                                    credentials=prov.secrets_credentials())
     total = L.flag_value(argv, "--steps")
     spec = {**spec_base, "id": job_id, "name": name, "slice_name": name, "command": list(command),
             "kind": "sweep" if sweep else "run", "sweep": sweep,

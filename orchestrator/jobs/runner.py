@@ -236,7 +236,8 @@ def run_job(workers: list[L.Worker], spec: L.LaunchSpec, *, ssh: SshConfig, run_
 
 def live_runs(hosts: Hosts) -> dict[str, dict]:
     """The runs the hosts know, by run id: {tag, started, running (on any host), rc (per host index, once ended),
-    hosts (indices that know it)}. Hosts that do not answer are left out."""
+    hosts (indices that know it), trainer (a live run's command is the trainer's pretrain or lora; None: no host
+    could tell)}. Hosts that do not answer are left out."""
     hosts.ensure_helpers()
     cmd = L.runs_command(hosts.layout, wrap_python="python3", wrap_script=hosts.helpers[L.HOSTWRAP])
     out: dict[str, dict] = {}
@@ -244,8 +245,10 @@ def live_runs(hosts: Hosts) -> dict[str, dict]:
         line = next((ln for ln in getattr(r, "stdout", "").splitlines() if ln.startswith("TPUCTL_RUNS ")), None)
         for run in json.loads(line[len("TPUCTL_RUNS "):]) if line else []:
             d = out.setdefault(run["run_id"], {"tag": run.get("tag", ""), "started": run.get("started"),
-                                               "running": False, "rc": {}, "hosts": []})
+                                               "running": False, "rc": {}, "hosts": [], "trainer": None})
             d["running"] = d["running"] or bool(run.get("running"))
+            if run.get("trainer") is not None:  # a live run's command, as its hosts read it
+                d["trainer"] = bool(d["trainer"]) or run["trainer"]
             d["tag"] = d["tag"] or run.get("tag", "")
             d["hosts"].append(i)
             if run.get("rc") is not None:

@@ -137,16 +137,21 @@ def goodput(attempts: list[dict], wall_s: float) -> dict:
     """Where a run's wall time went, across its attempts. The parts add up to the wall time:
     productive (steps kept) + lost to preemptions (recovering, the later attempts' start-up: push, restore,
     compile; the redone steps; what a preempted attempt did after its last step) + overhead (the first start-up,
-    the last attempt's end: final save, shutdown) + unaccounted (bookkeeping between attempts)."""
+    the last attempt's end: final save, shutdown) + unaccounted (bookkeeping between attempts).
+    A managed job's attempt may carry a stretch no controller watched before it (unwatched_s, controller.py):
+    productive when the run went on meanwhile, lost when its slice was being recovered, overhead before a start."""
     redone_s = sum(a.get("steps_redone", 0) * attempts[i - 1]["step_s"] for i, a in enumerate(attempts) if i)
     steps_s = sum(a["steps_s"] for a in attempts)
+    unwatched = {k: sum(a.get("unwatched_s", 0.0) for a in attempts if a.get("unwatched") == k)
+                 for k in ("running", "recovering", "starting")}
     lost = (sum(a["recover_s"] for a in attempts) + sum(a["startup_s"] for a in attempts[1:]) + redone_s
-            + sum(a["tail_s"] for a in attempts if a["outcome"] == "preempted"))
-    overhead = attempts[0]["startup_s"] + (attempts[-1]["tail_s"] if attempts[-1]["outcome"] != "preempted" else 0)
-    productive = steps_s - redone_s
+            + sum(a["tail_s"] for a in attempts if a["outcome"] == "preempted") + unwatched["recovering"])
+    overhead = attempts[0]["startup_s"] + (attempts[-1]["tail_s"] if attempts[-1]["outcome"] != "preempted" else 0) \
+        + unwatched["starting"]
+    productive = steps_s - redone_s + unwatched["running"]
     return {"wall_s": wall_s, "productive_s": productive, "time_to_first_step_s": attempts[0]["startup_s"],
             "lost_to_preemptions_s": lost, "redone_s": redone_s, "overhead_s": overhead,
-            "unaccounted_s": wall_s - productive - lost - overhead,
+            "unwatched_s": sum(unwatched.values()), "unaccounted_s": wall_s - productive - lost - overhead,
             "restarts": len(attempts) - 1, "goodput": productive / wall_s if wall_s > 0 else 0.0}
 
 
@@ -160,21 +165,34 @@ def goodput_table(attempts: list[dict], g: dict) -> str:
     return "\n".join(rows)
 
 
-def recover_before_run(name: str, *, policy: Policy, progress: Callable[[str], None] = print) -> int:
+def recover_before_run(name: str, *, policy: Policy, progress: Callable[[str], None] = print, used: int = 0,
+                       pending: bool = False) -> int:
     """A slice preempted *between* runs gets the same policy as one preempted during a run: recreated (returns
-    the restarts used, 1) or, with --on-preemption fail, a Preempted error. 0 when it is not lost."""
+    the restarts this used: 1, or 0 for a restart already counted) or, with --on-preemption fail or no restart
+    left, a Preempted error. 0 when it is not lost. used: the restarts already used of --max-restarts (a managed
+    job's, across its controllers); pending: the last of them was begun and not seen through (its controller
+    died between the preemption and the recreate), so a lost slice now is that restart's, not a new one."""
     try:
         st = node_state(name)
     except UserError:
         return 0  # no record or no answer: resolving the workers says what is wrong
     if st not in LOST:
         return 0
+    if pending and used:
+        progress(f"{name}'s VMs were {_verb(st)} and their recreate was not finished; recreating {name} "
+                 f"({used}/{policy.max_restarts}, the same restart)")
+        _recreate(name, st, progress)
+        progress(f"{name} is READY again; running")
+        return 0
     what = f"{name}'s VMs were {_verb(st)} before this run"
-    if policy.on_preemption == "fail" or policy.max_restarts < 1:
-        why = "--on-preemption fail" if policy.on_preemption == "fail" else "--max-restarts 0"
-        raise Preempted(f"{what} ({why}): `tpuctl down {name}` and `tpuctl up {name} ...` again, then rerun, or "
-                        "pass --on-preemption recreate")
-    progress(f"{what}; recreating {name} (1/{policy.max_restarts})")
+    if policy.on_preemption == "fail":
+        raise Preempted(f"{what} (--on-preemption fail): `tpuctl down {name}` and `tpuctl up {name} ...` again, "
+                        "then rerun, or pass --on-preemption recreate")
+    if used >= policy.max_restarts:
+        raise Preempted(f"{what}; not recreating {name}: {used} restart(s) used of --max-restarts "
+                        f"{policy.max_restarts}; `tpuctl down {name}`, `tpuctl up` again and rerun, or raise "
+                        "--max-restarts")
+    progress(f"{what}; recreating {name} ({used + 1}/{policy.max_restarts})")
     _recreate(name, st, progress)
     progress(f"{name} is READY again; running")
     return 1

@@ -30,6 +30,15 @@ class LiveRun:
     run_id: str
     target: Target
     hosts: Hosts
+    trainer: bool | None = None  # its command is `python -m trainer pretrain|lora` (None: the hosts cannot tell)
+
+    def needs_trainer(self, verb: str, cannot: str) -> None:
+        """One line, before anything runs beside it, when the run is not the trainer's (--raw, a script): `verb`
+        reads what only the trainer measures and serves, so it would show nothing true."""
+        if self.trainer is False:
+            raise UserError(f"run {self.run_id} on {self.name} is not a trainer run (`tpuctl run {self.name} -- "
+                            f"pretrain|lora ...`; this one is --raw or a script): {verb} cannot show {cannot}; "
+                            f"`tpuctl logs {self.name} --follow` shows its output")
 
     def beside(self, args: list[str], timeout: float) -> list[Beside]:
         """`python ARGS` beside the trainer on every host at once; answers in worker (= process) order."""
@@ -71,4 +80,4 @@ def open_live(name: str, flags: SshFlags = SshFlags(), note: Callable[[str], Non
     except BaseException:
         hosts.close()
         raise
-    return LiveRun(name, run_id, target, hosts)
+    return LiveRun(name, run_id, target, hosts, runs[run_id].get("trainer"))

@@ -31,10 +31,30 @@ class Profiled:
     duration_ms: int
     traces: dict[str, str] = field(default_factory=dict)   # worker -> the trace's path on the run's storage
     failed: dict[str, str] = field(default_factory=dict)   # worker -> why
+    # worker -> its trace read by trainer/experiments/profiles.py (device step, split, categories, top ops), or
+    # {"error": why it could not be read here}
+    summaries: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"run_id": self.run_id, "session": self.session, "duration_ms": self.duration_ms,
-                "traces": self.traces, "failed": self.failed}
+                "traces": self.traces, "failed": self.failed, "summaries": self.summaries}
+
+
+def summarize(res: Profiled) -> None:
+    """Each captured trace read here, each host's from a folder of its own (profiles.tool): a host's summary
+    is its own, whatever else its session folder holds. A trace that cannot be read (no xprof here, storage out
+    of reach) says why; the capture stands either way."""
+    from trainer.experiments import profiles
+    for w, path in sorted(res.traces.items()):
+        try:
+            h = profiles.summarize(path, w)
+            if not h["steps"] and h["hardware"] == "unknown":
+                res.summaries[w] = {"error": f"xprof found no device and no step in {path}"}
+                continue
+            res.summaries[w] = {k: h[k] for k in ("host", "hardware", "source", "steps", "mean", "device_step_s",
+                                                  "categories", "collectives", "top_ops")}
+        except Exception as e:  # noqa: BLE001 - one unreadable trace is named; the others are still read
+            res.summaries[w] = {"error": str(e).splitlines()[0][:300] if str(e) else type(e).__name__}
 
 
 def profile(name: str, steps: int, flags: SshFlags = SshFlags(),
@@ -42,6 +62,8 @@ def profile(name: str, steps: int, flags: SshFlags = SshFlags(),
     if steps < 1:
         raise UserError(f"--steps {steps}: profile at least 1 step")
     with open_live(name, flags, note) as live:
+        live.needs_trainer("profile", "a trace of it: the trace comes from the trainer's profiler server, which "
+                                      "this command does not serve (jax.profiler in your own script can)")
         times = []
         for b in live.beside(HOSTSTAT, timeout=60):
             try:
@@ -77,4 +99,10 @@ def where(res: Profiled) -> str:
         folder = next(iter(res.traces.values())).split("/plugins/profile/")[0]
         lines.append(f"session {res.session} in {folder}: `tensorboard --logdir {folder}` (profile plugin: xprof) "
                      "opens it")
+    read = [h for h in res.summaries.values() if "error" not in h]
+    if read:
+        from trainer.experiments import profiles
+        lines.append(profiles.describe({"run": res.run_id, "session": res.session, "window": None, "hosts": read}))
+    lines += [f"{w}: trace not summarized here: {h['error']}" for w, h in sorted(res.summaries.items())
+              if "error" in h]
     return "\n".join(lines)

@@ -97,6 +97,8 @@ def top(name: str, flags: SshFlags = SshFlags(), *, out: TextIO = sys.stdout, as
     """`tpuctl top`: --json prints one snapshot, --once one table; else the table every `interval` seconds
     until Ctrl-C (or `refreshes` tables). Returns the last snapshot."""
     with open_live(name, flags, note) as live:
+        live.needs_trainer("top", "its step, step time, tokens/s, chips or straggler: they come from the trainer's "
+                                  "own progress lines and metrics, and hoststat runs in its environment")
         n = 0
         while True:
             t0 = time.monotonic()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from orchestrator import catalog
+from trainer.common import calibration
 from orchestrator.spec import UserError
 
 GIB = 2 ** 30
@@ -161,13 +162,30 @@ class Plan:
                 "hbm_bytes_s_per_device": bandwidth * a.chips / self.devices if bandwidth else None,
                 "peak_flops_per_device": a.peak_bf16_tflops * 1e12 / self.devices}
 
+    def calibrated(self) -> dict | None:
+        """The step time by class of work at the rates a chip was measured to do each (trainer/common/
+        calibration.py): {step_s, terms, measured, source}; None without the compiler's work by class (a CPU
+        compile, or figures from before it was counted)."""
+        work = self.figures.get("work")
+        if self.compiler == CPU or not work:
+            return None
+        g = self.accelerator.generation
+        rates = calibration.for_kind(self.figures.get("device_kind") or g.device_kind,
+                                     g.peak_bf16_tflops * 1e12, g.hbm_bytes_s)
+        return calibration.estimate(work, rates) if rates else None
+
     def timing(self) -> dict:
-        """Step time, tokens/s, wall time and cost: the roofline's (step_s, wall_s, usd_*) and, labelled as an
-        assumption, at --mfu (*_at_mfu)."""
+        """Step time, tokens/s, wall time and cost: the calibrated estimate's where there is one (step_s, wall_s,
+        usd_*; `estimate` says which), else the roofline's; the roofline's own (roofline_step_s, the lower bound);
+        and, labelled as an assumption, at --mfu (*_at_mfu)."""
         roof = self.roofline()
         if roof is None:
             return {}
-        peak, at_mfu, step = self.step_s(), self.step_s(self.mfu), roof["step_s"]
+        cal = self.calibrated()
+        peak, at_mfu = self.step_s(), self.step_s(self.mfu)
+        step = cal["step_s"] if cal else roof["step_s"]
+        roof = {**roof, "roofline_step_s": roof["step_s"], "step_s": step, "calibrated": cal,
+                "estimate": "calibrated" if cal else "roofline"}
         tokens = self.figures["tokens_per_step"]
         a = self.accelerator
         hours, hours_at_mfu = self.run_steps * step / 3600, self.run_steps * at_mfu / 3600

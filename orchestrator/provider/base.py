@@ -112,9 +112,21 @@ class Provider:
         """Whether the storage serving gs:// is there without starting anything (a read that must not create)."""
         return True
 
-    def bucket_iam(self) -> bool:
-        """Whether a bucket has an IAM policy of its own here (the GCS emulator has none: the project's decides)."""
-        return True
+    def bucket_iam_endpoint(self, bucket: str, project: str) -> str | None:
+        """Where gs://bucket's IAM is asked (its policy, testIamPermissions): None, the Cloud Storage API itself.
+        project: the one the caller works in (a stand-in may need to be told the bucket is that project's)."""
+        return None
+
+    def as_account(self, email: str):
+        """Credentials that act as service account `email` (google.auth's impersonated credentials: the caller
+        needs roles/iam.serviceAccountTokenCreator on it, else the first request is refused): what submit asks
+        testIamPermissions with, since that call answers for its caller only."""
+        import google.auth
+        from google.auth import impersonated_credentials
+        scope = ["https://www.googleapis.com/auth/cloud-platform"]
+        src, _ = google.auth.default(scopes=scope)
+        return impersonated_credentials.Credentials(source_credentials=src, target_principal=email,
+                                                    target_scopes=scope, lifetime=300)
 
     def resource_manager_endpoint(self) -> str | None:
         """The Cloud Resource Manager API: projects and their IAM policies (None: the default endpoint;

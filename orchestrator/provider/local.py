@@ -211,8 +211,19 @@ class LocalProvider(Provider):
         from infra import gcs
         return gcs.running() is not None
 
-    def bucket_iam(self) -> bool:
-        return False  # fake-gcs-server has no bucket IAM (GET /storage/v1/b/B/iam is 404 there)
+    def bucket_iam_endpoint(self, bucket: str, project: str) -> str | None:
+        """fake-gcs-server has no bucket IAM (GET /storage/v1/b/B/iam is 404 there): the local cloud's stand-in
+        beside Resource Manager serves it (infra/fake_bucket_iam.py), told the bucket is the slice's project's, as
+        the emulator made it for that project."""
+        from infra.fake_login_apis import FakeLoginControl
+        url = service_url("compute")
+        FakeLoginControl(url).bucket_project(bucket, project)
+        return url
+
+    def as_account(self, email: str):
+        """The stand-ins name their caller from the bearer token (an IAM member)."""
+        from google.oauth2.credentials import Credentials
+        return Credentials(token=f"serviceAccount:{email}")
 
     def resource_manager_endpoint(self) -> str | None:
         return service_url("compute")  # the Compute Engine stand-in serves Resource Manager's projects too

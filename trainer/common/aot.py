@@ -60,6 +60,10 @@ class Built:
     # -> the step with its loops unrolled, compiled only to be counted (trainer/common/scans.py); None: the command
     # has no loop of its own
     compile_unrolled: Callable[[], Any] | None = None
+    # the splash kernel's work per token by the arithmetic (0 when XLA computes attention: the compiler counts
+    # that) and its head_dim: the calibrated time's attention class (trainer/common/calibration.py)
+    kernel_attention_flops_per_token: float = 0.0
+    head_dim: int = 0
 
 
 def _auto_dtype(cfg, run_platform: str):
@@ -96,7 +100,10 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                            "splash_block": t.splash_block, "splash_fwd": t.splash_fwd,
                            "loss_kernel": "xla" if steps.loss_kernel is None else "pallas",
                            "optimizer_state": t.optimizer_state},
-                 levers=("grad_accum", "remat", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled)
+                 levers=("grad_accum", "remat", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled,
+                 kernel_attention_flops_per_token=(12.0 * m.n_layer * m.seq_len * m.d_model
+                                                   if steps.attention != "xla" else 0.0),
+                 head_dim=m.head_dim)
 
 
 def _lora_run(args: argparse.Namespace, run_platform: str):
@@ -150,7 +157,10 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                            "fsdp": True, "batch_per_device": not run.batch_size},
                  levers=("base_dtype", "loss_chunk", "remat", "batch_size", "mesh_model"),
                  # a twin only for the loss's own chunks: a loop the compiler makes itself stays in any twin
-                 compile_unrolled=(lambda: steps.compile_unrolled(base)) if steps.loss_chunks > 1 else None)
+                 compile_unrolled=(lambda: steps.compile_unrolled(base)) if steps.loss_chunks > 1 else None,
+                 kernel_attention_flops_per_token=(12.0 * cfg.n_layers * run.seq_len * cfg.n_heads * cfg.head_dim
+                                                   if steps.attention != "xla" else 0.0),
+                 head_dim=cfg.head_dim)
 
 
 def _needs_size(args: argparse.Namespace) -> None:
@@ -237,6 +247,30 @@ def uncounted_kernel_bytes(hlo_text: str) -> float:
     return float(total)
 
 
+_DECLARED_FLOPS = re.compile(r'"cost_estimate":\{[^}]*?"flops":"?(\d+)')
+
+
+def declared_kernel_flops(hlo_text: str) -> float:
+    """The flops the Pallas kernels declare in their cost estimates (the loss kernels'), which the compiler adds to
+    its count as they are."""
+    return float(sum(int(m.group(1)) for line in hlo_text.splitlines()
+                     if 'custom_call_target="tpu_custom_call"' in line for m in [_DECLARED_FLOPS.search(line)] if m))
+
+
+def work(built: Built, figures: dict, hlo_text: str) -> dict:
+    """One device's step by class of work, for the calibrated time (trainer/common/calibration.py): XLA's matmul
+    flops, the splash kernel's and the loss kernels' flops, and the bytes of the rest (elementwise, reductions,
+    copies; trainer/common/hlo_bytes.py), counted from the same program as flops and bytes_accessed."""
+    from trainer.common import hlo_bytes
+    kernel = declared_kernel_flops(hlo_text)
+    by_class = hlo_bytes.table(hlo_text)["by_class"] if hlo_text else {}
+    devices = max(1, figures["devices"])
+    return {"matmul_flops": max(0.0, figures["flops"] - kernel), "loss_kernel_flops": kernel,
+            "attention_flops": built.kernel_attention_flops_per_token * built.tokens_per_step / devices,
+            "head_dim": built.head_dim, "other_bytes": by_class.get(hlo_bytes.OTHER, 0.0),
+            "bytes_by_class": by_class}
+
+
 def whole_count(built: Built, compiled, twin: bool = True) -> tuple[dict, Any]:
     """The step's flops and bytes accessed counted whole, per device.
 
@@ -280,10 +314,13 @@ def figures(built: Built, compiled, target: Target, compile_s: float) -> dict:
     temp, code = mem.temp_size_in_bytes, mem.generated_code_size_in_bytes
     # a run on CPU devices (a local slice) gets no step time from its plan: no twin compiled to count it
     whole, counted_from = whole_count(built, compiled, twin=target.run_platform != "cpu")
+    text = counted_from.as_text() or ""
     out_fig = {**_about(built, target, compile_s),
                "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
                "code_bytes": code, "total_bytes": arg + out - alias + temp + code, **whole,
-               "kernel_bytes_uncounted": uncounted_kernel_bytes(counted_from.as_text() or "")}
+               "kernel_bytes_uncounted": uncounted_kernel_bytes(text)}
+    if target.run_platform == "tpu":
+        out_fig["work"] = work(built, out_fig, text)
     if target.slices > 1:
         from trainer.common import collectives
         out_fig.update(collectives.crossing(counted_from.as_text() or "", len(target.devices), target.slices))

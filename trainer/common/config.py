@@ -90,9 +90,10 @@ class TrainConfig:
     # with 3.30, 0 43.9 GB with 3.84. 256 takes most of the bytes off for little memory.
     loss_chunk: int = 256
     # The output layer and its loss as two Pallas kernels that keep the logits in VMEM (trainer/models/
-    # xent_kernel.py) or as XLA's chunked loss above: auto = the kernels on TPU. gpt2-124m on v5e-8, per device,
-    # the output layer and loss alone (`python -m bench.tpu_bytes`, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1):
-    # 7.7 GB with XLA's chunks of 256, 1.4 GB with the kernels.
+    # xent_kernel.py) or as XLA's chunked loss above. auto on TPU: what the chip measured faster
+    # (trainer/common/chip_choices.py; on a v5e chip, XLA's: the kernels move fewer bytes, 1.4 GB against 7.7 GB
+    # per device for gpt2-124m's output layer and loss on v5e-8, but compute the logits twice, and the step took
+    # longer with them).
     loss_kernel: str = "auto"
     remat: str = "none"  # activations recomputed in the backward pass: none, dots, full
     # AdamW's moments replicated, or split over the data axis (ZeRO-1). sharded is not the default: the TPU
@@ -190,8 +191,8 @@ HELP = {
                   "(the largest divisor of --seq-len not above N; 0 = the whole [batch, seq, vocab] f32 logits)",
     "loss_kernel": "auto, xla or pallas: the output layer and loss as two Pallas TPU kernels that never write a "
                    "logit to HBM (they compute the logits twice; off TPU they run interpreted: slow, for checks), or "
-                   "as XLA's chunked loss (--loss-chunk); auto = the kernels when the step is compiled for TPU "
-                   "devices and a device's tokens and the table tile into their blocks, else XLA's",
+                   "as XLA's chunked loss (--loss-chunk); auto = on TPU what the chip measured faster "
+                   "(trainer/common/chip_choices.py: XLA's on v5e), else XLA's",
     "remat": "none, dots or full: what each layer keeps for the backward pass (dots: the weight matmuls' "
              "outputs; full: only its input) and so recomputes; trades compute for memory",
     "optimizer_state": "replicated or sharded: each parameter's AdamW moments whole on every device, or split "

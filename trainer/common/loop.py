@@ -96,10 +96,15 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     stall_clock = steptimes.StallClock() if jax.process_count() > 1 else None
     chips = chipstats.Sampler()  # this host's chips, once a minute, into its record of the next logged step
     try:
+        # A logged window's tokens/s and MFU count the steps that FINISHED within it: it starts and ends where
+        # the loop has waited for a step's result (its loss), and what is left out of it (the profiler's start and
+        # stop, a checkpoint's save) is timed only once the device has nothing of the window's left to do. Had the
+        # device gone on working while the profiler started, that work would leave the window and a step would
+        # seem faster than the chip (96% MFU was logged so as a profile began).
         last_t, last_step = time.perf_counter(), start
-        batches, step, profiler_s = iter(batches), start, 0.0
+        batches, step, profiler_s, save_s = iter(batches), start, 0.0, 0.0
         while True:
-            spent = prof.begin(step + 1)  # the profiler's own start and stop stay out of step times
+            spent = prof.begin(step + 1, state)  # the profiler's own start and stop stay out of step times
             last_t, profiler_s = last_t + spent, profiler_s + spent
             with prof.annotate(step + 1):  # the trace's step: waiting for the batch, then the step itself
                 waiting = time.perf_counter()
@@ -122,9 +127,11 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                     rec["mfu"] = tps * job.flops_per_token / (job.peak_flops * jax.device_count()) \
                         if job.peak_flops else None
                 rec.update(step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
+                if profiler_s or save_s:  # named, not hidden: the window's time is the steps' alone
+                    rec["left_out_s"] = {k: v for k, v in (("profiler", profiler_s), ("checkpoint", save_s)) if v}
                 mine = {"dispatch_t": dispatch_t, "input_wait_s": input_wait_s,
                         "stalled_s": stall_clock.take() if stall_clock else 0.0, "profiler_s": profiler_s}
-                profiler_s = 0.0
+                profiler_s = save_s = 0.0
                 if (sample := chips.take()) is not None:
                     mine["chips"] = sample
                 hosts = steptimes.gather(step, mine)  # every process's record, on process 0
@@ -142,7 +149,12 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
             interrupted = ckpt.interrupted and not last
             if preempted or interrupted or last or (job.ckpt_every and step % job.ckpt_every == 0):
                 finite(float(out["loss"]), step, ckpt)  # a diverged step never replaces a good one
+                jax.block_until_ready(state)  # the steps' own work stays in their window
+                t0 = time.perf_counter()
                 job.save(ckpt, step, state)
+                spent = time.perf_counter() - t0
+                if not last:
+                    last_t, save_s = last_t + spent, save_s + spent
             if preempted or interrupted:
                 ckpt.wait()
                 if preempted:

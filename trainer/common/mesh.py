@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from trainer.common.config import UsageError
+from trainer.common.process import check_accelerator
 
 DCN = "dcn"
 AXES = (DCN, "data", "model")
@@ -41,7 +42,14 @@ STATE_SPLIT = "data"
 
 
 def init_distributed() -> bool:
-    """Join the multi-process job described by TPUCTL_* (see docs/CONTRACTS.md). True if joined."""
+    """Join the multi-process job described by TPUCTL_* (see docs/CONTRACTS.md). True if joined. Then, on a
+    host with a TPU device node, make sure jax found the TPU (trainer/common/process.check_accelerator)."""
+    joined = _join()
+    check_accelerator()
+    return joined
+
+
+def _join() -> bool:
     coord = os.environ.get("TPUCTL_COORDINATOR")
     if not coord:
         return False

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Callable
 
+from trainer.common import accelerators
 from trainer.common.config import UsageError
 
 COUNT_FLAG = "xla_force_host_platform_device_count"
@@ -87,7 +88,6 @@ def in_a_multi_process_job() -> bool:
 QUIET_NATIVE_LOGS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TPU_STDERR_LOG_LEVEL": "2", "TPU_MIN_LOG_LEVEL": "2",
                      "GRPC_VERBOSITY": "ERROR"}
 RUNTIME_METRICS_ENV, RUNTIME_METRICS_PORT = "TPU_RUNTIME_METRICS_PORTS", "8431"  # tpu-info's default address
-ACCELERATOR_DEVICES = ("/dev/accel0", "/dev/vfio/0", "/dev/nvidia0")  # TPU v4+/v5e+/GPU device nodes
 
 
 def quiet_native_logs() -> None:
@@ -95,7 +95,8 @@ def quiet_native_logs() -> None:
 
     With libtpu installed (for `tpuctl plan`) and JAX_PLATFORMS unset, jax asks libtpu for a TPU, and on a machine
     without one libtpu logs its failed search ("Failed to find host bounds", "unexpected worker hostname") before
-    jax falls back to the CPU. No TPU or GPU device node here: the CPU is chosen at once."""
+    jax falls back to the CPU. No TPU or GPU device node here (trainer/common/accelerators.py): the CPU is chosen
+    at once. With one, jax is left to find it, and check_accelerator() stops the run if it did not."""
     if "jax" in sys.modules:
         return
     for k, v in QUIET_NATIVE_LOGS.items():
@@ -103,9 +104,35 @@ def quiet_native_logs() -> None:
     # libtpu serves its runtime metrics (HBM use, duty cycle: what `tpu-info` and `tpuctl top` read) only when
     # this is set when it starts; a CPU or GPU process ignores it.
     os.environ.setdefault(RUNTIME_METRICS_ENV, RUNTIME_METRICS_PORT)
-    if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(d) for d in ACCELERATOR_DEVICES):
+    if not os.environ.get("JAX_PLATFORMS") and not accelerators.device_nodes():
         os.environ["JAX_PLATFORMS"] = "cpu"
     quiet_tensorstore_when_imported()
+
+
+class AcceleratorError(UsageError):
+    """A TPU host whose chip jax did not find: the run stops rather than train on the CPU."""
+
+
+def check_accelerator() -> None:
+    """After jax has started: on a host with a TPU device node, the run goes on only on the TPU, unless the user
+    asked for the CPU (JAX_PLATFORMS=cpu first, or --emulate-devices / $TPUCTL_EMULATE_DEVICES, which set it).
+
+    jax falls back to the CPU silently when libtpu is missing or cannot open the chip; a gpt2-124m step on one
+    host's CPU in float32 then ran its 40 GiB of memory out instead of failing."""
+    nodes = accelerators.tpu_nodes()
+    if not nodes or os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu":
+        return
+    import jax
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return
+    held = (" (/tmp/libtpu_lockfile exists: `lsof /tmp/libtpu_lockfile` names its holder)"
+            if os.path.exists("/tmp/libtpu_lockfile") else "")
+    raise AcceleratorError(
+        f"this host has a TPU device node ({', '.join(nodes)}) but jax found no TPU (backend: {backend}): check "
+        f"that libtpu is installed beside jax (pip show libtpu), that no other process holds the chip{held}, and "
+        f"that this user can open {nodes[0]} (ls -l {nodes[0]}); to train on the CPU on purpose, set "
+        f"JAX_PLATFORMS=cpu")
 
 
 # tensorstore (Orbax's array I/O on gs://) links its own copy of absl logging, sets it to print INFO lines when

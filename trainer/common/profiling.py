@@ -172,7 +172,7 @@ def trace_options():
 class Recorder:
     """Traces the window's steps on this process and keeps the trace under the run's --ckpt-dir.
 
-    The loop calls `begin(step)` before dispatching each step, `annotate(step)` around it and `end(step, state)`
+    The loop calls `begin(step, state)` before dispatching each step, `annotate(step)` around it and `end(step, state)`
     after it; `close()` at the end, also when the run stops inside the window (what was traced is kept).
     `begin` and `end` return the seconds they took (starting the trace; stopping it and copying it out), which
     the loop keeps out of its step times: the profiler's own cost is not a step's."""
@@ -187,10 +187,13 @@ class Recorder:
     def dest(self) -> str:
         return f"{self.ckpt_dir.rstrip('/')}/{PROFILES}/{self.run}/plugins/profile/{self.window.session}"
 
-    def begin(self, step: int) -> float:
+    def begin(self, step: int, state=None) -> float:
         if self.window is None or self._tmp is not None or step not in self.window:
             return 0.0
         import jax
+        # the steps already dispatched finish first: their work is theirs, not the profiler start's, which the
+        # loop leaves out of step times (the device would go on with them while the trace starts)
+        jax.block_until_ready(state)
         t0 = time.perf_counter()
         self.run = self.run or run_id()
         self._tmp = tempfile.mkdtemp(prefix="tpuctl-profile-")

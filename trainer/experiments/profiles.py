@@ -99,22 +99,26 @@ def _quiet():
 
 
 def tool(path: str, name: str):
-    """xprof's `name` tool for one .xplane.pb, as parsed JSON (a gs:// file is read through a local copy)."""
+    """xprof's `name` tool for one .xplane.pb, as parsed JSON.
+
+    The file is converted from a folder of its own (a link to it, or a local copy of a gs:// file): xprof writes
+    `ALL_HOSTS.op_stats_v2.pb` beside the file it converts and answers every later conversion of any file in that
+    folder from it, so with several hosts' traces in one session folder (our layout) every host would read the
+    first one's figures."""
     with _quiet():
         convert = _xprof()
-    tmp = None
+    tmp = tempfile.mkdtemp(prefix="tpuctl-xplane-")
     try:
+        local = os.path.join(tmp, os.path.basename(path))
         if "://" in path:
             from etils import epath
-            tmp = tempfile.mkdtemp(prefix="tpuctl-xplane-")
-            local = os.path.join(tmp, os.path.basename(path))
             with open(local, "wb") as f:
                 f.write(epath.Path(path).read_bytes())
-            path = local
-        data, _ = convert.xspace_to_tool_data([path], name, {})
+        else:
+            os.symlink(os.path.abspath(path), local)
+        data, _ = convert.xspace_to_tool_data([local], name, {})
     finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     if not data:
         return None
     return json.loads(data.decode() if isinstance(data, bytes) else data)
@@ -126,14 +130,18 @@ def _table(t: dict) -> list[dict]:
     return [{k: (c or {}).get("v") for k, c in zip(ids, r.get("c", []))} for r in t.get("rows", [])]
 
 
-def _overview(path: str) -> tuple[str, list[dict]]:
-    """(hardware type, the per-step breakdown rows) of xprof's overview_page."""
+def _overview(path: str) -> tuple[str, dict, list[dict]]:
+    """(hardware type, the step table's properties, its per-step rows) of xprof's overview_page. The step table
+    is the one with a `stepnum` column: on TPU its columns are tcComputeTimeMs, tcIdleTimeMs, tcInfeedTimeMs, ...
+    and its properties carry active_steptime_ms_average; elsewhere deviceComputeTimeMs, ..., stepTimeMs."""
     tables = tool(path, "overview_page") or []
+    hardware = next(((t.get("p") or {}).get("hardware_type") for t in tables
+                     if (t.get("p") or {}).get("hardware_type")), "")
     for t in tables:
         ids = {c["id"] for c in t.get("cols", [])}
-        if "stepTimeMs" in ids:
-            return (t.get("p") or {}).get("hardware_type", ""), _table(t)
-    return "", []
+        if "stepnum" in ids and ({"stepTimeMs", "tcComputeTimeMs"} & ids):
+            return hardware, t.get("p") or {}, _table(t)
+    return hardware, {}, []
 
 
 def _step_of(label) -> int | None:
@@ -143,18 +151,27 @@ def _step_of(label) -> int | None:
 
 # --- one host ---------------------------------------------------------------------------------------
 
+MEAN_KEYS = ("step_s", "compute_s", "collective_s", "input_s", "idle_s")
+
+
 def summarize(path: str, host: str = "") -> dict:
-    """One host's trace: {host, hardware, source, steps: [{step, step_s, compute_s, collective_s, idle_s}],
-    mean (the same, averaged over the steps), collectives ({kind: s per step}), top_ops ([{op, category,
-    self_s (per step), share}])}."""
-    hardware, rows = _overview(path)
-    if hardware and hardware != "CPU_ONLY":
+    """One host's trace: {host, hardware, source, steps: [{step, step_s, compute_s, collective_s, input_s,
+    idle_s}], mean (the same, averaged over the steps), device_step_s (TPU: xprof's active step, the device's
+    time per step; else None), categories ({xprof op category: share of op time}), collectives ({kind: s per
+    step}), top_ops ([{op, category, self_s (per step), share, flop_s (achieved FLOP/s, where xprof has it)}])}."""
+    hardware, props, rows = _overview(path)
+    if rows and "tcComputeTimeMs" in rows[0]:
+        out = _tpu_split(path, props, rows)
+    elif hardware and hardware != "CPU_ONLY":
         out = _device_split(path, rows)
     else:
         out = _cpu_split(path, rows)
     n = max(1, len(out["steps"]))
-    keys = ("step_s", "compute_s", "collective_s", "idle_s")
-    out["mean"] = {k: sum(s[k] for s in out["steps"]) / n for k in keys}
+    for st in out["steps"]:
+        st.setdefault("input_s", 0.0)
+    out["mean"] = {k: sum(st[k] for st in out["steps"]) / n for k in MEAN_KEYS}
+    out.setdefault("device_step_s", None)
+    out.setdefault("categories", {})
     out.update(host=host or os.path.basename(path)[:-len(".xplane.pb")], hardware=hardware or "unknown")
     return out
 
@@ -163,30 +180,72 @@ def _s(row: dict, ms_column: str) -> float:
     return float(row.get(ms_column) or 0.0) / 1e3
 
 
+def _hlo_ops(path: str) -> list[dict]:
+    stats = tool(path, "hlo_stats") or {}
+    return _table(stats if isinstance(stats, dict) else (stats[0] if stats else {}))
+
+
+def _op_tables(ops: list[dict], n_steps: int) -> dict:
+    """From hlo_stats' rows (every op of the trace, each with its self time in µs): the collectives by kind and
+    the top ops, per step, and each category's share of all op time (as hlo_stats' own percentages add up)."""
+    n = max(1, n_steps)
+    total = sum(float(o.get("total_self_time") or 0.0) for o in ops) or 1.0
+    by_kind: dict[str, float] = {}
+    categories: dict[str, float] = {}
+    top = []
+    for o in sorted(ops, key=lambda o: -float(o.get("total_self_time") or 0.0)):
+        us = float(o.get("total_self_time") or 0.0)
+        category = o.get("category") or ""
+        categories[category] = categories.get(category, 0.0) + us / total
+        kind = kind_of(o.get("hlo_op_name") or "", category)
+        if kind:
+            by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e6 / n
+        if len(top) < TOP:
+            rate = float(o.get("model_flop_rate") or 0.0)  # GFLOP/s, 0 where the op does no counted work
+            top.append({"op": o.get("hlo_op_name"), "category": category, "self_s": us / 1e6 / n,
+                        "share": us / total, "flop_s": rate * 1e9 if rate > 0 else None,
+                        "name": o.get("tf_op_name") or ""})
+    return {"collectives": by_kind, "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "top_ops": top}
+
+
+_TPU_INPUT = ("tcInfeedTimeMs", "scv0InfeedTimeMs", "tcOutfeedTimeMs", "hostTransferTimeMs")
+
+
+def _tpu_split(path: str, props: dict, rows: list[dict]) -> dict:
+    """TPU: xprof's step table (the TensorCore's compute, input and idle per step), its active step (the device's
+    own time per step, the overview's active_steptime_ms_average) and hlo_stats' ops. The collectives run on
+    the TensorCore too: their share of its compute comes from hlo_stats."""
+    ops = _op_tables(_hlo_ops(path), len(rows))
+    coll_per_step = sum(ops["collectives"].values())
+    steps = []
+    for r in rows:
+        m = re.search(r"Step time = ([0-9.]+) ms", str(r.get("tooltip") or ""))
+        busy = _s(r, "tcComputeTimeMs") + _s(r, "scv0ComputeTimeMs")
+        inp = sum(_s(r, c) for c in _TPU_INPUT)
+        idle = _s(r, "tcIdleTimeMs")
+        step_s = float(m.group(1)) / 1e3 if m else busy + inp + idle
+        coll = min(busy, coll_per_step)
+        steps.append({"step": _step_of(r.get("stepnum")), "step_s": step_s, "compute_s": busy - coll,
+                      "collective_s": coll, "input_s": inp, "idle_s": max(0.0, step_s - busy - inp)})
+    active = str(props.get("active_steptime_ms_average") or "").strip()
+    device_step = float(active) / 1e3 if active else (
+        sum(st["compute_s"] + st["collective_s"] for st in steps) / max(1, len(steps)))
+    return {"source": "xprof overview_page (TPU step table, active step) and hlo_stats (ops)", "steps": steps,
+            "device_step_s": device_step, **ops}
+
+
 def _device_split(path: str, rows: list[dict]) -> dict:
-    """TPU/GPU: xprof's own step breakdown and HLO op statistics."""
+    """GPU: xprof's own step breakdown and HLO op statistics."""
     steps = []
     for r in rows:
         step_s, compute = _s(r, "stepTimeMs"), _s(r, "deviceComputeTimeMs")
         coll = _s(r, "deviceCollectivesTimeMs") + _s(r, "deviceToDeviceTimeMs")
+        inp = _s(r, "infeedTimeMs") + _s(r, "outfeedTimeMs")
         steps.append({"step": _step_of(r.get("stepnum")), "step_s": step_s, "compute_s": compute,
-                      "collective_s": coll, "idle_s": max(0.0, step_s - compute - coll)})
-    stats = tool(path, "hlo_stats") or {}
-    ops = _table(stats if isinstance(stats, dict) else (stats[0] if stats else {}))
-    n = max(1, len(steps))
-    total = sum(float(o.get("total_self_time") or 0.0) for o in ops) or 1.0
-    by_kind: dict[str, float] = {}
-    top = []
-    for o in sorted(ops, key=lambda o: -float(o.get("total_self_time") or 0.0)):
-        us = float(o.get("total_self_time") or 0.0)
-        kind = kind_of(o.get("hlo_op_name") or "", o.get("category") or "")
-        if kind:
-            by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e6 / n
-        if len(top) < TOP:
-            top.append({"op": o.get("hlo_op_name"), "category": o.get("category") or "", "self_s": us / 1e6 / n,
-                        "share": us / total})
+                      "collective_s": coll, "input_s": inp, "idle_s": max(0.0, step_s - compute - coll - inp)})
     return {"source": "xprof overview_page (step breakdown) and hlo_stats (ops)", "steps": steps,
-            "collectives": by_kind, "top_ops": top}
+            **_op_tables(_hlo_ops(path), len(steps))}
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -267,7 +326,8 @@ def _t(s: float) -> str:
 
 
 def describe(win: dict) -> str:
-    """One window as report text: per host the split of its mean step, its collectives, its top ops."""
+    """One window as report text: per host the split of its mean step, its op categories and collectives, its
+    top ops (with their achieved FLOP/s where xprof has them)."""
     w = win["window"]
     head = (f"run {win['run']}, steps {w[0]} to {w[1] - 1}" if w else f"run {win['run']}, session {win['session']}")
     lines = [head]
@@ -276,14 +336,20 @@ def describe(win: dict) -> str:
 
         def pct(v: float, step: float = m["step_s"]) -> str:
             return f"{100 * v / step:.0f}%" if step else "-"
-        lines.append(f"{h['host']} ({h['hardware']}): step {_t(m['step_s'])} = compute {_t(m['compute_s'])} "
+        device = (f"device step {_t(h['device_step_s'])} (xprof's active step); " if h.get("device_step_s") else "")
+        lines.append(f"{h['host']} ({h['hardware']}): {device}step {_t(m['step_s'])} = compute {_t(m['compute_s'])} "
                      f"({pct(m['compute_s'])}) + collectives {_t(m['collective_s'])} ({pct(m['collective_s'])}) + "
+                     f"input {_t(m.get('input_s', 0.0))} ({pct(m.get('input_s', 0.0))}) + "
                      f"host/idle {_t(m['idle_s'])} ({pct(m['idle_s'])}), mean of {len(h['steps'])} step(s)")
+        if h.get("categories"):
+            lines.append("  op time by category: " + ", ".join(
+                f"{k or '?'} {100 * v:.1f}%" for k, v in list(h["categories"].items())[:6] if v >= 0.001))
         if h["collectives"]:
             lines.append("  collectives per step: " + ", ".join(
                 f"{k} {_t(v)}" for k, v in sorted(h["collectives"].items(), key=lambda kv: -kv[1])))
         for i, op in enumerate(h["top_ops"], 1):
+            rate = f", {op['flop_s'] / 1e12:.0f} TFLOP/s" if (op.get("flop_s") or 0) >= 0.5e12 else ""
             lines.append(f"  {i:>2}. {op['op']} [{op['category']}] {_t(op['self_s'])}/step, "
-                         f"{100 * op['share']:.1f}% of op time")
+                         f"{100 * op['share']:.1f}% of op time{rate}")
         lines.append(f"  source: {h['source']}")
     return "\n".join(lines)

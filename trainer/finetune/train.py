@@ -66,7 +66,7 @@ class Steps:
         self.wait_each_step = mesh_lib.one_step_in_flight(mesh)
         platform = mesh.devices.flat[0].platform  # of the devices compiled for (a TPU plan from a CPU host)
         self.dtype = compute_dtype(run.dtype, platform)
-        self.attention = attention.resolve(run.attention, platform, run.seq_len)
+        self.attention = attention.resolve(run.attention, platform, run.seq_len, mesh.devices.flat[0].device_kind)
         self.global_batch = global_batch
         self.base_sh = gemma.shardings(cfg, mesh)
         self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh)

@@ -28,14 +28,17 @@ LANES = 128  # the kernel's blocks are multiples of this on TPU
 MAX_BLOCK = 512
 
 
-def resolve(name: str, platform: str, seq_len: int) -> str:
+def resolve(name: str, platform: str, seq_len: int, device_kind: str = "") -> str:
     """--attention for a step compiled for `platform` devices: xla, splash (the TPU kernel) or
-    splash-interpret (the kernel through Pallas' interpreter, off TPU). auto: splash on TPU when the
-    sequence is a whole number of kernel blocks, else xla."""
+    splash-interpret (the kernel through Pallas' interpreter, off TPU). auto: on TPU, when the sequence is a
+    whole number of kernel blocks, what the chip measured faster (trainer/common/chip_choices.py), else xla."""
+    from trainer.common import chip_choices
     if name not in CHOICES:
         raise UsageError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
     if name == "auto":
-        return SPLASH if platform == "tpu" and seq_len % LANES == 0 else XLA
+        if platform != "tpu" or seq_len % LANES:
+            return XLA
+        return SPLASH if chip_choices.for_kind(device_kind)[0].attention == "splash" else XLA
     if name == "splash":
         if seq_len % LANES:
             raise UsageError(f"--attention splash: the kernel works on blocks of {LANES} positions; --seq-len "

@@ -66,12 +66,16 @@ SMALL = Kernel(Blocks(tokens=512, vocab=384, grad_vocab=384, grad_tokens=512), v
 
 def resolve(name: str, platform: str, device_kind: str = "") -> Kernel | None:
     """--loss-kernel for a step compiled for `platform` devices of `device_kind`: the kernels' settings, or None
-    for the XLA loss (xent.chunked, --loss-chunk). auto: the kernels on TPU, XLA elsewhere; pallas off TPU runs
-    them through Pallas' interpreter (slow, for checks)."""
+    for the XLA loss (xent.chunked, --loss-chunk). auto: on TPU what the chip measured faster
+    (trainer/common/chip_choices.py), XLA elsewhere; pallas off TPU runs them through Pallas' interpreter (slow,
+    for checks)."""
+    from trainer.common import chip_choices
     from trainer.common.config import UsageError
     if name not in CHOICES:
         raise UsageError(f"--loss-kernel {name}: choose one of {', '.join(CHOICES)}")
-    if name == "xla" or (name == "auto" and platform != "tpu"):
+    if name == "auto":
+        name = chip_choices.for_kind(device_kind)[0].loss_kernel if platform == "tpu" else "xla"
+    if name == "xla":
         return None
     if platform != "tpu":
         return Kernel(interpret=True)

@@ -68,6 +68,15 @@ def generate(ckpt_dir: str, prompt: str, *, record: bool = False, step: int | No
     return text
 
 
+def generate_seeds(ckpt_dir: str, prompt: str, seeds, *, step: int | None = None, **kw) -> list[str]:
+    """generate's text for each seed, the checkpoint read once (nothing recorded): what a judgement of the model
+    over several samples reads."""
+    _check(**kw)
+    cfg, params, _ = _load(ckpt_dir, step)
+    enc = tokenizer_of(cfg)
+    return [enc.decode(_sample(cfg, params, enc.encode_ordinary(prompt), seed=s, **kw)) for s in seeds]
+
+
 def tokenizer_of(cfg):
     """The tokenizer the checkpoint was trained with (checkpoints from before it was recorded: GPT-2's)."""
     return tokenizers.get(cfg.model.tokenizer or "gpt2")

@@ -19,7 +19,8 @@ every computation the step runs as the cost analysis does (XLA's HloCostAnalysis
   bound its condition compares the induction variable with); a call or conditional: what it calls.
 Each charge goes to a bucket named from the instruction's jax source (its stack frame: the innermost frame in
 this repository, or optax), and whether it is forward or backward (a `transpose(` in its op_name).
-Pure text in, figures out: no jax needed (`bench.tpu_bytes` compiles the step and prints the table).
+Pure text in, figures out: no jax needed (`bench.tpu_bytes` compiles the step and prints the table; the plan's
+calibrated time, trainer/common/aot.py, takes its bytes by class of work).
 """
 from __future__ import annotations
 
@@ -426,15 +427,40 @@ def is_param_cast(module: Module, comp: Computation, ins: Instr) -> bool:
     return ops == {"convert"} and all(_ARRAY.match(s) and s.startswith("bf16") for s in _tuple_elements(ins.shape))
 
 
+MATMUL, KERNEL, COLLECTIVE, OTHER = "matmul", "kernel", "collective", "other"
+_COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+
+
+def op_class(module: Module, ins: Instr) -> str:
+    """What kind of work an instruction is, as the plan's calibrated time (trainer/common/calibration.py) prices
+    it: a fusion around a convolution or dot (the MXU's), a custom call (a Pallas kernel), a collective, or the
+    rest (elementwise, reductions, copies: bound by HBM)."""
+    if ins.opcode in ("convolution", "dot"):
+        return MATMUL
+    if ins.opcode == "fusion":
+        fused = module.computations.get(ins.attr("calls") or "")
+        if fused is not None and any(i.opcode in ("convolution", "dot") for i in fused.instrs.values()):
+            return MATMUL
+        return OTHER
+    if ins.opcode == "custom-call":
+        return KERNEL
+    if ins.opcode.startswith(_COLLECTIVE_OPS):
+        return COLLECTIVE
+    return OTHER
+
+
 def table(text: str, padded: bool = True) -> dict:
-    """{total, once, buckets: {name: bytes}, by_opcode: {opcode: bytes}, loops: [(body, trips)]} for one program:
-    total counts each loop body its trip count times, once counts it once (as the compiler's cost analysis)."""
+    """{total, once, buckets: {name: bytes}, by_opcode: {opcode: bytes}, by_class: {op_class: bytes}, loops:
+    [(body, trips)]} for one program: total counts each loop body its trip count times, once counts it once (as
+    the compiler's cost analysis)."""
     module = parse(text)
     charger = Charger(module, padded)
     charges = walk(module, charger)
     buckets: dict[str, float] = defaultdict(float)
     opcodes: dict[str, float] = defaultdict(float)
+    classes: dict[str, float] = defaultdict(float)
     for c in charges:
+        classes[op_class(module, c.instr)] += c.bytes * c.times
         comp = module.computations[c.computation]
         b = "casts of f32 params to bf16" if is_param_cast(module, comp, c.instr) else \
             bucket(module, _traced(module, comp, c.instr))
@@ -445,4 +471,4 @@ def table(text: str, padded: bool = True) -> dict:
     loops = [(i.attr("body"), trip_count(module, comp, i)) for comp in module.computations.values()
              for i in comp.instrs.values() if i.opcode == "while"]
     return {"total": sum(buckets.values()), "once": sum(c.bytes for c in charges), "buckets": dict(buckets),
-            "by_opcode": dict(opcodes), "loops": loops}
+            "by_opcode": dict(opcodes), "by_class": dict(classes), "loops": loops}

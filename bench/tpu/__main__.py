@@ -1,0 +1,129 @@
+"""`python -m bench.tpu` (`make tpu-check`): see bench/tpu/__init__.py."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import sys
+import time
+
+SECTIONS = ("kernels", "classes", "steps", "choices", "cli", "lora", "profile")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.tpu", description=(__import__("bench.tpu").tpu.__doc__ or "")
+                                .split("\n\n")[0])
+    p.add_argument("--out", default="", help="folder for the JSON, the trace and the check's runs "
+                                             "(default ./tpu-check-DATE)")
+    p.add_argument("--json", default="", help="where the JSON goes (default OUT/tpu-check.json)")
+    p.add_argument("--only", action="append", default=[], choices=SECTIONS, help="run only these sections")
+    p.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="leave out a section")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the sections run (no figures)")
+    p.add_argument("--cpu", action="store_true", help="run on this host's CPU when it has no TPU (with --quick)")
+    p.add_argument("--summarize", metavar="DIR", help="read a check's folder from a TPU host (its tpu-check.json, "
+                                                      "or a JSON file) and print its table; a trace kept beside it "
+                                                      "is summarized here and its row written into the JSON")
+    return p.parse_args(argv)
+
+
+def versions() -> dict:
+    out = {}
+    for name in ("jax", "jaxlib", "libtpu", "libtpu-nightly"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.summarize:
+        return summarize(args.summarize)
+    from trainer.common import accelerators
+    nodes = accelerators.tpu_nodes()
+    if not nodes and not args.cpu:
+        print("no TPU on this host (no /dev/accel* or /dev/vfio/<N>): nothing to check here. Run `make tpu-check` "
+              "on a TPU host (docs/tpu-check.md); `--cpu --quick` runs the sections on this CPU at tiny sizes.")
+        return 0
+    if not nodes:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    out = os.path.abspath(args.out or f"tpu-check-{datetime.date.today().isoformat()}")
+    os.makedirs(out, exist_ok=True)
+    import jax
+    from trainer.common import chips, loop, process
+    process.check_accelerator()  # a TPU node and no TPU: stop, naming it (as the trainer does)
+    loop.enable_compile_cache()
+    dev = jax.devices()[0]
+    from bench.tpu.common import Settings
+    s = Settings(quick=args.quick, out=out, peak=chips.PEAK_FLOPS.get(dev.device_kind),
+                 hbm=chips.HBM_BYTES_S.get(dev.device_kind), device_kind=dev.device_kind)
+    about = {"device_kind": dev.device_kind, "devices": jax.device_count(), "backend": jax.default_backend(),
+             "versions": versions(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+             "quick": args.quick}
+    print(f"tpu-check: {jax.device_count()} x {dev.device_kind} ({jax.default_backend()}), "
+          + ", ".join(f"{k} {v}" for k, v in about["versions"].items()) + f"; output in {out}", flush=True)
+    wanted = [x for x in (args.only or SECTIONS) if x not in args.skip]
+    rows, failed = [], {}
+    from bench.tpu import classes, cli, kernels, lora, profile, steps
+    runs = {"kernels": kernels.run, "classes": classes.run, "steps": steps.run, "choices": steps.choices,
+            "cli": cli.run, "lora": lora.run, "profile": profile.run}
+    path = args.json or os.path.join(out, "tpu-check.json")
+    for name in wanted:
+        t0 = time.perf_counter()
+        print(f"[{name}] ...", flush=True)
+        try:
+            got = runs[name](s)
+        except Exception as e:  # noqa: BLE001 - one section's failure is reported; the others still run
+            import traceback
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            got = []
+        rows += got
+        print(f"[{name}] {len(got)} row(s) in {time.perf_counter() - t0:.0f} s", flush=True)
+        _write(path, about, rows, failed)  # whatever is done is kept, also if a later section is killed
+    report = _write(path, about, rows, failed)
+    print(render(report))
+    print(f"JSON: {path}")
+    bad = [r for r in rows if r.ok is False]
+    return 1 if bad or failed else 0
+
+
+def _write(path: str, about: dict, rows, failed: dict) -> dict:
+    from bench.tpu import report
+    data = report.build(about, [dataclasses.asdict(r) for r in rows], failed)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=float)
+    os.replace(tmp, path)
+    return data
+
+
+def render(data: dict) -> str:
+    from bench.tpu import report
+    return report.render(data)
+
+
+def summarize(folder: str) -> int:
+    from bench.tpu import profile, report
+    path = folder if folder.endswith(".json") else os.path.join(folder, "tpu-check.json")
+    with open(path) as f:
+        data = json.load(f)
+    trace = os.path.join(os.path.dirname(path), profile.TRACE)
+    if os.path.exists(trace):
+        row = dataclasses.asdict(profile.summarize(trace))
+        data["rows"] = [r for r in data["rows"] if r["section"] != "profile"] + [row]
+        data = report.build(data["about"], data["rows"], data.get("failed", {}))
+        with open(path, "w") as f:  # the summary joins the record it was read beside
+            json.dump(data, f, indent=1, default=float)
+    else:
+        data = report.build(data["about"], data["rows"], data.get("failed", {}))
+    print(report.render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

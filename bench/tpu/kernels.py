@@ -1,0 +1,91 @@
+"""The kernels against f32 references, forward and gradients, on the chip: the loss kernels
+(trainer/models/xent_kernel.py) and XLA's chunked loss against the full f32 logits; splash attention
+(trainer/models/attention.py) against causal softmax attention written in plain f32 jnp. The inputs are rounded
+to bf16 once and given to both sides, so the difference is the kernels' own arithmetic."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.tpu.common import Row, Settings
+
+LOSS_TOL = 2e-2   # max |error| / max |reference| for bf16 matmuls with f32 accumulation
+ATTN_TOL = 2e-2
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def loss_rows(s: Settings) -> list[Row]:
+    from trainer.models import gpt2, xent, xent_kernel as xk
+    n, d, vocab, padded = (256, 128, 700, 768) if s.quick else (8 * 1024, 768, 50257, 50304)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, n, d)), jnp.bfloat16)
+    table = jnp.asarray(0.02 * rng.standard_normal((padded, d)), jnp.bfloat16).astype(jnp.float32)
+    targets = jnp.asarray(rng.integers(0, vocab, (1, n)), jnp.int32)
+
+    def reference(x, table):
+        lg = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), table, precision="highest")[..., :vocab]
+        return gpt2.loss_fn(lg, targets)
+    want, (wx, wt) = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(x, table)
+    kernel = xk.Kernel(xk.Blocks(tokens=64, vocab=128, grad_vocab=128, grad_tokens=128), interpret=True) \
+        if s.quick or jax.default_backend() != "tpu" else xk.Kernel()
+    contenders = {
+        "loss kernels (pallas)": lambda x, t: xk.loss(x, t, targets, vocab, kernel),
+        "XLA loss, chunks of 256": lambda x, t: xent.chunked(x, t, targets, 256 if n >= 256 else n, vocab),
+    }
+    rows = []
+    for name, fn in contenders.items():
+        got, (gx, gt) = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(x, table)
+        err = {"loss": abs(float(got) - float(want)) / abs(float(want)), "dx": _rel(gx, wx), "dtable": _rel(gt, wt)}
+        rows.append(Row("kernels", f"{name} vs f32 logits", ok=max(err.values()) <= LOSS_TOL,
+                        note=", ".join(f"{k} {v:.1e}" for k, v in err.items()), figures=err))
+    return rows
+
+
+def _attention_ref(q, k, v, window=None):
+    """Causal softmax attention in f32: q [B, T, H, hd] (scaled), k, v [B, T, K, hd]."""
+    b, t, h, hd = q.shape
+    rep = h // k.shape[2]
+    k, v = (jnp.repeat(a, rep, axis=2).astype(jnp.float32) for a in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k, precision="highest")
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    keep = (j <= i) if window is None else ((j <= i) & (j > i - window))
+    s = jnp.where(keep, s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+
+
+def attention_rows(s: Settings) -> list[Row]:
+    from trainer.models import attention
+    on_tpu = jax.default_backend() == "tpu" and not s.quick
+    shapes = {"gpt2-124m layer (12 x 64)": (2, 1024, 12, 12, 64),
+              "gemma3-1b layer (4 x 256, 1 kv head)": (2, 512, 4, 1, 256)} if on_tpu else \
+        {"tiny (2 x 64)": (1, 128, 2, 2, 64), "tiny GQA (4 x 128, 2 kv heads)": (1, 128, 4, 2, 128)}
+    kernel = attention.Kernel("seq-minor", "fused", 1024, "splash")
+    rows = []
+    rng = np.random.default_rng(1)
+    for name, (b, t, h, kh, hd) in shapes.items():
+        q = jnp.asarray(rng.standard_normal((b, t, h, hd)) / np.sqrt(hd), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.standard_normal((b, t, kh, hd)), jnp.bfloat16) for _ in range(2))
+        ct = jnp.asarray(rng.standard_normal((b, t, h, hd)), jnp.float32)
+        lay = kernel if hd == 64 else attention.Kernel()
+
+        def splash(q, k, v):
+            return attention.splash(q, k, v, interpret=not on_tpu, kernel=lay).astype(jnp.float32)
+
+        def vjp(fn):
+            out, pull = jax.vjp(fn, q, k, v)
+            return out, pull(ct)
+        want, wg = jax.jit(lambda: vjp(_attention_ref))()
+        got, gg = jax.jit(lambda: vjp(splash))()
+        err = {"out": _rel(got, want), **{f"d{n}": _rel(g, w) for n, g, w in zip("qkv", gg, wg)}}
+        rows.append(Row("kernels", f"splash vs f32 attention, {name}", ok=max(err.values()) <= ATTN_TOL,
+                        note=", ".join(f"{k} {v:.1e}" for k, v in err.items()), figures=err))
+    return rows
+
+
+def run(s: Settings) -> list[Row]:
+    return loss_rows(s) + attention_rows(s)

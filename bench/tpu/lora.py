@@ -1,0 +1,78 @@
+"""A LoRA step of Gemma on the chip from random bf16 weights (no checkpoint is needed to time a step): rank 8 on
+every projection (q, k, v, o and the MLP's three), T 512, the batch each size is measured at. MFU counts
+4 N_base + 6 N_lora + 12 L T H head_dim per token (trainer/common/aot.lora_flops_per_token); the plan's
+calibrated time is computed from the same compiled step."""
+from __future__ import annotations
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, time_steps
+
+SIZES = {"gemma2-2b": 4, "gemma3-1b": 8}  # batch (rows of 512) each was measured at on one v5e chip
+QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ff=1024,
+             sliding_window=64, query_pre_attn_scalar=64.0)
+
+
+def _random_base(cfg, steps):
+    """The base's arrays in bf16, drawn on the devices in their shardings."""
+    from trainer.models import gemma
+    out = {}
+    for i, (name, (shape, _)) in enumerate(gemma.param_layout(cfg).items()):
+        sh = steps.base_sh[name]
+        out[name] = jax.jit(lambda k, shape=shape: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(
+            jnp.bfloat16), out_shardings=sh)(jax.random.key(i))
+    return block(out)
+
+
+def step_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
+    from trainer.common import aot, calibration, mesh as mesh_lib
+    from trainer.finetune import data as sft_data, train as finetune
+    from trainer.finetune.config import LoraRun
+    from trainer.models import gemma, lora as lora_lib
+    cfg = gemma.GemmaConfig(**QUICK) if s.quick else gemma.SIZES[size]
+    seq_len = 128 if s.quick else seq_len
+    run = LoraRun(weights="-", data="-", ckpt_dir=tempfile.mkdtemp(dir=s.out), model=size, targets="all",
+                  seq_len=seq_len, batch_size=batch, steps=1000, base_dtype="bfloat16")
+    mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
+    steps = finetune.Steps(run, cfg, mesh, 1000, batch)
+    base = _random_base(cfg, steps)
+    lora, opt = steps.init()
+    compile_s = steps.compile(base)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, cfg.vocab, (batch, seq_len)).astype(np.int32)
+    local = {"inputs": ids, "targets": np.roll(ids, -1, axis=1), "weights": np.ones((batch, seq_len), np.float32),
+             "segments": np.ones((batch, seq_len), np.int32),
+             "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy()}
+    assert set(local) == set(sft_data.FIELDS)
+    state = {"lora": lora, "opt": opt, "n": 0}
+
+    def one():
+        state["n"] += 1
+        state["lora"], state["opt"], out = steps.step(state["lora"], state["opt"], base, local, state["n"])
+        return out["loss"]
+    first = time_steps(one, 1, block)
+    step_s = time_steps(one, reps_for(first), block)
+    tokens = batch * seq_len
+    fpt = aot.lora_flops_per_token(cfg, lora_lib.count(cfg, run.lora), seq_len)
+    tps = tokens / step_s
+    row = Row("lora", f"{size} LoRA r8 all targets, {batch} x {seq_len}", step_s=step_s, tokens_per_s=tps,
+              compile_s=compile_s, mfu=tps * fpt / s.peak if s.peak else None, hbm_bytes=hbm_of(steps.train_fn),
+              note=f"attention {steps.attention}, random bf16 base", figures={"batch": batch, "seq_len": seq_len})
+    built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=tokens, model_flops_per_token=fpt,
+                      mesh={}, dtype="", settings={}, levers=(), compile_unrolled=None,
+                      kernel_attention_flops_per_token=(12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+                                                        if steps.attention != "xla" else 0.0), head_dim=cfg.head_dim)
+    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
+    if rates is not None:  # a chip: the plan's time for this compiled step (its loss has no loop: no twin)
+        whole, counted = aot.whole_count(built, steps.train_fn, twin=False)
+        row.figures["work"] = aot.work(built, {"flops": whole["flops"], "devices": 1}, counted.as_text() or "")
+        row.plan_s = calibration.estimate(row.figures["work"], rates)["step_s"]
+    return row
+
+
+def run(s: Settings) -> list[Row]:
+    return [step_row(s, size, 2 if s.quick else batch) for size, batch in SIZES.items()]

@@ -1,0 +1,130 @@
+"""Our gpt2-124m step beside the seed's (bench/seed_gpt2.py) at T 1024, and the alternatives of every choice an
+`auto` flag or a default makes, each timed on the chip with the plan's calibrated time beside it.
+
+MFU counts (6 N + 12 L T D) per token at the chip's bf16 peak, N without the position table (nanoGPT's and llm.c's
+formula, trainer/common/metrics.flops_per_token), the same for the seed's model."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, time_steps
+
+PRESET = "gpt2-124m"
+BATCHES = (8, 16, 32)
+# (row name, TrainConfig fields) at batch 8: each alternative of a choice the trainer makes
+ALTERNATIVES = {
+    "loss kernel: pallas": {"loss_kernel": "pallas"},
+    "attention: xla": {"attention": "xla"},
+    "splash block 512": {"splash_block": 512},
+    "remat full": {"remat": "full"},
+    "loss chunk 0 (whole logits)": {"loss_chunk": 0, "loss_kernel": "xla"},
+}
+QUICK_MODEL = {"n_layer": 1, "n_head": 2, "d_model": 128, "seq_len": 128, "dropout": 0.0}
+
+
+def _model(s: Settings) -> dict:
+    return QUICK_MODEL if s.quick else {}
+
+
+def plan_seconds(steps, compiled, tokens: int, s: Settings) -> tuple[float | None, dict]:
+    """The plan's calibrated time for this compiled step (trainer/common/aot.work by class, at
+    trainer/common/calibration's rates for this chip), as `tpuctl plan` computes it for a chip of this kind."""
+    from trainer.common import aot, calibration
+    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
+    if rates is None:  # a CPU: no plan time (and no unrolled twin to compile for it)
+        return None, {}
+    m = steps.cfg.model
+    built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=tokens, model_flops_per_token=0.0,
+                      mesh={}, dtype="", settings={}, levers=(), compile_unrolled=steps.compile_unrolled,
+                      kernel_attention_flops_per_token=(12.0 * m.n_layer * m.seq_len * m.d_model
+                                                        if steps.attention != "xla" else 0.0),
+                      head_dim=m.head_dim)
+    whole, counted_from = aot.whole_count(built, compiled)
+    work = aot.work(built, {"flops": whole["flops"], "devices": jax.device_count()}, counted_from.as_text() or "")
+    return calibration.estimate(work, rates)["step_s"], work
+
+
+def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bool = False) -> Row:
+    from bench.ours import OursTrainer, config
+    from trainer.common import metrics
+    cfg = config(PRESET, tempfile.mkdtemp(dir=s.out, prefix="ours-"), model=_model(s),
+                 train={"batch_size": batch, "steps": 1000, **(train or {})})
+    tr = OursTrainer(cfg)
+    m = cfg.model
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (batch, m.seq_len + 1)).astype(np.int32)
+
+    def one():
+        tr.n += 1
+        tr.params, tr.opt, out = tr.steps.step(tr.params, tr.opt, tokens, tr.n)
+        return out["loss"]
+    first = time_steps(one, 1, block)
+    step_s = time_steps(one, reps_for(first), block)
+    tps = batch * m.seq_len / step_s
+    row = Row("steps", name, step_s=step_s, tokens_per_s=tps, compile_s=tr.compile_s,
+              mfu=tps * metrics.flops_per_token(m) / (s.peak * jax.device_count()) if s.peak else None,
+              hbm_bytes=hbm_of(tr.steps.train_fn),
+              note=f"attention {tr.steps.attention}, loss {'xla' if tr.steps.loss_kernel is None else 'pallas'}",
+              figures={"batch": batch, "train": train or {}, "loss": float(one())})
+    if plan:
+        row.plan_s, work = plan_seconds(tr.steps, tr.steps.train_fn, batch * m.seq_len, s)
+        if work:
+            row.figures["work"] = work
+    del tr
+    return row
+
+
+def seed(s: Settings, batch: int) -> Row:
+    from bench.seed_gpt2 import SeedConfig, SeedTrainer
+    from trainer.common import config as config_lib, metrics
+    m0, _ = config_lib.PRESETS[PRESET]
+    m = dataclasses.replace(m0, **_model(s))
+    on_tpu = jax.default_backend() == "tpu"
+    cfg = SeedConfig(n_layer=m.n_layer, d_model=m.d_model, n_head=m.n_head, seq_len=m.seq_len, batch_size=batch,
+                     dtype=jnp.bfloat16 if on_tpu else jnp.float32)
+    try:
+        tr = SeedTrainer(cfg)
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, cfg.vocab_size, (batch, m.seq_len)).astype(np.int32)
+        y = np.roll(x, -1, axis=1)
+        import time
+        t0 = time.perf_counter()
+        tr.step(x, y)  # its first call compiles (the seed jits on first use)
+        compile_s = time.perf_counter() - t0
+        first = time_steps(lambda: tr.step(x, y), 1, lambda _: None)
+        step_s = time_steps(lambda: tr.step(x, y), reps_for(first), lambda _: None)
+    except Exception as e:  # noqa: BLE001 - out of memory at a batch ours fits is a finding, not a crash
+        return Row("steps", f"seed, batch {batch}", ok=None, note=f"failed: {str(e).splitlines()[0][:120]}")
+    tps = batch * m.seq_len / step_s
+    return Row("steps", f"seed, batch {batch}", step_s=step_s, tokens_per_s=tps, compile_s=compile_s,
+               mfu=tps * metrics.flops_per_token(m) / (s.peak * jax.device_count()) if s.peak else None,
+               note=f"bench/seed_gpt2.py, {jnp.dtype(cfg.dtype).name}", figures={"batch": batch})
+
+
+def run(s: Settings) -> list[Row]:
+    rows = []
+    for b in ((8, 16) if s.quick else BATCHES):
+        rows.append(ours(s, f"ours, batch {b}", b, plan=True))
+        rows.append(seed(s, b))
+    return rows
+
+
+def choices(s: Settings) -> list[Row]:
+    """Every alternative at batch 8 (the default's own row is `ours, batch 8`), and what the table picks."""
+    from trainer.common import chip_choices
+    row, measured_on = chip_choices.for_kind(s.device_kind)
+    rows = []
+    for name, train in ALTERNATIVES.items():
+        r = ours(s, f"ours, batch 8, {name}", 8, train)
+        r.section = "choices"
+        rows.append(r)
+    rows.append(Row("choices", "auto picks (trainer/common/chip_choices.py)", ok=None,
+                    note=f"loss kernel {row.loss_kernel}, attention {row.attention} (measured on {measured_on})",
+                    figures={"loss_kernel": row.loss_kernel, "attention": row.attention,
+                             "measured_on": measured_on}))
+    return rows

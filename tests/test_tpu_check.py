@@ -1,0 +1,59 @@
+"""The chip check (bench/tpu, `make tpu-check`): on a host without a TPU it says so and exits 0; its sections run
+on the CPU at tiny sizes; and the record of its run on a v5e chip reads back with the plan's calibrated time
+(trainer/common/calibration.py, as it is now) within 15% of every step the chip measured."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from _trainer_util import REPO
+from bench.tpu import report
+
+RECORD = REPO / "bench" / "tpu_records" / "v5e-2026-12-05.json"
+
+
+def test_without_a_tpu_it_says_so_and_exits_0(tmp_path):
+    import os
+    e = {**os.environ, "TPUCTL_DEVICE_ROOT": str(tmp_path)}  # a device tree with no accelerator node
+    p = subprocess.run([sys.executable, "-m", "bench.tpu", "--out", str(tmp_path / "out")], cwd=REPO, env=e,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("no TPU on this host"), (p.stdout, p.stderr)
+    assert "docs/tpu-check.md" in p.stdout and not (tmp_path / "out").exists()
+
+
+def test_the_v5e_record_reads_back_with_the_plan_within_15_percent_of_every_measured_step():
+    data = json.loads(RECORD.read_text())
+    assert data["about"]["device_kind"] == "TPU v5 lite" and data["about"]["versions"]["libtpu"] == "0.0.42.1"
+    built = report.build(data["about"], data["rows"], data.get("failed", {}))
+    s = built["summary"]
+    assert s["ours_over_seed_b16"] >= report.SPEEDUP_GOAL
+    assert s["checks"] >= 6 and s["checks_passed"] == s["checks"]  # kernels x4, the resume, the trace
+    planned = {name: e["table"] for name, e in s["plan_errors"].items()}
+    assert set(planned) == {"ours, batch 8", "ours, batch 16", "ours, batch 32",
+                            "gemma2-2b LoRA r8 all targets, 4 x 512", "gemma3-1b LoRA r8 all targets, 8 x 512"}
+    assert all(abs(e) <= report.PLAN_TOLERANCE for e in planned.values()), planned
+    text = report.render(built)
+    assert "ours / seed at batch 16: 1.96x" in text and "within ±15%" in text and "FAIL" not in text
+
+
+def test_its_steps_lora_and_profile_sections_run_on_the_cpu_at_tiny_sizes(tmp_path):
+    """The code a TPU host runs, at tiny sizes on the CPU (figures that mean nothing): our step beside the seed's,
+    the LoRA steps from random weights, a trace and its summary, one table and the JSON. (The kernels' own
+    checks against their references are tests/test_xent_kernel.py's and tests/test_attention.py's.)"""
+    import os
+    out = tmp_path / "out"
+    e = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-m", "bench.tpu", "--cpu", "--quick", "--out", str(out), "--only", "steps",
+                        "--only", "lora", "--only", "profile"], cwd=REPO, env=e, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((out / "tpu-check.json").read_text())
+    names = [r["name"] for r in data["rows"]]
+    assert names[:4] == ["ours, batch 8", "seed, batch 8", "ours, batch 16", "seed, batch 16"], names
+    assert sum(n.endswith("LoRA r8 all targets, 2 x 128") for n in names) == 2
+    assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 for r in data["rows"] if r["section"] in ("steps", "lora"))
+    prof, = (r for r in data["rows"] if r["section"] == "profile")
+    assert prof["ok"] and prof["figures"]["summary"]["hardware"] == "CPU_ONLY"
+    assert (out / "profile-gpt2-124m-b8.xplane.pb").exists() and not data["failed"]
+    assert "[steps]" in p.stdout and "[lora]" in p.stdout and "ours / seed at batch 16" in p.stdout
