@@ -27,13 +27,28 @@ def _state(ckpt_dir: str, step: int):
     return sample.load(ckpt_dir, step)[1]
 
 
+def python_m_trainer(argv: list[str]) -> int:
+    """`python -m trainer ARGV` in this process (the chip takes one process at a time), run as the command line
+    runs it: its __main__ module, its exit code."""
+    import runpy
+    import sys
+    saved = sys.argv
+    sys.argv = ["python -m trainer", *argv]
+    try:
+        runpy.run_module("trainer", run_name="__main__", alter_sys=False)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def run(s: Settings) -> list[Row]:
-    from trainer import cli
     straight, resumed = os.path.join(s.out, "cli-straight"), os.path.join(s.out, "cli-resumed")
     t0 = time.perf_counter()
-    codes = [cli.main([*_flags(s), "--steps", str(STEPS), "--ckpt-dir", straight]),
-             cli.main([*_flags(s), "--steps", str(HALF), "--ckpt-dir", resumed]),
-             cli.main([*_flags(s), "--steps", str(STEPS), "--ckpt-dir", resumed])]
+    codes = [python_m_trainer([*_flags(s), "--steps", str(STEPS), "--ckpt-dir", straight]),
+             python_m_trainer([*_flags(s), "--steps", str(HALF), "--ckpt-dir", resumed]),
+             python_m_trainer([*_flags(s), "--steps", str(STEPS), "--ckpt-dir", resumed])]
     took = time.perf_counter() - t0
     if codes != [0, 0, 0]:
         return [Row("cli", "pretrain, checkpoint, resume", ok=False, note=f"exit codes {codes}")]
