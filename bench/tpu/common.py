@@ -62,3 +62,21 @@ def hbm_of(compiled) -> float | None:
 
 def block(x):
     return jax.block_until_ready(x)
+
+
+def plan_time(s: Settings, compiled, tokens: int, splash_flops_per_token: float, head_dim: int,
+              compile_unrolled=None) -> tuple[float | None, dict]:
+    """(the plan's calibrated time, its work by class) for this compiled step, as `tpuctl plan` prices a step of a
+    chip of this kind (trainer/common/aot.work at trainer/common/calibration's rates); (None, {}) off TPU, where
+    no rate is known (and no unrolled twin is compiled for it). compile_unrolled: the step with its loops written
+    out, for a step that has one (its whole count)."""
+    from trainer.common import aot, calibration
+    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
+    if rates is None:
+        return None, {}
+    built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=tokens, model_flops_per_token=0.0,
+                      mesh={}, dtype="", settings={}, levers=(), compile_unrolled=compile_unrolled,
+                      kernel_attention_flops_per_token=splash_flops_per_token, head_dim=head_dim)
+    whole, counted_from = aot.whole_count(built, compiled, twin=compile_unrolled is not None)
+    work = aot.work(built, {"flops": whole["flops"], "devices": jax.device_count()}, counted_from.as_text() or "")
+    return calibration.estimate(work, rates)["step_s"], work

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, time_steps
+from bench.tpu.common import Row, Settings, block, hbm_of, plan_time, reps_for, time_steps
 
 # batch (rows of 512) each is measured at on one v5e chip: gemma2-2b's and gemma3-1b's as before; gemma4-e2b's the
 # batch the plan says fits (10.6 of 15.7 GiB at 1 row; not yet run on a chip)
@@ -20,7 +20,7 @@ QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_
 
 
 def step_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
-    from trainer.common import aot, calibration, mesh as mesh_lib
+    from trainer.common import aot, mesh as mesh_lib
     from trainer.finetune import data as sft_data, train as finetune
     from trainer.finetune.config import LoraRun
     from trainer.models import gemma, lora as lora_lib
@@ -53,15 +53,11 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
     row = Row("lora", f"{size} LoRA r8 all targets, {batch} x {seq_len}", step_s=step_s, tokens_per_s=tps,
               compile_s=compile_s, mfu=tps * fpt / s.peak if s.peak else None, hbm_bytes=hbm_of(steps.train_fn),
               note=f"attention {steps.attention}, random bf16 base", figures={"batch": batch, "seq_len": seq_len})
-    built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=tokens, model_flops_per_token=fpt,
-                      mesh={}, dtype="", settings={}, levers=(), compile_unrolled=None,
-                      kernel_attention_flops_per_token=(12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-                                                        if steps.attention != "xla" else 0.0), head_dim=cfg.head_dim)
-    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
-    if rates is not None:  # a chip: the plan's time for this compiled step (its loss has no loop: no twin)
-        whole, counted = aot.whole_count(built, steps.train_fn, twin=False)
-        row.figures["work"] = aot.work(built, {"flops": whole["flops"], "devices": 1}, counted.as_text() or "")
-        row.plan_s = calibration.estimate(row.figures["work"], rates)["step_s"]
+    # its loss takes the logits whole (no loop): the program counts the whole step
+    row.plan_s, work = plan_time(s, steps.train_fn, tokens, aot.splash_flops_per_token(
+        cfg.n_layers, seq_len, cfg.n_heads * cfg.head_dim, steps.attention), cfg.head_dim)
+    if work:
+        row.figures["work"] = work
     return row
 
 

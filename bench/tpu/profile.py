@@ -9,7 +9,6 @@ import shutil
 import tempfile
 
 import jax
-import numpy as np
 
 from bench.tpu.common import Row, Settings, block
 
@@ -17,24 +16,15 @@ TRACE = "profile-gpt2-124m-b8.xplane.pb"
 
 
 def run(s: Settings) -> list[Row]:
-    from bench.ours import OursTrainer, config
-    from bench.tpu.steps import _model
-    cfg = config("gpt2-124m", tempfile.mkdtemp(dir=s.out, prefix="profile-"), model=_model(s),
-                 train={"batch_size": 8, "steps": 1000})
-    tr = OursTrainer(cfg)
-    m = cfg.model
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (8, m.seq_len + 1)).astype(np.int32)
-
-    def one(n):
-        tr.params, tr.opt, out = tr.steps.step(tr.params, tr.opt, tokens, n)
-        return out["loss"]
-    block(one(1))
+    from bench.tpu.steps import trainer
+    tr, one = trainer(s, 8, prefix="profile-")
+    block(one())
     tmp = tempfile.mkdtemp(prefix="tpuctl-check-trace-")
     try:
         with jax.profiler.trace(tmp):
             for n in (2, 3):
                 with jax.profiler.StepTraceAnnotation("train", step_num=n):
-                    block(one(n))
+                    block(one())
         found = sorted(glob.glob(os.path.join(tmp, "plugins", "profile", "*", "*.xplane.pb")))
         if not found:
             return [Row("profile", "trace of 2 steps, batch 8", ok=False, note="the profiler wrote no trace")]

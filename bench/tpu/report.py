@@ -54,13 +54,13 @@ def build(about: dict, rows: list[dict], failed: dict) -> dict:
     cal = calibrate(rows)
     summary["calibration_this_run"] = cal
     errors = {}
+    own = calibration.Rates(cal["matmul_flops_s"], cal["attention_flops_s"], cal["loss_kernel_flops_s"],
+                            cal["other_bytes_s"], source="this run") if cal and cal.get("other_bytes_s") else None
     for r in rows:
         if r.get("plan_s") and r.get("step_s"):
             errors[r["name"]] = {"table": r["plan_s"] / r["step_s"] - 1}
-            if cal and cal.get("other_bytes_s") and "work" in r["figures"]:
-                rates = calibration.Rates(cal["matmul_flops_s"], cal["attention_flops_s"], cal["loss_kernel_flops_s"],
-                                          cal["other_bytes_s"], source="this run")
-                est = calibration.estimate(r["figures"]["work"], rates)["step_s"]
+            if own is not None and "work" in r["figures"]:
+                est = calibration.estimate(r["figures"]["work"], own)["step_s"]
                 errors[r["name"]]["this_run"] = est / r["step_s"] - 1
     summary["plan_errors"] = errors
     return {"about": about, "rows": rows, "failed": failed, "summary": summary}

@@ -6,14 +6,13 @@ formula, trainer/common/metrics.flops_per_token), the same for the seed's model.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, time_steps
+from bench.tpu.common import Row, Settings, block, hbm_of, plan_time, reps_for, time_steps
 
 PRESET = "gpt2-124m"
 BATCHES = (8, 16, 32)
@@ -32,28 +31,11 @@ def _model(s: Settings) -> dict:
     return QUICK_MODEL if s.quick else {}
 
 
-def plan_seconds(steps, compiled, tokens: int, s: Settings) -> tuple[float | None, dict]:
-    """The plan's calibrated time for this compiled step (trainer/common/aot.work by class, at
-    trainer/common/calibration's rates for this chip), as `tpuctl plan` computes it for a chip of this kind."""
-    from trainer.common import aot, calibration
-    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
-    if rates is None:  # a CPU: no plan time (and no unrolled twin to compile for it)
-        return None, {}
-    m = steps.cfg.model
-    built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=tokens, model_flops_per_token=0.0,
-                      mesh={}, dtype="", settings={}, levers=(), compile_unrolled=steps.compile_unrolled,
-                      kernel_attention_flops_per_token=(12.0 * m.n_layer * m.seq_len * m.d_model
-                                                        if steps.attention != "xla" else 0.0),
-                      head_dim=m.head_dim)
-    whole, counted_from = aot.whole_count(built, compiled)
-    work = aot.work(built, {"flops": whole["flops"], "devices": jax.device_count()}, counted_from.as_text() or "")
-    return calibration.estimate(work, rates)["step_s"], work
-
-
-def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bool = False) -> Row:
+def trainer(s: Settings, batch: int, train: dict | None = None, prefix: str = "ours-"):
+    """(our trainer for gpt2-124m at this batch, `one()`: dispatch its next step on a fixed random batch and
+    return the step's loss without waiting)."""
     from bench.ours import OursTrainer, config
-    from trainer.common import metrics
-    cfg = config(PRESET, tempfile.mkdtemp(dir=s.out, prefix="ours-"), model=_model(s),
+    cfg = config(PRESET, tempfile.mkdtemp(dir=s.out, prefix=prefix), model=_model(s),
                  train={"batch_size": batch, "steps": 1000, **(train or {})})
     tr = OursTrainer(cfg)
     m = cfg.model
@@ -63,6 +45,13 @@ def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bo
         tr.n += 1
         tr.params, tr.opt, out = tr.steps.step(tr.params, tr.opt, tokens, tr.n)
         return out["loss"]
+    return tr, one
+
+
+def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bool = False) -> Row:
+    from trainer.common import metrics
+    tr, one = trainer(s, batch, train)
+    m = tr.cfg.model
     first = time_steps(one, 1, block)
     step_s = time_steps(one, reps_for(first), block)
     tps = batch * m.seq_len / step_s
@@ -72,7 +61,10 @@ def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bo
               note=f"attention {tr.steps.attention}, loss {'xla' if tr.steps.loss_kernel is None else 'pallas'}",
               figures={"batch": batch, "train": train or {}, "loss": float(one())})
     if plan:
-        row.plan_s, work = plan_seconds(tr.steps, tr.steps.train_fn, batch * m.seq_len, s)
+        from trainer.common import aot
+        row.plan_s, work = plan_time(s, tr.steps.train_fn, batch * m.seq_len,
+                                     aot.splash_flops_per_token(m.n_layer, m.seq_len, m.d_model, tr.steps.attention),
+                                     m.head_dim, tr.steps.compile_unrolled)
         if work:
             row.figures["work"] = work
     del tr

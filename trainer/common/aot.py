@@ -79,6 +79,12 @@ def _auto_dtype(cfg, run_platform: str):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=name))
 
 
+def splash_flops_per_token(n_layers: int, seq_len: int, width: int, attention: str) -> float:
+    """The splash kernel's work per token by the arithmetic MFU counts (12 x layers x positions x heads x
+    head_dim: scores and mixing, forward and backward), 0 when XLA computes attention (the compiler counts it)."""
+    return 12.0 * n_layers * seq_len * width if attention != "xla" else 0.0
+
+
 def _pretrain(args: argparse.Namespace, target: Target) -> Built:
     from trainer.common import config
     from trainer.common import mesh as mesh_lib, metrics
@@ -101,8 +107,8 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                            "loss_kernel": "xla" if steps.loss_kernel is None else "pallas",
                            "optimizer_state": t.optimizer_state},
                  levers=("grad_accum", "remat", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled,
-                 kernel_attention_flops_per_token=(12.0 * m.n_layer * m.seq_len * m.d_model
-                                                   if steps.attention != "xla" else 0.0),
+                 kernel_attention_flops_per_token=splash_flops_per_token(m.n_layer, m.seq_len, m.d_model,
+                                                                         steps.attention),
                  head_dim=m.head_dim)
 
 
@@ -158,8 +164,8 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  levers=("base_dtype", "loss_chunk", "remat", "batch_size", "mesh_model"),
                  # a twin only for the loss's own chunks: a loop the compiler makes itself stays in any twin
                  compile_unrolled=(lambda: steps.compile_unrolled(base)) if steps.loss_chunks > 1 else None,
-                 kernel_attention_flops_per_token=(12.0 * cfg.n_layers * run.seq_len * cfg.n_heads * cfg.head_dim
-                                                   if steps.attention != "xla" else 0.0),
+                 kernel_attention_flops_per_token=splash_flops_per_token(
+                     cfg.n_layers, run.seq_len, cfg.n_heads * cfg.head_dim, steps.attention),
                  head_dim=cfg.head_dim)
 
 
