@@ -7,6 +7,7 @@ is known exactly. A loaded machine can only make a step slower than DEVICE_S, ne
 from __future__ import annotations
 
 import json
+import re
 import queue
 import threading
 import time
@@ -81,5 +82,5 @@ def test_no_window_exceeds_the_device_s_own_rate_when_a_slow_profiler_start_over
     profiled = recs[1]
     assert profiled["left_out_s"]["profiler"] >= slow_start, profiled  # named as what it is
     line = metrics.progress(profiled, 8)
-    assert "profiler 0." in line and "left out" in line, line
+    assert re.search(r"\| profiler \d+\.\d\d s left out", line), line  # its own time, however long it took here
     assert (tmp_path / "profiles").is_dir()  # the trace was really taken

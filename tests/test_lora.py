@@ -363,7 +363,8 @@ def test_the_chunked_loss_equals_the_full_logits_and_gives_the_base_no_gradient(
         got, (g, g_base) = jax.value_and_grad(chunked, argnums=(0, 1))(lora, base)
         np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
         for name in g_lora:
-            np.testing.assert_allclose(g[name], g_lora[name], rtol=1e-4, atol=1e-6 * float(jnp.abs(g_lora[name]).max()))
+            np.testing.assert_allclose(g[name], g_lora[name], rtol=1e-4,
+                                       atol=1e-5 * float(jnp.abs(g_lora[name]).max()))  # f32 sums in another order
         # The embedding's gradient comes from the input lookup alone: rows of tokens not in the inputs get none
         # (through the full logits every row gets some: the softmax touches them all).
         unused = np.setdiff1d(np.arange(cfg.vocab), np.asarray(batch["inputs"]))
