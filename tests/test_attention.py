@@ -3,7 +3,8 @@
 Kernel: causal, a sliding window, soft-capped scores, one kv head for all (MQA) and two for four query heads
 (GQA), packed rows (segment ids), forward and gradients, f32 (1e-5 / 1e-4) and bf16 (stated below). Models:
 GPT-2's attention and Gemma's local (window, soft-cap, GQA) and global (MQA, QK-norm) layers with splash equal
-their XLA path on a 2x2 mesh (batch over data, heads over model, as the kernel's shard_map has them). Shapes are the kernel's smallest: 128 positions.
+their XLA path on a 2x2 mesh (batch over data, heads over model, as the kernel's shard_map has them); GPT-2's
+with the resident kernel (trainer/models/resident_attention.py) too. Shapes are the kernel's smallest: 128 positions.
 """
 from __future__ import annotations
 
@@ -141,16 +142,28 @@ def test_gemma_layer_with_splash_equals_xla_on_a_mesh(family, index):
     _splash_equals_xla(graphdef, state, x, lambda layer, x, impl: layer(x, pos, None, None, seg, None, impl)[0])
 
 
-def _splash_equals_xla(graphdef, state, x, call):
-    """A layer's output and the gradients of its weights and input, through the splash kernel (interpret mode)
-    and through XLA attention on the 2x2 mesh: forward to 1e-5, gradients to 1e-4 (`_close`)."""
+def test_gpt2_attention_with_the_resident_kernel_equals_xla_on_a_mesh():
+    """Two heads of 64 per device (4 over model=2): one group of 128 lanes each, the kernel's shard_map."""
+    model, _ = PRESETS["gpt2-tiny"]
+    import dataclasses
+    cfg = dataclasses.replace(model, n_head=4, d_model=256)
+    attn = gpt2.Attention(cfg, nnx.Rngs(0))
+    graphdef, state = nnx.split(attn)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, 256)), jnp.float32)
+
+    _splash_equals_xla(graphdef, state, x, lambda layer, x, impl: layer(x, impl), attention.RESIDENT_INTERPRET)
+
+
+def _splash_equals_xla(graphdef, state, x, call, kernel=attention.INTERPRET):
+    """A layer's output and the gradients of its weights and input, through a kernel (interpret mode: splash's
+    unless named) and through XLA attention on the 2x2 mesh: forward to 1e-5, gradients to 1e-4 (`_close`)."""
     def loss(state, x, impl):
         y = call(nnx.merge(graphdef, state), x, impl)
         return jnp.sum(jnp.sin(y)), y
     with jax.set_mesh(_mesh()):
         out = {impl: jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(state, x, impl)
-               for impl in (attention.XLA, attention.INTERPRET)}
-    (_, y), g = out[attention.INTERPRET]
+               for impl in (attention.XLA, kernel)}
+    (_, y), g = out[kernel]
     (_, y_ref), g_ref = out[attention.XLA]
     _close(y, y_ref, 1e-5)
     for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
@@ -165,6 +178,13 @@ def test_auto_follows_the_devices_compiled_for():
     assert attention.resolve("xla", "tpu", 1024) == attention.XLA
     with pytest.raises(UsageError, match="multiple of 128"):
         attention.resolve("splash", "tpu", 100)
+    # The resident kernel: GPT-2's plain causal attention in whole groups of 128 lanes, nothing else.
+    assert attention.resolve("resident", "tpu", 1024, heads=(12, 64)) == attention.RESIDENT
+    assert attention.resolve("resident", "cpu", 1024, heads=(12, 64)) == attention.RESIDENT_INTERPRET
+    for heads, seq, words in (((25, 64), 1024, "25 heads of 64"), ((12, 96), 1024, "head_dim 96"),
+                              ((12, 64), 4096, "at most 8 blocks"), (None, 1024, "windows")):
+        with pytest.raises(UsageError, match=words):
+            attention.resolve("resident", "tpu", seq, heads=heads)
 
 
 # ---- the TPU compiler's view (libtpu, the `plan` extra): the kernel is in the step and its scores are not ------
@@ -194,6 +214,10 @@ def _compile_for_v5e(attn: str):
 def test_splash_step_for_v5e_has_the_kernel_and_fewer_temporaries_than_xla():
     splash, hlo = _compile_for_v5e("splash")
     xla, xla_hlo = _compile_for_v5e("xla")
+    resident, resident_hlo = _compile_for_v5e("resident")  # Mosaic takes the resident kernel, both passes
+    assert resident["settings"]["attention"] == attention.RESIDENT
+    assert "resident_attention_fwd" in resident_hlo and "resident_attention_bwd" in resident_hlo
+    assert 0 < resident["temp_bytes"] < 0.5 * xla["temp_bytes"], (resident["temp_bytes"], xla["temp_bytes"])
     assert splash["settings"]["attention"] == attention.SPLASH and xla["settings"]["attention"] == attention.XLA
     assert splash["counted"] == xla["counted"] == "program"  # one compile each
     assert 'custom_call_target="tpu_custom_call"' in hlo  # the Mosaic kernel, compiled for the TPU

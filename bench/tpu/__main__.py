@@ -21,6 +21,9 @@ def parse(argv):
     p.add_argument("--json", default="", help="where the JSON goes (default OUT/tpu-check.json)")
     p.add_argument("--only", action="append", default=[], choices=SECTIONS, help="run only these sections")
     p.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="leave out a section")
+    p.add_argument("--choice", action="append", default=[], metavar="WORDS",
+                   help="in the choices section, only the alternatives whose names hold these words "
+                        "(e.g. --choice resident; repeatable)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the sections run (no figures)")
     p.add_argument("--cpu", action="store_true", help="run on this host's CPU when it has no TPU (with --quick)")
     p.add_argument("--summarize", metavar="DIR", help="read a check's folder from a TPU host (its tpu-check.json, "
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     from bench.tpu.common import Settings
     s = Settings(quick=args.quick, out=out, peak=chips.PEAK_FLOPS.get(dev.device_kind),
-                 hbm=chips.HBM_BYTES_S.get(dev.device_kind), device_kind=dev.device_kind)
+                 hbm=chips.HBM_BYTES_S.get(dev.device_kind), device_kind=dev.device_kind,
+                 pick=tuple(args.choice))
     about = {"device_kind": dev.device_kind, "devices": jax.device_count(), "backend": jax.default_backend(),
              "versions": versions(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
              "quick": args.quick}

@@ -1,7 +1,8 @@
 """How fast the chip does each class of the plan's work (trainer/common/calibration.py), each alone:
 - matmul: an MLP's bf16 matmuls at gpt2-124m's and gemma2-2b's shapes, chained so none is skipped;
 - attention: splash forward and backward of one layer, at GPT-2's head_dim (64) and Gemma's (256), counted by
-  the arithmetic MFU uses (12 x T x heads x head_dim per token per layer);
+  the arithmetic MFU uses (12 x T x heads x head_dim per token per layer); the resident kernel at head_dim 64
+  beside it, at each block size (its own class: "attention resident");
 - loss kernel: the two loss kernels forward and backward for 8 x 1024 tokens of GPT-2's vocabulary (8 N V D);
   XLA's chunked and whole loss beside them, for the record;
 - HBM: y = a * x + b in f32 over 1 GiB arrays (bytes read and written per second).
@@ -70,6 +71,15 @@ def attention_rows(s: Settings) -> list[Row]:
         flops = 12.0 * t * h * hd * b * t
         rows.append(_rate("attention", f"splash head_dim {hd}, {b} x {t}, {h} heads", flops / tm, s.peak, tm,
                           {"flops": flops, "head_dim": hd}))
+        if hd != 64:
+            continue
+        for blk in ((128, 256, 512) if on_tpu else (128,)):
+            def fwd_bwd(q, kk, v, blk=blk):
+                out, pull = jax.vjp(lambda *a: attention.resident(*a, block=blk, interpret=not on_tpu), q, kk, v)
+                return pull(out)
+            tm = _time(fwd_bwd, q, kk, v)
+            rows.append(_rate("attention resident", f"resident head_dim {hd}, block {blk}, {b} x {t}, {h} heads",
+                              flops / tm, s.peak, tm, {"flops": flops, "head_dim": hd, "block": blk}))
     return rows
 
 

@@ -14,6 +14,7 @@ class Settings:
     peak: float | None   # bf16 FLOP/s of one device (trainer/common/chips.py), None off TPU
     hbm: float | None    # HBM bytes/s of one device
     device_kind: str
+    pick: tuple = ()     # the choices section's alternatives whose names hold one of these (all when empty)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The kernels against f32 references, forward and gradients, on the chip: the loss kernels
 (trainer/models/xent_kernel.py) and XLA's chunked loss against the full f32 logits; splash attention
-(trainer/models/attention.py) against causal softmax attention written in plain f32 jnp. The inputs are rounded
+(trainer/models/attention.py) and the resident kernel (trainer/models/resident_attention.py, at head_dims it
+takes) against causal softmax attention written in plain f32 jnp. The inputs are rounded
 to bf16 once and given to both sides, so the difference is the kernels' own arithmetic."""
 from __future__ import annotations
 
@@ -80,10 +81,17 @@ def attention_rows(s: Settings) -> list[Row]:
             out, pull = jax.vjp(fn, q, k, v)
             return out, pull(ct)
         want, wg = jax.jit(lambda: vjp(_attention_ref))()
-        got, gg = jax.jit(lambda: vjp(splash))()
-        err = {"out": _rel(got, want), **{f"d{n}": _rel(g, w) for n, g, w in zip("qkv", gg, wg)}}
-        rows.append(Row("kernels", f"splash vs f32 attention, {name}", ok=max(err.values()) <= ATTN_TOL,
-                        note=", ".join(f"{k} {v:.1e}" for k, v in err.items()), figures=err))
+        def resident(q, k, v):
+            return attention.resident(q, k, v, block=256 if t % 256 == 0 else t,
+                                      interpret=not on_tpu).astype(jnp.float32)
+        contenders = {"splash": splash}
+        if kh == h and hd in (64, 128):
+            contenders["resident"] = resident
+        for kname, fn in contenders.items():
+            got, gg = jax.jit(lambda fn=fn: vjp(fn))()
+            err = {"out": _rel(got, want), **{f"d{n}": _rel(g, w) for n, g, w in zip("qkv", gg, wg)}}
+            rows.append(Row("kernels", f"{kname} vs f32 attention, {name}", ok=max(err.values()) <= ATTN_TOL,
+                            note=", ".join(f"{k} {v:.1e}" for k, v in err.items()), figures=err))
     return rows
 
 

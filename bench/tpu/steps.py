@@ -20,6 +20,10 @@ BATCHES = (8, 16, 32)
 ALTERNATIVES = {
     "loss kernel: pallas": {"loss_kernel": "pallas"},
     "attention: xla": {"attention": "xla"},
+    "attention: splash": {"attention": "splash"},
+    "attention: resident, block 128": {"attention": "resident", "resident_block": 128},
+    "attention: resident, block 256": {"attention": "resident", "resident_block": 256},
+    "attention: resident, block 512": {"attention": "resident", "resident_block": 512},
     "splash block 512": {"splash_block": 512},
     "remat full": {"remat": "full"},
     "loss chunk 0 (whole logits)": {"loss_chunk": 0, "loss_kernel": "xla"},
@@ -112,6 +116,8 @@ def choices(s: Settings) -> list[Row]:
     row, measured_on = chip_choices.for_kind(s.device_kind)
     rows = []
     for name, train in ALTERNATIVES.items():
+        if s.pick and not any(w in name for w in s.pick):
+            continue
         r = ours(s, f"ours, batch 8, {name}", 8, train)
         r.section = "choices"
         rows.append(r)

@@ -79,6 +79,9 @@ class TrainConfig:
     # gpt2-124m step on v5e-8 (--loss-chunk 0, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1) rises 39.2 -> 47.4 GB:
     # it moves more of the backward pass's operands between HBM and its S(1) memory (docs/verbs.md).
     splash_fwd: str = "splash"
+    # The resident kernel's block of positions (--attention resident, trainer/models/resident_attention.py):
+    # smaller blocks compute less of the causal diagonal's masked half, in more, smaller matmuls.
+    resident_block: int = 256
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table
     # and adds to its gradient, so larger chunks move fewer bytes but hold more temporaries. gpt2-124m, batch 64 x
     # 1024 on v5e-8, per device, counted whole (`python -m trainer.plan --devices 8 --tpu v5e:2x4 -- pretrain
@@ -175,9 +178,13 @@ HELP = {
     "vocab_parallel": "auto, on or off: shard the tied embedding's vocab rows over every device and compute the "
                       "output layer + loss per vocab slice (moves hidden states instead of the [V, D] gradient; "
                       "auto = on when a step's tokens are fewer than the vocab)",
-    "attention": "auto, xla or splash: splash is the Pallas TPU kernel that never writes the [T, T] scores to HBM "
-                 "(off TPU it runs interpreted: slow, for checks); auto = splash when the step is compiled for TPU "
-                 "devices and --seq-len is a multiple of 128, else xla",
+    "attention": "auto, xla, splash or resident: splash and resident are Pallas TPU kernels that never write the "
+                 "[T, T] scores to HBM (off TPU they run interpreted: slow, for checks); resident keeps a whole "
+                 "sequence of 128 lanes of heads in on-chip memory per grid step and walks only the causal blocks "
+                 "(head_dim 64 or 128, at most 8 blocks of --resident-block); auto = on TPU what the chip measured "
+                 "faster (trainer/common/chip_choices.py) when --seq-len is a multiple of 128, else xla",
+    "resident_block": "the resident attention kernel's block of positions (a multiple of 128 dividing --seq-len, "
+                      "or --seq-len itself when smaller)",
     "splash_layout": "head-minor or seq-minor: how q, k and v lie in HBM for the splash kernel ([seq, head_dim] "
                      "per head, padded to 128 lanes on TPU when head_dim is smaller; or [head_dim, seq], unpadded)",
     "splash_bwd": "split or fused: the splash kernel's backward pass as two kernels (dq; dk and dv), each reading "
@@ -278,8 +285,10 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
     if t.vocab_parallel not in ("auto", "on", "off"):
         raise UsageError(f"--vocab-parallel {t.vocab_parallel}: choose auto, on or off")
-    if t.attention not in ("auto", "xla", "splash"):
-        raise UsageError(f"--attention {t.attention}: choose auto, xla or splash")
+    if t.attention not in ("auto", "xla", "splash", "resident"):
+        raise UsageError(f"--attention {t.attention}: choose auto, xla, splash or resident")
+    if t.resident_block < LANES or t.resident_block % LANES:
+        raise UsageError(f"--resident-block {t.resident_block}: use a multiple of {LANES}")
     check_splash(t.splash_layout, t.splash_bwd, t.splash_block, t.splash_fwd)
     if t.remat not in ("none", "dots", "full"):
         raise UsageError(f"--remat {t.remat}: choose none, dots or full")

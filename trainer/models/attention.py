@@ -22,23 +22,37 @@ from jax.sharding import PartitionSpec as P
 from trainer.common.config import UsageError, check_splash
 from trainer.common.mesh import fitted_spec
 
-CHOICES = ("auto", "xla", "splash")
+CHOICES = ("auto", "xla", "splash", "resident")
 XLA, SPLASH, INTERPRET = "xla", "splash", "splash-interpret"  # resolved implementations
+RESIDENT, RESIDENT_INTERPRET = "resident", "resident-interpret"  # trainer/models/resident_attention.py
 LANES = 128  # the kernel's blocks are multiples of this on TPU
 MAX_BLOCK = 512
 
 
-def resolve(name: str, platform: str, seq_len: int, device_kind: str = "") -> str:
-    """--attention for a step compiled for `platform` devices: xla, splash (the TPU kernel) or
-    splash-interpret (the kernel through Pallas' interpreter, off TPU). auto: on TPU, when the sequence is a
-    whole number of kernel blocks, what the chip measured faster (trainer/common/chip_choices.py), else xla."""
+def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
+            heads: tuple[int, int] | None = None, block: int = 256) -> str:
+    """--attention for a step compiled for `platform` devices: xla, splash (the TPU kernel), resident (ours,
+    trainer/models/resident_attention.py), or either kernel through Pallas' interpreter off TPU (-interpret).
+    heads: (heads, head_dim) of a model the resident kernel can take (GPT-2's plain causal attention); None for
+    one it cannot (Gemma's windows, soft-capping and packed rows). auto: on TPU, when the sequence is a whole
+    number of kernel blocks, what the chip measured faster (trainer/common/chip_choices.py), else xla."""
     from trainer.common import chip_choices
+    from trainer.models import resident_attention
     if name not in CHOICES:
         raise UsageError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
+    why_not = ("this model's attention (windows, soft-capping, packed rows) is splash's or XLA's" if heads is None
+               else resident_attention.supports(*heads, seq_len, block))
     if name == "auto":
         if platform != "tpu" or seq_len % LANES:
             return XLA
-        return SPLASH if chip_choices.for_kind(device_kind)[0].attention == "splash" else XLA
+        pick = chip_choices.for_kind(device_kind)[0].attention
+        if pick == "resident" and why_not is None:
+            return RESIDENT
+        return XLA if pick == "xla" else SPLASH
+    if name == "resident":
+        if why_not:
+            raise UsageError(f"--attention resident: {why_not} (use --attention splash or xla)")
+        return RESIDENT if platform == "tpu" else RESIDENT_INTERPRET
     if name == "splash":
         if seq_len % LANES:
             raise UsageError(f"--attention splash: the kernel works on blocks of {LANES} positions; --seq-len "
@@ -64,6 +78,7 @@ class Kernel:
     bwd: str = "split"
     block: int = MAX_BLOCK
     fwd: str = "splash"
+    resident_block: int = 256  # the resident kernel's block of positions (resident_attention.py)
 
     def check(self) -> None:
         check_splash(self.layout, self.bwd, self.block, self.fwd)
@@ -122,3 +137,21 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = Non
         specs = (qs, kvs, kvs) + (() if segment_ids is None else (P(qs[0]),))
         out = jax.shard_map(local, in_specs=specs, out_specs=qs, check_vma=False)(*args)
     return out.transpose(0, 2, 1, 3)
+
+
+def resident(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 256, interpret: bool = False) -> jax.Array:
+    """Causal attention of q [B, T, H, hd] (already scaled) over k, v [B, T, H, hd] by the resident kernel
+    (trainer/models/resident_attention.py), in a shard_map that follows the mesh rules: batch over `data`, heads
+    over `model` when each device then holds whole groups of 128 lanes of heads."""
+    from trainer.models import resident_attention
+    run = lambda q, k, v: resident_attention.attend(q, k, v, block=block, interpret=interpret)  # noqa: E731
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return run(q, k, v)
+    shape = dict(mesh.shape)
+    spec = fitted_spec(("batch", "seq", "heads", "head_dim"), q.shape, shape)
+    if spec[2] is not None:
+        split = math.prod(shape[a] for a in (spec[2] if isinstance(spec[2], tuple) else (spec[2],)))
+        if resident_attention.supports(q.shape[2] // split, q.shape[3], q.shape[1], block):
+            spec = P(spec[0], spec[1], None, spec[3])  # each device takes every head (gathered)
+    return jax.shard_map(run, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)

@@ -85,6 +85,9 @@ class Attention(nnx.Module):
         q, k, v = (constrain(t, ("batch", "seq", "heads", "head_dim")) for t in qkv)
         if attention == attention_lib.XLA:
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        elif attention in (attention_lib.RESIDENT, attention_lib.RESIDENT_INTERPRET):  # nor does this kernel
+            y = attention_lib.resident(q * jnp.asarray(q.shape[-1] ** -0.5, dt), k, v, block=kernel.resident_block,
+                                       interpret=attention == attention_lib.RESIDENT_INTERPRET)
         else:  # the kernel does not scale q itself
             y = attention_lib.splash(q * jnp.asarray(q.shape[-1] ** -0.5, dt), k, v,
                                      interpret=attention == attention_lib.INTERPRET, kernel=kernel)

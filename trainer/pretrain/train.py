@@ -67,8 +67,9 @@ class Steps:
         self.cfg, self.mesh = cfg, mesh
         platform = mesh.devices.flat[0].platform  # of the devices compiled for: a TPU plan from a CPU host
         self.dtype = compute_dtype(t.dtype, platform)
-        self.attention = attention.resolve(t.attention, platform, m.seq_len, mesh.devices.flat[0].device_kind)
-        self.kernel = attention.Kernel(t.splash_layout, t.splash_bwd, t.splash_block, t.splash_fwd)
+        self.attention = attention.resolve(t.attention, platform, m.seq_len, mesh.devices.flat[0].device_kind,
+                                           (m.n_head, m.head_dim), t.resident_block)
+        self.kernel = attention.Kernel(t.splash_layout, t.splash_bwd, t.splash_block, t.splash_fwd, t.resident_block)
         self.graphdef, _ = gpt2.abstract(m)
         self.vocab_parallel = use_vocab_parallel(cfg, mesh.size, mesh.shape[mesh_lib.DCN])
         # the output layer's kernels where they apply: not with the vocabulary split over devices (its own loss),
