@@ -740,3 +740,15 @@ def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofl
     assert "calibrated (matmul" in text and "measured on this chip kind" in text and "roofline (a lower bound)" in text
     v6e = P.Plan(catalog.lookup("v6e-1"), P.TPU, {**f, "device_kind": "TPU v6 lite"}).timing()
     assert not v6e["calibrated"]["measured"] and v6e["step_s"] < t["step_s"]
+
+
+def test_host_bounds_fit_a_topology_smaller_than_a_4_chip_host():
+    """libtpu refuses chips-per-host bounds larger than the topology: one chip is a 1,1,1 host."""
+    from trainer.common.config import UsageError
+    assert aot.host_bounds("v5e:1x1") == (1, 1, 1)
+    assert aot.host_bounds("v5e:2x4") == aot.host_bounds("v4:2x2x1") == (2, 2, 1)
+    assert aot.host_bounds("v5e:2x4", "2,4,1") == (2, 4, 1)
+    with pytest.raises(UsageError, match="GEN:TOPOLOGY"):
+        aot.host_bounds("v5e")
+    with pytest.raises(UsageError, match="X,Y,Z"):
+        aot.host_bounds("v5e:1x1", "two")

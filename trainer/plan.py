@@ -25,7 +25,8 @@ def _options() -> argparse.ArgumentParser:
                         "run builds it, and the collectives that cross slices (dcn_send_ops, dcn_send_bytes)")
     p.add_argument("--tpu", metavar="GEN:TOPOLOGY", help="compile with libtpu for this topology, e.g. v4:2x2x1")
     p.add_argument("--chip-config", default="default", help="libtpu chip config: megacore (v4, v5p) or default")
-    p.add_argument("--host-bounds", default="2,2,1", metavar="X,Y,Z", help="chips per host, as a box")
+    p.add_argument("--host-bounds", default="", metavar="X,Y,Z",
+                   help="chips per host, as a box (default: 2,2,1, or the whole topology when it is smaller)")
     p.add_argument("--fallback-cpu", action="store_true",
                    help="with --tpu: without libtpu, compile for N CPU devices instead (flagged as an estimate)")
     p.add_argument("--run-platform", default="cpu", choices=("cpu", "tpu"),

@@ -402,6 +402,21 @@ def _cpu_target(n: int, processes: int, run_platform: str, slices: int = 1) -> T
     return Target(jax.devices("cpu")[:n], processes, run_platform, slices)
 
 
+def host_bounds(tpu: str, given: str = "") -> tuple[int, ...]:
+    """Chips per host as libtpu's X,Y,Z box: `given` ("X,Y,Z") when set, else a 4-chip host's 2,2,1 cut down to
+    the topology ("v5e:1x1" is one chip on one host)."""
+    if given:
+        try:
+            return tuple(int(x) for x in given.split(","))
+        except ValueError:
+            raise UsageError(f"--host-bounds {given}: write it as X,Y,Z, e.g. 2,2,1") from None
+    try:
+        dims = [int(x) for x in tpu.split(":", 1)[-1].split("x")]
+    except ValueError:
+        raise UsageError(f"--tpu {tpu}: write it as GEN:TOPOLOGY, e.g. v5e:2x4 or v4:2x2x1") from None
+    return tuple(min(d, b) for d, b in zip((dims + [1, 1])[:3], (2, 2, 1)))
+
+
 def target(opts: argparse.Namespace) -> Target:
     """opts.devices and opts.processes are one slice's; opts.num_slices such slices joined by DCN."""
     if opts.devices < 1 or opts.processes < 1 or opts.num_slices < 1:
@@ -419,9 +434,14 @@ def target(opts: argparse.Namespace) -> Target:
     # several plans at once are fine.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
-    bounds = tuple(int(x) for x in opts.host_bounds.split(","))
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=opts.tpu, chip_config_name=opts.chip_config,
-                                        chips_per_host_bounds=bounds, num_slices=n)
+    bounds = host_bounds(opts.tpu, opts.host_bounds)
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=opts.tpu,
+                                            chip_config_name=opts.chip_config, chips_per_host_bounds=bounds,
+                                            num_slices=n)
+    except Exception as e:  # noqa: BLE001 - libtpu's refusal of a topology, in its words
+        raise UsageError(f"--tpu {opts.tpu} with --host-bounds {','.join(map(str, bounds))}: libtpu refuses it: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if len(desc.devices) != opts.devices * n:
         raise UsageError(f"topology {opts.tpu} ({opts.chip_config}) x {n} slice(s) has {len(desc.devices)} devices, "
                          f"not the {opts.devices * n} the run will have")
