@@ -27,6 +27,7 @@ ALTERNATIVES = {
     "splash block 512": {"splash_block": 512},
     "remat full": {"remat": "full"},
     "loss chunk 0 (whole logits)": {"loss_chunk": 0, "loss_kernel": "xla"},
+    "logits compute (bf16 logits in the loss)": {"logits": "compute", "loss_kernel": "xla"},
 }
 QUICK_MODEL = {"n_layer": 1, "n_head": 2, "d_model": 128, "seq_len": 128, "dropout": 0.0}
 
