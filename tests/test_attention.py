@@ -4,7 +4,7 @@ Kernel: causal, a sliding window, soft-capped scores, one kv head for all (MQA) 
 (GQA), packed rows (segment ids), forward and gradients, f32 (1e-5 / 1e-4) and bf16 (stated below). Models:
 GPT-2's attention and Gemma's local (window, soft-cap, GQA) and global (MQA, QK-norm) layers with splash equal
 their XLA path on a 2x2 mesh (batch over data, heads over model, as the kernel's shard_map has them); GPT-2's
-with the resident kernel (trainer/models/resident_attention.py) too. Shapes are the kernel's smallest: 128 positions.
+with the resident kernel (trainer/kernels/resident_attention.py) too. Shapes are the kernel's smallest: 128 positions.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ F32, BF16 = (jnp.float32, (1e-5, 1e-4)), (jnp.bfloat16, (1e-2, 2e-2))  # (forwar
 
 # f32: absolute. bf16 (8 mantissa bits): relative to the largest magnitude of each reference tensor.
 # The kernel's other ways of running (attention.Kernel: q, k, v unpadded with the sequence minor, one backward
-# kernel, the forward pass of trainer/models/splash_fwd.py) compute the same attention: the causal, window and
+# kernel, the forward pass of trainer/kernels/splash_fwd.py) compute the same attention: the causal, window and
 # packed GQA cases with them, and bf16 with soft-capping (the Gemma 2 layers' scores as a TPU run computes them).
 SEQ_MINOR_FUSED = attention.Kernel(layout="seq-minor", bwd="fused", fwd="compact")
 

@@ -1,4 +1,4 @@
-"""The resident attention kernel (trainer/models/resident_attention.py, run by Pallas' interpreter on CPU) against
+"""The resident attention kernel (trainer/kernels/resident_attention.py, run by Pallas' interpreter on CPU) against
 causal softmax attention written out, forward and gradients: two heads of 64 per 128 lanes (GPT-2's) and one of
 128, four blocks of the causal triangle (the unrolled loops' every kind of block pair), a sequence shorter than
 the block, f32 (1e-5 / 1e-4 of the largest value) and bf16 (2e-2, the kernel's own rounding of p and ds)."""
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.models import resident_attention as ra
+from trainer.kernels import resident_attention as ra
 
 
 def reference(q, k, v):

@@ -1,4 +1,4 @@
-"""The output layer and loss as Pallas kernels (trainer/models/xent_kernel.py) against the full [B, T, V] logits.
+"""The output layer and loss as Pallas kernels (trainer/kernels/xent_kernel.py) against the full [B, T, V] logits.
 
 On CPU the kernels run through Pallas' interpreter, which executes the kernel bodies block by block as the TPU
 would (the grid, the blocks, the scratch carried across vocabulary blocks). Their HBM traffic, which the TPU
@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trainer.common import mesh as mesh_lib
 from trainer.common.config import UsageError
-from trainer.models import gpt2, xent, xent_kernel as xk
+from trainer.kernels import xent_kernel as xk
+from trainer.models import gpt2, xent
 
 # blocks small enough that every kernel runs several grid steps on both axes at these sizes
 SMALL = xk.Kernel(xk.Blocks(tokens=64, vocab=128, grad_vocab=128, grad_tokens=128), interpret=True)

@@ -84,7 +84,8 @@ def attention_rows(s: Settings) -> list[Row]:
 
 
 def loss_rows(s: Settings) -> list[Row]:
-    from trainer.models import xent, xent_kernel as xk
+    from trainer.kernels import xent_kernel as xk
+    from trainer.models import xent
     n, d, vocab, padded = (256, 128, 700, 768) if s.quick else (8 * 1024, 768, 50257, 50304)
     on_tpu = jax.default_backend() == "tpu" and not s.quick
     x = jax.random.normal(jax.random.key(2), (8 if n > 256 else 1, n // (8 if n > 256 else 1), d), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """The kernels against f32 references, forward and gradients, on the chip: the loss kernels
-(trainer/models/xent_kernel.py) and XLA's chunked loss against the full f32 logits; splash attention
-(trainer/models/attention.py) and the resident kernel (trainer/models/resident_attention.py, at head_dims it
+(trainer/kernels/xent_kernel.py) and XLA's chunked loss against the full f32 logits; splash attention
+(trainer/models/attention.py) and the resident kernel (trainer/kernels/resident_attention.py, at head_dims it
 takes) against causal softmax attention written in plain f32 jnp. The inputs are rounded
 to bf16 once and given to both sides, so the difference is the kernels' own arithmetic."""
 from __future__ import annotations
@@ -21,7 +21,8 @@ def _rel(a, b) -> float:
 
 
 def loss_rows(s: Settings) -> list[Row]:
-    from trainer.models import gpt2, xent, xent_kernel as xk
+    from trainer.kernels import xent_kernel as xk
+    from trainer.models import gpt2, xent
     n, d, vocab, padded = (256, 128, 700, 768) if s.quick else (8 * 1024, 768, 50257, 50304)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, n, d)), jnp.bfloat16)

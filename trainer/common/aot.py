@@ -241,7 +241,7 @@ def _braced(line: str, opening: str) -> str:
 
 def uncounted_kernel_bytes(hlo_text: str) -> float:
     """Bytes of the Pallas kernels that the TPU compiler's cost analysis counts as nothing: every kernel that
-    declares no cost estimate (splash attention's do not; trainer/models/xent_kernel.py's do, and are counted).
+    declares no cost estimate (splash attention's do not; trainer/kernels/xent_kernel.py's do, and are counted).
     Their operands and results, once each: a lower bound of what they move (a kernel reads each input at least
     once and writes each output), exact for one that streams every block once."""
     total = 0

@@ -8,7 +8,7 @@ do it, added up. Jax-free data and arithmetic.
   declare in their cost estimates (the loss kernels'): the MXU work of XLA's fusions.
 - attention_flops: the splash kernel's work by the arithmetic (12 x layers x positions x heads x head_dim per token,
   the term MFU counts), which the compiler counts as nothing; 0 when XLA computes attention (then it is matmul).
-- loss_kernel_flops: what trainer/models/xent_kernel.py's kernels declare (8 N V D: the logits twice).
+- loss_kernel_flops: what trainer/kernels/xent_kernel.py's kernels declare (8 N V D: the logits twice).
 - other_bytes: the bytes of every instruction that is neither a matmul fusion nor a kernel nor a collective
   (trainer/common/hlo_bytes.py op_class): elementwise work, reductions, copies, bound by HBM.
 

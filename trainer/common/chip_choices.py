@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Choices:
-    loss_kernel: str      # --loss-kernel auto on TPU: "xla" (xent.chunked) or "pallas" (trainer/models/xent_kernel.py)
+    loss_kernel: str      # --loss-kernel auto on TPU: "xla" (xent.chunked) or "pallas" (trainer/kernels/xent_kernel.py)
     attention: str        # --attention auto on TPU (a sequence of whole 128-position blocks): "splash" or "xla"
     source: str           # where the figures below were measured
     evidence: dict = field(default_factory=dict)  # per flag: the measured rows the choice rests on

@@ -79,7 +79,7 @@ class TrainConfig:
     # gpt2-124m step on v5e-8 (--loss-chunk 0, 2026-12-03, jax 0.10.2, libtpu 0.0.42.1) rises 39.2 -> 47.4 GB:
     # it moves more of the backward pass's operands between HBM and its S(1) memory (docs/verbs.md).
     splash_fwd: str = "splash"
-    # The resident kernel's block of positions (--attention resident, trainer/models/resident_attention.py):
+    # The resident kernel's block of positions (--attention resident, trainer/kernels/resident_attention.py):
     # smaller blocks compute less of the causal diagonal's masked half, in more, smaller matmuls.
     resident_block: int = 256
     # Sequence positions whose output logits exist at once; 0 = all [B, T, V]. Each chunk reads the [V, D] table

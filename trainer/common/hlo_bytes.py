@@ -7,7 +7,7 @@ every computation the step runs as the cost analysis does (XLA's HloCostAnalysis
 - a fusion: its result, and each operand as its fused parameter is read (a parameter read only through slices
   or dynamic slices costs the slices; one updated in place by a dynamic-update-slice costs nothing, its update
   being the result);
-- a Pallas kernel that carries a cost estimate (trainer/models/xent_kernel.py's): the estimate's bytes, as the
+- a Pallas kernel that carries a cost estimate (trainer/kernels/xent_kernel.py's): the estimate's bytes, as the
   compiler takes them; one without (splash attention's): its operands and its result, a lower bound of what it
   moves, which the compiler counts as nothing (so this count runs above the compiler's by those kernels);
 - any other custom call, a collective, a convert, a copy: its operands and its result;
@@ -351,7 +351,7 @@ _BUCKETS = [
     ("trainer/models/xent.py", "per_shard", "embedding lookup"),
     ("trainer/models/vocab_parallel.py", "lookup", "embedding lookup"),
     ("trainer/models/xent.py", None, "logits + loss"),
-    ("trainer/models/xent_kernel.py", None, "logits + loss"),
+    ("trainer/kernels/xent_kernel.py", None, "logits + loss"),
     ("trainer/models/vocab_parallel.py", None, "logits + loss"),
     ("trainer/models/gpt2.py", "loss_fn", "logits + loss"),
     ("trainer/models/gpt2.py", "LayerNorm.", "layernorm"),

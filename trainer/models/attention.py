@@ -24,7 +24,7 @@ from trainer.common.mesh import fitted_spec
 
 CHOICES = ("auto", "xla", "splash", "resident")
 XLA, SPLASH, INTERPRET = "xla", "splash", "splash-interpret"  # resolved implementations
-RESIDENT, RESIDENT_INTERPRET = "resident", "resident-interpret"  # trainer/models/resident_attention.py
+RESIDENT, RESIDENT_INTERPRET = "resident", "resident-interpret"  # trainer/kernels/resident_attention.py
 LANES = 128  # the kernel's blocks are multiples of this on TPU
 MAX_BLOCK = 512
 
@@ -32,12 +32,12 @@ MAX_BLOCK = 512
 def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
             heads: tuple[int, int] | None = None, block: int = 256) -> str:
     """--attention for a step compiled for `platform` devices: xla, splash (the TPU kernel), resident (ours,
-    trainer/models/resident_attention.py), or either kernel through Pallas' interpreter off TPU (-interpret).
+    trainer/kernels/resident_attention.py), or either kernel through Pallas' interpreter off TPU (-interpret).
     heads: (heads, head_dim) of a model the resident kernel can take (GPT-2's plain causal attention); None for
     one it cannot (Gemma's windows, soft-capping and packed rows). auto: on TPU, when the sequence is a whole
     number of kernel blocks, what the chip measured faster (trainer/common/chip_choices.py), else xla."""
     from trainer.common import chip_choices
-    from trainer.models import resident_attention
+    from trainer.kernels import resident_attention
     if name not in CHOICES:
         raise UsageError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
     why_not = ("this model's attention (windows, soft-capping, packed rows) is splash's or XLA's" if heads is None
@@ -71,7 +71,7 @@ class Kernel:
     kernels, each reading q, k, v and the output's gradient; "fused" in one. block: the largest block of
     positions the kernel takes at once (a divisor of T is used): larger blocks read k and v fewer times, and
     compute more of the masked scores of the causal diagonal. fwd: "compact" runs the forward pass through
-    trainer/models/splash_fwd.py (its accumulators in VMEM, the log-sum-exp written as [heads, 8, T]), "splash"
+    trainer/kernels/splash_fwd.py (its accumulators in VMEM, the log-sum-exp written as [heads, 8, T]), "splash"
     as splash's own (which writes them to HBM, the log-sum-exp 128 times over).
     """
     layout: str = "head-minor"
@@ -99,7 +99,7 @@ def _kernel(heads: int, t: int, window: int | None, softcap: float | None, inter
     made = sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
                               attn_logits_soft_cap=softcap, interpret=interpret)
     if kernel.fwd == "compact":
-        from trainer.models import splash_fwd
+        from trainer.kernels import splash_fwd
         return splash_fwd.attend(made)
     return made
 
@@ -141,9 +141,9 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = Non
 
 def resident(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 256, interpret: bool = False) -> jax.Array:
     """Causal attention of q [B, T, H, hd] (already scaled) over k, v [B, T, H, hd] by the resident kernel
-    (trainer/models/resident_attention.py), in a shard_map that follows the mesh rules: batch over `data`, heads
+    (trainer/kernels/resident_attention.py), in a shard_map that follows the mesh rules: batch over `data`, heads
     over `model` when each device then holds whole groups of 128 lanes of heads."""
-    from trainer.models import resident_attention
+    from trainer.kernels import resident_attention
     run = lambda q, k, v: resident_attention.attend(q, k, v, block=block, interpret=interpret)  # noqa: E731
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:

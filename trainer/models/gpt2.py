@@ -18,7 +18,8 @@ from trainer.common.mesh import RULES, constrain, sharding
 from trainer.models import attention as attention_lib
 from trainer.models import remat as remat_lib
 from trainer.models import vocab_parallel as vocab_parallel_lib
-from trainer.models import xent, xent_kernel
+from trainer.kernels import xent_kernel
+from trainer.models import xent
 
 normal = jax.nn.initializers.normal
 

@@ -22,7 +22,8 @@ from trainer.common import mesh as mesh_lib
 from trainer.pretrain import data, tokenizers
 from trainer.common.mesh import compute_dtype
 from trainer.common.config import Config, UsageError
-from trainer.models import attention, gpt2, xent_kernel
+from trainer.kernels import xent_kernel
+from trainer.models import attention, gpt2
 
 def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
     """The config against the mesh: clear errors before anything is allocated."""
