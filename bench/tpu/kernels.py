@@ -83,8 +83,9 @@ def attention_rows(s: Settings) -> list[Row]:
             return out, pull(ct)
         want, wg = jax.jit(lambda: vjp(_attention_ref))()
         def resident(q, k, v):
-            return attention.resident(q, k, v, block=256 if t % 256 == 0 else t,
-                                      interpret=not on_tpu).astype(jnp.float32)
+            flat = [a.reshape(b, t, -1) for a in (q, k, v)]
+            return attention.resident(*flat, hd, block=256 if t % 256 == 0 else t,
+                                      interpret=not on_tpu).reshape(q.shape).astype(jnp.float32)
         contenders = {"splash": splash}
         if kh == h and hd in (64, 128):
             contenders["resident"] = resident

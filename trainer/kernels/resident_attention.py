@@ -6,7 +6,8 @@ back (their 64-wide rows padded to the TPU's 128 lanes), every grid step pays a 
 blocks are fast, and a large block computes the masked half of the causal diagonal (at blocks of 1024, twice
 the causal work).
 
-Here q, k and v stay [B, T, H * head_dim] as the qkv projection writes them, and one grid step takes one
+Here q, k and v stay [B, T, H * head_dim] as the qkv projection writes them (gpt2.Attention computes them so for
+this kernel), and one grid step takes one
 example's whole sequence of 128 lanes: two heads of 64 (or one of 128), T x 128 values each, 256 KB in bf16 at
 T 1024. Inside the step, the blocks of the causal triangle are walked in unrolled loops: query block i reads key
 blocks j <= i only, and only the diagonal block is masked, so blocks of 256 compute 1.25x the causal work, with
@@ -36,6 +37,9 @@ from jax.experimental.pallas import tpu as pltpu
 LANES, SUBLANES = 128, 8
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 MAX_BLOCKS = 8  # query blocks per sequence: the loops are unrolled, (n + 1) * n / 2 block pairs per head
+# The unrolled loops' intermediates grow with T x block: the TPU compiler (libtpu 0.0.42.1, v5e) fits 1024 x 512
+# and 2048 x 256 in its default 16 MiB of scoped VMEM, and refuses 2048 x 512 (76 MB).
+MAX_SEQ_X_BLOCK = 1024 * 512
 
 
 def supports(heads: int, head_dim: int, seq_len: int, block: int) -> str | None:
@@ -48,6 +52,9 @@ def supports(heads: int, head_dim: int, seq_len: int, block: int) -> str | None:
     if blk % LANES or seq_len // blk > MAX_BLOCKS:
         return (f"seq_len {seq_len} is not at most {MAX_BLOCKS} blocks of a multiple of {LANES} positions "
                 f"(block {block})")
+    if seq_len * blk > MAX_SEQ_X_BLOCK:
+        return (f"seq_len {seq_len} in blocks of {blk} needs more VMEM than the compiler's default limit "
+                f"(at most {MAX_SEQ_X_BLOCK // seq_len} positions a block at this length)")
     return None
 
 
@@ -185,12 +192,20 @@ def _attend_bwd(head_dim, blk, interpret, res, do):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 256, interpret: bool = False) -> jax.Array:
-    """Causal attention of q [B, T, H, hd] (already scaled) over k, v [B, T, H, hd] -> [B, T, H, hd], on one
-    device's arrays (attention.resident places it on a mesh). `supports` says which shapes it takes."""
-    b, t, h, hd = q.shape
-    why = supports(h, hd, t, block)
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, head_dim: int | None = None, block: int = 256,
+           interpret: bool = False) -> jax.Array:
+    """Causal attention of q (already scaled) over k, v on one device's arrays (attention.resident places it on a
+    mesh): [B, T, H, hd] -> [B, T, H, hd], or in the qkv projection's own layout [B, T, H * head_dim] ->
+    [B, T, H * head_dim] (no relayout on either side: the TPU tiles [.., H, 64] and [.., H * 64] differently).
+    `supports` says which shapes it takes."""
+    if q.ndim == 4:
+        b, t, h, hd = q.shape
+        flat = [a.reshape(b, t, h * hd) for a in (q, k, v)]
+        return attend(*flat, head_dim=hd, block=block, interpret=interpret).reshape(b, t, h, hd)
+    b, t, width = q.shape
+    if head_dim is None or width % head_dim:
+        raise ValueError(f"resident attention: [B, T, {width}] needs the head_dim its {width} lanes are made of")
+    why = supports(width // head_dim, head_dim, t, block)
     if why:
         raise ValueError(f"resident attention: {why}")
-    flat = [a.reshape(b, t, h * hd) for a in (q, k, v)]
-    return _attend(*flat, hd, block_of(t, block), interpret).reshape(b, t, h, hd)
+    return _attend(q, k, v, head_dim, block_of(t, block), interpret)

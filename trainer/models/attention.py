@@ -139,19 +139,23 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = Non
     return out.transpose(0, 2, 1, 3)
 
 
-def resident(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 256, interpret: bool = False) -> jax.Array:
-    """Causal attention of q [B, T, H, hd] (already scaled) over k, v [B, T, H, hd] by the resident kernel
-    (trainer/kernels/resident_attention.py), in a shard_map that follows the mesh rules: batch over `data`, heads
-    over `model` when each device then holds whole groups of 128 lanes of heads."""
+def resident(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int, *, block: int = 256,
+             interpret: bool = False) -> jax.Array:
+    """Causal attention of q [B, T, H * head_dim] (already scaled) over k, v of the same shape, in that layout, by
+    the resident kernel (trainer/kernels/resident_attention.py), in a shard_map that follows the mesh rules: batch
+    over `data`, heads over `model` when each device then holds whole groups of 128 lanes of heads (else every
+    device takes every head)."""
     from trainer.kernels import resident_attention
-    run = lambda q, k, v: resident_attention.attend(q, k, v, block=block, interpret=interpret)  # noqa: E731
+    run = lambda q, k, v: resident_attention.attend(q, k, v, head_dim=head_dim, block=block,  # noqa: E731
+                                                   interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return run(q, k, v)
     shape = dict(mesh.shape)
-    spec = fitted_spec(("batch", "seq", "heads", "head_dim"), q.shape, shape)
+    spec = fitted_spec(("batch", "seq", "heads"), q.shape, shape)
     if spec[2] is not None:
         split = math.prod(shape[a] for a in (spec[2] if isinstance(spec[2], tuple) else (spec[2],)))
-        if resident_attention.supports(q.shape[2] // split, q.shape[3], q.shape[1], block):
-            spec = P(spec[0], spec[1], None, spec[3])  # each device takes every head (gathered)
+        heads = q.shape[2] // head_dim
+        if heads % split or resident_attention.supports(heads // split, head_dim, q.shape[1], block):
+            spec = P(spec[0], spec[1], None)
     return jax.shard_map(run, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)

@@ -81,20 +81,35 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, attention: str = attention_lib.XLA,
                  kernel: attention_lib.Kernel = attention_lib.Kernel()) -> jax.Array:
         dt = x.dtype
+        if attention in (attention_lib.RESIDENT, attention_lib.RESIDENT_INTERPRET):
+            return self._resident(x, kernel.resident_block, attention == attention_lib.RESIDENT_INTERPRET)
         qkv = jnp.einsum("btd,dkhe->kbthe", x, self.qkv_kernel[...].astype(dt))
         qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
         q, k, v = (constrain(t, ("batch", "seq", "heads", "head_dim")) for t in qkv)
         if attention == attention_lib.XLA:
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        elif attention in (attention_lib.RESIDENT, attention_lib.RESIDENT_INTERPRET):  # nor does this kernel
-            y = attention_lib.resident(q * jnp.asarray(q.shape[-1] ** -0.5, dt), k, v, block=kernel.resident_block,
-                                       interpret=attention == attention_lib.RESIDENT_INTERPRET)
         else:  # the kernel does not scale q itself
             y = attention_lib.splash(q * jnp.asarray(q.shape[-1] ** -0.5, dt), k, v,
                                      interpret=attention == attention_lib.INTERPRET, kernel=kernel)
         y = constrain(y, ("batch", "seq", "heads", "head_dim"))
         out = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt)) + self.out_bias[...].astype(dt)
         return constrain(out, ("batch", "seq", "embed"))
+
+
+    def _resident(self, x: jax.Array, block: int, interpret: bool) -> jax.Array:
+        """The same attention with q, k, v and its output as [B, T, H * head_dim], the resident kernel's layout:
+        the weights are reshaped instead of the activations (on TPU [.., H, 64] and [.., H * 64] are tiled
+        differently, and a reshape between them is a copy of the whole activation)."""
+        dt = x.dtype
+        d, _, h, hd = self.qkv_kernel.shape
+        qkv = jnp.einsum("btd,dkf->kbtf", x, self.qkv_kernel[...].astype(dt).reshape(d, 3, h * hd))
+        qkv = qkv + self.qkv_bias[...].astype(dt).reshape(3, 1, 1, h * hd)
+        q, k, v = (constrain(t, ("batch", "seq", "heads")) for t in qkv)
+        # The kernel does not scale q itself (1/8 at head_dim 64: exact in bf16).
+        y = attention_lib.resident(q * jnp.asarray(hd ** -0.5, dt), k, v, hd, block=block, interpret=interpret)
+        y = constrain(y, ("batch", "seq", "heads"))
+        out = jnp.einsum("btf,fd->btd", y, self.out_kernel[...].astype(dt).reshape(h * hd, d))
+        return constrain(out + self.out_bias[...].astype(dt), ("batch", "seq", "embed"))
 
 
 class MLP(nnx.Module):
