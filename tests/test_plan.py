@@ -740,6 +740,10 @@ def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofl
     assert "calibrated (matmul" in text and "measured on this chip kind" in text and "roofline (a lower bound)" in text
     v6e = P.Plan(catalog.lookup("v6e-1"), P.TPU, {**f, "device_kind": "TPU v6 lite"}).timing()
     assert not v6e["calibrated"]["measured"] and v6e["step_s"] < t["step_s"]
+    # The resident attention kernel has no rate of its own until a chip times it: splash's, and said so.
+    res = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, {**f, "work": {**work, "attention_kernel": "resident"}})
+    assert res.timing()["step_s"] == pytest.approx(t["step_s"]) and not res.timing()["calibrated"]["measured"]
+    assert "NOT measured: the resident attention kernel, at splash's rate" in render(res)
 
 
 def test_host_bounds_fit_a_topology_smaller_than_a_4_chip_host():

@@ -145,8 +145,8 @@ def render(p: P.Plan) -> str:
                 terms = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in cal["terms"].items() if v)
                 lines.append(f"  step time: {t['step_s'] * 1e3:.3g} ms, calibrated ({terms}; each class of work at "
                              f"the rate a chip did it: "
-                             + ("measured on this chip kind" if cal["measured"] else "NOT measured on this chip "
-                                "kind, v5e's efficiencies scaled to its peak and bandwidth") + ")")
+                             + ("measured on this chip kind" if cal["measured"] else
+                                "NOT measured: " + "; ".join(cal.get("unmeasured") or ["this chip kind"])) + ")")
             lines.append(f"  {'roofline (a lower bound)' if cal else 'step time'}: {t['roofline_step_s'] * 1e3:.3g} ms, "
                          f"bound by {t['bound']} ("
                          f"{f['bytes_accessed'] / 1e9:.3g} GB{extra} at {a.generation.hbm_bytes_s / 1e9:g} GB/s/chip = "

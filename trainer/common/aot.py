@@ -64,6 +64,7 @@ class Built:
     # that) and its head_dim: the calibrated time's attention class (trainer/common/calibration.py)
     kernel_attention_flops_per_token: float = 0.0
     head_dim: int = 0
+    attention_kernel: str = "splash"  # which kernel does that work (a rate of its own: calibration.py)
 
 
 def _auto_dtype(cfg, run_platform: str):
@@ -109,7 +110,7 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
                  levers=("grad_accum", "remat", "batch_size", "mesh_model"), compile_unrolled=steps.compile_unrolled,
                  kernel_attention_flops_per_token=splash_flops_per_token(m.n_layer, m.seq_len, m.d_model,
                                                                          steps.attention),
-                 head_dim=m.head_dim)
+                 head_dim=m.head_dim, attention_kernel="resident" if "resident" in steps.attention else "splash")
 
 
 def _lora_run(args: argparse.Namespace, run_platform: str):
@@ -273,7 +274,8 @@ def work(built: Built, figures: dict, hlo_text: str) -> dict:
     devices = max(1, figures["devices"])
     return {"matmul_flops": max(0.0, figures["flops"] - kernel), "loss_kernel_flops": kernel,
             "attention_flops": built.kernel_attention_flops_per_token * built.tokens_per_step / devices,
-            "head_dim": built.head_dim, "other_bytes": by_class.get(hlo_bytes.OTHER, 0.0),
+            "head_dim": built.head_dim, "attention_kernel": built.attention_kernel,
+            "other_bytes": by_class.get(hlo_bytes.OTHER, 0.0),
             "bytes_by_class": by_class}
 
 

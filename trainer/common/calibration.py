@@ -35,6 +35,9 @@ class Rates:
     source: str
     measured: bool = True
     figures: dict = field(default_factory=dict)  # what each rate was read from
+    # head_dim -> FLOP/s of the resident attention kernel (trainer/kernels/resident_attention.py); empty until a
+    # chip has timed it, and then its steps are planned at splash's rate and said to be
+    resident_flops_s: dict = field(default_factory=dict)
 
     def attention_at(self, head_dim: int) -> float:
         """The rate at the nearest measured head_dim (at or above a head_dim between them: larger ones fill the
@@ -91,11 +94,21 @@ def for_kind(device_kind: str, peak: float | None, hbm: float | None) -> Rates |
 
 
 def estimate(work: dict, rates: Rates) -> dict:
-    """{step_s, terms: {class: seconds}, measured} for one device's step from its work by class (aot.py's
-    `work`: matmul_flops, attention_flops, head_dim, loss_kernel_flops, other_bytes)."""
+    """{step_s, terms: {class: seconds}, measured, unmeasured: what of it no chip timed, source} for one
+    device's step from its work by class (aot.py's `work`: matmul_flops, attention_flops, head_dim,
+    attention_kernel, loss_kernel_flops, other_bytes)."""
+    head_dim = int(work.get("head_dim") or 64)
+    resident = work.get("attention_kernel") == "resident"
+    rate = rates.attention_at(head_dim)
+    if resident and rates.resident_flops_s:
+        dims = sorted(rates.resident_flops_s)
+        rate = rates.resident_flops_s[next((d for d in dims if d >= head_dim), dims[-1])]
     terms = {"matmul": work.get("matmul_flops", 0.0) / rates.matmul_flops_s,
-             "attention": (work.get("attention_flops", 0.0) / rates.attention_at(int(work.get("head_dim") or 64))
-                           if work.get("attention_flops") else 0.0),
+             "attention": work.get("attention_flops", 0.0) / rate if work.get("attention_flops") else 0.0,
              "loss kernel": work.get("loss_kernel_flops", 0.0) / rates.loss_kernel_flops_s,
              "other": work.get("other_bytes", 0.0) / rates.other_bytes_s if rates.other_bytes_s else 0.0}
-    return {"step_s": sum(terms.values()), "terms": terms, "measured": rates.measured, "source": rates.source}
+    unmeasured = [] if rates.measured else ["this chip kind: v5e's efficiencies scaled to its peak and bandwidth"]
+    if resident and not rates.resident_flops_s:
+        unmeasured.append("the resident attention kernel, at splash's rate")
+    return {"step_s": sum(terms.values()), "terms": terms, "measured": not unmeasured, "unmeasured": unmeasured,
+            "source": rates.source}
