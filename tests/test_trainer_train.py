@@ -240,6 +240,34 @@ def test_ctrl_c_before_the_first_step_stops_in_one_line(corpus, tmp_path, procs)
     assert log.rstrip().endswith("interrupted") or re.search(r"interrupted: saved step \d+", log), tail(p.log)
 
 
+def test_a_ctrl_c_a_library_drops_before_the_first_step_still_stops_the_run(tmp_path, capsys):
+    """A KeyboardInterrupt raised inside a library's callback is printed and dropped (jax's garbage-collection
+    callback, during a compile: seen under load, where the run then went on to its last step). The CLI's early
+    handler remembers the Ctrl-C; the loop's first act raises it again, and the dropped one prints nothing."""
+    from trainer.common import process
+    handler, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        process.catch_early_interrupt()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs at once
+        except KeyboardInterrupt as e:  # what the callback's caller does with it
+            sys.unraisablehook(type("U", (), {"exc_type": KeyboardInterrupt, "exc_value": e, "exc_traceback": None,
+                                              "err_msg": None, "object": None})())
+        ckpt = Checkpointer(str(tmp_path / "run"), keep=1)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.watch_interrupt()
+        ckpt.watch_interrupt()  # remembered once: this time the loop's own handler goes in
+        assert signal.getsignal(signal.SIGINT) == ckpt._on_sigint
+        ckpt.unwatch()
+        ckpt.close()
+        assert capsys.readouterr().err == ""
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        sys.unraisablehook = hook
+
+
 # A process that dies while its async save of step 2 is being written (after a finished save of step 1).
 _DIES_MID_SAVE = """
 import glob, os, sys

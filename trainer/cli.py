@@ -13,8 +13,8 @@ import os
 import sys
 
 from trainer.common.config import UsageError
-from trainer.common.process import (command_parser, emulate_devices, in_a_multi_process_job, keep_freed_memory,
-                                    native_stdout_off, quiet_native_logs)
+from trainer.common.process import (catch_early_interrupt, command_parser, emulate_devices, in_a_multi_process_job,
+                                    keep_freed_memory, native_stdout_off, quiet_native_logs)
 from trainer.experiments import flags as experiments
 from trainer.finetune import flags as finetune
 from trainer.pretrain import flags as pretrain
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     try:
+        catch_early_interrupt()
         emulate_devices(argv)
         quiet_native_logs()
         native_stdout_off()

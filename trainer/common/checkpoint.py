@@ -269,6 +269,9 @@ class Checkpointer:
         """Single process, from the first step on: Ctrl-C stops after the current step and saves it; a second
         Ctrl-C interrupts at once. Multi-process runs leave SIGINT alone: a save only one process asked for
         would wait for the others forever (`tpuctl run` stops its hosts with SIGTERM, a coordinated notice)."""
+        from trainer.common import process
+        if process.take_early_interrupt():  # a Ctrl-C whose KeyboardInterrupt a library dropped: nothing to save
+            raise KeyboardInterrupt
         if not self._distributed and threading.current_thread() is threading.main_thread():
             self._previous_int = signal.signal(signal.SIGINT, self._on_sigint) or signal.default_int_handler
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Callable
 
 from trainer.common import accelerators
@@ -39,6 +41,38 @@ def add_process_flags(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="N CPU devices per process (set before jax starts; default $TPUCTL_EMULATE_DEVICES, "
                          "which a local slice's hosts get; an inherited XLA flag wins)")
     return sp
+
+
+_early_interrupt = False
+
+
+def catch_early_interrupt() -> None:
+    """Ctrl-C before the training loop takes it over (checkpoint.Checkpointer.watch_interrupt): KeyboardInterrupt
+    as Python raises it, and remembered. A KeyboardInterrupt raised while a library's callback runs (jax's garbage-
+    collection callback, during a compile or an init) is printed and dropped, and the run went on as if no Ctrl-C
+    had come; the loop asks `take_early_interrupt` before its first step. A launcher that ignores SIGINT is obeyed."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_early_interrupt)
+        previous = sys.unraisablehook
+
+        def unraisable(u) -> None:  # the dropped KeyboardInterrupt is remembered, not a traceback on the console
+            if not isinstance(u.exc_value, KeyboardInterrupt):
+                previous(u)
+        sys.unraisablehook = unraisable
+
+
+def _on_early_interrupt(signum, frame) -> None:
+    global _early_interrupt
+    _early_interrupt = True
+    raise KeyboardInterrupt
+
+
+def take_early_interrupt() -> bool:
+    """Whether a Ctrl-C came since catch_early_interrupt (or the last call), wherever its KeyboardInterrupt went."""
+    global _early_interrupt
+    came, _early_interrupt = _early_interrupt, False
+    return came
 
 
 def emulate_devices(argv: list[str]) -> None:
