@@ -283,6 +283,7 @@ class FakeTpu:
         # Local mode's VMs: node -> the local slice (infra/local_slice.py) whose sshd hosts are its VMs. They die
         # with the node (preempted, deleted), as real VMs do, whoever is watching or not.
         self.vm_hosts: dict[str, dict] = {}
+        self._dying: dict[str, threading.Thread] = {}  # node -> its VMs stopping after a delete (`_vms_die`)
 
     # ---- clock ------------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -302,7 +303,7 @@ class FakeTpu:
         elif n.state == "CREATING" and n.t_ready is not None and now >= n.t_ready:
             n.state = "READY"
             n.endpoints = n.endpoints or self._endpoints(n)
-        elif n.state == "DELETING" and now >= (n.t_gone or 0):
+        elif n.state == "DELETING" and now >= (n.t_gone or 0) and self._vms_gone(n.name):
             self._gone("node", n)
 
     def _tick_qr(self, q: _QR, now: float) -> None:
@@ -339,7 +340,7 @@ class FakeTpu:
         if q.state == "SUSPENDING" and not any(n.state in ("PREEMPTED", "TERMINATED", "DELETING") for n in
                                                (self.nodes[x] for x in q.nodes if x in self.nodes)):
             q.state = "SUSPENDED"
-        if q.state == "DELETING" and now >= (q.t_gone or 0):
+        if q.state == "DELETING" and now >= (q.t_gone or 0) and all(self._vms_gone(n) for n in q.nodes):
             self._gone("queuedResource", q)
 
     def _gone(self, kind: str, obj) -> None:
@@ -641,7 +642,7 @@ class FakeTpu:
             # queued resource); the queued resource then goes SUSPENDING -> SUSPENDED.
             if n.state != "DELETING":
                 n.state, n.t_gone = "DELETING", self._deleting(n.hosts, now)
-            self._vms_die(n.name)
+            self._vms_die(n.name, answer_first=True)
             q = self.qrs.get(n.qr or "")
             if q is not None and q.state in ("ACTIVE", "PROVISIONING"):
                 q.state = "SUSPENDING"
@@ -659,7 +660,7 @@ class FakeTpu:
             for node in nodes:  # force: every node of it, every slice of a multislice one
                 if node.state != "DELETING":
                     node.state, node.t_gone = "DELETING", self._deleting(node.hosts, now)
-                self._vms_die(node.name)
+                self._vms_die(node.name, answer_first=True)
         return self.op_json(self._new_op("delete", kind, project, zone, name, now))
 
     def get_guest_attributes(self, name: str, query_path: str = "", worker_ids: list | None = None) -> dict:
@@ -757,11 +758,29 @@ class FakeTpu:
     def bind_vms(self, node: str, name: str, base_dir: str) -> None:
         self.vm_hosts[self._find_node(node).name] = {"name": name, "base_dir": base_dir}
 
-    def _vms_die(self, node: str) -> None:
+    def _vms_die(self, node: str, answer_first: bool = False) -> None:
+        """The node's local VMs (sshd hosts and every process on them) stop. answer_first: in the background, as
+        a delete's do: the real API answers a delete at once with an operation and the VMs go while it runs (the
+        node stays DELETING until they are gone, `_vms_gone`); stopping them inside the request held every
+        client's call for as long as a loaded machine took to stop them."""
         b = self.vm_hosts.pop(node, None)
-        if b is not None:
-            from infra.local_slice import LocalSlice
+        if b is None:
+            return
+        from infra.local_slice import LocalSlice
+        if not answer_first:
             LocalSlice.stop_by_name(b["name"], b["base_dir"])
+            return
+        t = threading.Thread(target=LocalSlice.stop_by_name, args=(b["name"], b["base_dir"]), daemon=True,
+                             name=f"vms-die-{node.rsplit('/', 1)[-1]}")
+        self._dying[node] = t
+        t.start()
+
+    def _vms_gone(self, node: str) -> bool:
+        t = self._dying.get(node)
+        if t is not None and t.is_alive():
+            return False
+        self._dying.pop(node, None)
+        return True
 
     def _find_node(self, node: str) -> _Node:
         if node in self.nodes:
