@@ -115,15 +115,18 @@ def _mesh():
     return mesh_lib.make_mesh({"data": 2, "model": 2}, jax.devices()[:4])
 
 
-def test_gpt2_attention_with_splash_equals_xla_on_a_mesh():
+# Splash at 4 heads of 32; the resident kernel at 4 heads of 64, two per device over model=2: one group of 128
+# lanes each, in the kernel's shard_map.
+@pytest.mark.parametrize("d_model,kernel", [(128, attention.INTERPRET), (256, attention.RESIDENT_INTERPRET)])
+def test_gpt2_attention_with_a_kernel_equals_xla_on_a_mesh(d_model, kernel):
     model, _ = PRESETS["gpt2-tiny"]
     import dataclasses
-    cfg = dataclasses.replace(model, n_head=4, d_model=128)
+    cfg = dataclasses.replace(model, n_head=4, d_model=d_model)
     attn = gpt2.Attention(cfg, nnx.Rngs(0))
     graphdef, state = nnx.split(attn)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, 128)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, d_model)), jnp.float32)
 
-    _splash_equals_xla(graphdef, state, x, lambda layer, x, impl: layer(x, impl))
+    _splash_equals_xla(graphdef, state, x, lambda layer, x, impl: layer(x, impl), kernel)
 
 
 @pytest.mark.parametrize("family,index", [("gemma2", 0), ("gemma3", 5)])  # a local layer; a global one
@@ -140,18 +143,6 @@ def test_gemma_layer_with_splash_equals_xla_on_a_mesh(family, index):
     pos = jnp.asarray(np.where(seg == 1, np.arange(T), np.arange(T) - np.array([[50], [100]])), jnp.int32)
 
     _splash_equals_xla(graphdef, state, x, lambda layer, x, impl: layer(x, pos, None, None, seg, None, impl)[0])
-
-
-def test_gpt2_attention_with_the_resident_kernel_equals_xla_on_a_mesh():
-    """Two heads of 64 per device (4 over model=2): one group of 128 lanes each, the kernel's shard_map."""
-    model, _ = PRESETS["gpt2-tiny"]
-    import dataclasses
-    cfg = dataclasses.replace(model, n_head=4, d_model=256)
-    attn = gpt2.Attention(cfg, nnx.Rngs(0))
-    graphdef, state = nnx.split(attn)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, 256)), jnp.float32)
-
-    _splash_equals_xla(graphdef, state, x, lambda layer, x, impl: layer(x, impl), attention.RESIDENT_INTERPRET)
 
 
 def _splash_equals_xla(graphdef, state, x, call, kernel=attention.INTERPRET):
