@@ -81,11 +81,11 @@ def attention_rows(s: Settings) -> list[Row]:
         def vjp(fn):
             out, pull = jax.vjp(fn, q, k, v)
             return out, pull(ct)
-        want, wg = jax.jit(lambda: vjp(_attention_ref))()
         def resident(q, k, v):
             flat = [a.reshape(b, t, -1) for a in (q, k, v)]
             return attention.resident(*flat, hd, block=256 if t % 256 == 0 else t,
                                       interpret=not on_tpu).reshape(q.shape).astype(jnp.float32)
+        want, wg = jax.jit(lambda: vjp(_attention_ref))()
         contenders = {"splash": splash}
         if kh == h and hd in (64, 128):
             contenders["resident"] = resident

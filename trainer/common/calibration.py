@@ -39,12 +39,12 @@ class Rates:
     # chip has timed it, and then its steps are planned at splash's rate and said to be
     resident_flops_s: dict = field(default_factory=dict)
 
-    def attention_at(self, head_dim: int) -> float:
-        """The rate at the nearest measured head_dim (at or above a head_dim between them: larger ones fill the
-        MXU better)."""
-        dims = sorted(self.attention_flops_s)
-        at = next((d for d in dims if d >= head_dim), dims[-1])
-        return self.attention_flops_s[at]
+    def attention_at(self, head_dim: int, kernel: str = "splash") -> float:
+        """The kernel's rate at the nearest measured head_dim (at or above a head_dim between them: larger ones
+        fill the MXU better); splash's for the resident kernel until it has rates of its own."""
+        table = self.resident_flops_s if kernel == "resident" and self.resident_flops_s else self.attention_flops_s
+        dims = sorted(table)
+        return table[next((d for d in dims if d >= head_dim), dims[-1])]
 
 
 V5E_PEAK, V5E_HBM = 197e12, 819e9
@@ -77,6 +77,7 @@ def scaled(base: Rates, peak: float, hbm: float, kind: str) -> Rates:
     f, b = peak / V5E_PEAK, hbm / V5E_HBM
     return replace(base, matmul_flops_s=base.matmul_flops_s * f,
                    attention_flops_s={d: r * f for d, r in base.attention_flops_s.items()},
+                   resident_flops_s={d: r * f for d, r in base.resident_flops_s.items()},
                    loss_kernel_flops_s=base.loss_kernel_flops_s * f, other_bytes_s=base.other_bytes_s * b,
                    measured=False, source=f"{kind}: not measured; v5e's efficiencies at its peak and bandwidth "
                                           f"({base.source})")
@@ -97,18 +98,15 @@ def estimate(work: dict, rates: Rates) -> dict:
     """{step_s, terms: {class: seconds}, measured, unmeasured: what of it no chip timed, source} for one
     device's step from its work by class (aot.py's `work`: matmul_flops, attention_flops, head_dim,
     attention_kernel, loss_kernel_flops, other_bytes)."""
-    head_dim = int(work.get("head_dim") or 64)
-    resident = work.get("attention_kernel") == "resident"
-    rate = rates.attention_at(head_dim)
-    if resident and rates.resident_flops_s:
-        dims = sorted(rates.resident_flops_s)
-        rate = rates.resident_flops_s[next((d for d in dims if d >= head_dim), dims[-1])]
+    kernel = work.get("attention_kernel") or "splash"
     terms = {"matmul": work.get("matmul_flops", 0.0) / rates.matmul_flops_s,
-             "attention": work.get("attention_flops", 0.0) / rate if work.get("attention_flops") else 0.0,
+             "attention": (work.get("attention_flops", 0.0) / rates.attention_at(int(work.get("head_dim") or 64),
+                                                                                 kernel)
+                           if work.get("attention_flops") else 0.0),
              "loss kernel": work.get("loss_kernel_flops", 0.0) / rates.loss_kernel_flops_s,
              "other": work.get("other_bytes", 0.0) / rates.other_bytes_s if rates.other_bytes_s else 0.0}
     unmeasured = [] if rates.measured else ["this chip kind: v5e's efficiencies scaled to its peak and bandwidth"]
-    if resident and not rates.resident_flops_s:
+    if kernel == "resident" and not rates.resident_flops_s:
         unmeasured.append("the resident attention kernel, at splash's rate")
     return {"step_s": sum(terms.values()), "terms": terms, "measured": not unmeasured, "unmeasured": unmeasured,
             "source": rates.source}

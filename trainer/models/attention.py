@@ -29,6 +29,14 @@ LANES = 128  # the kernel's blocks are multiples of this on TPU
 MAX_BLOCK = 512
 
 
+def _why_not_resident(heads: tuple[int, int] | None, seq_len: int, block: int) -> str | None:
+    """None when the resident kernel takes a model's attention, else why not (in words)."""
+    if heads is None:
+        return "this model's attention (windows, soft-capping, packed rows) is splash's or XLA's"
+    from trainer.kernels import resident_attention
+    return resident_attention.supports(*heads, seq_len, block)
+
+
 def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
             heads: tuple[int, int] | None = None, block: int = 256) -> str:
     """--attention for a step compiled for `platform` devices: xla, splash (the TPU kernel), resident (ours,
@@ -37,19 +45,17 @@ def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
     one it cannot (Gemma's windows, soft-capping and packed rows). auto: on TPU, when the sequence is a whole
     number of kernel blocks, what the chip measured faster (trainer/common/chip_choices.py), else xla."""
     from trainer.common import chip_choices
-    from trainer.kernels import resident_attention
     if name not in CHOICES:
         raise UsageError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
-    why_not = ("this model's attention (windows, soft-capping, packed rows) is splash's or XLA's" if heads is None
-               else resident_attention.supports(*heads, seq_len, block))
     if name == "auto":
         if platform != "tpu" or seq_len % LANES:
             return XLA
         pick = chip_choices.for_kind(device_kind)[0].attention
-        if pick == "resident" and why_not is None:
+        if pick == "resident" and _why_not_resident(heads, seq_len, block) is None:
             return RESIDENT
         return XLA if pick == "xla" else SPLASH
     if name == "resident":
+        why_not = _why_not_resident(heads, seq_len, block)
         if why_not:
             raise UsageError(f"--attention resident: {why_not} (use --attention splash or xla)")
         return RESIDENT if platform == "tpu" else RESIDENT_INTERPRET

@@ -95,7 +95,6 @@ class Attention(nnx.Module):
         out = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt)) + self.out_bias[...].astype(dt)
         return constrain(out, ("batch", "seq", "embed"))
 
-
     def _resident(self, x: jax.Array, block: int, interpret: bool) -> jax.Array:
         """The same attention with q, k, v and its output as [B, T, H * head_dim], the resident kernel's layout:
         the weights are reshaped instead of the activations (on TPU [.., H, 64] and [.., H * 64] are tiled
