@@ -46,6 +46,8 @@ def fails(capsys, argv: list[str], *needles: str) -> str:
     (["--profile", "0:3"], ["--profile 0:3", "steps start at 1"]),
     (["--profile", "5-8"], ["--profile 5-8", "expected START:END"]),
     (["--profile", "4:9", "--steps", "6"], ["--profile 4:9", "the run ends at step 6 (--steps)"]),
+    (["--resident-block", "100"], ["--resident-block 100", "multiple of 128"]),
+    (["--attention", "resident"], ["--attention resident", "2 heads of 16", "--attention splash or xla"]),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(capsys, corpus, tmp_path, flags, needles):
     ckpt = tmp_path / "ckpt"

@@ -37,16 +37,29 @@ def _why_not_resident(heads: tuple[int, int] | None, seq_len: int, block: int) -
     return resident_attention.supports(*heads, seq_len, block)
 
 
-def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
-            heads: tuple[int, int] | None = None, block: int = 256) -> str:
-    """--attention for a step compiled for `platform` devices: xla, splash (the TPU kernel), resident (ours,
-    trainer/kernels/resident_attention.py), or either kernel through Pallas' interpreter off TPU (-interpret).
+def check(name: str, seq_len: int, heads: tuple[int, int] | None = None, block: int = 256) -> None:
+    """--attention against the model, whatever the devices: a UsageError naming what is wrong and what to use.
     heads: (heads, head_dim) of a model the resident kernel can take (GPT-2's plain causal attention); None for
-    one it cannot (Gemma's windows, soft-capping and packed rows). auto: on TPU, when the sequence is a whole
-    number of kernel blocks, what the chip measured faster (trainer/common/chip_choices.py), else xla."""
-    from trainer.common import chip_choices
+    one it cannot (Gemma's windows, soft-capping and packed rows)."""
     if name not in CHOICES:
         raise UsageError(f"--attention {name}: choose one of {', '.join(CHOICES)}")
+    if name == "resident":
+        why_not = _why_not_resident(heads, seq_len, block)
+        if why_not:
+            raise UsageError(f"--attention resident: {why_not} (use --attention splash or xla)")
+    if name == "splash" and seq_len % LANES:
+        raise UsageError(f"--attention splash: the kernel works on blocks of {LANES} positions; --seq-len "
+                         f"{seq_len} is not a multiple of {LANES} (use --attention xla, or such a length)")
+
+
+def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
+            heads: tuple[int, int] | None = None, block: int = 256) -> str:
+    """--attention for a step compiled for `platform` devices (`check`ed first): xla, splash (the TPU kernel),
+    resident (ours, trainer/kernels/resident_attention.py), or either kernel through Pallas' interpreter off TPU
+    (-interpret). auto: on TPU, when the sequence is a whole number of kernel blocks, what the chip measured
+    faster (trainer/common/chip_choices.py), else xla."""
+    from trainer.common import chip_choices
+    check(name, seq_len, heads, block)
     if name == "auto":
         if platform != "tpu" or seq_len % LANES:
             return XLA
@@ -55,14 +68,8 @@ def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
             return RESIDENT
         return XLA if pick == "xla" else SPLASH
     if name == "resident":
-        why_not = _why_not_resident(heads, seq_len, block)
-        if why_not:
-            raise UsageError(f"--attention resident: {why_not} (use --attention splash or xla)")
         return RESIDENT if platform == "tpu" else RESIDENT_INTERPRET
     if name == "splash":
-        if seq_len % LANES:
-            raise UsageError(f"--attention splash: the kernel works on blocks of {LANES} positions; --seq-len "
-                             f"{seq_len} is not a multiple of {LANES} (use --attention xla, or such a length)")
         return SPLASH if platform == "tpu" else INTERPRET
     return XLA
 

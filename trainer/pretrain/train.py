@@ -42,6 +42,7 @@ def check_fits(cfg: Config, shape: dict[str, int], n_processes: int) -> None:
         if v % mp:
             raise UsageError(f"{what} {v} is not divisible by the mesh's model axis ({mp}); "
                              f"use a --mesh whose model size divides {v}")
+    attention.check(t.attention, m.seq_len, (m.n_head, m.head_dim), t.resident_block)
     if t.vocab_parallel == "on" and m.padded_vocab % (d * mp):
         raise UsageError(f"--vocab-parallel on: the padded vocab {m.padded_vocab} is not divisible by the "
                          f"{d * mp} devices; set --vocab-multiple to a multiple of {d * mp}")
