@@ -47,6 +47,7 @@ class LoraRun:
     attention: str = "auto"         # auto (splash kernel on TPU, XLA elsewhere), xla, splash
     remat: str = "none"             # what each layer recomputes in the backward pass: none, dots, full
     loss_chunk: int = 0             # positions whose logits exist at once in the loss (0: all)
+    lora_impl: str = "beside"       # how paired projections' adapters are applied (trainer/models/lora.py IMPLS)
     profile: str = ""               # START:END: steps every process traces (trainer/common/profiling.py)
 
     @property
@@ -89,6 +90,8 @@ class LoraRun:
                 raise UsageError(f"{flag} {v}: choose auto, float32 or bfloat16")
         if self.attention not in ("auto", "xla", "splash"):
             raise UsageError(f"--attention {self.attention}: choose auto, xla or splash")
+        if self.lora_impl not in ("beside", "stacked"):
+            raise UsageError(f"--lora-impl {self.lora_impl}: choose beside or stacked")
         if self.remat not in ("none", "dots", "full"):
             raise UsageError(f"--remat {self.remat}: choose none, dots or full")
         if not self.ckpt_dir:

@@ -74,6 +74,9 @@ LORA_HELP = {
                   "per device, 2 GB for Gemma's 256k vocabulary and 4 rows of 512, held twice); N < seq-len takes "
                   "the largest divisor of seq-len not above N: less memory, the embedding read once more per chunk "
                   "(`tpuctl plan` suggests it when a step does not fit)",
+    "lora_impl": "beside or stacked: how the adapters of k and v, and of gate and up, are applied; stacked adds "
+                 "each pair's in one batched matmul to the base's stacked output (the same arithmetic, fewer passes "
+                 "over the MLP's activations on TPU)",
     "profile": "START:END: every process records a jax.profiler trace of steps START to END-1 into "
                "<ckpt-dir>/profiles/<run id>/ (TensorBoard's profile layout; e.g. 5:8 traces steps 5, 6 and 7)",
 }

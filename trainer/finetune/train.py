@@ -31,27 +31,29 @@ from trainer.models import attention, gemma, lora as lora_lib, xent
 
 
 def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
-                 dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none") -> jax.Array:
+                 dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
+                 lora_impl: str = "beside") -> jax.Array:
     """f32 next-token cross-entropy [B, T] of packed rows under base + adapters (unweighted), from the full
     logits (for inspection and checks: a step takes loss_sums).
     attention: resolved (trainer/models/attention.py); remat: a policy of trainer/models/remat.py."""
     model = gemma.from_flat(cfg, base)
     logits, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
-                      adapter=lora_lib.adapter(lc, lora, dropout_key), attention=attention, remat=remat)
+                      adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention, remat=remat)
     logz = jax.nn.logsumexp(logits, axis=-1)
     return logz - jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
 
 
 def loss_sums(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
               dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
-              loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+              loss_chunk: int = 0, lora_impl: str = "beside") -> tuple[jax.Array, jax.Array]:
     """(sum of weight x cross-entropy, sum of weights) of packed rows under base + adapters: what a step
     differentiates. The output layer and the loss take loss_chunk positions at a time (trainer/models/xent.py;
     0: all at once), so the [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist
     whole, and the frozen embedding gets no gradient. The same sums as token_losses' up to the order of addition."""
     model = gemma.from_flat(cfg, base)
     x, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
-                 adapter=lora_lib.adapter(lc, lora, dropout_key), attention=attention, remat=remat, logits=False)
+                 adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention, remat=remat,
+                 logits=False)
     total = xent.chunked(x, base["embed"], batch["targets"], loss_chunk, None, cfg.fam.final_softcap, False,
                          batch["weights"], False)
     return total, jnp.sum(batch["weights"])
@@ -90,7 +92,8 @@ class Steps:
 
     def _sums(self, lora, base, batch, key):
         return loss_sums(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
-                         attention=self.attention, remat=self.run.remat, loss_chunk=self.run.loss_chunk)
+                         attention=self.attention, remat=self.run.remat, loss_chunk=self.run.loss_chunk,
+                         lora_impl=self.run.lora_impl)
 
     def _train_step(self, lora, opt_state, base, batch, step):
         key = jax.random.fold_in(jax.random.key(self.run.seed), step)  # from (seed, step): any host count

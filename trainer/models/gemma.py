@@ -375,7 +375,7 @@ class Layer(nnx.Module):
             k, v = shared
             key_pos = jnp.arange(k.shape[1])[None, :] if cache_index is not None else positions
         else:
-            kv = jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...].astype(dt))
+            kv = ad("kv", x, jnp.einsum("bsd,ckdh->cbskh", x, self.kv[...].astype(dt)))  # k, v stacked
             k = ad("k", x, kv[0])
             v = ad("v", x, kv[1]) if kv.shape[0] == 2 else k  # k_eq_v: one projection, the same adapter
             if fam.v_norm:
@@ -419,7 +419,7 @@ class Layer(nnx.Module):
     def mlp(self, x, adapter=None):
         dt = x.dtype
         ad = adapter or (lambda name, inp, y: y)
-        gate, up = jnp.einsum("btd,cfd->cbtf", x, self.gating[...].astype(dt))
+        gate, up = ad("gating", x, jnp.einsum("btd,cfd->cbtf", x, self.gating[...].astype(dt)))  # stacked
         gate, up = ad("gate", x, gate), ad("up", x, up)
         hid = _constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
         return _constrain(ad("down", hid, hid @ self.linear[...].astype(dt)), ("batch", "seq", "embed"))
@@ -481,7 +481,8 @@ class Gemma(nnx.Module):
         segment_ids [B, T] (no cache): tokens attend only to tokens of the same id (packed examples).
         adapter(layer, projection, input, output) -> output: a low-rank update (trainer/models/lora.py)
         added to the projections q, k, v, o, gate, up, down (and the experts', with a 5th argument: the
-        rows per expert).
+        rows per expert); it is also offered the stacked outputs of k and v ("kv") and of gate and up
+        ("gating") before they are split, and returns them as they are unless it adapts them there.
         attention (no cache): a resolved implementation (attention.resolve); the splash kernel masks by
         index (causal, the local layers' window, segment_ids), which is what positions 0..T-1 per example mean.
         remat (no cache): a policy of trainer/models/remat.py for each layer.

@@ -165,10 +165,40 @@ def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None) -> dict[s
     return jax.jit(make, out_shardings=shardings(cfg, lc, mesh) if mesh is not None else None)()
 
 
-def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array | None = None):
+# How the adapters of projections that share an input and a matmul (k with v, gate with up) are applied:
+# beside: each its own pair of matmuls, added to its own slice of the base's stacked output;
+# stacked: both in one pair of batched matmuls, added to the stacked output before it is split, which lets the
+# TPU compiler add them inside the base matmul's fusion (beside, each sum is a pass of its own over the
+# slice: for gate and up, [tokens, mlp] read and written twice a layer). The same arithmetic per element.
+IMPLS = ("beside", "stacked")
+_PAIRS = {"kv": ("k", "v"), "gating": ("gate", "up")}
+
+
+def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array | None = None, impl: str = "beside"):
     """The model's adapter hook: (layer, projection, input, output[, rows per expert]) -> output +
-    scale * B(A(drop(input))); an expert target's rows are grouped by expert (trainer/models/moe.py)."""
+    scale * B(A(drop(input))); an expert target's rows are grouped by expert (trainer/models/moe.py).
+    impl: IMPLS. The model also offers the stacked outputs "kv" and "gating" (trainer/models/gemma.py)."""
+    if impl not in IMPLS:
+        raise UsageError(f"--lora-impl {impl}: choose one of {', '.join(IMPLS)}")
+
+    def paired(i: int, pair: str) -> bool:
+        """Whether impl stacked applies the pair's two adapters together on layer i (both there, no dropout:
+        dropout draws each target's mask apart)."""
+        return impl == "stacked" and not (dropout_key is not None and lc.dropout > 0) and all(
+            f"layers.{i}.{n}.a" in lora for n in _PAIRS[pair])
+
     def apply(i: int, name: str, x: jax.Array, y: jax.Array, groups: jax.Array | None = None) -> jax.Array:
+        if name in _PAIRS:
+            if not paired(i, name) or y.shape[0] != 2:
+                return y
+            a = jnp.stack([lora[f"layers.{i}.{n}.a"] for n in _PAIRS[name]])  # [2, in, r]
+            b = jnp.stack([lora[f"layers.{i}.{n}.b"] for n in _PAIRS[name]])  # [2, r, *out]
+            h = jnp.einsum("btd,cdr->cbtr", x.astype(jnp.float32), a)
+            d = jnp.einsum("cbtr,crf->cbtf", h, b) if b.ndim == 3 else jnp.einsum("cbtr,crkh->cbtkh", h, b)
+            return y + (lc.scale * d).astype(y.dtype)
+        pair = next((p for p, names in _PAIRS.items() if name in names), None)
+        if pair is not None and paired(i, pair):
+            return y  # added to the stacked output already
         a = lora.get(f"layers.{i}.{name}.a")
         if a is None:
             return y

@@ -1,0 +1,61 @@
+"""The LoRA step's alternative ways of applying the adapters (trainer/models/lora.py IMPLS, --lora-impl) against
+the plain one (beside): the same loss and the same adapter gradients, on tiny configs, on the CPU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _gemma_ckpt as gc
+from trainer.common.config import UsageError
+from trainer.finetune import train as finetune
+from trainer.models import gemma, lora as lora_lib
+
+CASES = {"gemma2": gc.TINY["gemma2"], "gemma3": gc.TINY["gemma3"], "gemma4 k=v": gc.TINY4["dense"]}
+
+
+def _batch(cfg, b=2, t=16, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(4, cfg.vocab, (b, t + 1)).astype(np.int32)
+    return {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:]),
+            "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+            "segments": jnp.ones((b, t), jnp.int32), "weights": jnp.ones((b, t), jnp.float32)}
+
+
+def _trained(cfg, lc, seed=1):
+    """Adapters with B random too (as after training), so every adapter changes the output."""
+    lora = lora_lib.init(cfg, lc, seed)
+    return {n: (0.05 * jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), a.shape)
+                if n.endswith(".b") else a) for i, (n, a) in enumerate(sorted(lora.items()))}
+
+
+def _loss_and_grads(cfg, lc, base, lora, batch, impl, dtype=jnp.float32, remat="none"):
+    def loss(lora):
+        s, n = finetune.loss_sums(cfg, lc, base, lora, batch, dtype=dtype, lora_impl=impl, remat=remat)
+        return s / n
+    return jax.jit(jax.value_and_grad(loss))(lora)
+
+
+@pytest.mark.parametrize("impl", [i for i in lora_lib.IMPLS if i != "beside"])
+@pytest.mark.parametrize("case,targets", [("gemma2", "all"), ("gemma3", "all"), ("gemma4 k=v", "all"),
+                                          ("gemma3", "k,up,o")])
+def test_each_impl_gives_the_plain_adapters_loss_and_gradients(case, targets, impl):
+    """All seven targets (pairs applied together) and a subset that splits both pairs (each alone, as beside)."""
+    cfg = CASES[case]
+    lc = lora_lib.LoraConfig(4, 8.0, 0.0, lora_lib.resolve_targets(targets))
+    base, lora, batch = gemma.random_params(cfg, 3), _trained(cfg, lc), _batch(cfg)
+    want, g_want = _loss_and_grads(cfg, lc, base, lora, batch, "beside")
+    got, g_got = _loss_and_grads(cfg, lc, base, lora, batch, impl)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert set(g_got) == set(g_want)
+    for name in g_want:
+        scale = float(jnp.abs(g_want[name]).max())
+        assert scale > 0, name  # every adapter reaches the loss
+        # f32 sums in another order, through every layer
+        np.testing.assert_allclose(g_got[name], g_want[name], rtol=1e-3, atol=2e-4 * scale, err_msg=name)
+
+
+def test_an_unknown_impl_is_refused():
+    with pytest.raises(UsageError, match="--lora-impl"):
+        lora_lib.adapter(lora_lib.LoraConfig(), {}, impl="inside")
