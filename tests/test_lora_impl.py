@@ -38,10 +38,10 @@ def _loss_and_grads(cfg, lc, base, lora, batch, impl, dtype=jnp.float32, remat="
 
 
 @pytest.mark.parametrize("impl", [i for i in lora_lib.IMPLS if i != "beside"])
-@pytest.mark.parametrize("case,targets", [("gemma2", "all"), ("gemma3", "all"), ("gemma4 k=v", "all"),
-                                          ("gemma3", "k,up,o")])
+@pytest.mark.parametrize("case,targets", [("gemma2", "all"), ("gemma4 k=v", "all"), ("gemma3", "k,up,o")])
 def test_each_impl_gives_the_plain_adapters_loss_and_gradients(case, targets, impl):
-    """All seven targets (pairs applied together) and a subset that splits both pairs (each alone, as beside)."""
+    """All seven targets (pairs applied together; Gemma 4's k=v global layers have no v: their k alone) and a
+    subset that splits both pairs (each alone, as beside)."""
     cfg = CASES[case]
     lc = lora_lib.LoraConfig(4, 8.0, 0.0, lora_lib.resolve_targets(targets))
     base, lora, batch = gemma.random_params(cfg, 3), _trained(cfg, lc), _batch(cfg)
