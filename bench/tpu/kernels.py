@@ -102,20 +102,20 @@ def run(s: Settings) -> list[Row]:
 
 
 
-def lora_impl_rows(s: Settings) -> list[Row]:
+def lora_impl_rows(s: Settings, sizes: tuple[str, ...] = ("gemma3-1b", "gemma2-2b")) -> list[Row]:
     """Each --lora-impl (trainer/models/lora.py IMPLS) against `beside` on the chip: the loss and every adapter
     gradient of gemma3-1b's and gemma2-2b's first two layers at their real widths (the vocabulary cut to 16k so
     it is quick), rank 8 on all targets, 2 x 512 rows, bf16 compute over a bf16 base, both measured against the
     same step in f32 at full matmul precision. A row passes when the impl is no further from that reference than
-    beside is (1.5x, plus 1e-3): the same arithmetic, rounded in another order. Not wired into run(): the
-    caller picks it."""
+    beside is (1.5x, plus 1e-3): the same arithmetic, rounded in another order. Three small compiles per size
+    and impl pair (the f32 reference, beside, the impl). Not wired into run(): the caller picks it."""
     import dataclasses
 
     from trainer.finetune import train as finetune
     from trainer.models import gemma, lora as lora_lib
     on_tpu = jax.default_backend() == "tpu" and not s.quick
     rows = []
-    for size in ("gemma3-1b", "gemma2-2b"):
+    for size in sizes:
         cfg = dataclasses.replace(gemma.SIZES[size], n_layers=2, vocab=16384) if on_tpu else \
             dataclasses.replace(gemma.SIZES[size], n_layers=2, vocab=256, d_model=128, n_heads=2, n_kv_heads=1,
                                 head_dim=64, ff=256, query_pre_attn_scalar=64.0)
