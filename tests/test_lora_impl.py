@@ -10,6 +10,7 @@ import pytest
 import _gemma_ckpt as gc
 from trainer.common.config import UsageError
 from trainer.finetune import train as finetune
+from trainer.finetune.config import LoraRun
 from trainer.models import gemma, lora as lora_lib
 
 CASES = {"gemma2": gc.TINY["gemma2"], "gemma3": gc.TINY["gemma3"], "gemma4 k=v": gc.TINY4["dense"]}
@@ -57,5 +58,7 @@ def test_each_impl_gives_the_plain_adapters_loss_and_gradients(case, targets, im
 
 
 def test_an_unknown_impl_is_refused():
+    with pytest.raises(UsageError, match="--lora-impl inside: choose beside or stacked"):
+        LoraRun(weights="w", data="d", ckpt_dir="c", lora_impl="inside").check()
     with pytest.raises(UsageError, match="--lora-impl"):
         lora_lib.adapter(lora_lib.LoraConfig(), {}, impl="inside")

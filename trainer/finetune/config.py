@@ -90,8 +90,9 @@ class LoraRun:
                 raise UsageError(f"{flag} {v}: choose auto, float32 or bfloat16")
         if self.attention not in ("auto", "xla", "splash"):
             raise UsageError(f"--attention {self.attention}: choose auto, xla or splash")
-        if self.lora_impl not in ("beside", "stacked"):
-            raise UsageError(f"--lora-impl {self.lora_impl}: choose beside or stacked")
+        from trainer.models.lora import IMPLS
+        if self.lora_impl not in IMPLS:
+            raise UsageError(f"--lora-impl {self.lora_impl}: choose {' or '.join(IMPLS)}")
         if self.remat not in ("none", "dots", "full"):
             raise UsageError(f"--remat {self.remat}: choose none, dots or full")
         if not self.ckpt_dir:
