@@ -106,7 +106,7 @@ def test_rows_are_chosen_by_name_and_the_plans_join_by_name(tmp_path):
             "loss_kernel_flops": 0.0, "other_bytes": 20e9}
     rows = [{"section": "steps", "name": "ours, batch 16", "step_s": 0.1, "figures": {}},
             {"section": "steps", "name": "seed, batch 16", "step_s": 0.26, "figures": {}}]
-    plans.join(rows, {"commit": "abc1234", "tpu": "v5e:1x1", "rows": {"ours, batch 16": {"work": work}}})
+    plans.join(rows, {"tpu": "v5e:1x1", "rows": {"ours, batch 16": {"work": work, "commit": "abc1234"}}})
     assert rows[0]["figures"]["work"] == work and "abc1234" in rows[0]["figures"]["plan_from"]
     assert "work" not in rows[1]["figures"]
     built = report.build({"device_kind": "TPU v5 lite"}, rows, {})

@@ -4,7 +4,8 @@ v5e:1x1` (what `tpuctl plan` runs) on the trainer command that builds each row's
 writes each row's work by class to FILE as it finishes; `--plans FILE` (on the chip, or with `--summarize`) joins
 them to the rows of the same name, and the report prices them at trainer/common/calibration.py's rates.
 
-A row and its plan are the same program when the plan's commit is the chip run's: both record it."""
+A row and its plan are the same program when the row's code is the same at the plan's commit and the chip run's:
+both record theirs."""
 from __future__ import annotations
 
 import json
@@ -53,16 +54,14 @@ def commit() -> str:
 def plan_ahead(path: str, rows: tuple = ()) -> int:
     """Plan every row (or those whose names hold one of `rows`) into `path`, keeping what it already holds for
     rows of the same commit. Returns 0, or 1 when a plan failed (its error is written in its place)."""
-    done = load(path)
+    done = load(path) or {"tpu": TPU, "rows": {}}
     here = commit()
-    if done.get("commit") != here:
-        done = {"commit": here, "tpu": TPU, "rows": {}}
     bad = 0
     for name, argv in commands().items():
         if rows and not any(w in name for w in rows):
             continue
-        if name in done["rows"] and "work" in done["rows"][name]:
-            continue
+        if done["rows"].get(name, {}).get("work") and done["rows"][name].get("argv") == argv:
+            continue  # planned already (at the commit it names: a row's program changes only with its code)
         t0 = time.perf_counter()
         print(f"planning {name!r}: python -m trainer.plan --devices 1 --tpu {TPU} -- {' '.join(argv)}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -72,13 +71,13 @@ def plan_ahead(path: str, rows: tuple = ()) -> int:
         if p.returncode:
             bad += 1
             err = (p.stderr.strip().splitlines() or ["?"])[-1]
-            done["rows"][name] = {"argv": argv, "error": err, "wall_s": took}
+            done["rows"][name] = {"argv": argv, "error": err, "wall_s": took, "commit": here}
             print(f"  failed in {took:.0f} s: {err}", flush=True)
         else:
             got = json.loads(p.stdout)
             done["rows"][name] = {"argv": argv, "work": got["work"], "total_bytes": got.get("total_bytes"),
                                   "temp_bytes": got.get("temp_bytes"), "compile_s": got.get("compile_s"),
-                                  "wall_s": took}
+                                  "wall_s": took, "commit": here}
             print(f"  done in {took:.0f} s", flush=True)
         _write(path, done)
     return 1 if bad else 0
@@ -107,4 +106,4 @@ def join(rows: list[dict], plans: dict) -> None:
         if got and "work" in got and r.get("step_s"):
             r["figures"]["work"] = got["work"]
             r["figures"]["plan_from"] = f"python -m trainer.plan --tpu {plans.get('tpu', TPU)} at " \
-                                        f"{plans.get('commit', '?')}"
+                                        f"{got.get('commit', '?')}"
