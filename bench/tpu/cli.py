@@ -125,10 +125,10 @@ def defaults(s: Settings):
 
 
 def save_stall(s: Settings):
-    name = f"checkpoint stall: --log-every 1 --ckpt-every {STALL_EVERY}, batch {4 if s.quick else 16}"
+    every = 5 if s.quick else STALL_EVERY
+    name = f"checkpoint stall: --log-every 1 --ckpt-every {every}, batch {4 if s.quick else 16}"
     if not s.wants(name):
         return
-    every = 5 if s.quick else STALL_EVERY
     ckpt = os.path.join(s.out, "cli-stall")
     code = python_m_trainer(["pretrain", "--preset", "gpt2-124m", *_size(s), "--batch-size", "4" if s.quick else "16",
                              "--steps", str(16 if s.quick else STALL_STEPS), "--log-every", "1",
