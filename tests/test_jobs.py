@@ -139,9 +139,18 @@ def _job(store: JobStore, workers=((0, None), (1, None)), state="RUNNING") -> di
     return spec
 
 
+def _bucket_iam(bucket: str = "jobs-b") -> str:
+    """The local cloud's bucket IAM stand-in (fake-gcs-server has none), told the bucket is project P's."""
+    from infra.fake_login_apis import FakeLoginControl
+    from orchestrator.provider.local import service_url
+    url = service_url("compute")
+    FakeLoginControl(url).bucket_project(bucket, P)
+    return url
+
+
 def test_the_job_bucket_round_trip(bucket):
     s = JobStore("jobs-b")
-    s.check()
+    s.check(iam_endpoint=_bucket_iam(), project=P)
     jid = new_job_id()
     assert is_job_id(jid) and not is_job_id("my-slice")
     spec = {"id": jid, "name": "n", "slice_name": "n", "submitted": 1000.0, "total_steps": 60,
@@ -157,8 +166,38 @@ def test_the_job_bucket_round_trip(bucket):
     assert s.logs(jid) == {"controller.log": b"a\n", "r1/w0.log": b"step 7\n"}
     assert abs(cost_so_far({**initial_state(spec), "ended": 1000.0 + 1800}) - 1.8) < 1e-9
     with pytest.raises(UserError) as e:
-        JobStore("no-such-bucket").check()
+        JobStore("no-such-bucket").check(iam_endpoint=_bucket_iam(), project=P)
     assert "does not exist" in str(e.value)
+
+
+def test_the_submit_check_asks_and_writes_nothing(bucket):
+    """A submitter who may create objects but not delete them passes the bucket check and leaves the bucket as it
+    was (the check asks testIamPermissions as the caller; it writes no probe); one who may only read is refused in
+    one line naming what it lacks."""
+    from google.cloud import storage
+    from google.oauth2.credentials import Credentials
+    url = _bucket_iam()
+    store = JobStore("jobs-b")
+    bucket_iam = storage.Client(project=P, client_options={"api_endpoint": url}).bucket("jobs-b")  # its owner
+    before = {b.name: b.md5_hash for b in store.client.list_blobs(store.bucket)}
+    me = "user:creator@example.com"
+    policy = bucket_iam.get_iam_policy(requested_policy_version=3)
+    kept = list(policy.bindings)
+    try:
+        policy.bindings.append({"role": "roles/storage.objectViewer", "members": {me}})
+        bucket_iam.set_iam_policy(policy)
+        with pytest.raises(UserError) as e:
+            store.check(iam_endpoint=url, project=P, credentials=Credentials(token=me))
+        assert "cannot write gs://jobs-b (you lack storage.objects.create)" in str(e.value), e.value
+        policy = bucket_iam.get_iam_policy(requested_policy_version=3)
+        policy.bindings.append({"role": "roles/storage.objectCreator", "members": {me}})
+        bucket_iam.set_iam_policy(policy)  # create and get, no delete
+        store.check(iam_endpoint=url, project=P, credentials=Credentials(token=me))
+        assert {b.name: b.md5_hash for b in store.client.list_blobs(store.bucket)} == before
+    finally:
+        policy = bucket_iam.get_iam_policy(requested_policy_version=3)
+        policy.bindings = kept
+        bucket_iam.set_iam_policy(policy)
 
 
 def test_logs_of_one_worker_of_a_job_from_its_bucket(bucket):
