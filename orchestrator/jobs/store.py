@@ -5,7 +5,8 @@ controller picks a job up from. Nothing of it lives on the controller's disk.
                               /slice.json      the slice's record as the controller last knew it (workers change
                                                when a preempted slice is recreated)
                               /state.json      written by the controller only: state, step, recoveries, goodput,
-                                               and every attempt any of the job's controllers saw end
+                                               every attempt any of the job's controllers saw end, and the one
+                                               going on as far as it has been watched (rewritten at each sync)
                               /events.jsonl    written by the controller only: one line per event
                               /cancel.json     written by `tpuctl cancel`: the controller acts on it
                               /logs/controller.log, /logs/RUN_ID/HOST.log   copied as they grow (each
