@@ -251,3 +251,9 @@ def test_what_the_shapes_cannot_tell_is_named_and_taken_from_flags_or_a_config_b
     with pytest.raises(weights.UsageError, match="gemma-config.json: window is not a constant the weights cannot "
                                                  "tell; use sliding_window"):
         weights.inspect(root)
+    with pytest.raises(weights.UsageError, match="--weights-config: top_k=many: expected a number"):
+        weights.parse_config("top_k=many")
+    # --model, on `sample` as on `lora`: a family or a named size
+    assert weights.check_model("gemma4") == weights.check_model("gemma4-e2b") == "gemma4"
+    with pytest.raises(weights.UsageError, match=r"--model gemma5: choose a family \(gemma2, gemma3, gemma4\)"):
+        weights.check_model("gemma5")
