@@ -153,7 +153,8 @@ def goodput(attempts: list[dict], wall_s: float) -> dict:
             "lost_to_preemptions_s": lost, "redone_s": redone_s, "overhead_s": overhead,
             "unwatched_s": sum(unwatched.values()), "unaccounted_s": wall_s - productive - lost - overhead,
             # an attempt follows each preemption; one a managed job's controller died in is no restart
-            "restarts": sum(a["outcome"] == "preempted" for a in attempts[:-1]), "goodput": productive / wall_s if wall_s > 0 else 0.0}
+            "restarts": sum(a["outcome"] == "preempted" for a in attempts[:-1]),
+            "goodput": productive / wall_s if wall_s > 0 else 0.0}
 
 
 def goodput_table(attempts: list[dict], g: dict) -> str:
