@@ -1,5 +1,6 @@
 """Our Gemma tokenizer (sentencepiece .model and tokenizer.json) and chat template against Google's real
-Gemma 2 and Gemma 3 tokenizers, read out of the maxtext wheel that `make setup` fetches into the machine's test cache."""
+Gemma 2 and Gemma 3 tokenizers, read out of the maxtext wheel that `make setup` fetches into the machine's test
+cache."""
 from __future__ import annotations
 
 import glob

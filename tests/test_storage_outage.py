@@ -40,8 +40,8 @@ def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_fac
         rc = p.wait(timeout=150)
         # The budget (60 s, TPUCTL_STORAGE_TIMEOUT_S) is the promise: from the bucket going away to the exit. The
         # watch stops the run 51-53 s after the last answer (the budget less 2 s between probes, a probe's 5 s
-        # timeout and 2 s for the exit, plus up to 2 s between probes: bucket_watch.py); a killed emulator refuses at once, so the probe's
-        # 5 s are room for a loaded machine's late wakeups. A run the watch missed would exit only when a later
+        # timeout and 2 s for the exit, plus up to 2 s between probes: bucket_watch.py); a killed emulator refuses
+        # at once, so the probe's 5 s are room for a loaded machine's late wakeups. A run the watch missed would exit only when a later
         # operation's own 60 s ran out.
         took = time.monotonic() - gone
     finally:
