@@ -15,8 +15,9 @@ at two corpus sizes); the pretraining loader's tokens/s from gs:// beside a loca
 `--profile` window against unprofiled runs (with and without the profiler server); and our gpt2-124m step beside
 the seed's and MaxText's for the same work on v5e-8 and v6e-8, counted whole by the TPU compiler (bytes,
 temporaries, FLOPs, the roofline; MaxText's figures read from its bench scripts' records, --maxtext), and where
-that step's HBM bytes go, by jax source (bench/tpu_bytes.py). Numbers on a
-shared machine are noisy: read the ratios, not the absolute values.
+that step's HBM bytes go, by jax source (bench/compiler/tpu_bytes.py). Numbers on a
+shared machine are noisy: read the ratios, not the absolute values. Each section's module is in bench/peers/,
+bench/system/ or bench/compiler/, by what it measures (docs/layout.md).
 """
 from __future__ import annotations
 

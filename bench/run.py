@@ -1,5 +1,5 @@
 """The benchmark's sections, in one run on one machine (imported after XLA_FLAGS is set). The seed-vs-ours
-contenders each run in a bench.worker process (the host-allocator setting is process-wide); the rest here.
+contenders each run in a bench.peers.worker process (the host-allocator setting is process-wide); the rest here.
 
 Measured configs are alternated step by step (A B, then B A, ...) so that load from other processes hits
 each alike; every figure is a median over timed steps after warm-up, and the comparisons are ratios. Two
@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.ours import OursTrainer, config
 from trainer.common.config import Config
-from bench.peak import MatmulPeak, median, model_flops_per_token
+from bench.peers.peak import MatmulPeak, median, model_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ class Plan:
     m124_mesh: str = "data=2,model=4"
     tiny_seq: int = 0  # 0 = the preset's
     tiny_batch: int = 0
-    maxtext: str | None = None  # MaxText's records for [15] (None: bench/side_by_side.py's default)
+    maxtext: str | None = None  # MaxText's records for [15] (None: bench/compiler/side_by_side.py's default)
     do_124m: bool = True
     vocab: int = 50257
     quick: bool = False
@@ -95,7 +95,7 @@ class Timings:
 
 def alternate(runners: dict, rounds: int, per_round: int, on_round=None) -> Timings:
     """Run each runner `per_round` timed times per round, the order reversed every other round. A runner
-    that measures itself (a bench.worker process) returns (wall, cpu); otherwise this process's clocks count."""
+    that measures itself (a bench.peers.worker process) returns (wall, cpu); otherwise this process's clocks count."""
     names = list(runners)
     out = Timings({n: [] for n in names}, {n: [] for n in names}, rounds, per_round)
     for r in range(rounds):
@@ -112,12 +112,12 @@ def alternate(runners: dict, rounds: int, per_round: int, on_round=None) -> Timi
 
 
 class Contender:
-    """A `python -m bench.worker KIND` process (its own allocator setting); `step()` -> (wall, cpu)."""
+    """A `python -m bench.peers.worker KIND` process (its own allocator setting); `step()` -> (wall, cpu)."""
 
     def __init__(self, kind: str, plan: Plan):
         self.kind = kind
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.worker", kind, json.dumps(asdict(plan))],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.peers.worker", kind, json.dumps(asdict(plan))],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      text=True)
 
@@ -163,7 +163,7 @@ def section_seed_vs_ours(plan: Plan) -> dict:
     p = plan
     cfg_txt = f"L{p.n_layer} D{p.d_model} H{p.n_head} T{p.seq_len} B{p.batch} vocab {p.vocab}, mesh 8x1, f32"
     say(f"== [1-3] seed (bench/seed_gpt2.py) vs ours, same config: {cfg_txt}")
-    say("   each in its own process (bench/worker.py), steps alternated: the seed's code as it ships; the seed's "
+    say("   each in its own process (bench/peers/worker.py), steps alternated: the seed's code as it ships; the seed's "
         "code with the host-allocator setting our trainer applies at start (trainer/common/hostmem.py); ours; then ours "
         "against ours with --vocab-parallel off")
     t0 = time.perf_counter()
@@ -348,67 +348,70 @@ def main(plan: Plan, sections: set[str], kept_freed_memory: bool = False) -> Non
             say("[4b] gpt2-124m: skipped" + (" (--quick)" if not plan.do_124m else ""))
     if "launch" in sections and not plan.quick:
         say("== [6] tpuctl run on a local slice: push+install and run -> first step, 1/4/16 hosts")
-        from bench import launch
+        from bench.system import launch
         launch.bench(say=say)
     else:
         say("[6] launch bench: skipped" + (" (--quick)" if plan.quick else ""))
     if "gemma" in sections and not plan.quick:
-        say("== [7] Gemma sampling: KV-cache loop vs full recompute (bench/gemma_sample.py)")
-        from bench import gemma_sample
+        say("== [7] Gemma sampling: KV-cache loop vs full recompute (bench/peers/gemma_sample.py)")
+        from bench.peers import gemma_sample
         gemma_sample.main()
     else:
         say("[7] Gemma sampling: skipped" + (" (--quick)" if plan.quick else ""))
     if "lora" in sections and not plan.quick:
-        say("== [8] Gemma LoRA step: ours vs tunix PeftTrainer + qwix (bench/gemma_lora.py)")
-        from bench import gemma_lora
+        say("== [8] Gemma LoRA step: ours vs tunix PeftTrainer + qwix (bench/peers/gemma_lora.py)")
+        from bench.peers import gemma_lora
         gemma_lora.main()
     else:
         say("[8] Gemma LoRA step: skipped" + (" (--quick)" if plan.quick else ""))
     if "preempt" in sections and not plan.quick:
-        say("== [9] spot run through preemptions: steps redone, time to recover, goodput (bench/preempt.py)")
-        from bench import preempt
+        say("== [9] spot run through preemptions: steps redone, time to recover, goodput (bench/system/preempt.py)")
+        from bench.system import preempt
         preempt.main()
     else:
         say("[9] preemptions: skipped" + (" (--quick)" if plan.quick else ""))
     if "tpu" in sections and not plan.quick:
-        say("== [10] the TPU compiler's verdict on a gpt2-124m step: attention, loss, remat (bench/tpu_compile.py)")
-        from bench import tpu_compile
+        say("== [10] the TPU compiler's verdict on a gpt2-124m step: attention, loss, remat "
+            "(bench/compiler/tpu_compile.py)")
+        from bench.compiler import tpu_compile
         tpu_compile.main(say=say)
     else:
         say("[10] TPU compile: skipped" + (" (--quick)" if plan.quick else ""))
     if "prepare" in sections:
-        say("== [11] prepare on a web-shaped corpus vs tiktoken's bare one-core speed (bench/prepare.py)")
-        from bench import prepare
+        say("== [11] prepare on a web-shaped corpus vs tiktoken's bare one-core speed (bench/system/prepare.py)")
+        from bench.system import prepare
         prepare.main(["--quick"] if plan.quick else [], say=say)
     else:
         say("[11] prepare: skipped")
     if "loader" in sections:
-        say("== [12] pretraining loader: tokens/s from gs:// vs a local file (bench/loader.py)")
-        from bench import loader
+        say("== [12] pretraining loader: tokens/s from gs:// vs a local file (bench/system/loader.py)")
+        from bench.system import loader
         loader.main(say=say, quick=plan.quick)
     else:
         say("[12] loader: skipped")
     if "multislice" in sections and not plan.quick:
-        say("== [13] multislice: step time on 2 slices vs 1 slice, same devices and global batch (bench/multislice.py)")
-        from bench import multislice
+        say("== [13] multislice: step time on 2 slices vs 1 slice, same devices and global batch "
+            "(bench/system/multislice.py)")
+        from bench.system import multislice
         multislice.main(say=say)
     else:
         say("[13] multislice: skipped" + (" (--quick)" if plan.quick else ""))
     if "profile" in sections:
-        say("== [14] --profile: step time outside the traced window vs unprofiled runs (bench/profile_cost.py)")
-        from bench import profile_cost
+        say("== [14] --profile: step time outside the traced window vs unprofiled runs (bench/system/profile_cost.py)")
+        from bench.system import profile_cost
         profile_cost.main(say=say, quick=plan.quick)
     else:
         say("[14] profile: skipped")
     if "side" in sections and not plan.quick:
-        say("== [15] side by side, the same work counted whole: ours, the seed's step, MaxText (bench/side_by_side.py)")
-        from bench import side_by_side
+        say("== [15] side by side, the same work counted whole: ours, the seed's step, MaxText "
+            "(bench/compiler/side_by_side.py)")
+        from bench.compiler import side_by_side
         side_by_side.main(maxtext_at=plan.maxtext, say=say)
     else:
         say("[15] side by side: skipped" + (" (--quick)" if plan.quick else ""))
     if "bytes" in sections and not plan.quick:
-        say("== [16] where the gpt2-124m step's HBM bytes go, v5e-8, default flags (bench/tpu_bytes.py)")
-        from bench import tpu_bytes
+        say("== [16] where the gpt2-124m step's HBM bytes go, v5e-8, default flags (bench/compiler/tpu_bytes.py)")
+        from bench.compiler import tpu_bytes
         tpu_bytes.bench(say=say)
     else:
         say("[16] bytes: skipped" + (" (--quick)" if plan.quick else ""))

@@ -162,6 +162,13 @@ def _splash_equals_xla(graphdef, state, x, call, kernel=attention.INTERPRET):
 
 
 def test_auto_follows_the_devices_compiled_for():
+    # auto on TPU: what the chip measured faster (trainer/common/chip_choices.py): the resident kernel on v5e where
+    # it takes the model (GPT-2's heads of 64), splash where it does not (Gemma's windows) and on unmeasured kinds
+    assert attention.resolve("auto", "tpu", 1024, "TPU v5 lite", heads=(12, 64)) == attention.RESIDENT
+    assert attention.resolve("auto", "tpu", 1024, "TPU v5 lite", heads=None) == attention.SPLASH
+    assert attention.resolve("auto", "tpu", 1024, "TPU v5 lite", heads=(25, 64)) == attention.SPLASH
+    assert attention.resolve("auto", "tpu", 1024, "TPU v5 lite", heads=(8, 32)) == attention.SPLASH  # not timed
+    assert attention.resolve("auto", "tpu", 1024, "TPU v4", heads=(12, 64)) == attention.SPLASH
     assert attention.resolve("auto", "tpu", 1024) == attention.SPLASH
     assert attention.resolve("auto", "cpu", 1024) == attention.XLA
     assert attention.resolve("auto", "tpu", 100) == attention.XLA  # not whole kernel blocks

@@ -53,7 +53,7 @@ def test_side_by_side_reads_maxtexts_records_and_says_what_was_not_measured(tmp_
     """[15]'s MaxText rows come from the records its bench scripts write (no compile here): only those of the same
     work with every layer counted (unscanned), for the chip asked, with their own jax and libtpu; a chip with no
     record, or a missing path, is one "not measured" row."""
-    from bench import side_by_side as S
+    from bench.compiler import side_by_side as S
     rec = {"overrides": ["compile_topology=v5e-8", "per_device_batch_size=8"], "jax": "0.12.0.1", "temp_bytes": 2 ** 30,
            "bytes_accessed": 41e9, "flops": 7.4e12, "n_params_model_state": 124_475_910, "scan_layers": False,
            "global_batch": 64, "max_target_length": 1024, "remat_policy": "minimal", "ici_fsdp_parallelism": 1,
@@ -94,7 +94,7 @@ def test_side_by_side_reads_maxtexts_v6e_records_from_the_repository(tmp_path, m
     the jax and libtpu that compiled it, beside any PATH; without them (and none in PATH) the chip says "not
     measured"."""
     import json
-    from bench import side_by_side as S
+    from bench.compiler import side_by_side as S
     v6e = S.CHIPS["v6e-8"]
     rows = S.maxtext(v6e, S.maxtext_paths(str(tmp_path / "nothing-here")))
     stems = {r.label.rsplit("[", 1)[-1].rstrip("]") for r in rows}

@@ -145,3 +145,115 @@ def test_named_sizes():
     for name in counts:
         shapes = {n: shape for n, (shape, _) in gemma.param_layout(s[name]).items()}
         assert gemma.GemmaConfig.from_shapes("gemma4", shapes) == s[name]
+
+
+# ---- Gemma 4 checkpoints as Google writes them
+
+def _respelled(cfg, flat, root: str, *, transformer_root: bool, qk: str) -> str:
+    """The tiny checkpoint in Kaggle's nested flax layout with one of Google's spellings: with or without the
+    `transformer` root (Google's gemma library writes none), QK-norms `_query_norm` (Gemma 3's name) or
+    `query_norm` (the gemma library's Gemma 4 modules). Returns root (its params in root/tiny)."""
+    import os
+    import orbax.checkpoint as ocp
+    tree = gc.kaggle_flax_tree(cfg, flat)["transformer"]
+    for layer in tree.values():
+        if "attn" in layer and qk == "query_norm":
+            layer["attn"] = {{"_query_norm": "query_norm", "_key_norm": "key_norm"}.get(k, k): v
+                             for k, v in layer["attn"].items()}
+    tree = {"transformer": tree} if transformer_root else tree
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.abspath(os.path.join(root, "tiny")), tree)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    return root
+
+
+SPELLINGS = {"root, query_norm": (True, "query_norm"), "no root, query_norm": (False, "query_norm"),
+             "no root, _query_norm": (False, "_query_norm")}
+
+
+@pytest.fixture(scope="module")
+def as_written(ckpts, mesh, tmp_path_factory):
+    """The E kind's flat params as loaded from the standard spelling (root, _query_norm), and the same model in
+    each other spelling Google's loaders take."""
+    cfg = gc.TINY4["e"]
+    flat = gemma.random_params(cfg, seed=3)  # the params ckpts["e"] holds
+    paths = {name: _respelled(cfg, flat, str(tmp_path_factory.mktemp("spelt")), transformer_root=r, qk=qk)
+             for name, (r, qk) in SPELLINGS.items()}
+    return weights.load(ckpts["e"], mesh, **gc.FLAX_OVERRIDES4["e"])[1], paths
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_each_of_googles_spellings_loads_and_samples_greedily_as_tunix_does(as_written, mesh, spelling):
+    """tunix's Gemma 4 loader reads each spelling (its map_from_upstream_checkpoint); ours reads the same params
+    from it, and greedy decoding through our KV cache picks the tokens tunix's forward pass picks."""
+    cfg, (standard, paths) = gc.TINY4["e"], as_written
+    ck, params = weights.load(paths[spelling], mesh, **gc.FLAX_OVERRIDES4["e"])
+    assert ck.cfg == cfg and not ck.guessed and set(params) == set(standard)
+    for name in standard:
+        np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(standard[name]), err_msg=name)
+    prompt = [5, 17, 42, 9, 60]
+    ours = gen.generate(cfg, params, prompt, gen.SampleConfig(max_new_tokens=4), mesh=mesh)
+    assert ours == _greedy_reference(gc.tunix_gemma4(cfg, paths[spelling]), prompt, 4)
+
+
+def test_a_spelling_no_loader_takes_is_one_line_naming_what_it_found(tmp_path):
+    """Both QK-norm spellings at once, or QK-norms under a name Google's loaders do not use: refused in one line
+    that names the names found, before any array is read."""
+    import orbax.checkpoint as ocp
+    cfg = gc.TINY4["dense"]
+    tree = gc.kaggle_flax_tree(cfg, gemma.random_params(cfg, seed=1))["transformer"]
+
+    def refusal(name: str) -> str:
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(str(tmp_path / name / "tiny"), tree)
+        ckpt.wait_until_finished()
+        ckpt.close()
+        with pytest.raises(weights.UsageError) as e:
+            weights.inspect(str(tmp_path / name))
+        assert "\n" not in str(e.value), e.value
+        return str(e.value)
+    attn = tree["layer_0"]["attn"]
+    attn["query_norm"] = attn["_query_norm"]  # two names, one parameter
+    msg = refusal("both")
+    assert "layer_0/attn/_query_norm/scale and layer_0/attn/query_norm/scale are the same parameter" in msg, msg
+    for layer in tree.values():  # one name each, neither of Google's
+        if isinstance(layer, dict) and "attn" in layer:
+            layer["attn"].pop("query_norm", None)
+            layer["attn"]["q_norm"] = layer["attn"].pop("_query_norm")
+    msg = refusal("odd")
+    assert "a gemma4 checkpoint of these shapes needs layer_0/attn/query_norm or layer_0/attn/_query_norm and 6 " \
+           "more, which it does not have under any name Google's loaders use; found: " in msg, msg
+    assert "layer_0/attn/q_norm" in msg, msg
+
+
+def test_what_the_shapes_cannot_tell_is_named_and_taken_from_flags_or_a_config_beside_the_weights(tmp_path):
+    """An E-like shape without the wider MLP in its kv-shared layers (what the loader finds them by) matches no
+    named size: the window and the kv sharing are guessed, and said; --weights-config or gemma-config.json beside
+    the weights set them (the flag wins), and nothing is guessed then."""
+    import dataclasses
+    import json
+    cfg = dataclasses.replace(gc.TINY4["e"], shared_ff=0)
+    root = gc.write_flax(str(tmp_path / "e"), cfg, gemma.random_params(cfg, seed=2))
+    ck = weights.inspect(root)
+    assert ck.guessed == ("sliding_window", "kv_shared_layers") and ck.cfg.kv_shared_layers == 0
+    assert ck.guess_note() == (
+        f"note: --weights {root}: its shapes match no named gemma4 size, so these are guessed: sliding_window=1024, "
+        "kv_shared_layers=0; if they are wrong, pass --weights-config KEY=VALUE,... or put them in "
+        "gemma-config.json beside the weights")
+    told = weights.parse_config("sliding_window=4,kv_shared_layers=5")
+    assert weights.inspect(root, **told).cfg == cfg and not weights.inspect(root, **told).guessed
+    (tmp_path / "e" / "gemma-config.json").write_text(json.dumps({"sliding_window": 4, "kv_shared_layers": 5}))
+    beside = weights.inspect(root)
+    assert beside.cfg == cfg and not beside.guessed
+    assert weights.inspect(root, sliding_window=6).cfg.sliding_window == 6  # the flag wins
+    (tmp_path / "e" / "gemma-config.json").write_text(json.dumps({"window": 4}))
+    with pytest.raises(weights.UsageError, match="gemma-config.json: window is not a constant the weights cannot "
+                                                 "tell; use sliding_window"):
+        weights.inspect(root)
+    with pytest.raises(weights.UsageError, match="--weights-config: top_k=many: expected a number"):
+        weights.parse_config("top_k=many")
+    # --model, on `sample` as on `lora`: a family or a named size
+    assert weights.check_model("gemma4") == weights.check_model("gemma4-e2b") == "gemma4"
+    with pytest.raises(weights.UsageError, match=r"--model gemma5: choose a family \(gemma2, gemma3, gemma4\)"):
+        weights.check_model("gemma5")

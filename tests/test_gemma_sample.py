@@ -89,12 +89,30 @@ def test_cli_samples_a_chat_turn_on_the_mesh(tiny_flax, tmp_path_factory):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "gemma2 4 layers" in p.stderr and "mesh {'data': 4, 'model': 2}" in p.stderr
     assert p.stdout.strip()
+    # the tiny shapes are no named size: what they cannot tell was guessed, and the run says so
+    assert f"note: --weights {tiny_flax}: its shapes match no named gemma2 size, so these are guessed: " \
+           "sliding_window=4096, query_pre_attn_scalar=16.0; " in p.stderr, p.stderr
+
+
+def test_cli_samples_gemma4_named_by_its_family_with_what_its_shapes_cannot_tell(tmp_path_factory):
+    """`sample --model gemma4` (a family, as `lora` takes; a size must be the checkpoint's) on a tiny Gemma 4 of
+    the E kind, its window given by --weights-config: nothing guessed, greedy on the mesh."""
+    cfg = gc.TINY4["e"]
+    root = str(tmp_path_factory.mktemp("g4") / "flax")
+    gc.write_flax(root, cfg, gemma.random_params(cfg, 5))
+    gc.write_tokenizer(root + "/tokenizer.model", cfg.vocab)
+    p = _sample(tmp_path_factory, "--weights", root, "--model", "gemma4", "--weights-config", "sliding_window=4",
+                "--prompt", "To be", "--max-new-tokens", "6", "--temperature", "0", "--mesh", "data=4,model=2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "gemma4 10 layers" in p.stderr and "note:" not in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--model", "gemma3"], "error: --model gemma3: --weights .* is a gemma2 checkpoint; pass --model gemma2"),
     (["--tokenizer", "BIG"], "error: tokenizer .* has 128 pieces but the checkpoint's embedding has 96 rows"),
     (["--top-p", "0"], "error: --temperature and --top-k must not be negative and --top-p must be in"),
+    (["--model", "gemma2-9b"], "error: --model gemma2-9b: --weights .* holds a gemma2 checkpoint \\(4 layers, width "
+                               "64\\); pass --model gemma2 or leave --model out"),
 ])
 def test_cli_bad_input_is_one_line(tiny_flax, tmp_path_factory, extra, message):
     import re
@@ -119,4 +137,5 @@ def test_cli_needs_exactly_one_checkpoint_kind(tiny_flax, tmp_path_factory):
         "error: sample: pass either --ckpt-dir (a GPT-2 checkpoint) or --weights (a Gemma checkpoint)"]
     p = _sample(tmp_path_factory, "--ckpt-dir", tiny_flax, "--chat")
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        "error: sample: --chat, --model, --tokenizer, --top-p and --mesh apply to Gemma --weights only"]
+        "error: sample: --chat, --model, --tokenizer, --top-p, --mesh and --weights-config apply to Gemma --weights "
+        "only"]

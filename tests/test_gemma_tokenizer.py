@@ -1,5 +1,6 @@
 """Our Gemma tokenizer (sentencepiece .model and tokenizer.json) and chat template against Google's real
-Gemma 2 and Gemma 3 tokenizers, read out of the maxtext wheel (fetched from the package index once per cache)."""
+Gemma 2 and Gemma 3 tokenizers, read out of the maxtext wheel that `make setup` fetches into the machine's test
+cache."""
 from __future__ import annotations
 
 import glob
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -28,25 +30,19 @@ STRINGS = [
 
 
 def _cache_dir() -> str:
-    """The machine-wide test cache the local-slice tests use too (TPUCTL_TEST_CACHE)."""
-    d = os.path.join(os.environ["TPUCTL_TEST_CACHE"], "wheels")  # conftest.py sets it
-    os.makedirs(d, exist_ok=True)
-    return d
+    """The machine-wide test cache's wheels (TPUCTL_TEST_CACHE, which conftest.py sets), where `make setup` puts
+    the maxtext wheel."""
+    return os.path.join(os.environ["TPUCTL_TEST_CACHE"], "wheels")
 
 
 @pytest.fixture(scope="module")
 def google_models(tmp_path_factory) -> dict[str, str]:
-    """family -> path of Google's sentencepiece model (from the maxtext wheel; never committed)."""
+    """family -> path of Google's sentencepiece model (from the maxtext wheel; never committed). The suite fetches
+    nothing itself: a missing wheel is setup's to fetch (a skip here, a failure on CI)."""
     cache = _cache_dir()
     wheels = glob.glob(os.path.join(cache, "maxtext-0.2.5-*.whl"))
     if not wheels:
-        p = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                            "--python-version", "3.12", WHEEL, "-d", cache], capture_output=True, text=True,
-                           timeout=300)
-        wheels = glob.glob(os.path.join(cache, "maxtext-0.2.5-*.whl"))
-        if not wheels:
-            skip_setup(f"Google's tokenizers ({WHEEL}, which `make setup` downloads into {cache}); fetching them "
-                       f"now failed: {p.stderr.strip().splitlines()[-1:]}")
+        skip_setup(f"Google's tokenizers ({WHEEL}, which `make setup` downloads into {cache})")
     out = tmp_path_factory.mktemp("google-tokenizers")
     z = zipfile.ZipFile(wheels[0])
     paths = {}
@@ -135,3 +131,24 @@ def test_a_tokenizer_that_does_not_fit_the_embedding_is_refused(google_models):
     with pytest.raises(UsageError, match=r"has 262144 pieces but the checkpoint's embedding has 256128 rows"):
         tok_lib.load(root, embed_rows=256128)  # a Gemma 3 tokenizer beside Gemma 2 weights
     assert tok_lib.load(os.path.dirname(google_models["gemma2"]), embed_rows=256128).vocab_size == 256000
+
+
+def test_a_missing_wheel_is_setups_to_fetch(tmp_path):
+    """With the cache empty, the tests that need Google's tokenizers skip naming what `make setup` fetches, fail on
+    CI (CI=true), and fetch nothing themselves."""
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    env["TPUCTL_TEST_CACHE"] = str(tmp_path)
+    outs = {}
+    for ci in (None, "true"):
+        e = {**env, **({"CI": ci} if ci else {})}
+        outs[ci] = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-rA",
+                                   "-q", str(here / "test_gemma_tokenizer.py"), "-k", "does_not_fit_the_embedding"],
+                                  cwd=here.parent, env=e, capture_output=True, text=True, timeout=300)
+    what = f"missing (`make setup` installs it): Google's tokenizers ({WHEEL}, which `make setup` downloads into " \
+           f"{tmp_path / 'wheels'})"
+    assert outs[None].returncode == 0 and "1 skipped" in outs[None].stdout and what in outs[None].stdout, \
+        outs[None].stdout[-3000:]
+    assert outs["true"].returncode == 1 and "1 error" in outs["true"].stdout, outs["true"].stdout[-3000:]
+    assert f"on CI (CI=true) `make setup` has run, yet this test skipped: {what}" in outs["true"].stdout
+    assert not glob.glob(str(tmp_path / "**" / "maxtext-*"), recursive=True)  # nothing fetched

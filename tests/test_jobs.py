@@ -139,9 +139,18 @@ def _job(store: JobStore, workers=((0, None), (1, None)), state="RUNNING") -> di
     return spec
 
 
+def _bucket_iam(bucket: str = "jobs-b") -> str:
+    """The local cloud's bucket IAM stand-in (fake-gcs-server has none), told the bucket is project P's."""
+    from infra.fake_login_apis import FakeLoginControl
+    from orchestrator.provider.local import service_url
+    url = service_url("compute")
+    FakeLoginControl(url).bucket_project(bucket, P)
+    return url
+
+
 def test_the_job_bucket_round_trip(bucket):
     s = JobStore("jobs-b")
-    s.check()
+    s.check(iam_endpoint=_bucket_iam(), project=P)
     jid = new_job_id()
     assert is_job_id(jid) and not is_job_id("my-slice")
     spec = {"id": jid, "name": "n", "slice_name": "n", "submitted": 1000.0, "total_steps": 60,
@@ -157,8 +166,38 @@ def test_the_job_bucket_round_trip(bucket):
     assert s.logs(jid) == {"controller.log": b"a\n", "r1/w0.log": b"step 7\n"}
     assert abs(cost_so_far({**initial_state(spec), "ended": 1000.0 + 1800}) - 1.8) < 1e-9
     with pytest.raises(UserError) as e:
-        JobStore("no-such-bucket").check()
+        JobStore("no-such-bucket").check(iam_endpoint=_bucket_iam(), project=P)
     assert "does not exist" in str(e.value)
+
+
+def test_the_submit_check_asks_and_writes_nothing(bucket):
+    """A submitter who may create objects but not delete them passes the bucket check and leaves the bucket as it
+    was (the check asks testIamPermissions as the caller; it writes no probe); one who may only read is refused in
+    one line naming what it lacks."""
+    from google.cloud import storage
+    from google.oauth2.credentials import Credentials
+    url = _bucket_iam()
+    store = JobStore("jobs-b")
+    bucket_iam = storage.Client(project=P, client_options={"api_endpoint": url}).bucket("jobs-b")  # its owner
+    before = {b.name: b.md5_hash for b in store.client.list_blobs(store.bucket)}
+    me = "user:creator@example.com"
+    policy = bucket_iam.get_iam_policy(requested_policy_version=3)
+    kept = list(policy.bindings)
+    try:
+        policy.bindings.append({"role": "roles/storage.objectViewer", "members": {me}})
+        bucket_iam.set_iam_policy(policy)
+        with pytest.raises(UserError) as e:
+            store.check(iam_endpoint=url, project=P, credentials=Credentials(token=me))
+        assert "cannot write gs://jobs-b (you lack storage.objects.create)" in str(e.value), e.value
+        policy = bucket_iam.get_iam_policy(requested_policy_version=3)
+        policy.bindings.append({"role": "roles/storage.objectCreator", "members": {me}})
+        bucket_iam.set_iam_policy(policy)  # create and get, no delete
+        store.check(iam_endpoint=url, project=P, credentials=Credentials(token=me))
+        assert {b.name: b.md5_hash for b in store.client.list_blobs(store.bucket)} == before
+    finally:
+        policy = bucket_iam.get_iam_policy(requested_policy_version=3)
+        policy.bindings = kept
+        bucket_iam.set_iam_policy(policy)
 
 
 def test_logs_of_one_worker_of_a_job_from_its_bucket(bucket):
@@ -217,7 +256,8 @@ def test_logs_of_one_worker_of_a_job_from_its_bucket(bucket):
 
 def test_a_jobs_goodput_counts_the_attempts_of_every_controller_it_had(bucket):
     """A controller that dies mid-job (its VM deleted) takes nothing of the job with it: the attempts it saw end are
-    in the bucket, and the job's goodput and recoveries in `tpuctl jobs` count them with its replacement's, over
+    in the bucket, and so is the part it watched of the attempt it died in (written at each sync: recovering, then
+    running), and the job's goodput and recoveries in `tpuctl jobs` count them with its replacement's, over
     the job's whole life. The stretch no controller watched, before the replacement re-attached to the run still
     going, counts as the run's (productive), not as unaccounted time."""
     import time
@@ -242,8 +282,22 @@ def test_a_jobs_goodput_counts_the_attempts_of_every_controller_it_had(bucket):
     a = runner("ctl-a")  # preempted at step 27, recreated; then its VM is deleted while attempt 2 runs
     a.record_attempts([attempt("preempted", 0, 27, 27.0)])
     a.on_line("[tpuctl] n's VMs were preempted at step 27; recreating n (1/3); the trainer resumes ...")
+    a.sync()  # the recovery so far is in the record already
+    assert store.state(jid)["attempts"][-1]["outcome"] == "recovering"
     a.on_line("[tpuctl] n is READY again; relaunching (attempt 2)")
     assert store.state(jid)["restart_pending"] is False
+    # attempt 2 runs (run r20, as this controller sees its hosts' logs): written as it goes, at each sync
+    run = bucket / "runs" / "n" / "r20"
+    run.mkdir(parents=True)
+    (run / "w0.log").write_text("resuming from step 20\nstep 21/60\n")
+    a.sync()
+    time.sleep(0.5)
+    (run / "w0.log").write_text("resuming from step 20\nstep 21/60\nstep 30/60\n")
+    a.sync()
+    watched = store.state(jid)["attempts"][-1]
+    assert (watched["outcome"], watched["controller"], watched["run_id"], watched["resumed_from"],
+            watched["last_step"], watched["steps_redone"]) == ("running", "ctl-a", "r20", 20, 30, 7), watched
+    assert watched["steps_s"] >= 0.5 and watched["recover_s"] > 0, watched
     # its VM was deleted 100 s ago: nothing of the job has been written since
     store._put_json(f"jobs/{jid}/state.json", {**store.state(jid), "updated": time.time() - 100})
     b = runner("ctl-b")  # the next `tpuctl jobs` brings it: re-attached, preempted once more, then done
@@ -254,14 +308,18 @@ def test_a_jobs_goodput_counts_the_attempts_of_every_controller_it_had(bucket):
     # what `tpuctl jobs` lists (this module's other jobs read live, and have no controller to revive)
     (job,) = [j for j in managed.jobs(["jobs-b"], provider.get(provider.LOCAL), revive=False) if j["id"] == jid]
     assert [(x["attempt"], x["controller"], x["outcome"]) for x in job["attempts"]] == [
-        (1, "ctl-a", "preempted"), (2, "ctl-b", "preempted"), (3, "ctl-b", "done")], job["attempts"]
-    assert [x.get("steps_redone") for x in job["attempts"]] == [None, 7, 1]  # 27 -> 20: across controllers
+        (1, "ctl-a", "preempted"), (2, "ctl-a", "unfinished"), (3, "ctl-b", "preempted"), (4, "ctl-b", "done")], \
+        job["attempts"]
+    # 27 -> 20: counted once, by the attempt ctl-a watched resume from 20 (ctl-b re-attached to that same run)
+    assert [x.get("steps_redone") for x in job["attempts"]] == [None, 7, None, 1]
     g = job["goodput"]
     assert job["recoveries"] == 2 and g["restarts"] == 2 and g["wall_s"] >= 200, job
-    unwatched = job["attempts"][1]
+    unwatched = job["attempts"][2]
     assert unwatched["unwatched"] == "running" and unwatched["unwatched_s"] >= 100 - 32 - 1e-6, unwatched
-    # steps kept: 7 + 1 redone (1 s/step); and the run's own time while nobody watched it
-    assert abs(g["productive_s"] - (27 + 21 + 20 - 7 - 1) - unwatched["unwatched_s"]) < 1e-6, g
+    # steps kept: ctl-a's watched part of attempt 2 and the others, less 7 + 1 redone (1 s/step); the run's own
+    # time while nobody watched it; and attempt 2's start-up and recovery under ctl-a, lost to the preemption
+    assert abs(g["productive_s"] - (27 + watched["steps_s"] + 21 + 20 - 7 - 1) - unwatched["unwatched_s"]) < 1e-6, g
+    assert g["lost_to_preemptions_s"] >= watched["recover_s"] + watched["startup_s"] + 7, g
     assert g["unwatched_s"] == unwatched["unwatched_s"], g
     assert abs(g["productive_s"] + g["lost_to_preemptions_s"] + g["overhead_s"] + g["unaccounted_s"] - g["wall_s"]) \
         < 1e-6 and 0 < g["goodput"] < 1, g

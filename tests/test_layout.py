@@ -78,6 +78,15 @@ def test_the_trainer_top_level_is_its_command_line_and_its_folders_are_the_jobs(
     assert {"common", "pretrain", "gemma", "finetune", "experiments", "models"} <= folders, folders
 
 
+def test_the_bench_top_level_is_its_command_and_its_folders_say_what_each_bench_measures():
+    top = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
+    assert len(top) <= 6, top
+    folders = {p.name for p in (ROOT / "bench").iterdir() if (p / "__init__.py").exists()}
+    assert folders == {"peers", "system", "compiler", "tpu"}, folders
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    assert all(f"`{f}/`" in layout for f in folders), "docs/layout.md names each of bench's folders"
+
+
 def test_nothing_imports_the_trainer_entry_point():
     known = _modules()
     users = [m for m, p in known.items() if "trainer.__main__" in imports_of(p, known)]
@@ -125,10 +134,11 @@ def test_no_two_orchestrator_modules_share_a_file_name():
 def test_nothing_below_the_command_line_imports_it():
     """The orchestrator's command line (orchestrator.cli) is on top: its own modules may import each other, no
     other module of the project imports any of them (a package's `__main__` runs it). The trainer's top level is
-    its command line (cli, plan): no module in its folders imports it."""
+    its command line (cli, plan): no module in its folders imports it. The bench stands above both: it parses
+    the trainer's flags as its command line does."""
     known = _modules()
     above = {"orchestrator.cli": lambda m: m.startswith("orchestrator.cli") or m.endswith("__main__"),
-             "trainer.cli": lambda m: m.count(".") == 1}
+             "trainer.cli": lambda m: m.count(".") == 1 or m.startswith("bench.")}
     for cli, is_above in above.items():
         users = {m: sorted(i for i in imports_of(p, known) if i == cli or i.startswith(cli + "."))
                  for m, p in known.items() if not is_above(m)}

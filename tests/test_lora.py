@@ -626,7 +626,7 @@ def test_sample_with_adapters_equals_sampling_the_merged_export(bases, trained, 
 def test_bench_runs_ours_and_tunix_lora_steps_side_by_side():
     import subprocess
     import sys
-    code = "import bench.gemma_lora as g; g.main(rounds=1, per_round=1, n_layers=1)"
+    code = "import bench.peers.gemma_lora as g; g.main(rounds=1, per_round=1, n_layers=1)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert p.returncode == 0, p.stderr[-2000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from _local_hosts import TEST_CACHE, needs_hosts
-from bench.preempt import ARGS, BUCKET, LocalSpot
+from bench.system.preempt import ARGS, BUCKET, LocalSpot
 from infra.fake_tpu_api import FakeControl
 from infra.local_slice import LocalSlice
 from test_preemption_e2e import COMPARE
@@ -26,7 +26,7 @@ STEPS = 30
 
 
 def _args(mesh: str) -> list[str]:
-    """bench.preempt's gpt2-tiny-sized run, 30 steps, a checkpoint every 5, global batch 8."""
+    """bench.system.preempt's gpt2-tiny-sized run, 30 steps, a checkpoint every 5, global batch 8."""
     change = {"--steps": str(STEPS), "--ckpt-every": "5", "--mesh": mesh, "--decay-steps": "25"}
     out = list(ARGS)
     for i, a in enumerate(out[:-1]):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from _local_hosts import needs_hosts
-from bench.preempt import ARGS, BUCKET, STEPS, LocalSpot
+from bench.system.preempt import ARGS, BUCKET, STEPS, LocalSpot
 
 pytestmark = [needs_hosts, pytest.mark.e2e, pytest.mark.slow]
 

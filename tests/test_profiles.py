@@ -1,11 +1,16 @@
 """The profile window's flag, the straggler rule over each host's records, and per-host step times (no jax run:
-the traces themselves are checked on real runs in test_trainer_train.py and test_trainer_multiproc.py)."""
+the traces themselves are checked on real runs in test_trainer_train.py and test_trainer_multiproc.py); the
+profiler server's refusals, and one trainer run on a host where no socket may listen."""
 from __future__ import annotations
 
 import pytest
 
+import errno
 import gzip
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 from trainer.common import profiling, steptimes
@@ -234,3 +239,82 @@ def test_tpuctl_profile_summarizes_each_host_s_own_trace_and_names_one_it_cannot
     text = live_profile.where(res)
     assert "w0 (TPU): device step 7.8 ms" in text and "w1 (TPU): device step 2.5 ms" in text
     assert "w2: trace not summarized here: " in text
+
+
+# A process in which no socket may listen: a seccomp filter makes every bind(2) fail with the errno given, as a
+# sandbox's does (no root needed: no_new_privs first), then the trainer runs as `python -m trainer` would.
+_NO_LISTEN = r'''
+import ctypes, platform, runpy, sys
+err = int(sys.argv[1])
+arch, nr = {"x86_64": (0xc000003e, 49), "aarch64": (0xc00000b7, 200)}[platform.machine()]
+class Insn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+LD, JEQ, RET = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+insns = (Insn * 6)(Insn(LD, 0, 0, 4), Insn(JEQ, 0, 3, arch), Insn(LD, 0, 0, 0), Insn(JEQ, 0, 1, nr),
+                   Insn(RET, 0, 0, 0x00050000 | err), Insn(RET, 0, 0, 0x7fff0000))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0, ctypes.get_errno()  # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(Prog(6, insns)), 0, 0) == 0, ctypes.get_errno()  # PR_SET_SECCOMP, FILTER
+if sys.argv[2:] == ["server"]:  # the profiler server alone
+    from trainer.common import profiling
+    print(profiling.start_server(0)[1])
+else:
+    sys.argv = ["trainer", *sys.argv[2:]]
+    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+'''
+
+
+def _no_listen(err: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    from _trainer_util import REPO
+    return subprocess.run([sys.executable, "-c", _NO_LISTEN, str(getattr(errno, err)), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _unheld_port() -> int:
+    """A port nobody holds, so that only the host's refusal can fail a bind to it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _refused(err: str, port: int) -> str:
+    return f"this host refuses to listen on port {port} ({err}: {os.strerror(getattr(errno, err))}); --profile " \
+           "still traces its window to files under --ckpt-dir"
+
+
+@pytest.mark.parametrize("err", ["EACCES", "EPERM", "EAFNOSUPPORT"])
+def test_a_bind_the_host_refuses_is_named_by_its_errno(err):
+    """EACCES, EPERM: a policy refuses the bind; EAFNOSUPPORT: no IPv6 socket, then no IPv4 one, may be made."""
+    port = _unheld_port()
+    r = _no_listen(err, ["server"], {**os.environ, profiling.PORT_ENV: str(port)})
+    assert r.returncode == 0 and r.stdout.strip() == _refused(err, port), r.stdout + r.stderr[-2000:]
+
+
+def test_the_trainer_on_a_host_where_no_socket_may_listen_says_why_and_still_traces_its_window(tmp_path_factory,
+                                                                                              tmp_path):
+    """`python -m trainer` with every bind refused (EAFNOSUPPORT): one line names the errno, not a port taken, and
+    --profile's window is still traced to a file under --ckpt-dir."""
+    from _trainer_util import TINY, env, session_cache, shakespeare
+    port, ckpt = _unheld_port(), tmp_path / "ckpt"
+    args = ["pretrain", "--data", shakespeare(tmp_path_factory), *TINY, "--steps", "2", "--profile", "1:2",
+            "--log-every", "1", "--ckpt-every", "0", "--eval-every", "0", "--eval-batches", "1",
+            "--ckpt-dir", str(ckpt)]
+    r = _no_listen("EAFNOSUPPORT", args, env(session_cache(tmp_path_factory), devices=1,
+                                             TPUCTL_PROFILER_PORT=str(port)))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    said = [line for line in out.splitlines() if "profiler server of process 0" in line]
+    assert len(said) == 1 and _refused("EAFNOSUPPORT", port) in said[0], said
+    assert "is taken" not in out
+    assert len(list(ckpt.glob("profiles/*/plugins/profile/steps_1_2/*.xplane.pb"))) == 1, out[-3000:]
+
+
+def test_a_port_another_program_holds_is_named_taken(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        monkeypatch.setenv(profiling.PORT_ENV, str(s.getsockname()[1]))
+        assert profiling.start_server(0) == (None, f"port {s.getsockname()[1]} is taken on this host (set "
+                                                   f"{profiling.PORT_ENV} to another base)")

@@ -39,9 +39,9 @@ def test_a_bucket_outage_stops_the_run_and_the_same_command_resumes(tmp_path_fac
         gone = time.monotonic()
         rc = p.wait(timeout=150)
         # The budget (60 s, TPUCTL_STORAGE_TIMEOUT_S) is the promise: from the bucket going away to the exit. The
-        # watch stops the run 53-55 s after the last answer (the budget less a probe's 5 s timeout and 2 s for the
-        # exit, plus up to 2 s between probes: bucket_watch.py); a killed emulator refuses at once, so the probe's
-        # 5 s are room for a loaded machine's late wakeups. A run the watch missed would exit only when a later
+        # watch stops the run 51-53 s after the last answer (the budget less 2 s between probes, a probe's 5 s
+        # timeout and 2 s for the exit, plus up to 2 s between probes: bucket_watch.py); a killed emulator refuses
+        # at once, so the probe's 5 s are room for a loaded machine's late wakeups. A run the watch missed would exit only when a later
         # operation's own 60 s ran out.
         took = time.monotonic() - gone
     finally:
@@ -115,7 +115,7 @@ def test_the_bucket_watch_stops_within_the_budget_of_the_last_answer(tmp_path, m
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(bw, "PROBE_S", 0.2)
     fired = []
-    w = bw.BucketWatch("watch-b", "run", 3.0 + bw.PROBE_TIMEOUT_S + bw.EXIT_SLACK_S, fired.append)
+    w = bw.BucketWatch("watch-b", "run", 3.0 + bw.PROBE_S + bw.PROBE_TIMEOUT_S + bw.EXIT_SLACK_S, fired.append)
     started = w.last_ok
     w.start()
     try:
@@ -137,3 +137,75 @@ def test_the_bucket_watch_stops_within_the_budget_of_the_last_answer(tmp_path, m
     # for a loaded machine's late wakeups, and a watch that missed the silence would use all 30 s above.
     assert fired and fired[0] >= 3.0 and took < 3.0 + bw.PROBE_TIMEOUT_S + bw.EXIT_SLACK_S, (fired, took)
     w.stop()
+
+
+def _hanging_proxy(target_port: int):
+    """A TCP proxy in front of the emulator that, once `hang` is set, stops passing bytes either way (connections
+    stay open, and new ones are accepted and held): a bucket whose requests hang rather than fail. Returns (port,
+    hang, done): setting `done` ends its threads."""
+    import selectors
+    import socket
+    import threading
+    hang, done = threading.Event(), threading.Event()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.settimeout(0.1)
+
+    def pipe(a: socket.socket) -> None:
+        b = socket.create_connection(("127.0.0.1", target_port))
+        sel = selectors.DefaultSelector()
+        sel.register(a, selectors.EVENT_READ, b)
+        sel.register(b, selectors.EVENT_READ, a)
+        with a, b:
+            while not done.is_set():
+                if hang.is_set():
+                    done.wait(0.05)  # held open, answering nothing
+                    continue
+                for key, _ in sel.select(timeout=0.1):
+                    data = key.fileobj.recv(65536)
+                    if not data:
+                        return
+                    key.data.sendall(data)
+
+    def serve() -> None:
+        with lsock:
+            while not done.is_set():
+                try:
+                    conn, _ = lsock.accept()
+                except TimeoutError:
+                    continue
+                threading.Thread(target=pipe, args=(conn,), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return lsock.getsockname()[1], hang, done
+
+
+def test_a_hanging_bucket_stops_the_run_within_the_budget(tmp_path, monkeypatch):
+    """A bucket whose requests hang (each probe runs to its timeout) rather than fail at once: the watch's worst
+    case, a check that finds the silence just short of the limit, then a wait and a hung probe before the next. The
+    silence at the stop plus the exit's slack stays within the budget. Times are scaled down (1 s waits, 1 s
+    probe timeout, 1 s slack; budget 8.2 s): the limit is then 5.2 s of silence, reached at the third check, about
+    6 s after the last answer; counting without the wait (a 6.2 s limit) would stop at the fourth, about 8 s."""
+    from trainer.common import bucket_watch as bw
+    emu = gcs.start(home=tmp_path / "home", buckets=("watch-b",), record=False, reuse=False)
+    port, hang, done = _hanging_proxy(emu.port)
+    for k, v in gcs.emulator_env(f"http://127.0.0.1:{port}").items():
+        monkeypatch.setenv(k, v)
+    for name in ("PROBE_S", "PROBE_TIMEOUT_S", "EXIT_SLACK_S"):
+        monkeypatch.setattr(bw, name, 1.0)
+    budget = 8.2
+    fired = []
+    w = bw.BucketWatch("watch-b", "run", budget, fired.append)
+    started = w.last_ok
+    w.start()
+    try:
+        deadline = time.monotonic() + 60
+        while w.last_ok == started:  # the first answer, through the proxy
+            assert time.monotonic() < deadline and not fired
+            time.sleep(0.05)
+        hang.set()
+        while not fired and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+    finally:
+        w.stop()
+        done.set()
+        emu.stop()
+    assert fired and w.limit <= fired[0] and fired[0] + bw.EXIT_SLACK_S <= budget, (w.limit, fired)

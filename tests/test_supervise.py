@@ -178,7 +178,8 @@ def test_max_restarts_is_one_budget_across_controllers_that_die_mid_recovery(env
     sees the slice preempted, begins the recreate and is SIGKILLed before the slice is back (the stand-in's delete
     is slowed so the kill lands there). The second controller takes the job from the bucket and finishes that
     recreate as the same restart (1/1, not 2), runs the command again, and at the next preemption fails the job:
-    its budget is the job's, spent by the first controller. The stretch nobody watched is recovery in goodput."""
+    its budget is the job's, spent by the first controller. The recovery the first controller watched is in the
+    record, and the stretch nobody watched is recovery too, in goodput."""
     from infra import gcs
     from orchestrator.jobs.store import LIVE, JobStore, new_job_id
     environ, ctl = env
@@ -218,10 +219,12 @@ def test_max_restarts_is_one_budget_across_controllers_that_die_mid_recovery(env
         try:
             first = controller()
             run1 = _wait("the first run", lambda: ready_run(set()))
-            # The preempted node takes 6 s to go (the recreate waits on it): room for the kill on a loaded machine.
-            ctl.config(deleting_s=6)
+            # The preempted node takes 9 s to go (the recreate waits on it): room for the record of the recovery
+            # so far (written at the controller's next sync, within 3 s) and the kill, on a loaded machine.
+            ctl.config(deleting_s=9)
             ctl.preempt(node)
-            _wait("the restart begun", lambda: (store.state(jid) or {}).get("restart_pending"))
+            _wait("the restart begun, and written as it goes", lambda: (s := store.state(jid) or {}).get(
+                "restart_pending") and s["attempts"][-1]["outcome"] == "recovering")
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
             assert _creates(ctl, node) == 1  # it died before the recreate's create
@@ -245,13 +248,15 @@ def test_max_restarts_is_one_budget_across_controllers_that_die_mid_recovery(env
     assert st["recoveries"] == 1 and not st["restart_pending"], st
     assert "recreating sup-j (1/1, the same restart)" in log and "(2/1" not in log, log
     assert _creates(ctl, node) == 2  # the first and the one recreate: no third slice
-    first_a, second_a = st["attempts"]
+    first_a, cut, second_a = st["attempts"]
     assert first_a["outcome"] == second_a["outcome"] == "preempted", st["attempts"]
+    # The recovery the first controller watched until it died: in the record, as lost time.
+    assert cut["outcome"] == "unfinished" and cut["recover_s"] > 0 and cut["run_id"] is None, cut
     # From the first controller's last write to the second's first attempt: the slice was being recovered.
     assert second_a["unwatched"] == "recovering" and second_a["unwatched_s"] > 0, second_a
     g = st["goodput"]
     assert g["restarts"] == 1 and g["unwatched_s"] == second_a["unwatched_s"], g
-    assert g["lost_to_preemptions_s"] >= second_a["unwatched_s"], g
+    assert g["lost_to_preemptions_s"] >= second_a["unwatched_s"] + cut["recover_s"], g
     # What is left unaccounted is the bookkeeping between two writes, far less than the stretch nobody watched
     # (which holds a controller's start and a slice's recreate).
     assert 0 <= g["unaccounted_s"] < second_a["unwatched_s"] / 2, g

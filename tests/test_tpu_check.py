@@ -65,3 +65,49 @@ def test_its_steps_lora_and_profile_sections_run_on_the_cpu_at_tiny_sizes(tmp_pa
     chosen = [r for r in data["rows"] if r["section"] == "choices" and r["step_s"]]
     assert [r["name"] for r in chosen] == ["ours, batch 8, attention: resident, block 256"]
     assert chosen[0]["note"].startswith("attention resident-interpret")
+
+
+def test_the_cli_rows_take_the_steady_windows_and_name_a_saves_stall():
+    """The chip check's `cli` rows read metrics.jsonl as the trainer writes it: the tok/s of the windows that hold
+    steps alone (not the first, which compiles; not one a save or the profiler was left out of; not the one after
+    an evaluation), the steps right after each save against the median step, and two loss curves within noise."""
+    from bench.tpu import cli
+    recs = [{"step": 1, "loss": 9.0, "tokens_per_s": 5e3},                                   # the compile
+            {"step": 10, "loss": 8.0, "tokens_per_s": 160e3},
+            {"step": 20, "loss": 7.5, "tokens_per_s": 161e3, "left_out_s": {"checkpoint": 0.4}},
+            {"step": 30, "loss": 7.2, "tokens_per_s": 56e3, "val_loss": 7.3},              # slow: a save's stall
+            {"step": 40, "loss": 7.0, "tokens_per_s": 20e3},                               # after the evaluation
+            {"step": 50, "loss": 6.9, "tokens_per_s": 159e3}]
+    tps, clean = cli.steady(recs)
+    assert [r["step"] for r in clean] == [10, 30, 50] and tps == 159e3
+    times = {s: 0.100 for s in range(1, 161)}
+    times[1], times[51], times[52], times[101] = 40.0, 0.130, 0.104, 0.101  # compile; two steps after a save
+    got = cli.stall([{"step": s, "step_time_s": t} for s, t in times.items()], 50, 3)
+    assert got["median_s"] == 0.100 and abs(got["worst"] - 1.3) < 1e-9
+    assert [round(x, 2) for x in got["by_save"][50]] == [1.3, 1.04, 1.0] and 160 not in got["by_save"]
+    noisy = [3.0 + 0.05 * (-1) ** i for i in range(20)]
+    assert cli.within_noise([x + 0.01 for x in noisy], noisy)["ok"]
+    assert not cli.within_noise([x + 0.2 for x in noisy], noisy)["ok"]
+    assert cli.within_noise(noisy, noisy)["ok"]  # equal curves: no noise to compare with, and no difference
+
+
+def test_rows_are_chosen_by_name_and_the_plans_join_by_name(tmp_path):
+    """--rows picks rows before they are built; a plan compiled ahead (--plan-ahead) joins the timed row of the
+    same name, and the report prices it (the table's plan column), naming the commit it was compiled from."""
+    from bench.tpu import common, plans
+    s = common.Settings(quick=True, out=str(tmp_path), peak=None, hbm=None, device_kind="TPU v5 lite",
+                        rows=("batch 16",))
+    assert s.wants("ours, batch 16") and s.wants("seed, batch 16") and not s.wants("ours, batch 8")
+    assert common.Settings(quick=True, out="", peak=None, hbm=None, device_kind="").wants("anything")
+    cmds = plans.commands()
+    assert cmds["ours, batch 16"] == ["pretrain", "--preset", "gpt2-124m", "--batch-size", "16"]
+    assert "--base-dtype" in cmds["gemma4-e2b LoRA r8 all targets, 1 x 512"]
+    work = {"matmul_flops": 12.2e12, "attention_flops": 1.86e12, "head_dim": 64, "attention_kernel": "resident",
+            "loss_kernel_flops": 0.0, "other_bytes": 20e9}
+    rows = [{"section": "steps", "name": "ours, batch 16", "step_s": 0.1, "figures": {}},
+            {"section": "steps", "name": "seed, batch 16", "step_s": 0.26, "figures": {}}]
+    plans.join(rows, {"tpu": "v5e:1x1", "rows": {"ours, batch 16": {"work": work, "commit": "abc1234"}}})
+    assert rows[0]["figures"]["work"] == work and "abc1234" in rows[0]["figures"]["plan_from"]
+    assert "work" not in rows[1]["figures"]
+    built = report.build({"device_kind": "TPU v5 lite"}, rows, {})
+    assert 0.08 < built["rows"][0]["plan_s"] < 0.13 and built["rows"][1].get("plan_s") is None

@@ -190,8 +190,9 @@ def run(args: argparse.Namespace) -> int:
     if args.weights:
         from trainer.gemma import generate
         return generate.sample_main(args)
-    if args.chat or args.model or args.tokenizer or args.top_p != 1.0 or args.mesh:
-        raise UsageError("sample: --chat, --model, --tokenizer, --top-p and --mesh apply to Gemma --weights only")
+    if args.chat or args.model or args.tokenizer or args.top_p != 1.0 or args.mesh or args.weights_config:
+        raise UsageError("sample: --chat, --model, --tokenizer, --top-p, --mesh and --weights-config apply to Gemma "
+                         "--weights only")
     from trainer.pretrain import sample
     logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only checkpoint manager is read-only
     print(sample.generate(args.ckpt_dir, args.prompt, max_new_tokens=args.max_new_tokens,

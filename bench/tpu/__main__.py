@@ -24,6 +24,14 @@ def parse(argv):
     p.add_argument("--choice", action="append", default=[], metavar="WORDS",
                    help="in the choices section, only the alternatives whose names hold these words "
                         "(e.g. --choice resident; repeatable)")
+    p.add_argument("--rows", action="append", default=[], metavar="WORDS",
+                   help="in every section, only the rows whose names hold these words (e.g. --rows 'batch 16' "
+                        "--rows gemma; repeatable)")
+    p.add_argument("--plans", metavar="FILE", help="the plans of the rows, compiled ahead with --plan-ahead: "
+                                                   "joined to the rows of the same name")
+    p.add_argument("--plan-ahead", metavar="FILE", help="on any machine with libtpu (no chip): compile each row's "
+                                                        "step for one v5e chip and write its plan to FILE "
+                                                        "(--rows chooses rows), then exit")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the sections run (no figures)")
     p.add_argument("--cpu", action="store_true", help="run on this host's CPU when it has no TPU (with --quick)")
     p.add_argument("--summarize", metavar="DIR", help="read a check's folder from a TPU host (its tpu-check.json, "
@@ -45,7 +53,10 @@ def versions() -> dict:
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.summarize:
-        return summarize(args.summarize)
+        return summarize(args.summarize, args.plans)
+    if args.plan_ahead:
+        from bench.tpu import plans
+        return plans.plan_ahead(args.plan_ahead, tuple(args.rows))
     from trainer.common import accelerators
     nodes = accelerators.tpu_nodes()
     if not nodes and not args.cpu:
@@ -64,10 +75,10 @@ def main(argv=None) -> int:
     from bench.tpu.common import Settings
     s = Settings(quick=args.quick, out=out, peak=chips.PEAK_FLOPS.get(dev.device_kind),
                  hbm=chips.HBM_BYTES_S.get(dev.device_kind), device_kind=dev.device_kind,
-                 pick=tuple(args.choice))
+                 pick=tuple(args.choice), rows=tuple(args.rows))
     about = {"device_kind": dev.device_kind, "devices": jax.device_count(), "backend": jax.default_backend(),
              "versions": versions(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-             "quick": args.quick}
+             "quick": args.quick, "commit": os.environ.get("TPUCTL_COMMIT", ""), "argv": sys.argv[1:]}
     print(f"tpu-check: {jax.device_count()} x {dev.device_kind} ({jax.default_backend()}), "
           + ", ".join(f"{k} {v}" for k, v in about["versions"].items()) + f"; output in {out}", flush=True)
     wanted = [x for x in (args.only or SECTIONS) if x not in args.skip]
@@ -76,29 +87,41 @@ def main(argv=None) -> int:
     runs = {"kernels": kernels.run, "classes": classes.run, "steps": steps.run, "choices": steps.choices,
             "cli": cli.run, "lora": lora.run, "profile": profile.run}
     path = args.json or os.path.join(out, "tpu-check.json")
+    plans = _plans(args.plans)
     for name in wanted:
         t0 = time.perf_counter()
         print(f"[{name}] ...", flush=True)
+        n = 0
         try:
-            got = runs[name](s)
+            for row in runs[name](s):  # each row printed and kept as it is measured
+                rows.append(row)
+                n += 1
+                report = _write(path, about, rows, failed, plans)
+                print(line(report, report["rows"][-1]), flush=True)
         except Exception as e:  # noqa: BLE001 - one section's failure is reported; the others still run
             import traceback
             traceback.print_exc()
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            got = []
-        rows += got
-        print(f"[{name}] {len(got)} row(s) in {time.perf_counter() - t0:.0f} s", flush=True)
-        _write(path, about, rows, failed)  # whatever is done is kept, also if a later section is killed
-    report = _write(path, about, rows, failed)
+        print(f"[{name}] {n} row(s) in {time.perf_counter() - t0:.0f} s", flush=True)
+        _write(path, about, rows, failed, plans)  # whatever is done is kept, also if a later section is killed
+    report = _write(path, about, rows, failed, plans)
     print(render(report))
     print(f"JSON: {path}")
     bad = [r for r in rows if r.ok is False]
     return 1 if bad or failed else 0
 
 
-def _write(path: str, about: dict, rows, failed: dict) -> dict:
-    from bench.tpu import report
-    data = report.build(about, [dataclasses.asdict(r) for r in rows], failed)
+def _plans(path: str | None) -> dict:
+    from bench.tpu import plans
+    return plans.load(path) if path else {}
+
+
+def _write(path: str, about: dict, rows, failed: dict, plans: dict | None = None) -> dict:
+    from bench.tpu import plans as plans_lib, report
+    dicts = [dataclasses.asdict(r) for r in rows]
+    if plans:
+        plans_lib.join(dicts, plans)
+    data = report.build(about, dicts, failed)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=float)
@@ -106,25 +129,34 @@ def _write(path: str, about: dict, rows, failed: dict) -> dict:
     return data
 
 
+def line(data: dict, row: dict) -> str:
+    from bench.tpu import report
+    return report.row_line(row)
+
+
 def render(data: dict) -> str:
     from bench.tpu import report
     return report.render(data)
 
 
-def summarize(folder: str) -> int:
-    from bench.tpu import profile, report
+def summarize(folder: str, plans_path: str | None = None) -> int:
+    from bench.tpu import plans, profile, report
     path = folder if folder.endswith(".json") else os.path.join(folder, "tpu-check.json")
     with open(path) as f:
         data = json.load(f)
     trace = os.path.join(os.path.dirname(path), profile.TRACE)
+    changed = False
     if os.path.exists(trace):
         row = dataclasses.asdict(profile.summarize(trace))
         data["rows"] = [r for r in data["rows"] if r["section"] != "profile"] + [row]
-        data = report.build(data["about"], data["rows"], data.get("failed", {}))
-        with open(path, "w") as f:  # the summary joins the record it was read beside
+        changed = True
+    if plans_path:
+        plans.join(data["rows"], plans.load(plans_path))
+        changed = True
+    data = report.build(data["about"], data["rows"], data.get("failed", {}))
+    if changed:
+        with open(path, "w") as f:  # the summary and the plans join the record they were read beside
             json.dump(data, f, indent=1, default=float)
-    else:
-        data = report.build(data["about"], data["rows"], data.get("failed", {}))
     print(report.render(data))
     return 0
 

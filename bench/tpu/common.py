@@ -15,6 +15,16 @@ class Settings:
     hbm: float | None    # HBM bytes/s of one device
     device_kind: str
     pick: tuple = ()     # the choices section's alternatives whose names hold one of these (all when empty)
+    rows: tuple = ()     # in every section, only the rows whose names hold one of these (all when empty)
+
+    def wants(self, name: str) -> bool:
+        """Whether the row of this name is to be measured in this run (asked before it is built)."""
+        return not self.rows or any(w in name for w in self.rows)
+
+
+def say(line: str) -> None:
+    """A progress line of the check, at once (a run cut short by a time limit shows where it was)."""
+    print(line, flush=True)
 
 
 @dataclass
@@ -63,21 +73,3 @@ def hbm_of(compiled) -> float | None:
 
 def block(x):
     return jax.block_until_ready(x)
-
-
-def plan_time(s: Settings, compiled, tokens: int, splash_flops_per_token: float, head_dim: int,
-              compile_unrolled=None) -> tuple[float | None, dict]:
-    """(the plan's calibrated time, its work by class) for this compiled step, as `tpuctl plan` prices a step of a
-    chip of this kind (trainer/common/aot.work at trainer/common/calibration's rates); (None, {}) off TPU, where
-    no rate is known (and no unrolled twin is compiled for it). compile_unrolled: the step with its loops written
-    out, for a step that has one (its whole count)."""
-    from trainer.common import aot, calibration
-    rates = calibration.for_kind(s.device_kind, s.peak, s.hbm)
-    if rates is None:
-        return None, {}
-    built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=tokens, model_flops_per_token=0.0,
-                      mesh={}, dtype="", settings={}, levers=(), compile_unrolled=compile_unrolled,
-                      kernel_attention_flops_per_token=splash_flops_per_token, head_dim=head_dim)
-    whole, counted_from = aot.whole_count(built, compiled, twin=compile_unrolled is not None)
-    work = aot.work(built, {"flops": whole["flops"], "devices": jax.device_count()}, counted_from.as_text() or "")
-    return calibration.estimate(work, rates)["step_s"], work

@@ -1,44 +1,68 @@
 """A LoRA step of Gemma on the chip from random bf16 weights (no checkpoint is needed to time a step): rank 8 on
-every projection (q, k, v, o and the MLP's three), T 512, the batch each size is measured at. MFU counts
-4 N_base + 6 N_lora + 12 L T H head_dim per token (trainer/common/aot.lora_flops_per_token); the plan's
-calibrated time is computed from the same compiled step."""
+every projection (q, k, v, o and the MLP's three), T 512, the batch each size is measured at; and beside ours, the
+same step by Google's own post-training library (tunix's PeftTrainer with qwix's LoRA) on gemma2-2b. MFU counts
+4 N_base + 6 N_lora + 12 L T H head_dim per token (trainer/common/aot.lora_flops_per_token). The plan's time for
+the same step is compiled ahead, off the chip (`python -m bench.tpu --plan-ahead`), and joined by the row's name.
+
+Each row says where it is while it works (drawing the base, compiling, timing): a command cut short by the chip's
+time limit shows which row it was in and how far it got."""
 from __future__ import annotations
 
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.tpu.common import Row, Settings, block, hbm_of, plan_time, reps_for, time_steps
+from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_steps
 
-# batch (rows of 512) each is measured at on one v5e chip: gemma2-2b's and gemma3-1b's as before; gemma4-e2b's the
-# batch the plan says fits (10.6 of 15.7 GiB at 1 row; not yet run on a chip)
+# rows of 512 each size is measured at on one v5e chip: the largest batch whose step fits its 15.7 GiB by the
+# compiler's count (docs/performance.md)
 SIZES = {"gemma2-2b": 4, "gemma3-1b": 8, "gemma4-e2b": 1}
+# (variant name, LoraRun fields): alternatives of how the step computes, each timed beside the default
+VARIANTS: dict[str, dict] = {}
+PEER_SIZE = "gemma2-2b"  # the size tunix's step is timed at (its Gemma 2 config is Google's own)
+RANK, ALPHA = 8, 16.0
 QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ff=1024,
              sliding_window=64, query_pre_attn_scalar=64.0)
 
 
-def step_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
-    from trainer.common import aot, mesh as mesh_lib
-    from trainer.finetune import data as sft_data, train as finetune
-    from trainer.finetune.config import LoraRun
-    from trainer.models import gemma, lora as lora_lib
-    cfg = gemma.GemmaConfig(**QUICK) if s.quick else gemma.SIZES[size]
-    seq_len = 128 if s.quick else seq_len
-    run = LoraRun(weights="-", data="-", ckpt_dir=tempfile.mkdtemp(dir=s.out), model=size, targets="all",
-                  seq_len=seq_len, batch_size=batch, steps=1000, base_dtype="bfloat16")
-    mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
-    steps = finetune.Steps(run, cfg, mesh, 1000, batch)
-    base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh))  # drawn where it lives
-    lora, opt = steps.init()
-    compile_s = steps.compile(base)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(4, cfg.vocab, (batch, seq_len)).astype(np.int32)
+def name_of(size: str, batch: int, seq_len: int = 512, variant: str = "") -> str:
+    return f"{size} LoRA r{RANK} all targets, {batch} x {seq_len}" + (f", {variant}" if variant else "")
+
+
+def _batch(vocab: int, batch: int, seq_len: int) -> dict:
+    from trainer.finetune import data as sft_data
+    ids = np.random.default_rng(0).integers(4, vocab, (batch, seq_len)).astype(np.int32)
     local = {"inputs": ids, "targets": np.roll(ids, -1, axis=1), "weights": np.ones((batch, seq_len), np.float32),
              "segments": np.ones((batch, seq_len), np.int32),
              "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy()}
     assert set(local) == set(sft_data.FIELDS)
+    return local
+
+
+def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: str = "",
+             fields: dict | None = None) -> Row:
+    from trainer.common import aot, mesh as mesh_lib
+    from trainer.finetune import train as finetune
+    from trainer.finetune.config import LoraRun
+    from trainer.models import gemma, lora as lora_lib
+    cfg = gemma.GemmaConfig(**QUICK) if s.quick else gemma.SIZES[size]
+    seq_len = 128 if s.quick else seq_len
+    name = name_of(size, batch, seq_len, variant)
+    run = LoraRun(weights="-", data="-", ckpt_dir=tempfile.mkdtemp(dir=s.out), model=size, targets="all",
+                  rank=RANK, alpha=ALPHA, seq_len=seq_len, batch_size=batch, steps=1000, base_dtype="bfloat16",
+                  **(fields or {}))
+    mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
+    steps = finetune.Steps(run, cfg, mesh, 1000, batch)
+    t0 = time.perf_counter()
+    base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh))  # drawn where it lives
+    lora, opt = steps.init()
+    say(f"  {name}: random bf16 base drawn in {time.perf_counter() - t0:.0f} s; compiling the step")
+    compile_s = steps.compile(base)
+    say(f"  {name}: compiled in {compile_s:.0f} s; timing")
+    local = _batch(cfg.vocab, batch, seq_len)
     state = {"lora": lora, "opt": opt, "n": 0}
 
     def one():
@@ -50,17 +74,95 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
     tokens = batch * seq_len
     fpt = aot.lora_flops_per_token(cfg, lora_lib.count(cfg, run.lora), seq_len)
     tps = tokens / step_s
-    row = Row("lora", f"{size} LoRA r8 all targets, {batch} x {seq_len}", step_s=step_s, tokens_per_s=tps,
-              compile_s=compile_s, mfu=tps * fpt / s.peak if s.peak else None, hbm_bytes=hbm_of(steps.train_fn),
-              note=f"attention {steps.attention}, random bf16 base", figures={"batch": batch, "seq_len": seq_len})
-    # its loss takes the logits whole (no loop): the program counts the whole step
-    row.plan_s, work = plan_time(s, steps.train_fn, tokens, aot.splash_flops_per_token(
-        cfg.n_layers, seq_len, cfg.n_heads * cfg.head_dim, steps.attention), cfg.head_dim)
-    if work:
-        row.figures["work"] = work
-    return row
+    return Row("lora", name, step_s=step_s, tokens_per_s=tps, compile_s=compile_s,
+               mfu=tps * fpt / s.peak if s.peak else None, hbm_bytes=hbm_of(steps.train_fn),
+               note=f"attention {steps.attention}, random bf16 base" + (f"; {fields}" if fields else ""),
+               figures={"batch": batch, "seq_len": seq_len, "fields": fields or {}, "loss": float(one()),
+                        "flops_per_token": fpt})
 
 
-def run(s: Settings) -> list[Row]:
+def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
+    """tunix's PeftTrainer step (its own jitted train step, `jit_train_and_eval_step`) on its Gemma 2 with qwix's
+    LoRA on the same projections, rank and alpha; the base's weights random in bf16, as ours; the same batch."""
+    import optax
+    import qwix
+    from flax import nnx
+    from tunix.models.gemma import model as tm
+    from tunix.sft import peft_trainer
+    from trainer.common import aot
+    from trainer.models import gemma, lora as lora_lib
+    if s.quick:
+        c = QUICK
+        tcfg = tm.ModelConfig(num_layers=c["n_layers"], num_embed=c["vocab"], embed_dim=c["d_model"],
+                              hidden_dim=c["ff"], num_heads=c["n_heads"], head_dim=c["head_dim"],
+                              num_kv_heads=c["n_kv_heads"], final_logit_softcap=30.0, use_post_attn_norm=True,
+                              use_post_ffw_norm=True, attention_types=(tm.AttentionType.LOCAL_SLIDING,
+                                                                       tm.AttentionType.GLOBAL),
+                              attn_logits_soft_cap=50.0, sliding_window_size=c["sliding_window"])
+        ours_cfg, seq_len = gemma.GemmaConfig(**QUICK), 128
+    else:
+        tcfg, ours_cfg = {"gemma2-2b": tm.ModelConfig.gemma2_2b}[size](), gemma.SIZES[size]
+    name = f"tunix {name_of(size, batch, seq_len)} (PeftTrainer, qwix LoRA)"
+    ours_lc = lora_lib.LoraConfig(RANK, ALPHA, 0.0, lora_lib.resolve_targets("all"))
+    t0 = time.perf_counter()
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: tm.Gemma(tcfg, rngs=nnx.Rngs(0))))
+    leaves, treedef = jax.tree.flatten(abstract)
+    key = jax.random.key(0)
+
+    def draw():  # the base in bf16, drawn on the chip in one program (tunix's own init is f32: twice the memory)
+        return [(0.02 * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.bfloat16)).astype(jnp.bfloat16)
+                for i, a in enumerate(leaves)]
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, block(jax.jit(draw)())))
+    toks = jnp.asarray(_batch(ours_cfg.vocab, batch, seq_len)["inputs"])
+    positions = jnp.broadcast_to(jnp.arange(seq_len)[None], (batch, seq_len))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((seq_len, seq_len), bool))[None], (batch, seq_len, seq_len))
+    provider = qwix.LoraProvider(module_path=".*q_einsum|.*kv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|"
+                                             ".*down_proj", rank=RANK, alpha=ALPHA)
+    model = qwix.apply_lora_to_model(model, provider, toks, positions, None, mask, rngs=nnx.Rngs(1))
+    say(f"  {name}: base drawn and LoRA applied in {time.perf_counter() - t0:.0f} s; compiling its step")
+    trainer = peft_trainer.PeftTrainer(model, optax.adamw(1e-4), peft_trainer.TrainingConfig(
+        eval_every_n_steps=10 ** 9, max_steps=10 ** 9))
+    step_fn, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=True)  # its fastest path
+    inputs = {"input_tokens": toks, "input_mask": jnp.ones((batch, seq_len), bool), "positions": positions,
+              "attention_mask": mask}
+
+    def one():
+        return step_fn(inputs)[0]
+    t0 = time.perf_counter()
+    block(one())  # its first call compiles
+    compile_s = time.perf_counter() - t0
+    say(f"  {name}: compiled in {compile_s:.0f} s; timing")
+    first = time_steps(one, 1, block)
+    step_s = time_steps(one, reps_for(first), block)
+    n_lora = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    fpt = aot.lora_flops_per_token(ours_cfg, int(n_lora), seq_len)
+    tps = batch * seq_len / step_s
+    return Row("lora", name, step_s=step_s, tokens_per_s=tps, compile_s=compile_s,
+               mfu=tps * fpt / s.peak if s.peak else None,
+               note=f"google-tunix {_version('google-tunix')}, qwix {_version('qwix')}; XLA attention with a "
+                    f"[T, T] mask (its own); {int(n_lora):,} adapter params "
+                    f"(ours {lora_lib.count(ours_cfg, ours_lc):,})",
+               figures={"batch": batch, "seq_len": seq_len, "n_lora": int(n_lora), "flops_per_token": fpt,
+                        "peer": "tunix"})
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def run(s: Settings):
     sizes = {k: v for k, v in SIZES.items() if not k.startswith("gemma4")} if s.quick else SIZES  # one tiny config
-    return [step_row(s, size, 2 if s.quick else batch) for size, batch in sizes.items()]
+    for size, batch in sizes.items():
+        batch = 2 if s.quick else batch
+        if s.wants(name_of(size, batch)):
+            yield step_row(s, size, batch)
+        for variant, fields in VARIANTS.items():
+            if s.wants(name_of(size, batch, variant=variant)):
+                yield step_row(s, size, batch, variant=variant, fields=fields)
+    batch = 2 if s.quick else SIZES[PEER_SIZE]
+    if s.wants(f"tunix {name_of(PEER_SIZE, batch)}"):
+        yield tunix_row(s, PEER_SIZE, batch)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 PLAN_TOLERANCE = 0.15  # the plan's step within 15% of the chip's
 SPEEDUP_GOAL = 1.9     # ours against the seed's tok/s at batch 16
+LORA_MFU_GOAL = 0.70   # each LoRA row's MFU
 
 
 def _find(rows, section, name):
@@ -48,6 +49,15 @@ def build(about: dict, rows: list[dict], failed: dict) -> dict:
     ours, seed = _find(rows, "steps", "ours, batch 16"), _find(rows, "steps", "seed, batch 16")
     if ours and seed and ours.get("tokens_per_s") and seed.get("tokens_per_s"):
         summary["ours_over_seed_b16"] = ours["tokens_per_s"] / seed["tokens_per_s"]
+    lora = [r for r in rows if r["section"] == "lora" and r.get("tokens_per_s")]
+    peers = {r["name"]: r for r in lora if (r.get("figures") or {}).get("peer")}
+    summary["lora_mfu"] = {r["name"]: r["mfu"] for r in lora if r.get("mfu") and r["name"] not in peers}
+    summary["lora_over_peer"] = {}
+    for pname, p in peers.items():
+        mine = next((r for r in lora if r["name"] not in peers and pname.startswith("tunix ")
+                     and r["name"] == pname[len("tunix "):].split(" (")[0]), None)
+        if mine:
+            summary["lora_over_peer"][mine["name"]] = mine["tokens_per_s"] / p["tokens_per_s"]
     checks = [r for r in rows if r.get("ok") is not None]
     summary["checks_passed"] = sum(1 for r in checks if r["ok"])
     summary["checks"] = len(checks)
@@ -70,26 +80,38 @@ def _f(v, fmt, scale=1.0):
     return "" if v is None else format(v * scale, fmt)
 
 
+HEAD = f"{'row':58s} {'tok/s':>9s} {'MFU':>6s} {'step ms':>8s} {'plan ms':>8s} {'plan':>6s} {'HBM GiB':>7s} " \
+       f"{'compile s':>9s} {'check':>5s}  note"
+
+
+def row_line(r: dict) -> str:
+    """One row of the table (printed as each row is measured, and in the table at the end)."""
+    err = r["plan_s"] / r["step_s"] - 1 if r.get("plan_s") and r.get("step_s") else None
+    return (f"{r['name'][:58]:58s} {_f(r.get('tokens_per_s'), ',.0f'):>9s} "
+            f"{_f(r.get('mfu'), '.1f', 100):>6s} {_f(r.get('step_s'), '.1f', 1e3):>8s} "
+            f"{_f(r.get('plan_s'), '.1f', 1e3):>8s} {_f(err, '+.0%') if err is not None else '':>6s} "
+            f"{_f(r.get('hbm_bytes'), '.2f', 2 ** -30):>7s} {_f(r.get('compile_s'), '.1f'):>9s} "
+            f"{'' if r.get('ok') is None else ('ok' if r['ok'] else 'FAIL'):>5s}  {r.get('note', '')}")
+
+
 def render(data: dict) -> str:
     a = data["about"]
     lines = [f"tpu-check on {a.get('devices')} x {a.get('device_kind')} ({a.get('backend')}), "
              + ", ".join(f"{k} {v}" for k, v in a.get("versions", {}).items()) + f", {a.get('date')}"
              + (" (--quick: figures mean nothing)" if a.get("quick") else "")]
-    head = f"{'row':58s} {'tok/s':>9s} {'MFU':>6s} {'step ms':>8s} {'plan ms':>8s} {'plan':>6s} {'HBM GiB':>7s} " \
-           f"{'compile s':>9s} {'check':>5s}  note"
     section = None
     for r in data["rows"]:
         if r["section"] != section:
             section = r["section"]
-            lines += ["", f"[{section}]", head]
-        err = r["plan_s"] / r["step_s"] - 1 if r.get("plan_s") and r.get("step_s") else None
-        lines.append(f"{r['name'][:58]:58s} {_f(r.get('tokens_per_s'), ',.0f'):>9s} "
-                     f"{_f(r.get('mfu'), '.1f', 100):>6s} {_f(r.get('step_s'), '.1f', 1e3):>8s} "
-                     f"{_f(r.get('plan_s'), '.1f', 1e3):>8s} {_f(err, '+.0%') if err is not None else '':>6s} "
-                     f"{_f(r.get('hbm_bytes'), '.2f', 2 ** -30):>7s} {_f(r.get('compile_s'), '.1f'):>9s} "
-                     f"{'' if r.get('ok') is None else ('ok' if r['ok'] else 'FAIL'):>5s}  {r.get('note', '')}")
+            lines += ["", f"[{section}]", HEAD]
+        lines.append(row_line(r))
     s = data["summary"]
     lines.append("")
+    for name, x in s.get("lora_over_peer", {}).items():
+        lines.append(f"ours / tunix's PeftTrainer with qwix LoRA, {name}: {x:.2f}x tok/s")
+    for name, m in s.get("lora_mfu", {}).items():
+        lines.append(f"LoRA MFU, {name}: {m:.1%} ({'at or above' if m >= LORA_MFU_GOAL else 'BELOW'} "
+                     f"{LORA_MFU_GOAL:.0%})")
     if "ours_over_seed_b16" in s:
         x = s["ours_over_seed_b16"]
         lines.append(f"ours / seed at batch 16: {x:.2f}x tok/s ({'at or above' if x >= SPEEDUP_GOAL else 'BELOW'} "

@@ -1,5 +1,6 @@
 """Our gpt2-124m step beside the seed's (bench/seed_gpt2.py) at T 1024, and the alternatives of every choice an
-`auto` flag or a default makes, each timed on the chip with the plan's calibrated time beside it.
+`auto` flag or a default makes, each timed on the chip. The plan's calibrated time for the same step is compiled
+ahead, off the chip (`python -m bench.tpu --plan-ahead`, bench/tpu/plans.py), and joined by the row's name.
 
 MFU counts (6 N + 12 L T D) per token at the chip's bf16 peak, N without the position table (nanoGPT's and llm.c's
 formula, trainer/common/metrics.flops_per_token), the same for the seed's model."""
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.tpu.common import Row, Settings, block, hbm_of, plan_time, reps_for, time_steps
+from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_steps
 
 PRESET = "gpt2-124m"
 BATCHES = (8, 16, 32)
@@ -53,9 +54,10 @@ def trainer(s: Settings, batch: int, train: dict | None = None, prefix: str = "o
     return tr, one
 
 
-def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bool = False) -> Row:
+def ours(s: Settings, name: str, batch: int, train: dict | None = None) -> Row:
     from trainer.common import metrics
     tr, one = trainer(s, batch, train)
+    say(f"  {name}: compiled in {tr.compile_s:.0f} s; timing")
     m = tr.cfg.model
     first = time_steps(one, 1, block)
     step_s = time_steps(one, reps_for(first), block)
@@ -65,13 +67,6 @@ def ours(s: Settings, name: str, batch: int, train: dict | None = None, plan: bo
               hbm_bytes=hbm_of(tr.steps.train_fn),
               note=f"attention {tr.steps.attention}, loss {'xla' if tr.steps.loss_kernel is None else 'pallas'}",
               figures={"batch": batch, "train": train or {}, "loss": float(one())})
-    if plan:
-        from trainer.common import aot
-        row.plan_s, work = plan_time(s, tr.steps.train_fn, batch * m.seq_len,
-                                     aot.splash_flops_per_token(m.n_layer, m.seq_len, m.d_model, tr.steps.attention),
-                                     m.head_dim, tr.steps.compile_unrolled)
-        if work:
-            row.figures["work"] = work
     del tr
     return row
 
@@ -103,27 +98,24 @@ def seed(s: Settings, batch: int) -> Row:
                note=f"bench/seed_gpt2.py, {jnp.dtype(cfg.dtype).name}", figures={"batch": batch})
 
 
-def run(s: Settings) -> list[Row]:
-    rows = []
+def run(s: Settings):
     for b in ((8, 16) if s.quick else BATCHES):
-        rows.append(ours(s, f"ours, batch {b}", b, plan=True))
-        rows.append(seed(s, b))
-    return rows
+        for who in ("ours", "seed"):
+            name = f"{who}, batch {b}"
+            if s.wants(name):
+                yield ours(s, name, b) if who == "ours" else seed(s, b)
 
 
-def choices(s: Settings) -> list[Row]:
+def choices(s: Settings):
     """Every alternative at batch 8 (the default's own row is `ours, batch 8`), and what the table picks."""
     from trainer.common import chip_choices
     row, measured_on = chip_choices.for_kind(s.device_kind)
-    rows = []
     for name, train in ALTERNATIVES.items():
-        if s.pick and not any(w in name for w in s.pick):
+        if (s.pick and not any(w in name for w in s.pick)) or not s.wants(f"ours, batch 8, {name}"):
             continue
         r = ours(s, f"ours, batch 8, {name}", 8, train)
         r.section = "choices"
-        rows.append(r)
-    rows.append(Row("choices", "auto picks (trainer/common/chip_choices.py)", ok=None,
-                    note=f"loss kernel {row.loss_kernel}, attention {row.attention} (measured on {measured_on})",
-                    figures={"loss_kernel": row.loss_kernel, "attention": row.attention,
-                             "measured_on": measured_on}))
-    return rows
+        yield r
+    yield Row("choices", "auto picks (trainer/common/chip_choices.py)", ok=None,
+              note=f"loss kernel {row.loss_kernel}, attention {row.attention} (measured on {measured_on})",
+              figures={"loss_kernel": row.loss_kernel, "attention": row.attention, "measured_on": measured_on})

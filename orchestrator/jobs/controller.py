@@ -36,6 +36,7 @@ _TRIAL = re.compile(r"\[(\d+)/(\d+)\] (\S+): tpuctl run")
 _FOLLOWING = re.compile(r"run (\S+) of this same command is still going")
 _ENDED = re.compile(r"run (\S+) of this same command ended on the hosts while nobody followed it")
 _HOST_LOG = re.compile(r"(s\d+)?w\d+\.log")
+IN_PROGRESS = ("running", "recovering")  # the outcome of an attempt written while it goes on
 
 
 class JobLog(io.TextIOBase):
@@ -80,7 +81,15 @@ class JobRunner(threading.Thread):
         self.ended = threading.Event()      # its run has ended: stop copying
         self.seen_run_ids: set[str] = set()
         # The attempts earlier controllers of this job recorded (a replaced controller's): its goodput counts them.
-        self.prior: list[dict] = list(self.st.get("attempts") or [])
+        # One that was still going when its controller stopped writing (IN_PROGRESS) ended unseen: unfinished.
+        self.prior: list[dict] = [{**a, "outcome": "unfinished"} if a["outcome"] in IN_PROGRESS else a
+                                  for a in self.st.get("attempts") or []]
+        # This controller's attempts as supervise told them when each ended, and the one going on now as this
+        # controller watches it (`live`: written with each sync, so a controller that dies mid-attempt leaves the
+        # time it watched in the record, productive or lost, for the next one to count).
+        self.mine: list[dict] = []
+        self.live: dict | None = None if self.spec.get("kind") == "sweep" else {"since": time.time(),
+                                                                                "recovering": False}
         # A job that was going when its last controller stopped writing: the stretch from that controller's last
         # write to this one's first attempt was watched by nobody. What it was (the run going on, or the slice
         # being recovered) is told by how this controller picks the job up (on_line), and goes into goodput so.
@@ -107,6 +116,10 @@ class JobRunner(threading.Thread):
     def on_line(self, line: str) -> None:
         if _BEFORE_RUN.search(line):
             self.pickup = "recovering"
+            if self.live is not None:
+                self.live["recovering"] = True
+        if _READY_AGAIN.search(line) and self.live is not None:
+            self.live["ready"] = time.time()
         if m := _RECREATING.search(line):
             # Counted job-wide by supervise (RunOptions.restarts_used); pending until the slice is READY again,
             # so a controller that dies in between leaves the next one to finish it as the same restart.
@@ -148,6 +161,12 @@ class JobRunner(threading.Thread):
                     upd["state"] = "RUNNING"
                     self.seen_run_ids.add(run.name)
             self.set(**upd)
+        with self.lock:
+            if self.live is not None:
+                if dirs:
+                    self._watch_live(dirs[-1], step)
+                self.set(attempts=merged_attempts(self.prior, [*self.mine, self._live_attempt(self.live)],
+                                                  self.ctl.host))
         rec = state.lookup(self.spec["slice_name"])
         if rec is not None and rec.to_json() != self.ctl.slice_json.get(self.id):
             self.ctl.slice_json[self.id] = rec.to_json()
@@ -156,20 +175,68 @@ class JobRunner(threading.Thread):
     def cancelled(self) -> bool:
         return self.cancel is not None
 
-    def record_attempts(self, mine: list[dict]) -> None:
-        """supervise's attempts so far under this controller, kept in the job's record after the earlier ones.
-        The first carries the stretch nobody watched before it (unwatched_s), as the pick-up found it."""
-        if mine and self.unwatched_since is not None and self.unwatched is None:
-            start = time.time() - mine[0]["wall_s"]  # told as the attempt ends
+    def _unwatched_before(self, start: float) -> None:
+        """The stretch nobody watched before this controller's first attempt, which began at `start`."""
+        if self.unwatched_since is not None and self.unwatched is None:
             self.unwatched = {"unwatched_s": max(0.0, start - self.unwatched_since),
                               # the job was going but its run is run again: what it did meanwhile is lost
                               "unwatched": self.pickup if self.pickup != "starting" else "recovering"}
-        if self.unwatched:
-            mine = [{**mine[0], **self.unwatched}, *mine[1:]]
-        self.set(attempts=merged_attempts(self.prior, mine, self.ctl.host))
+
+    def record_attempts(self, mine: list[dict]) -> None:
+        """supervise's attempts so far under this controller, kept in the job's record after the earlier ones.
+        The first carries the stretch nobody watched before it (unwatched_s), as the pick-up found it. After a
+        preemption the next stretch, the slice's recovery, is watched live."""
+        with self.lock:
+            if mine:
+                self._unwatched_before(time.time() - mine[0]["wall_s"])  # told as the attempt ends
+            if self.unwatched:
+                mine = [{**mine[0], **self.unwatched}, *mine[1:]]
+            self.mine = mine
+            if self.live is not None:
+                more = bool(mine) and mine[-1]["outcome"] == "preempted"
+                self.live = {"since": time.time(), "recovering": True} if more else None
+            self.set(attempts=merged_attempts(self.prior, mine, self.ctl.host))
+
+    def _watch_live(self, run: Path, step: int | None) -> None:
+        """The run of the attempt going on: its id, and when a step was first and last seen (sync's clock)."""
+        live = self.live
+        if live is None or run.name in {a.get("run_id") for a in self.mine} or \
+                run.stat().st_mtime < live["since"] - 5:  # an earlier attempt's run
+            return
+        now = time.time()
+        live.setdefault("began", live.get("ready") or live["since"])
+        live["run"] = run
+        if step is not None:
+            live.setdefault("first", (step, now))
+            if live.get("last", (None,))[0] != step:
+                live["last"] = (step, now)
+
+    def _live_attempt(self, live: dict) -> dict:
+        """The attempt going on, as supervise would record it had it ended now (supervise._attempt's fields):
+        recovering its slice (recover_s) until the slice is READY again, then start-up until the first step seen,
+        steps until the last, and the tail since. Its outcome says it is IN_PROGRESS."""
+        from orchestrator.jobs.supervise import resumed_from
+        now = time.time()
+        if self.unwatched is None and not self.mine:
+            self._unwatched_before(live["since"])
+        begun = live.get("began") or live.get("ready") or (None if live.get("recovering") else live["since"])
+        a = {"outcome": "running" if begun is not None else "recovering", "run_id": None, "resumed_from": None,
+             "last_step": None, "recover_s": (begun if begun is not None else now) - live["since"],
+             "wall_s": 0.0, "startup_s": 0.0, "steps_s": 0.0, "tail_s": 0.0, "step_s": 0.0}
+        if begun is not None:
+            a["wall_s"] = a["startup_s"] = now - begun
+        if run := live.get("run"):
+            a.update(run_id=run.name, resumed_from=resumed_from(run))
+        if "first" in live:
+            (s0, t0), (s1, t1) = live["first"], live["last"]
+            a.update(last_step=s1, startup_s=t0 - begun, steps_s=t1 - t0, tail_s=now - t1,
+                     step_s=(t1 - t0) / (s1 - s0) if s1 > s0 else 0.0)
+        if self.unwatched and not self.mine:
+            a.update(self.unwatched)
+        return a
 
     def job_goodput(self) -> dict | None:
-        """Where the job's wall time went, from its start to now, over every attempt any of its controllers saw end
+        """Where the job's wall time went, from its start to now, over every attempt any of its controllers watched
         (a stretch no controller watched counts as what it was: the run going on, or its slice recovered)."""
         from orchestrator.jobs.supervise import goodput
         attempts = self.st.get("attempts") or []
@@ -185,6 +252,10 @@ class JobRunner(threading.Thread):
         except BaseException as e:  # noqa: BLE001 - whatever it was, the job's record says so
             self.log.note(f"controller error: {e}")
             traceback.print_exc()
+            try:
+                self._close_live("FAILED")
+            except Exception:  # noqa: BLE001 - the bucket too: the state below says what it can
+                pass
             self._finish("FAILED", f"controller error: {e}")
         finally:
             self.done.set()
@@ -242,7 +313,21 @@ class JobRunner(threading.Thread):
         self.ended.set()
         syncer.join(10)
         self.sync()
+        self._close_live(outcome)
+        if "goodput" in extra:
+            extra["goodput"] = self.job_goodput() or extra["goodput"]
         self._finish(outcome, msg, **extra)
+
+    def _close_live(self, outcome: str) -> None:
+        """The run ended with an attempt supervise did not tell (a failure before the run, a cancel): the time
+        watched stays in the record under the job's outcome; a recovery that never began a run goes."""
+        with self.lock:
+            live, self.live = self.live, None
+            if live is None:
+                return
+            ran = live.get("began") or live.get("ready") or not live.get("recovering")
+            last = [{**self._live_attempt(live), "outcome": outcome.lower()}] if ran else []
+            self.set(attempts=merged_attempts(self.prior, [*self.mine, *last], self.ctl.host))
 
     def _sweep(self, opts) -> tuple[str, str, dict]:
         """`tpuctl sweep`'s job: each unfinished trial of the grid in turn, as the attached sweep runs them, then
@@ -405,12 +490,14 @@ class Controller:
 def merged_attempts(prior: list[dict], mine: list[dict], host: str) -> list[dict]:
     """A job's attempts across its controllers: those earlier ones recorded, then this one's (host), numbered on.
     This controller's first attempt after an earlier one's preemption counts the steps it redid, as supervise
-    counts them between its own attempts."""
+    counts them between its own attempts (an attempt before it that never reached a run is passed over: the
+    recovery its controller died in)."""
     from orchestrator.jobs.supervise import steps_redone
     out = [dict(a) for a in prior]
     for a in mine:
         a = {**a, "attempt": len(out) + 1, "controller": host}
-        if "steps_redone" not in a and (redone := steps_redone(out[-1] if out else None, a)) is not None:
+        ran = [b for b in out if b.get("run_id") is not None or b["outcome"] not in ("unfinished", *IN_PROGRESS)]
+        if "steps_redone" not in a and (redone := steps_redone(ran[-1] if ran else None, a)) is not None:
             a["steps_redone"] = redone
         out.append(a)
     return out

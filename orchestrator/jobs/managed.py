@@ -169,7 +169,7 @@ def submit(name: str, command: list[str], opts: RunOptions, d: DetachOptions = D
     bucket = bucket_of(ckpt)
     prov = provider.of(rec)
     store = open_store(bucket, prov)
-    store.check()
+    store.check(iam_endpoint=prov.bucket_iam_endpoint(bucket, rec.project), project=rec.project)
     # The controller writes the bucket as its own account: refused here, before a controller, secret or record
     # exists, when that account cannot.
     email = bucket_access.check(bucket, rec.project, d.controller_service_account,

@@ -5,7 +5,8 @@ controller picks a job up from. Nothing of it lives on the controller's disk.
                               /slice.json      the slice's record as the controller last knew it (workers change
                                                when a preempted slice is recreated)
                               /state.json      written by the controller only: state, step, recoveries, goodput,
-                                               and every attempt any of the job's controllers saw end
+                                               every attempt any of the job's controllers saw end, and the one
+                                               going on as far as it has been watched (rewritten at each sync)
                               /events.jsonl    written by the controller only: one line per event
                               /cancel.json     written by `tpuctl cancel`: the controller acts on it
                               /logs/controller.log, /logs/RUN_ID/HOST.log   copied as they grow (each
@@ -70,24 +71,40 @@ class JobStore:
         self._blob(rel).upload_from_string(json.dumps(obj, indent=1, sort_keys=True),
                                            content_type="application/json")
 
-    def check(self) -> None:
-        """The bucket exists and this caller can write it: one line naming the fix otherwise."""
+    # What a submit does as its caller: write the job's record and bundle, read them back (the controller's
+    # account, which replaces and removes objects, is checked apart: bucket_access).
+    SUBMIT_PERMISSIONS = ("storage.objects.create", "storage.objects.get")
+
+    def check(self, *, iam_endpoint: str | None = None, project: str | None = None, credentials=None) -> None:
+        """The bucket exists and this caller can write it: one line naming the fix otherwise. Asked, never tried:
+        the bucket's testIamPermissions (on iam_endpoint, Cloud Storage's own when None, as `credentials`, the
+        caller's when None) answers for the caller, so a caller who may create but not delete objects leaves
+        nothing behind."""
         from google.api_core import exceptions as gx
-        probe = self._blob(".tpuctl-write-check")
+
+        def missing() -> UserError:
+            return UserError(f"bucket gs://{self.bucket_name} does not exist: create it (gcloud storage buckets "
+                             f"create gs://{self.bucket_name}) or point --ckpt-dir at another")
         try:
-            probe.upload_from_string(b"ok")
+            if not self.bucket.exists():
+                raise missing()
+        except gx.Forbidden:  # may not read the bucket's metadata (storage.buckets.get): the permissions tell
+            pass
+        from google.cloud import storage
+        kw = {"client_options": {"api_endpoint": iam_endpoint}} if iam_endpoint else {}
+        on_iam = storage.Client(project=project, credentials=credentials, **kw).bucket(self.bucket_name)
+        try:
+            held = set(on_iam.test_iam_permissions(list(self.SUBMIT_PERMISSIONS), timeout=30))
         except gx.NotFound:
-            raise UserError(f"bucket gs://{self.bucket_name} does not exist: create it (gcloud storage buckets "
-                            f"create gs://{self.bucket_name}) or point --ckpt-dir at another") from None
-        except gx.Forbidden:
-            raise UserError(f"cannot write gs://{self.bucket_name}: grant roles/storage.objectAdmin on it to your "
-                            "account and to the controller's service account") from None
-        finally:
-            # A refused submit leaves nothing in the bucket, and an accepted one no probe beside its job.
-            try:
-                probe.delete()
-            except gx.GoogleAPICallError:  # never written, or another submit's check removed it first
-                pass
+            raise missing() from None
+        except gx.GoogleAPICallError as e:
+            raise UserError(f"cannot tell whether you may write gs://{self.bucket_name} (testIamPermissions: "
+                            f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})") from None
+        lacks = [p for p in self.SUBMIT_PERMISSIONS if p not in held]
+        if lacks:
+            raise UserError(f"cannot write gs://{self.bucket_name} (you lack {', '.join(lacks)}): grant "
+                            "roles/storage.objectAdmin on it to your account and to the controller's service "
+                            "account")
 
     # ---- one job
     def put_spec(self, job_id: str, spec: dict) -> None:

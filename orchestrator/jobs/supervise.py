@@ -139,7 +139,8 @@ def goodput(attempts: list[dict], wall_s: float) -> dict:
     compile; the redone steps; what a preempted attempt did after its last step) + overhead (the first start-up,
     the last attempt's end: final save, shutdown) + unaccounted (bookkeeping between attempts).
     A managed job's attempt may carry a stretch no controller watched before it (unwatched_s, controller.py):
-    productive when the run went on meanwhile, lost when its slice was being recovered, overhead before a start."""
+    productive when the run went on meanwhile, lost when its slice was being recovered, overhead before a start.
+    An attempt whose controller died in it (outcome unfinished) counts as far as that controller watched it."""
     redone_s = sum(a.get("steps_redone", 0) * attempts[i - 1]["step_s"] for i, a in enumerate(attempts) if i)
     steps_s = sum(a["steps_s"] for a in attempts)
     unwatched = {k: sum(a.get("unwatched_s", 0.0) for a in attempts if a.get("unwatched") == k)
@@ -152,7 +153,9 @@ def goodput(attempts: list[dict], wall_s: float) -> dict:
     return {"wall_s": wall_s, "productive_s": productive, "time_to_first_step_s": attempts[0]["startup_s"],
             "lost_to_preemptions_s": lost, "redone_s": redone_s, "overhead_s": overhead,
             "unwatched_s": sum(unwatched.values()), "unaccounted_s": wall_s - productive - lost - overhead,
-            "restarts": len(attempts) - 1, "goodput": productive / wall_s if wall_s > 0 else 0.0}
+            # an attempt follows each preemption; one a managed job's controller died in is no restart
+            "restarts": sum(a["outcome"] == "preempted" for a in attempts[:-1]),
+            "goodput": productive / wall_s if wall_s > 0 else 0.0}
 
 
 def goodput_table(attempts: list[dict], g: dict) -> str:

@@ -3,10 +3,10 @@
 A checkpoint operation is bounded by its own deadline (checkpoint.StorageDeadline), but that clock starts when the
 operation does: a bucket that dies during an async save, or while metrics.jsonl is rewritten, is noticed only
 when the next operation's deadline runs out, seconds later than TPUCTL_STORAGE_TIMEOUT_S after the bucket went
-away. This watch asks the bucket a cheap question (list one object under the run's prefix, google-cloud-storage) every PROBE_S seconds
-while the run is saving to it, and stops the run once no answer has come for the budget less the probe's own
-time: the exit then falls within the budget of the last moment the bucket was known to answer, which is no later
-than the moment it went away.
+away. This watch asks the bucket a cheap question (list one object under the run's prefix, google-cloud-storage)
+every PROBE_S seconds while the run is saving to it, and stops the run once no answer has come for the budget less
+a wait between probes, a probe's own timeout and the exit's slack: the exit then falls within the budget of the
+last moment the bucket was known to answer, which is no later than the moment it went away.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ EXIT_SLACK_S = 2.0     # printing the line and exiting
 class BucketWatch:
     def __init__(self, bucket: str, prefix: str, budget_s: float, on_silent: Callable[[float], None]):
         self.bucket, self.prefix, self.on_silent = bucket, prefix, on_silent
-        self.limit = max(PROBE_S, budget_s - PROBE_TIMEOUT_S - EXIT_SLACK_S)
+        # The silence is checked after each probe: once it reaches the limit, the run exits within the limit plus
+        # one wait between probes, one probe that hangs to its timeout, and the exit's slack.
+        self.limit = max(PROBE_S, budget_s - PROBE_S - PROBE_TIMEOUT_S - EXIT_SLACK_S)
         self.last_ok = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tpuctl-bucket-watch", daemon=True)

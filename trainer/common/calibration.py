@@ -54,6 +54,7 @@ V5E = Rates(
     attention_flops_s={64: 52.1e12, 256: 76.6e12},
     loss_kernel_flops_s=180.8e12,
     other_bytes_s=954e9,
+    resident_flops_s={64: 105.2e12},
     source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05 (python -m bench.tpu: its classes "
            "section, and the default gpt2-124m step at batch 16 for elementwise work; "
            "bench/tpu_records/v5e-2026-12-05.json)",
@@ -62,6 +63,8 @@ V5E = Rates(
                   "(2048 x 2304 x 9216) 189.5 TFLOP/s: their mean",
         "attention 64": "splash forward and backward, 16 x 1024 positions, 12 heads of 64, by the arithmetic "
                         "(12 T heads head_dim per token): 52.1 TFLOP/s, 26% of the peak",
+        "resident 64": "the resident kernel (block 256) on the same work: 105.2 TFLOP/s, 53% of the peak "
+                       "(2026-12-06, bench/tpu_records/v5e-2026-12-06-b7ab3c2.json)",
         "attention 256": "the same for 8 x 512 positions, 4 heads of 256 on one kv head (gemma3-1b's): 76.6 TFLOP/s",
         "loss kernel": "the two loss kernels forward and backward, 8 x 1024 tokens, vocabulary 50304: 180.8 TFLOP/s "
                        "of their 8 N V D",

@@ -62,7 +62,7 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on TPU/GPU, f32 on CPU), float32, bfloat16
     mesh: str = ""  # "data=D,model=M"; empty = all devices on data
     vocab_parallel: str = "auto"  # tied embedding's vocab over every device: auto (tokens/step < vocab), on, off
-    attention: str = "auto"  # auto (splash kernel on TPU, XLA elsewhere), xla, splash
+    attention: str = "auto"  # auto (on TPU the chip's faster kernel: chip_choices.py; XLA elsewhere), xla, splash, resident
     # How the splash kernel runs (trainer/models/attention.Kernel): q, k, v's layout, its backward kernels, its
     # largest block of positions. GPT-2's head_dim of 64 is half a TPU lane row: with the sequence minor q, k and v
     # are not padded, and one backward kernel reads them once. gpt2-124m on v5e-8 (libtpu 0.0.42.1, --loss-chunk
@@ -182,7 +182,8 @@ HELP = {
                  "[T, T] scores to HBM (off TPU they run interpreted: slow, for checks); resident keeps a whole "
                  "sequence of 128 lanes of heads in on-chip memory per grid step and walks only the causal blocks "
                  "(head_dim 64 or 128, at most 8 blocks of --resident-block); auto = on TPU what the chip measured "
-                 "faster (trainer/common/chip_choices.py) when --seq-len is a multiple of 128, else xla",
+                 "faster (trainer/common/chip_choices.py: resident on v5e at head_dim 64, else splash) when "
+                 "--seq-len is a multiple of 128, else xla",
     "resident_block": "the resident attention kernel's block of positions (a multiple of 128 dividing --seq-len, "
                       "or --seq-len itself when smaller)",
     "splash_layout": "head-minor or seq-minor: how q, k and v lie in HBM for the splash kernel ([seq, head_dim] "

@@ -19,7 +19,7 @@ every computation the step runs as the cost analysis does (XLA's HloCostAnalysis
   bound its condition compares the induction variable with); a call or conditional: what it calls.
 Each charge goes to a bucket named from the instruction's jax source (its stack frame: the innermost frame in
 this repository, or optax), and whether it is forward or backward (a `transpose(` in its op_name).
-Pure text in, figures out: no jax needed (`bench.tpu_bytes` compiles the step and prints the table; the plan's
+Pure text in, figures out: no jax needed (`bench.compiler.tpu_bytes` compiles the step and prints the table; the plan's
 calibrated time, trainer/common/aot.py, takes its bytes by class of work).
 """
 from __future__ import annotations

@@ -87,7 +87,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
     report_progress = "TPUCTL_PROCESS_ID" in os.environ
     prof = profiling.Recorder(job.profile, job.ckpt_dir, jax.process_index())
     port, why = profiling.start_server(jax.process_index())  # for a live capture (TensorBoard, tpuctl profile)
-    if port is None and why.startswith("port"):
+    if port is None and why != f"{profiling.PORT_ENV}=0":
         metrics.say(f"profiler server of process {jax.process_index()}: {why}; no live capture from it")
     if primary and job.profile is not None and job.profile.last <= start:
         metrics.say(f"--profile {job.profile}: those steps were done before step {start}, where this run resumes; "

@@ -10,11 +10,13 @@ The session name is the window, the same on every process, so one session holds 
 Every training process also serves jax.profiler on PROFILER_PORT + its process id (TPUCTL_PROFILER_PORT sets the
 base; 0 = off), so that TensorBoard's "capture profile" (and `tpuctl profile`) can take a trace of a running job.
 The process id is added so that processes sharing a machine (local mode) never race for one port; a port some
-other program holds is reported in one line and the run goes on without a server.
+other program holds, or a host that lets no socket listen (named by the bind's errno), is reported in one line
+and the run goes on without a server (a --profile window is still traced to files).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -119,15 +121,20 @@ def server_port(process: int) -> int | None:
 
 def start_server(process: int) -> tuple[int | None, str]:
     """Serve jax.profiler on server_port(process): (the port, "") or (None, why not). jax's server only logs a
-    failed bind, so the port is tried first."""
+    failed bind, so the port is tried first: one another program holds is named taken; a bind this host refuses
+    (a sandbox where no socket may listen) is named by its errno."""
     global _server
     if _server is not None:
         return _server[1], ""
     port = server_port(process)
     if port is None:
         return None, f"{PORT_ENV}=0"
-    if not _free(port):
-        return None, f"port {port} is taken on this host (set {PORT_ENV} to another base)"
+    if (err := _bind_error(port)) is not None:
+        if err.errno == errno.EADDRINUSE:
+            return None, f"port {port} is taken on this host (set {PORT_ENV} to another base)"
+        name = errno.errorcode.get(err.errno, f"errno {err.errno}")
+        return None, (f"this host refuses to listen on port {port} ({name}: {err.strerror}); --profile still "
+                      "traces its window to files under --ckpt-dir")
     import jax
     _server = (jax.profiler.start_server(port), port)
     return port, ""
@@ -143,18 +150,18 @@ def stop_server() -> None:
         _server = None
 
 
-def _free(port: int) -> bool:
-    """Nothing listens on `port` on any address (the server binds [::]:port)."""
+def _bind_error(port: int) -> OSError | None:
+    """Why nothing may listen on `port` on any address (the server binds [::]:port), or None when it may."""
     for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as s:
                 s.bind((addr, port))
-            return True
+            return None
         except OSError as e:
-            if family == socket.AF_INET6 and e.errno in (97, 99):  # no IPv6 here: ask IPv4
-                continue
-            return False
-    return False
+            if family == socket.AF_INET6 and e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                continue  # no IPv6 here: ask IPv4
+            return e
+    return None  # unreachable: IPv4's answer is returned
 
 
 # --- one window's trace ----------------------------------------------------------------------------

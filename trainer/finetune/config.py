@@ -21,6 +21,7 @@ class LoraRun:
     val_fraction: float = 0.1
     tokenizer: str = ""
     model: str = ""                 # expected family or named size ("" = from the checkpoint)
+    weights_config: str = ""        # KEY=VALUE,...: what a flax checkpoint's shapes cannot tell (gemma/weights.py)
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0

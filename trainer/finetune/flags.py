@@ -48,6 +48,9 @@ LORA_HELP = {
     "model": "expected family (gemma2, gemma3, gemma4) or size (gemma2-2b, gemma3-1b, gemma4-e2b, ...; the checkpoint "
              "must be that size): a size lets `tpuctl plan` build the step without reading --weights "
              "(default: from the checkpoint)",
+    "weights_config": "KEY=VALUE,...: what a Kaggle flax checkpoint's shapes cannot tell, for a shape that matches "
+                      "no named size (sliding_window, query_pre_attn_scalar, global_rope_scale, kv_shared_layers, "
+                      "top_k); also read from gemma-config.json beside --weights (the flag wins)",
     "rank": "r: the adapters' inner width",
     "alpha": "the update is scaled by alpha / rank",
     "dropout": "dropout on the adapters' input (the base path is never dropped)",

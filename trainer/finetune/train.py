@@ -194,9 +194,12 @@ def finetune(run: LoraRun) -> int:
     loop.enable_compile_cache()
     mesh, global_batch = setup_mesh(run)
     pid, nproc = jax.process_index(), jax.process_count()
-    ck = weights.inspect(run.weights, family=run.family)
+    told = weights.parse_config(run.weights_config)
+    ck = weights.inspect(run.weights, family=run.family, **told)
     check_size(run, ck.cfg)
     tok = tok_lib.load(ck.path, ck.cfg.vocab, run.tokenizer or None)
+    if pid == 0 and ck.guessed:
+        metrics.say(ck.guess_note())
     batches, val_rows, data_msg = load_data(run, tok, pid, nproc, global_batch)
     total = run.steps or max(1, int(np.ceil(run.epochs * len(batches.rows) / global_batch)))
     profiling.check_window(profiling.parse_window(run.profile), total, what="--steps, or --epochs over the data")
@@ -209,7 +212,7 @@ def finetune(run: LoraRun) -> int:
         if start:
             check_resumable(ck.cfg, run, adapter_meta(ckpt, start), run.ckpt_dir)
         base_dt = compute_dtype(run.base_dtype)
-        _, base = weights.load(run.weights, mesh, family=run.family, dtype=base_dt)
+        _, base = weights.load(run.weights, mesh, family=run.family, dtype=base_dt, **told)
         steps = Steps(run, ck.cfg, mesh, total, global_batch)
         return _train(run, ck.cfg, steps, ckpt, base, batches, val_rows, start, total, data_msg)
     finally:
@@ -238,15 +241,8 @@ def batch_of(run: LoraRun, devices: int, data: int, n_slices: int = 1) -> int:
 
 
 def check_size(run: LoraRun, cfg: gemma.GemmaConfig) -> None:
-    """--model SIZE against the checkpoint's shapes (the vocab aside: Hugging Face copies drop its padding)."""
-    if not run.size:
-        return
-    dims = ("family", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ff")
-    same = lambda c: all(getattr(c, k) == getattr(cfg, k) for k in dims)  # noqa: E731
-    if not same(gemma.SIZES[run.size]):
-        found = next((n for n, c in gemma.SIZES.items() if same(c)), cfg.family)
-        raise UsageError(f"--model {run.model}: --weights {run.weights} holds a {found} checkpoint ({cfg.n_layers} "
-                         f"layers, width {cfg.d_model}); pass --model {found} or leave --model out")
+    """--model SIZE against the checkpoint's shapes (weights.check_size)."""
+    weights.check_size(run.size, cfg, run.weights)
 
 
 def check_resumable(cfg: gemma.GemmaConfig, run: LoraRun, meta: dict, where: str) -> None:

@@ -178,13 +178,18 @@ def sample_main(args) -> int:
     from trainer.common.mesh import compute_dtype
     sc = SampleConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     sc.check()
+    family = weights.check_model(args.model)
+    told = weights.parse_config(getattr(args, "weights_config", ""))
     mesh_lib.init_distributed()
     mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh(args.mesh or "", jax.device_count()))
-    ck = weights.inspect(args.weights, family=args.model)
+    ck = weights.inspect(args.weights, family=family, **told)
+    weights.check_size(args.model, ck.cfg, args.weights)
     tok = tok_lib.load(ck.path, ck.cfg.vocab, args.tokenizer)
+    if ck.guessed and jax.process_index() == 0:
+        print(ck.guess_note(), file=sys.stderr, flush=True)
     dt = compute_dtype(args.dtype)
-    _, params = weights.load(args.weights, mesh, family=args.model,
-                             dtype=jnp.bfloat16 if dt == jnp.bfloat16 else None)
+    _, params = weights.load(args.weights, mesh, family=family, dtype=jnp.bfloat16 if dt == jnp.bfloat16 else None,
+                             **told)
     if getattr(args, "adapters", None):  # fine-tuned: W + scale * A @ B, the same function as applying them
         from trainer.finetune import train as finetune
         from trainer.models import lora

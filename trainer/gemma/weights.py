@@ -1,7 +1,12 @@
 """Gemma weights in Kaggle's two layouts -> sharded params on the mesh, each process reading its slices.
 
 - flax: an Orbax params dir beside `tokenizer.model`, its keys `transformer/layer_i/...` one level deep
-  (Gemma 2, 3) or the same path nested a level per name (Gemma 4: transformer -> layer_i -> attn -> ...). Restored by
+  (Gemma 2, 3) or the same path nested a level per name (Gemma 4: transformer -> layer_i -> attn -> ...). Every
+  spelling Google's own loaders take is read (tunix's Gemma 4 loader, gemma4/params.py): the `transformer` root or
+  none (Google's gemma library writes none), and Gemma 4's QK-norms as `attn/query_norm` (that library) or
+  `attn/_query_norm` (Gemma 3's name). What the shapes cannot tell (the window; for Gemma 4 an E size's kv sharing
+  without a wider MLP, experts per token) comes from the named size with those shapes, else from --weights-config
+  or a `gemma-config.json` beside the weights, else a default the run names (Checkpoint.guessed). Restored by
   Orbax/tensorstore with the target shardings, so each process fetches only the chunks its devices hold.
   Chunks are what the checkpoint was written with: an array saved from one host is one chunk, which every
   process reads whole (one array at a time, never the whole model at once).
@@ -15,6 +20,7 @@ parameters exist (Gemma 3 has QK-norm, Gemma 2 post-norms without it).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -30,6 +36,15 @@ from trainer.common.config import UsageError
 from trainer.models import gemma
 
 MANIFEST = "tpuctl-manifest.json"  # written last by `tpuctl weights pull` (orchestrator/artifacts/weights.py)
+CONFIG_FILE = "gemma-config.json"  # beside the weights: the constants a flax checkpoint's shapes cannot tell
+# Those constants, per family (--weights-config KEY=VALUE,... and CONFIG_FILE set them; types as GemmaConfig's).
+UNTOLD = {"gemma2": ("sliding_window", "query_pre_attn_scalar"),
+          "gemma3": ("sliding_window", "query_pre_attn_scalar", "global_rope_scale"),
+          "gemma4": ("sliding_window", "kv_shared_layers", "top_k")}
+_UNTOLD_TYPES = {"sliding_window": int, "query_pre_attn_scalar": float, "global_rope_scale": float,
+                 "kv_shared_layers": int, "top_k": int}
+# Google's gemma library names Gemma 4's QK-norms without the underscore Gemma 3's checkpoints have.
+_QK_NORMS = {"query_norm": "_query_norm", "key_norm": "_key_norm"}
 # Test hook: called as on_read(tensor_name, n_bytes) for every byte range read from a safetensors file.
 on_read: Callable[[str, int], None] | None = None
 
@@ -50,6 +65,49 @@ class Checkpoint:
     layout: str         # "flax" | "transformers"
     root: str           # the folder as given (where tokenizer files live)
     cfg: gemma.GemmaConfig
+    guessed: tuple[str, ...] = ()  # the cfg fields that are defaults: no named size, flag or config file told them
+
+    def guess_note(self) -> str:
+        """One line naming what was guessed and how to set it ("" when nothing was)."""
+        if not self.guessed:
+            return ""
+        vals = ", ".join(f"{k}={getattr(self.cfg, k)}" for k in self.guessed)
+        return (f"note: --weights {self.root}: its shapes match no named {self.cfg.family} size, so these are "
+                f"guessed: {vals}; if they are wrong, pass --weights-config KEY=VALUE,... or put them in "
+                f"{CONFIG_FILE} beside the weights")
+
+
+def parse_config(text, where: str = "--weights-config") -> dict:
+    """KEY=VALUE,... (or a dict, as CONFIG_FILE holds) -> the constants it sets, typed; one line when wrong."""
+    items = text.items() if isinstance(text, dict) else \
+        [kv.partition("=")[::2] for kv in (text or "").split(",") if kv.strip()]
+    out = {}
+    for k, v in items:
+        k = str(k).strip().replace("-", "_")
+        if k not in _UNTOLD_TYPES:
+            raise UsageError(f"{where}: {k or '(empty)'} is not a constant the weights cannot tell; use "
+                             f"{', '.join(_UNTOLD_TYPES)}")
+        try:
+            out[k] = _UNTOLD_TYPES[k](str(v).strip())
+        except ValueError:
+            raise UsageError(f"{where}: {k}={str(v).strip()}: expected a number") from None
+    return out
+
+
+def config_beside(params_path: str) -> dict:
+    """CONFIG_FILE in the params dir or the folder above it (where Kaggle's tokenizer is), parsed; {} if none."""
+    fs, p = _fs(params_path)
+    for d in (p.rstrip("/"), p.rstrip("/").rsplit("/", 1)[0]):
+        f = _join(d, CONFIG_FILE)
+        if fs.exists(f):
+            try:
+                data = json.loads(fs.cat(f))
+            except ValueError as e:
+                raise UsageError(f"{f}: not JSON ({e})") from None
+            if not isinstance(data, dict):
+                raise UsageError(f"{f}: expected an object of constants, e.g. {{\"sliding_window\": 512}}")
+            return parse_config(data, f)
+    return {}
 
 
 def _fs(path: str):
@@ -145,30 +203,65 @@ def _family(found: set[str], where: str) -> str:
                      f"{', '.join(sorted(found)) or 'none'}")
 
 
-def _flax_meta(params_path: str) -> dict[str, dict]:
-    """Orbax key ('transformer/layer_0/attn/q_einsum') -> {leaf: array metadata}, whether the checkpoint's tree is
-    one level deep under such keys or nested a level per name (is_nested tells which)."""
+def _canonical(path: tuple[str, ...]) -> str:
+    """A module's path in the checkpoint's tree -> our key for it: 'transformer/layer_0/attn/_query_norm' whether
+    the tree has the transformer root or not, is one level deep or nested, and spells the QK-norms either way."""
+    parts = [x for seg in path for x in seg.split("/")]
+    if parts and parts[0] == "transformer":
+        parts = parts[1:]
+    if parts:
+        parts[-1] = _QK_NORMS.get(parts[-1], parts[-1])
+    return "/".join(["transformer", *parts])
+
+
+def _flax_tree(params_path: str) -> tuple[dict[str, dict], dict[tuple[str, str], tuple[str, ...]]]:
+    """(our key ('transformer/layer_0/attn/q_einsum') -> {leaf: array metadata}, (our key, leaf) -> the leaf's path
+    of names in the checkpoint's own tree). Two names for one parameter (both QK-norm spellings) are refused."""
     import orbax.checkpoint as ocp
     meta = ocp.PyTreeCheckpointer().metadata(params_path)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     out: dict[str, dict] = {}
+    paths: dict[tuple[str, str], tuple[str, ...]] = {}
 
     def walk(node, path):
         for k, v in node.items():
             if isinstance(v, dict) or hasattr(v, "items"):
                 walk(v, path + (k,))
             elif path:
-                out.setdefault("/".join(path), {})[k] = v
+                key = _canonical(path)
+                if (key, k) in paths:
+                    raise UsageError(f"--weights {params_path}: {'/'.join(paths[key, k])} and "
+                                     f"{'/'.join(path + (k,))} are the same parameter; keep one")
+                out.setdefault(key, {})[k] = v
+                paths[key, k] = path + (k,)
     walk(tree, ())
-    return out
+    return out, paths
+
+
+def _flax_meta(params_path: str) -> dict[str, dict]:
+    """Our key ('transformer/layer_0/attn/q_einsum') -> {leaf: array metadata}, however the checkpoint spells it."""
+    return _flax_tree(params_path)[0]
 
 
 def is_nested(params_path: str) -> bool:
+    """A level per name (no key of the tree's top holds a '/'), as Gemma 4 ships, with or without its root."""
     import orbax.checkpoint as ocp
     meta = ocp.PyTreeCheckpointer().metadata(params_path)
     tree = getattr(getattr(meta, "item_metadata", meta), "tree", getattr(meta, "item_metadata", meta))
-    return "transformer" in tree
+    return not any("/" in k for k in tree)
+
+
+def _put(tree: dict, path: tuple[str, ...], value) -> None:
+    for name in path[:-1]:
+        tree = tree.setdefault(name, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for name in path:
+        tree = tree[name]
+    return tree
 
 
 def _at(tree: dict, key: str, leaf: str, nested: bool, value=None):
@@ -181,12 +274,25 @@ def _at(tree: dict, key: str, leaf: str, nested: bool, value=None):
     return tree[path[-1]]
 
 
+def _found_names(paths: dict, under: str = "") -> str:
+    """The checkpoint's own names (under a module of ours, e.g. 'transformer/layer_0/'), for a refusal."""
+    names = sorted({"/".join(p[:-1]) for (key, _), p in paths.items() if key.startswith(under)})
+    return ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "") or "none"
+
+
+def _spellings(key: str) -> str:
+    """Our key as a checkpoint may spell it ('layer_0/attn/query_norm or layer_0/attn/_query_norm')."""
+    key = key.removeprefix("transformer/")
+    theirs = next((k for k, v in _QK_NORMS.items() if key.endswith("/" + v)), None)
+    return key if theirs is None else f"{key.rsplit('/', 1)[0]}/{theirs} or {key}"
+
+
 def _flax_config(params_path: str, family: str | None, overrides: dict):
-    meta = _flax_meta(params_path)
+    meta, paths = _flax_tree(params_path)
     where = f"--weights {params_path}"
     if "transformer/embedder" not in meta or "transformer/layer_0/attn/attn_vec_einsum" not in meta:
-        raise UsageError(f"{where}: matches no known Gemma family (no transformer/embedder or "
-                         f"transformer/layer_0/attn; found keys: {', '.join(sorted(meta)[:6])})")
+        raise UsageError(f"{where}: matches no known Gemma family (no embedder or layer_0/attn/attn_vec_einsum, "
+                         f"with or without a transformer root; found: {_found_names(paths)})")
     found = set()
     for key in meta:
         if key.startswith("transformer/layer_0/"):
@@ -195,6 +301,9 @@ def _flax_config(params_path: str, family: str | None, overrides: dict):
                        "attn/_query_norm": "q_norm", "attn/_key_norm": "k_norm"}.get(leaf, leaf.split("/")[-1]))
     if "skip_scale" in meta.get("transformer/layer_0", {}):
         found.add("skip_scale")
+    if "skip_scale" in found and "q_norm" not in found:  # Gemma 4 by its scalar, yet no QK-norm we know
+        raise UsageError(f"{where}: a Gemma 4 layer (it has skip_scale) without a QK-norm named attn/query_norm "
+                         f"or attn/_query_norm; its layer 0 holds: {_found_names(paths, 'transformer/layer_0/')}")
     fam = _family(found, where)
     _check_family(family, fam, where)
     shape = lambda k, leaf: tuple(meta[k][leaf].shape)  # noqa: E731
@@ -221,8 +330,41 @@ def _flax_config(params_path: str, family: str | None, overrides: dict):
         shapes["ple_embed"] = shape("transformer/embedder", "per_layer_embeddings")
     if "transformer/layer_0/moe" in meta:
         shapes["layers.0.experts_gating"] = shape("transformer/layer_0/moe", "gating_einsum")
+    overrides = {**config_beside(params_path), **overrides}
     cfg = gemma.GemmaConfig.from_shapes(fam, shapes, **overrides)
-    return cfg, meta, fused
+    plain = gemma.GemmaConfig.from_shapes(fam, shapes)
+    named = any(dataclasses.replace(plain, vocab=c.vocab) == c for c in gemma.SIZES.values())
+    told = {"kv_shared_layers": plain.kv_shared_layers > 0, "top_k": not cfg.n_experts}  # by shapes, or moot
+    guessed = () if named else tuple(k for k in UNTOLD[fam] if k not in overrides and not told.get(k))
+    missing = [_spellings(key) for ours, (key, leaf) in flax_names(cfg, fused).items()
+               if (key, leaf) not in paths and not ours.endswith((".kv", ".k_norm"))]
+    if missing:
+        raise UsageError(f"{where}: a {fam} checkpoint of these shapes needs {missing[0]}"
+                         f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which it does not have "
+                         f"under any name Google's loaders use; found: {_found_names(paths)}")
+    return cfg, meta, fused, paths, guessed
+
+
+def check_model(model: str | None) -> str | None:
+    """--model names a family or a named size: its family (None: whatever the checkpoint is)."""
+    if not model:
+        return None
+    if model not in gemma.FAMILIES and model not in gemma.SIZES:
+        raise UsageError(f"--model {model}: choose a family ({', '.join(gemma.FAMILIES)}) or a size "
+                         f"({', '.join(gemma.SIZES)})")
+    return model.split("-", 1)[0]
+
+
+def check_size(model: str | None, cfg: gemma.GemmaConfig, weights_path: str) -> None:
+    """--model SIZE against the checkpoint's shapes (the vocab aside: Hugging Face copies drop its padding)."""
+    if not model or model not in gemma.SIZES:
+        return
+    dims = ("family", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ff")
+    same = lambda c: all(getattr(c, k) == getattr(cfg, k) for k in dims)  # noqa: E731
+    if not same(gemma.SIZES[model]):
+        found = next((n for n, c in gemma.SIZES.items() if same(c)), cfg.family)
+        raise UsageError(f"--model {model}: --weights {weights_path} holds a {found} checkpoint ({cfg.n_layers} "
+                         f"layers, width {cfg.d_model}); pass --model {found} or leave --model out")
 
 
 def _check_family(wanted: str | None, found: str, where: str) -> None:
@@ -231,11 +373,10 @@ def _check_family(wanted: str | None, found: str, where: str) -> None:
                          "or leave --model out")
 
 
-def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.Array]:
+def _load_flax(ck: Checkpoint, meta, fused: bool, paths: dict, mesh, dtype) -> dict[str, jax.Array]:
     import orbax.checkpoint as ocp
     cfg = ck.cfg
     names = flax_names(cfg, fused)
-    nested = is_nested(ck.path)
     lay = gemma.param_layout(cfg)
     mshape = dict(mesh.shape)
     target, args, post = {}, {}, {}
@@ -258,14 +399,14 @@ def _load_flax(ck: Checkpoint, meta, fused: bool, mesh, dtype) -> dict[str, jax.
             raw_axes, fix = axes[1:], lambda x: x[None]
         sh = jax.sharding.NamedSharding(mesh, gemma.fitted_spec(raw_axes, raw_shape, mshape))
         dt = dtype or meta[key][leaf].dtype
-        _at(target, key, leaf, nested, jax.ShapeDtypeStruct(raw_shape, dt, sharding=sh))
-        _at(args, key, leaf, nested, ocp.ArrayRestoreArgs(sharding=sh, dtype=dt))
+        _put(target, paths[key, leaf], jax.ShapeDtypeStruct(raw_shape, dt, sharding=sh))
+        _put(args, paths[key, leaf], ocp.ArrayRestoreArgs(sharding=sh, dtype=dt))
         post[ours] = (key, leaf, fix)
     raw = ocp.PyTreeCheckpointer().restore(
         ck.path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
     out = {}
     for ours, (key, leaf, fix) in post.items():
-        x = _at(raw, key, leaf, nested)
+        x = _get(raw, paths[key, leaf])
         out[ours] = x if fix is None else jax.jit(fix, out_shardings=shardings[ours])(x)
     return {**out, **absent}
 
@@ -530,8 +671,8 @@ def _inspect(path: str, family: str | None, overrides: dict):
         raise UsageError(f"--model {family}: expected one of {', '.join(gemma.FAMILIES)}")
     layout, params_path = locate(path)
     if layout == "flax":
-        cfg, meta, fused = _flax_config(params_path, family, overrides)
-        return Checkpoint(params_path, layout, path, cfg), (meta, fused)
+        cfg, meta, fused, paths, guessed = _flax_config(params_path, family, overrides)
+        return Checkpoint(params_path, layout, path, cfg, guessed), (meta, fused, paths)
     cfg, st, pre = _hf_config(params_path, family, overrides)
     return Checkpoint(params_path, layout, path, cfg), (st, pre)
 

@@ -63,8 +63,10 @@ def resolve(name: str, platform: str, seq_len: int, device_kind: str = "",
     if name == "auto":
         if platform != "tpu" or seq_len % LANES:
             return XLA
-        pick = chip_choices.for_kind(device_kind)[0].attention
-        if pick == "resident" and _why_not_resident(heads, seq_len, block) is None:
+        row = chip_choices.for_kind(device_kind)[0]
+        pick = row.attention
+        if pick == "resident" and heads and heads[1] in row.resident_head_dims \
+                and _why_not_resident(heads, seq_len, block) is None:
             return RESIDENT
         return XLA if pick == "xla" else SPLASH
     if name == "resident":

@@ -90,7 +90,7 @@ def _chunk_xent(x, table, targets, vocab_size: int, with_grads: bool, n_total: i
     """Inside shard_map: the summed cross-entropy of the global batch's tokens at these positions, divided by
     n_total (the whole batch's tokens), and optionally (dx, dtable) of that.
 
-    Layouts are chosen for the matmuls (measured, bench/explore.py): logits [vocab slice, tokens] from
+    Layouts are chosen for the matmuls (measured, bench/peers/explore.py): logits [vocab slice, tokens] from
     table @ x^T with x^T materialised (an [N, D] operand read transposed is ~1.4x slower on XLA:CPU), the
     x gradient as table^T @ dlogits = [D, N]. The only full passes over the logits are one max and one
     exp; the target logit, the one-hot part of the gradient and the softmax's per-token scale are

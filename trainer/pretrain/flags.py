@@ -62,7 +62,12 @@ def add_sample(sub) -> None:
     # Gemma (trainer/gemma/generate.py): KV-cache decoding in one compiled loop on the mesh, streamed.
     sa.add_argument("--weights", help="a Gemma checkpoint (Kaggle flax or transformers layout), local or gs://")
     sa.add_argument("--chat", action="store_true", help="wrap the prompt in Gemma's chat turns; stop at <end_of_turn>")
-    sa.add_argument("--model", choices=("gemma2", "gemma3"), help="expected family (default: from the checkpoint)")
+    sa.add_argument("--model", help="expected family (gemma2, gemma3, gemma4) or size (gemma2-2b, gemma4-e2b, ...; "
+                                    "the checkpoint must be that size) (default: from the checkpoint)")
+    sa.add_argument("--weights-config", default="", metavar="KEY=VALUE,...",
+                    help="what a Kaggle flax checkpoint's shapes cannot tell, for a shape that matches no named size "
+                         "(sliding_window, query_pre_attn_scalar, global_rope_scale, kv_shared_layers, top_k); also "
+                         "read from gemma-config.json beside --weights (the flag wins)")
     sa.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the one beside --weights)")
     sa.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut (1 = off; --temperature 0 = greedy)")
     sa.add_argument("--mesh", default="", help="data=D,model=M over all devices (default: all on data)")

@@ -3,7 +3,7 @@ subprocesses): the TPU API stand-in preempts the node at chosen steps, the hosts
 recreates the slice and the trainer resumes from gs:// (the GCS emulator). Used by the preemption e2e test and
 by `make bench` (steps redone, time to recover, goodput, for one and two preemptions).
 
-    python -m bench.preempt        # one and two preemptions of a 2-host gpt2-tiny-sized run
+    python -m bench.system.preempt        # one and two preemptions of a 2-host gpt2-tiny-sized run
 """
 from __future__ import annotations
 

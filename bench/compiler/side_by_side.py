@@ -1,10 +1,10 @@
 """Our GPT-2 124M step beside the seed's and MaxText's, for the same work, as the TPU compiler counts them.
 
-    python -m bench.side_by_side [--maxtext PATH] [--chips v5e-8,v6e-8]
+    python -m bench.compiler.side_by_side [--maxtext PATH] [--chips v5e-8,v6e-8]
 
 The same work: GPT-2 124M, batch 64 x 1024, bf16 compute over f32 weights, AdamW, on the 8 chips of a v5e-8 or
 a v6e-8. Each step is compiled ahead of time by libtpu on this machine (no TPU): ours through `tpuctl plan`
-(orchestrator/plan.py; every loop counted by its trip count), the seed's by bench/seed_plan.py (no loop), and
+(orchestrator/plan.py; every loop counted by its trip count), the seed's by bench/compiler/seed_plan.py (no loop), and
 MaxText's by the maxtext bench scripts, which need their own Python 3.12 venv (MaxText is not installed by the
 project): their JSON records are read from PATH (a record file or a folder of them; --maxtext, else
 $TPUCTL_MAXTEXT_FIGURES, else the shared bench folder beside the checkout, which holds v5e-8's) and from
@@ -33,7 +33,7 @@ from pathlib import Path
 from trainer.common.chips import HBM_BYTES_S, PEAK_FLOPS
 
 GIB = 2 ** 30
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAXTEXT_ENV = "TPUCTL_MAXTEXT_FIGURES"
 DEFAULT_MAXTEXT = ROOT.parent / "shared" / "bench" / "maxtext" / "out"
 # MaxText's records kept with the code: the shared folder has v5e-8's only, so v6e-8's live here (JSON records and
@@ -117,7 +117,7 @@ def seed_cache(chip: Chip) -> Path:
     and its compile), the topology and the versions; a compile of it takes many minutes."""
     from orchestrator.state import home
     h = hashlib.sha256(json.dumps([chip.topology, _version("jax"), _version("libtpu"), _version("flax")]).encode())
-    for name in ("seed_gpt2.py", "seed_plan.py"):
+    for name in ("seed_gpt2.py", "compiler/seed_plan.py"):
         h.update((ROOT / "bench" / name).read_bytes())
     return home() / "plans" / f"seed-{h.hexdigest()[:24]}.json"
 
@@ -128,8 +128,8 @@ def seed(chip: Chip) -> Row:
     if cached.is_file():
         f = json.loads(cached.read_text())
     else:
-        out = subprocess.run([sys.executable, "-m", "bench.seed_plan", "--tpu", chip.topology], capture_output=True,
-                             text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        out = subprocess.run([sys.executable, "-m", "bench.compiler.seed_plan", "--tpu", chip.topology],
+                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         if out.returncode:
             return Row(label, note=f"failed: {(out.stderr.strip().splitlines() or ['no output'])[-1][:120]}")
         f = json.loads(out.stdout.strip().splitlines()[-1])
@@ -252,7 +252,7 @@ def main(chips: list[str] | None = None, maxtext_at: str | None = None, say=prin
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m bench.side_by_side", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compiler.side_by_side", description=__doc__.splitlines()[0])
     p.add_argument("--chips", default=",".join(CHIPS), help=f"comma-separated, from {', '.join(CHIPS)}")
     p.add_argument("--maxtext", help=f"MaxText's records: a JSON file or a folder of them (default: ${MAXTEXT_ENV}, "
                                      f"else {DEFAULT_MAXTEXT}); {COMMITTED_MAXTEXT.relative_to(ROOT)}/ is read too")

@@ -5,7 +5,7 @@ multislice job's hosts; the configurations alternate, and each step time is the 
 first few. On CPU this shows the cost of the extra mesh axis (the hierarchical gradient reduction), not of a
 data-center network.
 
-    python -m bench.multislice
+    python -m bench.system.multislice
 """
 from __future__ import annotations
 

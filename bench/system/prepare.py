@@ -6,7 +6,7 @@ process tree, its peak memory summed over the tree by polling /proc through psut
 Read: tokens/s per core against bare (the cost of reading, hashing and writing), wall time against one core's
 bare tokenise time (the target is at most 0.9x with every core), and the peak at both sizes (it must be flat).
 
-    python -m bench.prepare [--mb 300 --small-mb 100] [--quick]
+    python -m bench.system.prepare [--mb 300 --small-mb 100] [--quick]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def corpus(mb: float, seed: int = 0) -> Path:
@@ -87,7 +87,7 @@ def run_prepare(d: Path, workers: int) -> tuple[float, float, float, dict]:
 
 
 def main(argv=None, say=print) -> None:
-    a = argparse.ArgumentParser(prog="python -m bench.prepare", description=__doc__.splitlines()[0])
+    a = argparse.ArgumentParser(prog="python -m bench.system.prepare", description=__doc__.splitlines()[0])
     a.add_argument("--mb", type=float, default=300.0)
     a.add_argument("--small-mb", type=float, default=100.0)
     a.add_argument("--quick", action="store_true", help="8 and 4 MB: checks the bench runs")

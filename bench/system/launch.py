@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEP1 = re.compile(r"step\s+1/\d+")
 
 

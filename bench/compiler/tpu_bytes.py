@@ -1,7 +1,7 @@
 """Where a TPU step's HBM bytes go: the step compiled once for a TPU topology (libtpu ahead of time, as `tpuctl
 plan` compiles it), its optimized HLO charged per instruction and per jax source (trainer/common/hlo_bytes.py).
 
-    python -m bench.tpu_bytes [--tpu v5e:2x4 --devices 8] [--json OUT] [--hlo OUT.hlo] -- pretrain --preset \\
+    python -m bench.compiler.tpu_bytes [--tpu v5e:2x4 --devices 8] [--json OUT] [--hlo OUT.hlo] -- pretrain --preset \\
         gpt2-124m --batch-size 64 --seq-len 1024 --ckpt-dir gs://b/run [FLAGS]
 
 Prints one table, per device and step: bucket, GB, share; then the cross-check against the compiler's own
@@ -62,8 +62,8 @@ def bench(say=print) -> None:
     if not has_libtpu():
         say("  skipped: libtpu is not installed (pip install 'tpuctl[plan]', or `make setup`, installs it)")
         return
-    out = subprocess.run([sys.executable, "-m", "bench.tpu_bytes", "--", *BENCH_STEP], capture_output=True, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run([sys.executable, "-m", "bench.compiler.tpu_bytes", "--", *BENCH_STEP], capture_output=True,
+                         text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     for line in out.stdout.splitlines():
         say(line)
     if out.returncode:
@@ -73,7 +73,7 @@ def bench(say=print) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, trainer_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(prog="python -m bench.tpu_bytes", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compiler.tpu_bytes", description=__doc__.splitlines()[0])
     p.add_argument("--tpu", default="v5e:2x4", help="libtpu topology (default v5e:2x4)")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--json", help="also write the table and the compiler's figures to this file")

@@ -1,7 +1,7 @@
-"""`python -m bench.gemma_lora`: a LoRA train step's tokens/s, ours (trainer/finetune/train.py) vs tunix's PeftTrainer
-step with qwix LoRA, on the same Gemma 2 config, mesh (4x2 of emulated CPU devices), batch and targets.
+"""`python -m bench.peers.gemma_lora`: a LoRA train step's tokens/s, ours (trainer/finetune/train.py) vs tunix's
+PeftTrainer step with qwix LoRA, on the same Gemma 2 config, mesh (4x2 of emulated CPU devices), batch and targets.
 
-Each contender runs in its own process (`python -m bench.gemma_lora worker KIND`) and is compiled and warmed
+Each contender runs in its own process (`python -m bench.peers.gemma_lora worker KIND`) and is compiled and warmed
 up before timing; the parent alternates them: it writes a step count on stdin and the worker answers the
 wall seconds those steps took. Also prints the share of a same-run f32 matmul peak our step reaches, with
 LoRA training FLOPs = 4 N_base (forward + input gradients; the frozen base gets no weight gradient) +
@@ -131,7 +131,7 @@ def main(rounds: int = 3, per_round: int = 3, n_layers: int = CFG["n_layers"]) -
     scale with it, and the compiles are a quarter)."""
     _emulate()
     CFG["n_layers"] = n_layers
-    procs = {k: subprocess.Popen([sys.executable, "-m", "bench.gemma_lora", "worker", k, str(n_layers)],
+    procs = {k: subprocess.Popen([sys.executable, "-m", "bench.peers.gemma_lora", "worker", k, str(n_layers)],
                                  stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, env=os.environ.copy()) for k in ("ours", "tunix")}
     try:
@@ -151,7 +151,7 @@ def main(rounds: int = 3, per_round: int = 3, n_layers: int = CFG["n_layers"]) -
         for p in procs.values():
             p.stdin.close()
             p.wait(timeout=60)
-    from bench.peak import MatmulPeak, median
+    from bench.peers.peak import MatmulPeak, median
     peak = max(MatmulPeak().sample().values())
     tps = {k: B * T / median(v) for k, v in times.items()}
     n_base, n_lora = facts["ours"]["n_base"], facts["ours"]["n_lora"]

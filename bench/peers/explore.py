@@ -1,4 +1,4 @@
-"""`python -m bench.explore [VARIANT ...]`: our step with one thing changed, alternated with the seed's.
+"""`python -m bench.peers.explore [VARIANT ...]`: our step with one thing changed, alternated with the seed's.
 
 Each variant is trainer.pretrain.train.Steps on the seed's config (L4 D256 H4 T256 B16, mesh 8x1, f32) with one
 change, so its ratio to `ours` is that change's effect; measured side by side like `python -m bench`.
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     emulate(8)
     import numpy as np
 
-    from bench.peak import median
+    from bench.peers.peak import median
     from bench.run import alternate
 
     rounds = 6

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64", "--batch-size", "8",
          "--warmup-steps", "2", "--decay-steps", "100"]
 

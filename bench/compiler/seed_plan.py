@@ -3,7 +3,7 @@ ours: libtpu on this machine, abstract inputs, no TPU. Prints one JSON object wi
 trainer/common/aot.py gives (memory analysis; flops and bytes accessed: the seed's step has no loop, so the
 compiler's count is the whole step).
 
-    python -m bench.seed_plan --tpu v5e:2x4 [--batch-size 64 --seq-len 1024]
+    python -m bench.compiler.seed_plan --tpu v5e:2x4 [--batch-size 64 --seq-len 1024]
 
 The seed as its notebook ran it on TPU: GPT-2 124M (12 layers, width 768, 12 heads, the 50257 vocabulary),
 bf16 compute over f32 parameters, its params and AdamW state replicated on every device (its sharding
@@ -18,7 +18,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.seed_plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compiler.seed_plan", description=__doc__.splitlines()[0])
     p.add_argument("--tpu", required=True, metavar="GEN:TOPOLOGY", help="libtpu topology, e.g. v5e:2x4, v6e:2x4")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--host-bounds", default="2,4,1")

@@ -1,7 +1,7 @@
 """What the TPU compiler says about our train step: compiled ahead of time on this machine (libtpu, the
 `plan` extra; no TPU needed) for v5e-8 and v4-8, one variant of the step per row.
 
-    python -m bench.tpu_compile [--chips v5e-8,v4-8] [--json OUT]
+    python -m bench.compiler.tpu_compile [--chips v5e-8,v4-8] [--json OUT]
 
 Per device and step: FLOPs from the model's arithmetic (the compiler does not count a Pallas kernel's),
 the compiler's bytes accessed (its post-fusion estimate of HBM traffic) and temporaries, the time the
@@ -137,7 +137,7 @@ def main(chips: list[str] | None = None, variants: list[str] | None = None, say=
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m bench.tpu_compile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compiler.tpu_compile", description=__doc__.splitlines()[0])
     p.add_argument("--chips", default=",".join(CHIPS), help=f"comma-separated, from {', '.join(CHIPS)}")
     p.add_argument("--variants", default=",".join([*VARIANTS, *LORA_VARIANTS]),
                    help=f"comma-separated, from {', '.join([*VARIANTS, *LORA_VARIANTS])} (each is one compile per "

@@ -1,4 +1,4 @@
-"""`python -m bench.gemma_sample`: Gemma greedy decoding tokens/s with the KV-cache loop vs full recompute.
+"""`python -m bench.peers.gemma_sample`: Gemma greedy decoding tokens/s with the KV-cache loop vs full recompute.
 
 The tiny random Gemma 2 / Gemma 3 of the tests (and a wider one), 8 emulated CPU devices on a 4x2 mesh,
 f32, after one warm-up (compilation excluded), alternated rounds, median. Read the ratio, not the values.

@@ -1,4 +1,4 @@
-"""`python -m bench.worker KIND PLAN_JSON`: one contender of the seed-vs-ours comparison, in its own process.
+"""`python -m bench.peers.worker KIND PLAN_JSON`: one contender of the seed-vs-ours comparison, in its own process.
 
 How host memory is allocated is a process-wide setting (trainer/common/hostmem.py, which our trainer applies at
 start on the CPU backend), so the seed's code as it ships and the seed's code with that setting each need a

@@ -1,4 +1,4 @@
-"""`python -m bench.profile`: where a step's time goes, seed vs ours, from a jax.profiler trace.
+"""`python -m bench.peers.profile`: where a step's time goes, seed vs ours, from a jax.profiler trace.
 
 Traces a couple of steps of each (after warm-up) and sums the XLA:CPU op events by op name, so the two
 steps can be compared op by op (names are XLA's fusion / custom-call names; the totals are thread time

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The chip check on a TPU host with no internet, from the repository's root (docs/tpu-check.md):
+#   bash bench/tpu/on_host.sh WHEELS RESULTS [python -m bench.tpu's flags]
+# WHEELS: the project's dependencies as wheels, less what the host has (jax, jaxlib, libtpu, numpy, scipy) and
+# less pandas, which tunix's import needs and the one-chip host's own index holds (12 MB of the 64 MiB a call
+# may carry). They are installed once into /tmp/tpuctl-site, after the host's own packages on PYTHONPATH.
+# RESULTS: where the JSON and the log go; the check's runs (checkpoints of 1.5 GB) stay in /tmp/tpuctl-check.
+set -uo pipefail
+wheels=$1 results=$2
+shift 2
+site=/tmp/tpuctl-site
+if [ ! -f "$site/.done" ]; then
+  t0=$(date +%s)
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target "$site" "$wheels"/*.whl || exit 3
+  # tunix imports pandas at its top; the host's index has it (its version, not the suite's: tunix only imports it)
+  for p in pandas pytz tzdata; do  # pytz and tzdata: what an older pandas there may need
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
+      --only-binary=:all: --index-url file:///opt/pypi/simple --target "$site" "$p" \
+      || echo "on_host: $p not installed from the host's index (pandas: the tunix row will fail to import)"
+  done
+  touch "$site/.done"
+  echo "on_host: wheels installed in $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site" JAX_PLATFORMS="${JAX_PLATFORMS:-tpu,cpu}" PYTHONUNBUFFERED=1
+mkdir -p "$results" /tmp/tpuctl-check
+name=${CHECK_NAME:-check}
+python3 -m bench.tpu --out /tmp/tpuctl-check --json "$results/$name.json" "$@" 2>&1 \
+  | grep --line-buffered -v "^WARNING: Logging before\|^E0000 .*TPU_WORKER_HOSTNAMES\|Source Location Trace\|libtpu_init_utils" \
+  | tee "$results/$name.log"
