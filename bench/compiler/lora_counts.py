@@ -2,7 +2,7 @@
 accessed, flops, memory (arguments, temporaries), the bytes by class of work (trainer/common/hlo_bytes.py) and
 the plan's calibrated step time, for a model size, batch and any LoraRun fields (the step's levers).
 
-    python -m bench.lora_counts gemma3-1b 8 [--set lora_impl=fused --set remat=dots] [--hlo OUT] [--json OUT]
+    python -m bench.compiler.lora_counts gemma3-1b 8 [--set lora_impl=stacked --set loss_chunk=256] [--hlo OUT] [--json OUT]
 
 The compiler's count (libtpu), not a chip measurement: compare variants of the step side by side.
 """
@@ -73,7 +73,7 @@ def count(size: str, batch: int, sets: dict, tpu: str = "v5e:1x1", seq_len: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.lora_counts", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compiler.lora_counts", description=__doc__.splitlines()[0])
     p.add_argument("size")
     p.add_argument("batch", type=int)
     p.add_argument("--set", action="append", default=[], help="a LoraRun field, NAME=VALUE (repeatable)")
