@@ -30,7 +30,9 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
                   seq_len=seq_len, batch_size=batch, steps=1000, base_dtype="bfloat16")
     mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
     steps = finetune.Steps(run, cfg, mesh, 1000, batch)
-    base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh))  # drawn where it lives
+    # drawn where it lives, then stacked as the step takes it
+    base = block(steps.place_base(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.flat_base_sh),
+                                  free=True))
     lora, opt = steps.init()
     compile_s = steps.compile(base)
     rng = np.random.default_rng(0)
