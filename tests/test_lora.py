@@ -204,7 +204,8 @@ def _steps(base_root, **kw):
     mesh = _mesh()
     run = _run(base_root, "unused", "unused", **kw)
     ck, base = weights.load(base_root, mesh)
-    return finetune.Steps(run, ck.cfg, mesh, 10, run.batch_size), base, ck.cfg
+    steps = finetune.Steps(run, ck.cfg, mesh, 10, run.batch_size)
+    return steps, steps.place_base(base), ck.cfg
 
 
 def test_base_frozen_and_optimizer_state_holds_lora_shapes_only(bases, facts):
@@ -452,6 +453,7 @@ def test_lora_on_two_slices_builds_pretrains_hybrid_mesh_and_steps_as_on_one(bas
     for name, mesh in (("one slice", mesh_lib.make_mesh({"data": 4, "model": 2})), ("two slices", hybrid)):
         ck, base = weights.load(bases["gemma2"], mesh)
         steps = finetune.Steps(run, ck.cfg, mesh, 10, batch)
+        base = steps.place_base(base)
         assert steps.batch_sh.spec[0] == ("dcn", "data")
         tok = tok_lib.load(bases["gemma2"], ck.cfg.vocab)
         rows = sft_data.build_rows([sft_data.encode(tok, r) for r in sft_data.read_jsonl(facts)], 48)

@@ -97,8 +97,14 @@ def attention_rows(s: Settings) -> list[Row]:
     return rows
 
 
-def run(s: Settings) -> list[Row]:
-    return loss_rows(s) + attention_rows(s)
+def run(s: Settings):
+    """The rows --rows asks for: "vs f32" the loss and attention kernels, "lora-impl" the LoRA impls."""
+    if s.wants("vs f32 logits"):
+        yield from loss_rows(s)
+    if s.wants("vs f32 attention"):
+        yield from attention_rows(s)
+    if s.wants("--lora-impl stacked vs beside"):
+        yield from lora_impl_rows(s)
 
 
 
@@ -108,7 +114,7 @@ def lora_impl_rows(s: Settings, sizes: tuple[str, ...] = ("gemma3-1b", "gemma2-2
     it is quick), rank 8 on all targets, 2 x 512 rows, bf16 compute over a bf16 base, both measured against the
     same step in f32 at full matmul precision. A row passes when the impl is no further from that reference than
     beside is (1.5x, plus 1e-3): the same arithmetic, rounded in another order. Three small compiles per size
-    and impl pair (the f32 reference, beside, the impl). Not wired into run(): the caller picks it."""
+    and impl pair (the f32 reference, beside, the impl)."""
     import dataclasses
 
     from trainer.finetune import train as finetune

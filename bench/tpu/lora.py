@@ -21,7 +21,7 @@ from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_s
 # compiler's count (docs/performance.md)
 SIZES = {"gemma2-2b": 4, "gemma3-1b": 8, "gemma4-e2b": 1}
 # (variant name, LoraRun fields): alternatives of how the step computes, each timed beside the default
-VARIANTS: dict[str, dict] = {}
+VARIANTS: dict[str, dict] = {"layers unrolled": {"layers": "unrolled"}, "lora-impl stacked": {"lora_impl": "stacked"}}
 PEER_SIZE = "gemma2-2b"  # the size tunix's step is timed at (its Gemma 2 config is Google's own)
 RANK, ALPHA = 8, 16.0
 QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ff=1024,
@@ -57,7 +57,9 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
     mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
     steps = finetune.Steps(run, cfg, mesh, 1000, batch)
     t0 = time.perf_counter()
-    base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh))  # drawn where it lives
+    # drawn where it lives, then laid out as the step takes it (its scanned layers' weights stacked)
+    base = block(steps.place_base(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.flat_base_sh),
+                                  free=True))
     lora, opt = steps.init()
     say(f"  {name}: random bf16 base drawn in {time.perf_counter() - t0:.0f} s; compiling the step")
     compile_s = steps.compile(base)

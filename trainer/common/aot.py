@@ -151,7 +151,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     steps = finetune.Steps(run, cfg, mesh, max(run.steps, 1), batch)
     base_dtype = mesh_lib.compute_dtype(run.base_dtype)
     base = {n: jax.ShapeDtypeStruct(s, base_dtype, sharding=steps.base_sh[n])
-            for n, (s, _) in gemma.param_layout(cfg).items()}
+            for n, (s, _) in steps.base_layout.items()}
     return Built(compile=lambda: (steps.compile(base), steps.train_fn)[1],
                  params={"base": base, "adapters": steps.abstract_lora}, opt_state=steps.abstract_opt,
                  trained=steps.abstract_lora, tokens_per_step=batch * run.seq_len,
@@ -160,7 +160,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
                            "remat": run.remat, "loss_chunk": run.loss_chunk, "seq_len": run.seq_len,
-                           "lora_impl": run.lora_impl,
+                           "lora_impl": run.lora_impl, "layers": run.layers,
                            "vocab": cfg.vocab,
                            "fsdp": True, "batch_per_device": not run.batch_size},
                  levers=("base_dtype", "loss_chunk", "remat", "batch_size", "mesh_model"),

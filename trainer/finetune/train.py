@@ -9,6 +9,7 @@ Checkpoints, preemption (save, exit 42), Ctrl-C and metrics.jsonl: the loop pret
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 
@@ -50,13 +51,29 @@ def loss_sums(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora:
     differentiates. The output layer and the loss take loss_chunk positions at a time (trainer/models/xent.py;
     0: all at once), so the [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist
     whole, and the frozen embedding gets no gradient. The same sums as token_losses' up to the order of addition."""
-    model = gemma.from_flat(cfg, base)
-    x, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
-                 adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention, remat=remat,
-                 logits=False)
+    if gemma.is_stacked(base):  # the step's base (Steps.place_base): the layers in scans
+        x = gemma.hidden(cfg, base, batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
+                         adapters=lora, make_adapter=_layer_adapter(lc, dropout_key, lora_impl),
+                         attention=attention, remat=remat)
+    else:
+        model = gemma.from_flat(cfg, base)
+        x, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
+                     adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention, remat=remat,
+                     logits=False)
     total = xent.chunked(x, base["embed"], batch["targets"], loss_chunk, None, cfg.fam.final_softcap, False,
                          batch["weights"], False)
     return total, jnp.sum(batch["weights"])
+
+
+def _layer_adapter(lc: lora_lib.LoraConfig, dropout_key, lora_impl: str = "beside"):
+    """gemma.hidden's make_adapter: one layer's adapters (layer index i, maybe traced inside a scan) as the
+    model's hook. Dropout draws from the key folded with the layer (other masks than the flat model's, the same
+    distribution)."""
+    def make(i, arrays: dict):
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+        return functools.partial(lora_lib.adapter(lc, {f"layers.0.{n}": a for n, a in arrays.items()}, key,
+                                                  lora_impl), 0)
+    return make
 
 
 class Steps:
@@ -70,7 +87,12 @@ class Steps:
         self.dtype = compute_dtype(run.dtype, platform)
         self.attention = attention.resolve(run.attention, platform, run.seq_len, mesh.devices.flat[0].device_kind)
         self.global_batch = global_batch
-        self.base_sh = gemma.shardings(cfg, mesh)
+        # the base as the step takes it: with --layers scan the scanned layers' weights stacked
+        # (gemma.stacked_layout, place_base); unrolled, as a checkpoint loads
+        self.flat_base_sh = gemma.shardings(cfg, mesh)  # as a checkpoint loads (weights.load)
+        scanned = run.layers == "scan"
+        self.base_layout = gemma.stacked_layout(cfg) if scanned else gemma.param_layout(cfg)
+        self.base_sh = gemma.stacked_shardings(cfg, mesh) if scanned else self.flat_base_sh
         self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh)
         self.rep = mesh_lib.replicated(mesh)
         self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
@@ -108,6 +130,11 @@ class Steps:
 
     def _eval_step(self, lora, base, batch):
         return jnp.stack(self._sums(lora, base, batch, None))
+
+    def place_base(self, flat: dict, free: bool = False) -> dict:
+        """The base as loaded (param_layout's names) -> as the steps take it (stacked_layout's), where the rules
+        place it. free: each loaded array is deleted once stacked (a base is never held twice)."""
+        return gemma.stack(self.cfg, flat, self.base_sh, free=free) if self.run.layers == "scan" else flat
 
     @property
     def loss_chunks(self) -> int:
@@ -214,6 +241,7 @@ def finetune(run: LoraRun) -> int:
         base_dt = compute_dtype(run.base_dtype)
         _, base = weights.load(run.weights, mesh, family=run.family, dtype=base_dt, **told)
         steps = Steps(run, ck.cfg, mesh, total, global_batch)
+        base = steps.place_base(base, free=True)
         return _train(run, ck.cfg, steps, ckpt, base, batches, val_rows, start, total, data_msg)
     finally:
         ckpt.unwatch()

@@ -464,11 +464,7 @@ class Gemma(nnx.Module):
     def per_layer_inputs(self, tokens: jax.Array, x: jax.Array) -> jax.Array:
         """Gemma 4's per-layer inputs [B, T, L, P]: the token's row of the per-layer table (times sqrt(P)) and
         a projection of its embedding x (times 1/sqrt(D), normalised), averaged in the root-mean-square sense."""
-        dt, cfg = x.dtype, self.cfg
-        proj = jnp.einsum("btd,dnp->btnp", x, self.ple_in[...].astype(dt) * jnp.asarray(cfg.d_model ** -0.5, dt))
-        proj = rms_norm(proj, self.ple_in_norm[...], cfg.fam.norm_plus_one)
-        table = jnp.take(self.ple_embed[...], tokens, axis=0).astype(dt)
-        return (proj + table * jnp.asarray(math.sqrt(cfg.per_layer_dim), dt)) * jnp.asarray(0.5 ** 0.5, dt)
+        return per_layer_inputs(self.cfg, self.ple_in[...], self.ple_in_norm[...], self.ple_embed[...], tokens, x)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: list | None = None,
                  cache_index: jax.Array | int = 0, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
@@ -513,6 +509,15 @@ class Gemma(nnx.Module):
         if not logits:
             return x, new_cache
         return xent.logits(x, emb, softcap=cfg.fam.final_softcap), new_cache
+
+
+def per_layer_inputs(cfg: GemmaConfig, ple_in, ple_in_norm, ple_embed, tokens: jax.Array, x: jax.Array) -> jax.Array:
+    """Gemma.per_layer_inputs from its three tables."""
+    dt = x.dtype
+    proj = jnp.einsum("btd,dnp->btnp", x, ple_in.astype(dt) * jnp.asarray(cfg.d_model ** -0.5, dt))
+    proj = rms_norm(proj, ple_in_norm, cfg.fam.norm_plus_one)
+    table = jnp.take(ple_embed, tokens, axis=0).astype(dt)
+    return (proj + table * jnp.asarray(math.sqrt(cfg.per_layer_dim), dt)) * jnp.asarray(0.5 ** 0.5, dt)
 
 
 def _remat_layer(layer: Layer, policy: str, positions, segment_ids, adapter, attention: str):
@@ -595,3 +600,231 @@ def random_params(cfg: GemmaConfig, seed: int = 0, dtype=jnp.float32, shardings:
             out[name] = val + 1 if one else val
         return out
     return jax.jit(draw, out_shardings=shardings)() if shardings else draw()
+
+
+# ---- the layers in a scan ---------------------------------------------------------------------------------
+# A train step over the layers one by one is a program as long as the model: the TPU compiler takes minutes over
+# a Gemma 4 step (its buffers too: it keeps each layer's gathered weights for the backward pass). The step runs
+# the layers as scans instead: a run of whole periods of the attention pattern whose layers have the same shapes
+# (a segment: the E sizes' kv-shared layers are one of their own) is one lax.scan over the periods, the body one
+# period's layers. Its weights come stacked ("scan.S.J.LEAF": period position J of segment S, [groups, ...],
+# the stacked dim whole on every device, `stack`), so each iteration gathers one period's shards and no more.
+# The layers outside any segment (a depth that is not whole periods) keep their flat names and run one by one.
+
+SCANNED = "scan."
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    start: int   # its first layer
+    groups: int  # periods of the pattern it scans over
+    period: int  # layers per period
+
+    def layer(self, g: int, j: int) -> int:
+        return self.start + g * self.period + j
+
+
+def segments(cfg: GemmaConfig, min_groups: int = 2) -> list[Segment]:
+    """The scanned runs of layers: within the layers that own their kv and within those that share (their MLP
+    width and kv sources differ), as many whole periods as there are, when at least min_groups."""
+    p = len(cfg.pattern or cfg.fam.pattern)
+    first_shared = cfg.n_layers - cfg.kv_shared_layers
+    out = []
+    for a, b in ((0, first_shared), (first_shared, cfg.n_layers)):
+        g = (b - a) // p
+        if g >= min_groups:
+            out.append(Segment(a, g, p))
+    return out
+
+
+def _scanned_layers(cfg: GemmaConfig) -> dict[int, tuple[int, int, int]]:
+    """Layer -> (segment, group, position) for every layer that runs in a scan."""
+    return {seg.layer(g, j): (s, g, j) for s, seg in enumerate(segments(cfg))
+            for g in range(seg.groups) for j in range(seg.period)}
+
+
+def stacked_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """param_layout with the scanned layers' weights stacked: 'scan.S.J.LEAF' [groups, ...] (the stacked dim
+    unsharded); every other name as param_layout has it."""
+    flat = param_layout(cfg)
+    where = _scanned_layers(cfg)
+    segs = segments(cfg)
+    out = {}
+    for name, (shape, axes) in flat.items():
+        if not name.startswith("layers."):
+            out[name] = (shape, axes)
+            continue
+        _, i, leaf = name.split(".", 2)
+        if int(i) not in where:
+            out[name] = (shape, axes)
+            continue
+        s, g, j = where[int(i)]
+        if g == 0:
+            out[f"{SCANNED}{s}.{j}.{leaf}"] = ((segs[s].groups, *shape), (None, *axes))
+    return out
+
+
+def stacked_shardings(cfg: GemmaConfig, mesh, rules: dict = RULES) -> dict[str, jax.sharding.NamedSharding]:
+    return {name: jax.sharding.NamedSharding(mesh, fitted_spec(axes, shape, dict(mesh.shape), rules))
+            for name, (shape, axes) in stacked_layout(cfg).items()}
+
+
+def _members(cfg: GemmaConfig) -> dict[str, list[str]]:
+    """Stacked name -> the flat names it stacks, in group order."""
+    out: dict[str, list[str]] = {}
+    for s, seg in enumerate(segments(cfg)):
+        for j in range(seg.period):
+            for name in param_layout(cfg):
+                prefix = f"layers.{seg.layer(0, j)}."
+                if name.startswith(prefix):
+                    leaf = name[len(prefix):]
+                    out[f"{SCANNED}{s}.{j}.{leaf}"] = [f"layers.{seg.layer(g, j)}.{leaf}" for g in range(seg.groups)]
+    return out
+
+
+def stack(cfg: GemmaConfig, flat: dict[str, jax.Array], shardings: dict | None = None,
+          free: bool = False) -> dict[str, jax.Array]:
+    """Flat params (param_layout's names) -> stacked_layout's, each stacked array placed by `shardings` when
+    given. free: delete each flat array once it is stacked, so a base is never held twice over (a loaded one)."""
+    out = {n: a for n, a in flat.items() if not n.startswith("layers.") or int(n.split(".")[1])
+           not in _scanned_layers(cfg)}
+    for name, parts in _members(cfg).items():
+        arrays = [flat[p] for p in parts]
+        sh = None if shardings is None else shardings[name]
+        out[name] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sh)(*arrays) if sh is not None else \
+            jnp.stack(arrays)
+        if free:
+            for a in arrays:
+                if isinstance(a, jax.Array):
+                    a.delete()
+    return out
+
+
+def unstack(cfg: GemmaConfig, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """stacked_layout's names -> param_layout's (inside a jit: slices)."""
+    out = {n: a for n, a in stacked.items() if not n.startswith(SCANNED)}
+    for name, parts in _members(cfg).items():
+        for g, p in enumerate(parts):
+            out[p] = stacked[name][g]
+    return out
+
+
+def is_stacked(params: dict) -> bool:
+    return any(n.startswith(SCANNED) for n in params)
+
+
+def _layer_state(cfg: GemmaConfig, i: int):
+    """(graphdef, abstract state) of layer i alone: a scan body builds the layer from one period's slices."""
+    return nnx.split(nnx.eval_shape(lambda: Layer(cfg, i, None)))
+
+
+def _layer_from(graphdef, abstract_state, leaves: dict[str, jax.Array]) -> Layer:
+    state = jax.tree.map(lambda x: x, abstract_state)
+    nnx.replace_by_pure_dict(state, leaves)
+    return nnx.merge(graphdef, state)
+
+
+# make_adapter(layer index (an int, or traced inside a scan), that layer's adapter arrays by their names after
+# 'layers.I.') -> adapter(projection, input, output[, rows per expert]) -> output
+MakeAdapter = Any
+
+
+def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, positions: jax.Array | None = None,
+           *, dtype=jnp.float32, segment_ids: jax.Array | None = None, adapters: dict | None = None,
+           make_adapter: MakeAdapter = None, attention: str = attention_lib.XLA, remat: str = "none",
+           unroll: int | bool = 1) -> jax.Array:
+    """The final hidden states [B, T, D] (normalised) of int tokens [B, T], from stacked params (stacked_layout),
+    the segments' layers in scans: the training forward of Gemma.__call__ (no cache) with its numerics.
+    adapters: flat arrays named 'layers.I.REST' (LoRA's), stacked here like the weights (they are small), each
+    layer's handed to make_adapter. unroll: the scans' unroll (True: written out, e.g. a twin for counting)."""
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    emb = params["embed"]
+    x = jnp.take(emb, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+    x = _constrain(x, ("batch", "seq", "embed"))
+    ple = None if not cfg.per_layer_dim else per_layer_inputs(cfg, params["ple_in"], params["ple_in_norm"],
+                                                               params["ple_embed"], tokens, x)
+    adapters = adapters or {}
+    segs = {seg.start: (s, seg) for s, seg in enumerate(segments(cfg))}
+    kvs: dict[int, tuple] = {}
+    i = 0
+
+    def layer_adapters(idx: int) -> dict:
+        prefix = f"layers.{idx}."
+        return {n[len(prefix):]: a for n, a in adapters.items() if n.startswith(prefix)}
+
+    def adapter_of(idx, arrays):
+        return None if make_adapter is None else make_adapter(idx, arrays)
+
+    while i < cfg.n_layers:
+        if i not in segs:  # a layer on its own, as Gemma.__call__ runs it
+            graphdef, abstract_state = _layer_state(cfg, i)
+            prefix = f"layers.{i}."
+            layer = _layer_from(graphdef, abstract_state,
+                                {n[len(prefix):]: a for n, a in params.items() if n.startswith(prefix)})
+            shared = kvs.get(cfg.kv_source(i)) if layer.shares_kv else None
+            per_layer = None if ple is None else ple[:, :, i]
+            x, kv = _remat_layer(layer, remat, positions, segment_ids, adapter_of(i, layer_adapters(i)),
+                                 attention)(x, per_layer, shared)
+            if i in cfg.kv_origins:
+                kvs[i] = kv
+            i += 1
+            continue
+        s, seg = segs[i]
+        x, carried = _scan_segment(cfg, s, seg, params, x, ple, positions, segment_ids, kvs, adapters,
+                                   adapter_of, attention, remat, unroll)
+        kvs.update(carried)
+        i = seg.start + seg.groups * seg.period
+    return rms_norm(x, params["final_norm"], cfg.fam.norm_plus_one)
+
+
+def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, kvs, adapters, adapter_of,
+                  attention, remat, unroll):
+    """One segment's layers as a scan over its periods -> (x, {layer: its (k, v)} of the last period's kv
+    origins, carried out of the loop)."""
+    p, n = seg.period, seg.groups
+    defs = [_layer_state(cfg, seg.layer(0, j)) for j in range(p)]
+    weights = {j: {} for j in range(p)}
+    for name, a in params.items():
+        if name.startswith(f"{SCANNED}{s}."):
+            _, _, j, leaf = name.split(".", 3)
+            weights[int(j)][leaf] = a
+    # the adapters of each period position, stacked over the periods
+    ads = {}
+    for j in range(p):
+        names = {}
+        for g in range(n):
+            prefix = f"layers.{seg.layer(g, j)}."
+            for nm, a in adapters.items():
+                if nm.startswith(prefix):
+                    names.setdefault(nm[len(prefix):], []).append(a)
+        ads[j] = {k: jnp.stack(v) for k, v in names.items()}
+    per_layer = None
+    if ple is not None:  # [B, T, L, P] -> [groups, B, T, period, P]
+        part = ple[:, :, seg.start:seg.start + n * p]
+        per_layer = jnp.moveaxis(part.reshape(*part.shape[:2], n, p, part.shape[-1]), 2, 0)
+    origins = {j: seg.layer(n - 1, j) for j in range(p) if seg.layer(n - 1, j) in cfg.kv_origins}
+
+    def body(carry, xs):
+        x, _ = carry
+        w, ad, g, pl = xs
+        out_kv = {}
+        for j in range(p):
+            graphdef, abstract_state = defs[j]
+            layer = _layer_from(graphdef, abstract_state, w[j])
+            src = cfg.kv_source(seg.layer(0, j))
+            shared = kvs.get(src) if layer.shares_kv else None
+            idx = seg.start + g * p + j
+            x, kv = _remat_layer(layer, remat, positions, segment_ids, adapter_of(idx, ad[j]), attention)(
+                x, None if pl is None else pl[:, :, j], shared)
+            if j in origins:
+                out_kv[j] = kv
+        return (x, out_kv), None
+
+    b, t, _ = x.shape
+    # the carried (k, v) as attention returns them: [B, T, kv heads, head width] each, in the compute dtype
+    init_kv = {j: (jnp.zeros((b, t, *cfg.attn_dims(origins[j])[:2]), x.dtype),) * 2 for j in origins}
+    (x, kv), _ = jax.lax.scan(body, (x, init_kv), (weights, ads, jnp.arange(n, dtype=jnp.int32), per_layer),
+                              unroll=unroll)
+    return x, {origins[j]: kv[j] for j in origins}
