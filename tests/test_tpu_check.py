@@ -99,6 +99,8 @@ def test_rows_are_chosen_by_name_and_the_plans_join_by_name(tmp_path):
                         rows=("batch 16",))
     assert s.wants("ours, batch 16") and s.wants("seed, batch 16") and not s.wants("ours, batch 8")
     assert common.Settings(quick=True, out="", peak=None, hbm=None, device_kind="").wants("anything")
+    exact = common.Settings(quick=True, out="", peak=None, hbm=None, device_kind="", rows=("=ours, batch 1",))
+    assert exact.wants("ours, batch 1") and not exact.wants("ours, batch 16")
     cmds = plans.commands()
     assert cmds["ours, batch 16"] == ["pretrain", "--preset", "gpt2-124m", "--batch-size", "16"]
     assert "--base-dtype" in cmds["gemma4-e2b LoRA r8 all targets, 1 x 512"]

@@ -26,7 +26,7 @@ def parse(argv):
                         "(e.g. --choice resident; repeatable)")
     p.add_argument("--rows", action="append", default=[], metavar="WORDS",
                    help="in every section, only the rows whose names hold these words (e.g. --rows 'batch 16' "
-                        "--rows gemma; repeatable)")
+                        "--rows gemma; '=NAME': that row exactly; repeatable)")
     p.add_argument("--plans", metavar="FILE", help="the plans of the rows, compiled ahead with --plan-ahead: "
                                                    "joined to the rows of the same name")
     p.add_argument("--plan-ahead", metavar="FILE", help="on any machine with libtpu (no chip): compile each row's "

@@ -15,11 +15,12 @@ class Settings:
     hbm: float | None    # HBM bytes/s of one device
     device_kind: str
     pick: tuple = ()     # the choices section's alternatives whose names hold one of these (all when empty)
-    rows: tuple = ()     # in every section, only the rows whose names hold one of these (all when empty)
+    rows: tuple = ()     # in every section, only the rows whose names hold one of these (all when empty; "=NAME":
+    #                      that name exactly)
 
     def wants(self, name: str) -> bool:
         """Whether the row of this name is to be measured in this run (asked before it is built)."""
-        return not self.rows or any(w in name for w in self.rows)
+        return not self.rows or any(name == w[1:] if w.startswith("=") else w in name for w in self.rows)
 
 
 def say(line: str) -> None:
