@@ -147,18 +147,6 @@ class StorageDeadline:
         return False
 
 
-def _uncompressed() -> ocp.StandardCheckpointHandler:
-    """Orbax's standard handler, writing arrays without zstd. Compressing weights and Adam moments saves ~7% of their
-    bytes (1.49 against 1.61 GB for gpt2-124m's 1.5 GB of f32 state) for ~6x the CPU in the save's background
-    (4.0 against 0.64 CPU-s here): on a TPU host the steps after each save waited on that CPU, 3 to 6x their time
-    for ~1.5 s (the chip check's `checkpoint stall` row, docs/performance.md). Compressed checkpoints read back as
-    before (the codec is in each array's metadata). The standard handler's class is kept (Orbax matches StandardSave
-    to it by class); only the PyTree handler inside it, which it takes no option for, is built uncompressed."""
-    h = ocp.StandardCheckpointHandler()
-    h._impl = ocp.PyTreeCheckpointHandler(use_compression=False, save_concurrent_gb=96, restore_concurrent_gb=96)
-    return h
-
-
 class Checkpointer:
     def __init__(self, directory: str, keep: int, *, read_only: bool = False, async_save: bool = True):
         _bounded_gcs_retries()
@@ -171,7 +159,7 @@ class Checkpointer:
                 save_interval_steps=0 if read_only else 1, enable_async_checkpointing=async_save,
                 # A save cut short (a kill, a second Ctrl-C) leaves a tmp dir no run counts as a step: delete it.
                 cleanup_tmp_directories=not read_only),
-            item_handlers={"params": _uncompressed(), "opt": _uncompressed(), "meta": ocp.JsonCheckpointHandler()},
+            item_names=("params", "opt", "meta"),
         )
         self._signalled = False
         self._interrupted = False
