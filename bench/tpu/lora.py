@@ -57,9 +57,9 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
     mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
     steps = finetune.Steps(run, cfg, mesh, 1000, batch)
     t0 = time.perf_counter()
-    # drawn where it lives, then laid out as the step takes it (its scanned layers' weights stacked)
-    base = block(steps.place_base(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.flat_base_sh),
-                                  free=True))
+    # drawn where it lives, in the layout the step takes (its scanned layers' weights stacked)
+    base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh,
+                                     stacked=run.layers == "scan"))
     lora, opt = steps.init()
     say(f"  {name}: random bf16 base drawn in {time.perf_counter() - t0:.0f} s; compiling the step")
     compile_s = steps.compile(base)

@@ -581,25 +581,35 @@ def from_flat(cfg: GemmaConfig, flat: dict[str, jax.Array]) -> Gemma:
     return nnx.merge(graphdef, state)
 
 
-def random_params(cfg: GemmaConfig, seed: int = 0, dtype=jnp.float32, shardings: dict | None = None) -> dict[str, jax.Array]:
+def random_params(cfg: GemmaConfig, seed: int = 0, dtype=jnp.float32, shardings: dict | None = None,
+                  stacked: bool = False) -> dict[str, jax.Array]:
     """Flat random params (tests, benchmarks): normal matrices scaled by their input width, small random
     norm scales (around 1 where a scale is applied as it is). With shardings (name -> sharding), each array is
-    drawn in `dtype` where the rules place it, never whole on one device or the host (a real size's base), by
-    one compiled program: a real size has hundreds of arrays, and a program each took 45 s for gemma2-2b."""
+    drawn in `dtype` where the rules place it, never whole on one device or the host (a real size's base). One
+    compiled program draws them all: a real size has hundreds of arrays, and a program each took 45 s of a TPU
+    host for gemma2-2b. stacked: in stacked_layout's names, each stacked array drawn in place (other values than
+    the flat draw's; stacking a flat draw took a program per array, 122 s of a TPU host for gemma3-1b)."""
     key = jax.random.key(seed)
+    layout = stacked_layout(cfg) if stacked else param_layout(cfg)
     draws = {}
-    for i, (name, (shape, _)) in enumerate(param_layout(cfg).items()):
-        fan_in = {"embed": shape[-1], "ple_embed": shape[-1], "ple_in": shape[0], "ple_gate": shape[0],
-                  "router": shape[0]}.get(name.rsplit(".", 1)[-1], shape[-1])
-        draws[name] = (i, shape, 0.1 if len(shape) == 1 else 0.5 / math.sqrt(fan_in), _is_scale(cfg, name))
+    for i, (name, (shape, _)) in enumerate(layout.items()):
+        groups = shape[0] if name.startswith(SCANNED) else None
+        one = shape[1:] if groups else shape
+        leaf = name.rsplit(".", 1)[-1]
+        fan_in = {"embed": one[-1], "ple_embed": one[-1], "ple_in": one[0], "ple_gate": one[0],
+                  "router": one[0]}.get(leaf, one[-1])
+        draws[name] = (i, groups, one, 0.1 if len(one) == 1 else 0.5 / math.sqrt(fan_in), _is_scale(cfg, name))
 
     def draw():
         out = {}
-        for name, (i, shape, std, one) in draws.items():
-            val = std * jax.random.normal(jax.random.fold_in(key, i), shape, dtype)
+        for name, (i, groups, shape, std, one) in draws.items():
+            k = jax.random.fold_in(key, i)
+            val = std * (jax.random.normal(k, shape, dtype) if groups is None else
+                         jax.vmap(lambda g: jax.random.normal(jax.random.fold_in(k, g), shape, dtype))(
+                             jnp.arange(groups)))
             out[name] = val + 1 if one else val
         return out
-    return jax.jit(draw, out_shardings=shardings)() if shardings else draw()
+    return jax.jit(draw, out_shardings=shardings)()
 
 
 # ---- the layers in a scan ---------------------------------------------------------------------------------
