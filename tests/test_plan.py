@@ -756,3 +756,18 @@ def test_host_bounds_fit_a_topology_smaller_than_a_4_chip_host():
         aot.host_bounds("v5e")
     with pytest.raises(UsageError, match="X,Y,Z"):
         aot.host_bounds("v5e:1x1", "two")
+
+
+def test_a_refused_step_says_what_was_refused_not_zero_tflop_or_cost():
+    """The compiler refused the step (out of HBM): nothing was counted, so the plan shows the refusal where the
+    compute, step time and cost would be, never 0 TFLOP or $0.00; a run without --steps gets no total."""
+    msg = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 40G of 15.75G hbm."
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(flops=0.0, bytes_accessed=0.0,
+                                                       oom={"message": msg, "available_bytes": 15 * P.GIB}))
+    text = render(p)
+    assert "0 TFLOP" not in text and "$0.00" not in text and "0.00 h" not in text
+    assert f"the compiler refused the step before counting it ({msg})" in text
+    no_steps = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(temp_bytes=10 * P.GIB, total_bytes=16 * P.GIB,
+                                                               settings={**_figures()["settings"], "steps": 0}))
+    text = render(no_steps)
+    assert "--steps not given" in text and "0 steps" not in text

@@ -21,7 +21,7 @@ from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_s
 # compiler's count (docs/performance.md)
 SIZES = {"gemma3-1b": 8, "gemma2-2b": 4, "gemma4-e2b": 1}
 # (variant name, LoraRun fields): alternatives of how the step computes, each timed beside the default
-VARIANTS: dict[str, dict] = {"layers unrolled": {"layers": "unrolled"}, "lora-impl stacked": {"lora_impl": "stacked"}}
+VARIANTS: dict[str, dict] = {"lora-impl stacked": {"lora_impl": "stacked"}, "remat full": {"remat": "full"}}
 PEER_SIZE = "gemma2-2b"  # the size tunix's step is timed at (its Gemma 2 config is Google's own)
 RANK, ALPHA = 8, 16.0
 QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ff=1024,
@@ -58,8 +58,7 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
     steps = finetune.Steps(run, cfg, mesh, 1000, batch)
     t0 = time.perf_counter()
     # drawn where it lives, in the layout the step takes (its scanned layers' weights stacked)
-    base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh,
-                                     stacked=run.layers == "scan"))
+    base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh, stacked=steps.scanned))
     lora, opt = steps.init()
     say(f"  {name}: random bf16 base drawn in {time.perf_counter() - t0:.0f} s; compiling the step")
     compile_s = steps.compile(base)
@@ -157,14 +156,14 @@ def _version(dist: str) -> str:
 
 
 def run(s: Settings):
-    """The defaults of every size first, then each variant of every size, then tunix's step, then the unrolled
-    layers: a run cut short by the chip's time keeps what matters most."""
+    """The defaults of every size first, then each variant of every size, then tunix's step, then the steps with a
+    remat policy (their layers in scans): a run cut short by the chip's time keeps what matters most."""
     sizes = {k: v for k, v in SIZES.items() if not k.startswith("gemma4")} if s.quick else SIZES  # one tiny config
     batches = {size: 2 if s.quick else batch for size, batch in sizes.items()}
     for size, batch in batches.items():
         if s.wants(name_of(size, batch)):
             yield step_row(s, size, batch)
-    later = {k: v for k, v in VARIANTS.items() if v.get("layers") == "unrolled"}
+    later = {k: v for k, v in VARIANTS.items() if v.get("remat")}  # the scanned layers (remat): new, and slower
     for variant, fields in [*((k, v) for k, v in VARIANTS.items() if k not in later), (None, None),
                             *later.items()]:
         if variant is None:

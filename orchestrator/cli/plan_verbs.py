@@ -129,9 +129,16 @@ def render(p: P.Plan) -> str:
                          f"{P.gib(alt.hbm_bytes)} per device, ${alt.accelerator.price_per_hour():.2f}/hour{cost})")
         if not p.suggestions and p.alternative is None:
             lines.append("  nothing this plan could try fits: shrink the model or pick another generation")
+    if p.refused:  # no program was built: nothing was counted, so no step time or cost either
+        lines.append(f"  compute, step time and cost: none: the compiler refused the step before counting it "
+                     f"({p.refused['message']}); {p.model_flops / 1e12:.3g} TFLOP per device per step by the "
+                     "model's arithmetic")
+        return "\n".join(lines)
     used = "compiler" if p.flops == f["flops"] else "arithmetic"
     counted = {"unrolled": "counted whole: every loop's trips", "program": "counted whole",
-               "loop bodies once": "a loop's body counted once: LOW"}.get(f.get("counted"), "")
+               "loop bodies once": "a loop's body counted once: LOW"}.get(
+        f.get("counted"), "counted whole: the loops' matmuls by their trips" if "trip count" in
+        (f.get("counted") or "") else "")
     lines.append(f"  compute per device per step: {f['flops'] / 1e12:.3g} TFLOP (compiler{', ' + counted if counted else ''}"
                  f"), {p.model_flops / 1e12:.3g} TFLOP (model arithmetic); times below use the {used}'s")
     t = p.timing()
@@ -159,6 +166,7 @@ def render(p: P.Plan) -> str:
         lines += [f"  at an assumed MFU of {p.mfu:g} (an assumption, --mfu): {t['step_s_at_mfu'] * 1e3:.3g} ms",
                   f"  tokens/s: {t['tokens_per_s']:,.0f} at the {t['estimate']} step, {t['tokens_per_s_at_mfu']:,.0f} at "
                   f"MFU {p.mfu:g}",
+                  f"  steps: --steps not given (the run goes by --epochs): per step only" if not t["steps"] else
                   f"  {t['steps']:,} steps: {t['wall_s'] / 3600:.2f} h at the {t['estimate']} step: ${t['usd_on_demand']:,.2f} "
                   f"on-demand, ${t['usd_spot']:,.2f} spot; {t['wall_s_at_mfu'] / 3600:.2f} h at MFU {p.mfu:g}: "
                   f"${t['usd_on_demand_at_mfu']:,.2f} / ${t['usd_spot_at_mfu']:,.2f} (list prices "

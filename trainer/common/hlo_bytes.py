@@ -449,10 +449,49 @@ def op_class(module: Module, ins: Instr) -> str:
     return OTHER
 
 
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _matmul_flops(comp: Computation, ins: Instr) -> float:
+    """2 x multiply-adds of one dot or convolution, as the cost analysis counts them: the result's elements
+    times the contracted size (a dot's lhs contracting dims; a convolution's kernel dims but its output feature,
+    over its feature groups)."""
+    out = math.prod(_dims(ins.shape))
+    operand = lambda k: comp.instrs[ins.operands[k]].shape if k < len(ins.operands) and \
+        ins.operands[k] in comp.instrs else ""  # noqa: E731
+    if ins.opcode == "dot":
+        lhs = _dims(operand(0))
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        idx = [int(d) for d in m.group(1).split(",") if d] if m else []
+        return 2.0 * out * math.prod(lhs[i] for i in idx if i < len(lhs))
+    kernel = _dims(operand(1))
+    m = re.search(r"dim_labels=[^_]*_([^-]*)->", ins.attrs)
+    if not m or len(m.group(1)) != len(kernel):
+        return 2.0 * out * math.prod(kernel)
+    groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
+    return 2.0 * out * math.prod(n for n, lab in zip(kernel, m.group(1)) if lab != "o") / \
+        (int(groups.group(1)) if groups else 1)
+
+
+def matmul_flops(module: Module, comp: Computation, ins: Instr) -> float:
+    """The flops of the dots and convolutions one instruction of comp runs (itself, or those it fuses)."""
+    if ins.opcode in ("convolution", "dot"):
+        return _matmul_flops(comp, ins)
+    if ins.opcode != "fusion":
+        return 0.0
+    fused = module.computations.get(ins.attr("calls") or "")
+    if fused is None:
+        return 0.0
+    return sum(matmul_flops(module, fused, i) for i in fused.instrs.values())
+
+
 def table(text: str, padded: bool = True) -> dict:
     """{total, once, buckets: {name: bytes}, by_opcode: {opcode: bytes}, by_class: {op_class: bytes}, loops:
-    [(body, trips)]} for one program: total counts each loop body its trip count times, once counts it once (as
-    the compiler's cost analysis)."""
+    [(body, trips)], matmul_flops, matmul_flops_once} for one program: total counts each loop body its trip count
+    times, once counts it once (as the compiler's cost analysis); likewise the flops of its dots and
+    convolutions (matmul_flops, matmul_flops_once)."""
     module = parse(text)
     charger = Charger(module, padded)
     charges = walk(module, charger)
@@ -470,5 +509,8 @@ def table(text: str, padded: bool = True) -> dict:
         opcodes[c.instr.opcode] += c.bytes * c.times
     loops = [(i.attr("body"), trip_count(module, comp, i)) for comp in module.computations.values()
              for i in comp.instrs.values() if i.opcode == "while"]
+    mm = [(matmul_flops(module, module.computations[c.computation], c.instr), c.times) for c in charges
+          if op_class(module, c.instr) == MATMUL]
     return {"total": sum(buckets.values()), "once": sum(c.bytes for c in charges), "buckets": dict(buckets),
+            "matmul_flops": sum(f * n for f, n in mm), "matmul_flops_once": sum(f for f, _ in mm),
             "by_opcode": dict(opcodes), "by_class": dict(classes), "loops": loops}

@@ -28,6 +28,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "model",
     "embed": None,
     "seq": None,
+    "residual_seq": "model",  # Gemma's residual stream between layers (trainer/models/gemma.py RESIDUAL)
     "head_dim": None,
     # Gemma: the model width of each weight matrix is sharded fsdp-style over `data`; kv heads like heads.
     "fsdp": "data",

@@ -6,8 +6,6 @@ import dataclasses
 
 from trainer.common.config import UsageError
 
-LAYERS = ("scan", "unrolled")  # --layers: how the step runs the model's layers (trainer/models/gemma.py hidden)
-
 
 def size_of(model: str) -> str | None:
     """--model names a size ("gemma2-2b") or a family ("gemma2"): the size, or None."""
@@ -51,7 +49,6 @@ class LoraRun:
     remat: str = "none"             # what each layer recomputes in the backward pass: none, dots, full
     loss_chunk: int = 0             # positions whose logits exist at once in the loss (0: all)
     lora_impl: str = "beside"       # how paired projections' adapters are applied (trainer/models/lora.py IMPLS)
-    layers: str = "scan"            # the step's layers: scan (over whole periods of the attention pattern) or unrolled
     profile: str = ""               # START:END: steps every process traces (trainer/common/profiling.py)
 
     @property
@@ -97,8 +94,6 @@ class LoraRun:
         from trainer.models.lora import IMPLS
         if self.lora_impl not in IMPLS:
             raise UsageError(f"--lora-impl {self.lora_impl}: choose {' or '.join(IMPLS)}")
-        if self.layers not in LAYERS:
-            raise UsageError(f"--layers {self.layers}: choose {' or '.join(LAYERS)}")
         if self.remat not in ("none", "dots", "full"):
             raise UsageError(f"--remat {self.remat}: choose none, dots or full")
         if not self.ckpt_dir:

@@ -77,9 +77,6 @@ LORA_HELP = {
                   "per device, 2 GB for Gemma's 256k vocabulary and 4 rows of 512, held twice); N < seq-len takes "
                   "the largest divisor of seq-len not above N: less memory, the embedding read once more per chunk "
                   "(`tpuctl plan` suggests it when a step does not fit)",
-    "layers": "scan or unrolled: the step's layers as scans over whole periods of the attention pattern (one "
-              "period compiled, the weights stacked per period position), or written out one by one (the compile "
-              "grows with the depth); the same numerics",
     "lora_impl": "beside or stacked: how the adapters of k and v, and of gate and up, are applied; stacked adds "
                  "each pair's in one batched matmul to the base's stacked output (the same arithmetic, fewer passes "
                  "over the MLP's activations on TPU)",

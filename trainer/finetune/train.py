@@ -87,12 +87,13 @@ class Steps:
         self.dtype = compute_dtype(run.dtype, platform)
         self.attention = attention.resolve(run.attention, platform, run.seq_len, mesh.devices.flat[0].device_kind)
         self.global_batch = global_batch
-        # the base as the step takes it: with --layers scan the scanned layers' weights stacked
-        # (gemma.stacked_layout, place_base); unrolled, as a checkpoint loads
+        # the base as the step takes it: with a remat policy, the layers run in scans and the scanned layers'
+        # weights come stacked (gemma.stacked_layout, place_base); without one the layers stay written out, as a
+        # scan would keep every layer's residuals in stacked buffers the compiler cannot rematerialise
+        self.scanned = run.remat != "none"
         self.flat_base_sh = gemma.shardings(cfg, mesh)  # as a checkpoint loads (weights.load)
-        scanned = run.layers == "scan"
-        self.base_layout = gemma.stacked_layout(cfg) if scanned else gemma.param_layout(cfg)
-        self.base_sh = gemma.stacked_shardings(cfg, mesh) if scanned else self.flat_base_sh
+        self.base_layout = gemma.stacked_layout(cfg) if self.scanned else gemma.param_layout(cfg)
+        self.base_sh = gemma.stacked_shardings(cfg, mesh) if self.scanned else self.flat_base_sh
         self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh)
         self.rep = mesh_lib.replicated(mesh)
         self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
@@ -134,7 +135,7 @@ class Steps:
     def place_base(self, flat: dict, free: bool = False) -> dict:
         """The base as loaded (param_layout's names) -> as the steps take it (stacked_layout's), where the rules
         place it. free: each loaded array is deleted once stacked (a base is never held twice)."""
-        return gemma.stack(self.cfg, flat, self.base_sh, free=free) if self.run.layers == "scan" else flat
+        return gemma.stack(self.cfg, flat, self.base_sh, free=free) if self.scanned else flat
 
     @property
     def loss_chunks(self) -> int:

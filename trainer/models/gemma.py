@@ -42,6 +42,10 @@ from trainer.models import remat as remat_lib
 from trainer.models import xent
 from trainer.models.gpt2 import loss_fn
 
+# The residual stream between the layers [B, T, D]: its positions split over `model` (the rules' residual_seq), so
+# a device holds 1/model of its rows' residuals, not all of them, and more `model` never grows it (sequence
+# parallelism: the projections gather it, the output projections reduce-scatter back).
+RESIDUAL = ("batch", "residual_seq", "embed")
 K_MASK = -2.3819763e38  # what Google's implementation writes into masked attention logits
 LOCAL, GLOBAL = "local", "global"
 
@@ -398,7 +402,7 @@ class Layer(nnx.Module):
                                        softcap=fam.attn_softcap, segment_ids=segment_ids,
                                        interpret=impl == attention_lib.INTERPRET)
             out = ad("o", enc, jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt)))
-            return _constrain(out, ("batch", "seq", "embed")), cache, (k, v)
+            return _constrain(out, RESIDUAL), cache, (k, v)
         b, t, h, hd = q.shape
         n_kv = k.shape[2]
         qg = q.reshape(b, t, n_kv, h // n_kv, hd)
@@ -414,7 +418,7 @@ class Layer(nnx.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(dt)
         enc = jnp.einsum("btkgs,bskh->btkgh", probs, v).reshape(b, t, h, hd)
         out = ad("o", enc, jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt)))
-        return _constrain(out, ("batch", "seq", "embed")), cache, (k, v)
+        return _constrain(out, RESIDUAL), cache, (k, v)
 
     def mlp(self, x, adapter=None):
         dt = x.dtype
@@ -422,12 +426,12 @@ class Layer(nnx.Module):
         gate, up = ad("gating", x, jnp.einsum("btd,cfd->cbtf", x, self.gating[...].astype(dt)))  # stacked
         gate, up = ad("gate", x, gate), ad("up", x, up)
         hid = _constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
-        return _constrain(ad("down", hid, hid @ self.linear[...].astype(dt)), ("batch", "seq", "embed"))
+        return _constrain(ad("down", hid, hid @ self.linear[...].astype(dt)), RESIDUAL)
 
     def experts(self, x, adapter=None):
         names = ("router", "router_scale", "expert_scale", "experts_gating", "experts_linear")
         out = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, adapter)
-        return _constrain(out, ("batch", "seq", "embed"))
+        return _constrain(out, RESIDUAL)
 
     def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None,
                  attention=attention_lib.XLA, per_layer=None, shared=None):
@@ -489,7 +493,7 @@ class Gemma(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t)[None] + cache_index, (b, t))
         emb = self.embed[...]
         x = jnp.take(emb, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(cfg.d_model), dtype)
-        x = _constrain(x, ("batch", "seq", "embed"))
+        x = _constrain(x, RESIDUAL)
         ple = self.per_layer_inputs(tokens, x) if cfg.per_layer_dim else None
         new_cache = [] if cache is not None else None
         kvs: dict[int, tuple] = {}  # the (k, v) of layers that later layers share
@@ -752,7 +756,7 @@ def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, po
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     emb = params["embed"]
     x = jnp.take(emb, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(cfg.d_model), dtype)
-    x = _constrain(x, ("batch", "seq", "embed"))
+    x = _constrain(x, RESIDUAL)
     ple = None if not cfg.per_layer_dim else per_layer_inputs(cfg, params["ple_in"], params["ple_in_norm"],
                                                                params["ple_embed"], tokens, x)
     adapters = adapters or {}

@@ -1,0 +1,69 @@
+"""Gemma's LoRA step on the emulated CPU mesh: more `model` on the same 8 devices must not grow a device's bytes
+(the compiler's memory analysis of the compiled step), and the scanned layers give the flat model's numbers."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _gemma_ckpt as gc
+from trainer.common import mesh as mesh_lib
+from trainer.finetune import train as finetune
+from trainer.finetune.config import LoraRun
+from trainer.models import gemma
+
+# deep enough for two periods in a scan (and, on the E kind, two of the kv-shared layers), 8 heads for model=8
+DEEP = {"dense": dict(n_layers=14, d_model=128, ff=256, n_heads=8, n_kv_heads=8),
+        "e": dict(n_layers=20, kv_shared_layers=10),
+        "moe": dict(n_layers=13)}
+
+
+def _cfg(kind: str) -> gemma.GemmaConfig:
+    return dataclasses.replace(gc.TINY4[kind], **DEEP[kind])
+
+
+def _device_bytes(cfg, model: int, remat: str) -> int:
+    mesh = mesh_lib.make_mesh({"data": 8 // model, "model": model})
+    run = LoraRun(weights="-", data="-", ckpt_dir="-", targets="all", seq_len=64, batch_size=32, remat=remat)
+    steps = finetune.Steps(run, cfg, mesh, 10, 32)
+    base = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=steps.base_sh[n]) for n, (s, _) in
+            steps.base_layout.items()}
+    steps.compile(base)
+    m = steps.train_fn.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def test_more_model_parallelism_does_not_grow_a_devices_bytes():
+    """The same 32 rows of 64 on 8 devices, data=8 against data=1,model=8, the scanned step (--remat full).
+    With the residual stream replicated over `model` (the rules without residual_seq) a device needed 2x the
+    bytes at model=8 (84.5 MB against 41.7 MB); split over positions, 1.22x (51.0 MB; what remains is not yet
+    found), held under the bound below."""
+    cfg = _cfg("dense")
+    one, eight = _device_bytes(cfg, 1, "full"), _device_bytes(cfg, 8, "full")
+    assert eight <= 1.3 * one, (one, eight)
+
+
+@pytest.mark.parametrize("kind", ["e", "dense", "moe"])
+def test_scanned_layers_equal_the_flat_model_forward_and_gradients(kind):
+    """gemma.hidden over stacked weights (the layers of whole periods in scans, the rest one by one; the E
+    kind's kv-shared layers reading keys and values carried out of the first scan) against Gemma.__call__."""
+    cfg = _cfg(kind)
+    assert gemma.segments(cfg), "the config must have a scanned segment"
+    flat = gemma.random_params(cfg, seed=3)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab, (2, 12)))
+    ref = lambda p: gemma.from_flat(cfg, p)(tokens, logits=False)[0]  # noqa: E731
+    ours = lambda p, remat: gemma.hidden(cfg, gemma.stack(cfg, p), tokens, remat=remat)  # noqa: E731
+    want = jax.jit(ref)(flat)
+    for remat in ("none", "full"):
+        np.testing.assert_allclose(np.asarray(jax.jit(ours, static_argnums=1)(flat, remat)), np.asarray(want),
+                                   atol=1e-4)
+    g_ref = jax.jit(jax.grad(lambda p: jnp.sum(ref(p) ** 2)))(flat)
+    g_ours = jax.jit(jax.grad(lambda p: jnp.sum(ours(p, "full") ** 2)))(flat)
+    for name in g_ref:
+        scale = float(jnp.abs(g_ref[name]).max()) + 1.0
+        assert float(jnp.abs(g_ours[name] - g_ref[name]).max()) <= 1e-3 * scale, name  # f32 sums in another order
+    back = gemma.unstack(cfg, gemma.stack(cfg, flat))
+    assert set(back) == set(flat) and all(np.array_equal(back[n], flat[n]) for n in flat)
