@@ -113,3 +113,22 @@ def test_rows_are_chosen_by_name_and_the_plans_join_by_name(tmp_path):
     assert "work" not in rows[1]["figures"]
     built = report.build({"device_kind": "TPU v5 lite"}, rows, {})
     assert 0.08 < built["rows"][0]["plan_s"] < 0.13 and built["rows"][1].get("plan_s") is None
+
+
+def test_the_defaults_record_of_2026_12_06_reads_back():
+    """The chip's run of the defaults (--attention auto taking the resident kernel on v5e): the CLI at batch 16
+    with no flag but the batch size at 160k tok/s or more, the seed's step beside it, splash's losses within noise
+    of the defaults', the resume bit for bit, the plan (compiled ahead) within 15% of the step; and the save stall
+    it found is reported as a failed check, not hidden."""
+    data = json.loads((REPO / "bench" / "tpu_records" / "v5e-2026-12-06-a.json").read_text())
+    assert data["about"]["versions"] == {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1"}
+    built = report.build(data["about"], data["rows"], data.get("failed", {}))
+    rows = {r["name"]: r for r in built["rows"]}
+    assert rows["pretrain gpt2-124m, batch 16, defaults"]["tokens_per_s"] >= 160e3
+    assert rows["ours, batch 16"]["note"].startswith("attention resident")
+    assert built["summary"]["ours_over_seed_b16"] >= report.SPEEDUP_GOAL
+    assert rows["pretrain gpt2-124m, batch 16, --attention splash"]["ok"]
+    assert rows["pretrain 6 steps; stopped at 3, resumed"]["ok"]
+    assert abs(built["summary"]["plan_errors"]["ours, batch 16"]["table"]) <= report.PLAN_TOLERANCE
+    stall = next(r for r in built["rows"] if r["name"].startswith("checkpoint stall"))
+    assert stall["ok"] is False and stall["figures"]["worst"] > 1 + 0.10
