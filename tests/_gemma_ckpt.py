@@ -203,3 +203,31 @@ def write_tokenizer(path: str, vocab: int) -> str:
     with open(path, "wb") as f:
         f.write(buf.getvalue())
     return path
+
+
+def tiny_gemma_on_gcs(tmp_path, monkeypatch):
+    """TINY["gemma2"] (seed 2) in Kaggle's flax layout, pulled by `weights pull` from the Kaggle stand-in into
+    gs://e2e/gemma on a GCS emulator started here, whose variables (and Kaggle's) monkeypatch sets. The stand-in
+    is stopped once pulled: what runs after reads gs:// only. Returns the emulator; the caller stops it."""
+    from infra import gcs
+    from infra.fake_kaggle import FakeKaggle
+    from orchestrator.artifacts import weights
+    cfg = TINY["gemma2"]
+    vdir = tmp_path / "kaggle" / "google/gemma-2/flax/tiny/1"
+    write_flax(str(vdir), cfg, gemma.random_params(cfg, seed=2))
+    write_tokenizer(str(vdir / "tokenizer.model"), cfg.vocab)
+    emu = gcs.start(home=tmp_path / "home", buckets=("e2e",), record=False)
+    fake = FakeKaggle(tmp_path / "kaggle", {"alice": "key"})
+    try:
+        url = fake.start()
+        for k, v in {**emu.env, "KAGGLE_USERNAME": "alice", "KAGGLE_KEY": "key",
+                     "KAGGLEHUB_CACHE": str(tmp_path / "kh")}.items():
+            monkeypatch.setenv(k, v)
+        weights.pull("google/gemma-2/flax/tiny/1", "gs://e2e/gemma", endpoint=url, say=lambda m: None,
+                     progress=False)
+    except BaseException:
+        emu.stop()
+        raise
+    finally:
+        fake.stop()
+    return emu

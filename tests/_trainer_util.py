@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 _prepared: dict[str, str] = {}
 
@@ -32,6 +34,16 @@ def session_cache(tmp_path_factory) -> str:
     if "cache" not in _prepared:
         _prepared["cache"] = str(tmp_path_factory.mktemp("tpuctl-cache"))
     return _prepared["cache"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The Shakespeare tokens' folder, with the session's TPUCTL_CACHE set while the module's tests run (a module
+    takes it by importing it)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TPUCTL_CACHE", session_cache(tmp_path_factory))
+    yield shakespeare(tmp_path_factory)
+    mp.undo()
 
 
 def env(cache: str, devices: int | None = 8, **extra: str) -> dict:

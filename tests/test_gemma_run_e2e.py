@@ -9,13 +9,9 @@ import pytest
 
 import _gemma_ckpt as gc
 from _local_hosts import needs_hosts, ssh_config, start, wait_idle, workers
-from infra import gcs
-from infra.fake_kaggle import FakeKaggle
 from orchestrator.jobs import bundle as B
-from orchestrator.artifacts import weights as W
 from orchestrator.jobs.launch import LaunchSpec
 from orchestrator.jobs.runner import run_job, shared_install
-from trainer.models import gemma
 
 pytestmark = needs_hosts
 
@@ -25,20 +21,9 @@ SAMPLE = ["-m", "trainer", "sample", "--weights", "gs://e2e/gemma", "--prompt", 
 
 @pytest.mark.e2e
 def test_sample_on_two_ssh_hosts_from_gcs_matches_one_process(tmp_path_factory, tmp_path, monkeypatch):
-    cfg = gc.TINY["gemma2"]
-    root = tmp_path / "kaggle"
-    vdir = root / "google/gemma-2/flax/tiny/1"
-    gc.write_flax(str(vdir), cfg, gemma.random_params(cfg, seed=2))
-    gc.write_tokenizer(str(vdir / "tokenizer.model"), cfg.vocab)
-    fake = FakeKaggle(root, {"alice": "key"})
-    url = fake.start()
-    emu = gcs.start(home=tmp_path / "home", buckets=("e2e",), record=False)
+    emu = gc.tiny_gemma_on_gcs(tmp_path, monkeypatch)
     sl = None
     try:
-        for k, v in {**emu.env, "KAGGLE_USERNAME": "alice", "KAGGLE_KEY": "key",
-                     "KAGGLEHUB_CACHE": str(tmp_path / "kh")}.items():
-            monkeypatch.setenv(k, v)
-        W.pull("google/gemma-2/flax/tiny/1", "gs://e2e/gemma", endpoint=url, say=lambda m: None, progress=False)
 
         genv = {**emu.env, "JAX_PLATFORMS": "cpu"}
         sl = start("gemma-e2e", 2, tmp_path_factory.mktemp("slices"))
@@ -53,7 +38,6 @@ def test_sample_on_two_ssh_hosts_from_gcs_matches_one_process(tmp_path_factory, 
     finally:
         if sl is not None:
             sl.stop()
-        fake.stop()
     assert sl is not None and wait_idle(sl, timeout=1) == {}
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCTL_")}

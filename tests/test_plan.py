@@ -717,7 +717,7 @@ def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path
         assert "already at step 2" in res.output
 
 
-def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofline_its_lower_bound():
+def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofline_its_lower_bound(monkeypatch):
     """gpt2-124m at 8 sequences on one v5e chip, as the compiler counted it (work by class: XLA's matmuls 6.115
     TFLOP, splash 0.928 TFLOP at head_dim 64, 13.5 GB of elementwise bytes; 37.0 GB in all): each class at the
     rate the chip did it (trainer/common/calibration.py) gives the 60.4 ms the chip measured within 10%, where the
@@ -740,10 +740,17 @@ def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofl
     assert "calibrated (matmul" in text and "measured on this chip kind" in text and "roofline (a lower bound)" in text
     v6e = P.Plan(catalog.lookup("v6e-1"), P.TPU, {**f, "device_kind": "TPU v6 lite"}).timing()
     assert not v6e["calibrated"]["measured"] and v6e["step_s"] < t["step_s"]
-    # The resident attention kernel has no rate of its own until a chip times it: splash's, and said so.
-    res = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, {**f, "work": {**work, "attention_kernel": "resident"}})
-    assert res.timing()["step_s"] == pytest.approx(t["step_s"]) and not res.timing()["calibrated"]["measured"]
-    assert "NOT measured: the resident attention kernel, at splash's rate" in render(res)
+    # The resident attention kernel at the rate v5e timed it at (faster than splash), measured.
+    resident = {**f, "work": {**work, "attention_kernel": "resident"}}
+    res = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, resident).timing()
+    assert res["calibrated"]["measured"] and res["step_s"] < t["step_s"]
+    assert res["calibrated"]["terms"]["attention"] == pytest.approx(0.928e12 / calibration.V5E.resident_flops_s[64])
+    # Rates without the resident kernel's (a chip that has not timed it): splash's, and said so.
+    monkeypatch.setitem(calibration.MEASURED, "TPU v5 lite",
+                        dataclasses.replace(calibration.V5E, resident_flops_s={}))
+    untimed = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, resident)
+    assert untimed.timing()["step_s"] == pytest.approx(t["step_s"]) and not untimed.timing()["calibrated"]["measured"]
+    assert "NOT measured: the resident attention kernel, at splash's rate" in render(untimed)
 
 
 def test_host_bounds_fit_a_topology_smaller_than_a_4_chip_host():

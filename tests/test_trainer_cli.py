@@ -8,16 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from _trainer_util import REPO, TINY, env, session_cache, shakespeare
+from _trainer_util import REPO, TINY, corpus, env  # noqa: F401 (corpus: a fixture)
 from trainer.cli import main
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TPUCTL_CACHE", session_cache(tmp_path_factory))
-    yield shakespeare(tmp_path_factory)
-    mp.undo()
 
 
 def fails(capsys, argv: list[str], *needles: str) -> str:

@@ -14,21 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _trainer_util import REPO, TINY, Procs, env, losses, metrics, session_cache, shakespeare, tail
+from _trainer_util import REPO, TINY, Procs, corpus, env, losses, metrics, tail  # noqa: F401 (corpus: a fixture)
 from trainer.cli import main
 from trainer.common.checkpoint import Checkpointer
 from trainer.common.config import PRESETS, Config
 
 # Every in-process run: log every step, save only at the last step (or on a preemption notice).
 RUN = [*TINY, "--log-every", "1", "--ckpt-every", "0", "--eval-every", "0", "--eval-batches", "1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TPUCTL_CACHE", session_cache(tmp_path_factory))
-    yield shakespeare(tmp_path_factory)
-    mp.undo()
 
 
 @pytest.fixture
