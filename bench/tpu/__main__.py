@@ -83,7 +83,7 @@ def main(argv=None) -> int:
           + ", ".join(f"{k} {v}" for k, v in about["versions"].items()) + f"; output in {out}", flush=True)
     wanted = [x for x in (args.only or SECTIONS) if x not in args.skip]
     rows, failed = [], {}
-    from bench.tpu import classes, cli, kernels, lora, profile, steps
+    from bench.tpu import classes, cli, kernels, lora, profile, report as report_lib, steps
     runs = {"kernels": kernels.run, "classes": classes.run, "steps": steps.run, "choices": steps.choices,
             "cli": cli.run, "lora": lora.run, "profile": profile.run}
     path = args.json or os.path.join(out, "tpu-check.json")
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
             for row in runs[name](s):  # each row printed and kept as it is measured
                 rows.append(row)
                 n += 1
-                report = _write(path, about, rows, failed, plans)
-                print(line(report, report["rows"][-1]), flush=True)
+                written = _write(path, about, rows, failed, plans)
+                print(report_lib.row_line(written["rows"][-1]), flush=True)
         except Exception as e:  # noqa: BLE001 - one section's failure is reported; the others still run
             import traceback
             traceback.print_exc()
@@ -127,11 +127,6 @@ def _write(path: str, about: dict, rows, failed: dict, plans: dict | None = None
         json.dump(data, f, indent=1, default=float)
     os.replace(tmp, path)
     return data
-
-
-def line(data: dict, row: dict) -> str:
-    from bench.tpu import report
-    return report.row_line(row)
 
 
 def render(data: dict) -> str:
