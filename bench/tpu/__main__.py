@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
 import sys
@@ -41,13 +40,8 @@ def parse(argv):
 
 
 def versions() -> dict:
-    out = {}
-    for name in ("jax", "jaxlib", "libtpu", "libtpu-nightly"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
+    from bench.tpu.common import version_of
+    return {name: v for name in ("jax", "jaxlib", "libtpu", "libtpu-nightly") if (v := version_of(name))}
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,15 @@ class Settings:
         return not self.rows or any(name == w[1:] if w.startswith("=") else w in name for w in self.rows)
 
 
+def version_of(dist: str) -> str | None:
+    """The installed version of a distribution, None when it is not installed."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def say(line: str) -> None:
     """A progress line of the check, at once (a run cut short by a time limit shows where it was)."""
     print(line, flush=True)

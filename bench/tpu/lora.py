@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_steps
+from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_steps, version_of
 
 # rows of 512 each size is measured at on one v5e chip: the largest batch whose step fits its 15.7 GiB by the
 # compiler's count (docs/performance.md)
@@ -140,19 +140,11 @@ def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
     tps = batch * seq_len / step_s
     return Row("lora", name, step_s=step_s, tokens_per_s=tps, compile_s=compile_s,
                mfu=tps * fpt / s.peak if s.peak else None,
-               note=f"google-tunix {_version('google-tunix')}, qwix {_version('qwix')}; XLA attention with a "
+               note=f"google-tunix {version_of('google-tunix')}, qwix {version_of('qwix')}; XLA attention with a "
                     f"[T, T] mask (its own); {int(n_lora):,} adapter params "
                     f"(ours {lora_lib.count(ours_cfg, ours_lc):,})",
                figures={"batch": batch, "seq_len": seq_len, "n_lora": int(n_lora), "flops_per_token": fpt,
                         "peer": "tunix"})
-
-
-def _version(dist: str) -> str:
-    import importlib.metadata
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def run(s: Settings):
