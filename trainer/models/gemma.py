@@ -589,31 +589,38 @@ def random_params(cfg: GemmaConfig, seed: int = 0, dtype=jnp.float32, shardings:
                   stacked: bool = False) -> dict[str, jax.Array]:
     """Flat random params (tests, benchmarks): normal matrices scaled by their input width, small random
     norm scales (around 1 where a scale is applied as it is). With shardings (name -> sharding), each array is
-    drawn in `dtype` where the rules place it, never whole on one device or the host (a real size's base). One
-    compiled program draws them all: a real size has hundreds of arrays, and a program each took 45 s of a TPU
-    host for gemma2-2b. stacked: in stacked_layout's names, each stacked array drawn in place (other values than
-    the flat draw's; stacking a flat draw took a program per array, 122 s of a TPU host for gemma3-1b)."""
+    drawn in `dtype` where the rules place it, never whole on one device or the host (a real size's base).
+    stacked: in stacked_layout's names, each stacked array drawn in place (other values than the flat draw's).
+
+    One compiled program per distinct (shape, placement), each called with its array's key: a real size has
+    hundreds of arrays but a dozen shapes. The TPU compiler's time grows with a program's outputs (~0.4 s each on
+    a TPU host: 97-162 s for gemma2-2b's or gemma4-e2b's base as one program), and a program per array costs
+    as much again."""
     key = jax.random.key(seed)
     layout = stacked_layout(cfg) if stacked else param_layout(cfg)
-    draws = {}
+    out = {}
     for i, (name, (shape, _)) in enumerate(layout.items()):
-        groups = shape[0] if name.startswith(SCANNED) else None
+        groups = shape[0] if name.startswith(SCANNED) else 0
         one = shape[1:] if groups else shape
         leaf = name.rsplit(".", 1)[-1]
         fan_in = {"embed": one[-1], "ple_embed": one[-1], "ple_in": one[0], "ple_gate": one[0],
                   "router": one[0]}.get(leaf, one[-1])
-        draws[name] = (i, groups, one, 0.1 if len(one) == 1 else 0.5 / math.sqrt(fan_in), _is_scale(cfg, name))
+        std = 0.1 if len(one) == 1 else 0.5 / math.sqrt(fan_in)
+        sh = None if shardings is None else shardings[name]
+        out[name] = _drawer(tuple(one), groups, jnp.dtype(dtype), sh)(
+            jax.random.fold_in(key, i), jnp.float32(std), jnp.float32(1.0 if _is_scale(cfg, name) else 0.0))
+    return out
 
-    def draw():
-        out = {}
-        for name, (i, groups, shape, std, one) in draws.items():
-            k = jax.random.fold_in(key, i)
-            val = std * (jax.random.normal(k, shape, dtype) if groups is None else
-                         jax.vmap(lambda g: jax.random.normal(jax.random.fold_in(k, g), shape, dtype))(
-                             jnp.arange(groups)))
-            out[name] = val + 1 if one else val
-        return out
-    return jax.jit(draw, out_shardings=shardings)()
+
+@functools.lru_cache(maxsize=None)
+def _drawer(shape: tuple[int, ...], groups: int, dtype, sharding):
+    """(key, std, offset) -> std * normal(shape) + offset in dtype ([groups, *shape], a key folded per group,
+    when groups), placed by sharding: one compiled program for every array of this shape and placement."""
+    def draw(key, std, offset):
+        one = lambda k: jax.random.normal(k, shape, dtype)  # noqa: E731
+        val = one(key) if not groups else jax.vmap(lambda g: one(jax.random.fold_in(key, g)))(jnp.arange(groups))
+        return (std.astype(dtype) * val + offset.astype(dtype)).astype(dtype)
+    return jax.jit(draw, out_shardings=sharding)
 
 
 # ---- the layers in a scan ---------------------------------------------------------------------------------
