@@ -110,10 +110,14 @@ def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
     leaves, treedef = jax.tree.flatten(abstract)
     key = jax.random.key(0)
 
-    def draw():  # the base in bf16, drawn on the chip in one program (tunix's own init is f32: twice the memory)
-        return [(0.02 * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.bfloat16)).astype(jnp.bfloat16)
-                for i, a in enumerate(leaves)]
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, block(jax.jit(draw)())))
+    programs: dict = {}
+
+    def draw(i, shape):  # the base in bf16 on the chip (tunix's own init is f32: twice the memory), one program a
+        # shape as gemma.random_params draws ours (one program of every array took 111 s to compile on the host)
+        if shape not in programs:
+            programs[shape] = jax.jit(lambda k: (0.02 * jax.random.normal(k, shape, jnp.bfloat16)).astype(jnp.bfloat16))
+        return programs[shape](jax.random.fold_in(key, i))
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, block([draw(i, a.shape) for i, a in enumerate(leaves)])))
     toks = jnp.asarray(_batch(ours_cfg.vocab, batch, seq_len)["inputs"])
     positions = jnp.broadcast_to(jnp.arange(seq_len)[None], (batch, seq_len))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((seq_len, seq_len), bool))[None], (batch, seq_len, seq_len))
