@@ -1,0 +1,138 @@
+"""docs/gemma.md's plan tables: `tpuctl plan` of a Gemma LoRA step for each size on each slice (and, with
+--model-sweep, on each data x model mesh of the slice's devices), each compiled cold (--no-cache) in its own
+process, timed, and written to a JSON-lines file as it finishes (a run cut short keeps what it planned).
+
+    python -m bench.compiler.gemma_plans --out plans.jsonl [--sizes gemma4-e2b,...] [--accelerators v5litepod-8,v4-8]
+        [--model-sweep] [-- EXTRA LORA FLAGS]
+    python -m bench.compiler.gemma_plans --table plans.jsonl      # the markdown tables from a file
+
+The compiler's count (libtpu, no chip). Each row keeps its command, the plan's wall time, the CPU seconds the
+plan's processes used (user + sys: what a busier machine does not change) and the 1-minute load before and after:
+a wall time counts only at a load under 2 on the 2-core machine the goal names.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import subprocess
+import sys
+import time
+
+SIZES = ("gemma4-e2b", "gemma4-e4b", "gemma4-31b", "gemma4-26b-a4b")
+ACCELERATORS = ("v5litepod-8", "v4-8")
+DEVICES = {"v5litepod-8": 8, "v4-8": 4}
+LORA = ["--rank", "8", "--targets", "all", "--weights", "gs://b/g", "--data", "gs://b/t.jsonl", "--ckpt-dir", "gs://b/l"]
+GIB = 2 ** 30
+
+
+def meshes(devices: int) -> list[str]:
+    """data x model over the slice's devices, model from 1 up."""
+    out, m = [], 1
+    while m <= devices:
+        out.append(f"data={devices // m},model={m}")
+        m *= 2
+    return out
+
+
+def command(accelerator: str, size: str, extra: list[str], mesh: str = "") -> list[str]:
+    return ["tpuctl", "plan", "-a", accelerator, "--json", "--no-cache", "--", "lora", "--model", size, *LORA,
+            *(["--mesh", mesh] if mesh else []), *extra]
+
+
+def plan_one(argv: list[str]) -> dict:
+    """Run one plan; its JSON with what it cost."""
+    load0 = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    # the venv's own tpuctl (its bin beside this python), as the command in the table reads
+    exe = os.path.join(os.path.dirname(sys.executable), argv[0])
+    proc = subprocess.run([exe if os.path.exists(exe) else argv[0], *argv[1:]], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cost = {"wall_s": round(wall, 1), "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime -
+                                                      before.ru_stime, 1),
+            "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
+            "command": shlex.join(argv)}
+    try:
+        return {**json.loads(proc.stdout), **cost}
+    except json.JSONDecodeError:
+        return {**cost, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+
+
+def _cell(p: dict) -> str:
+    if "error" in p:
+        return f"error: {p['error']}"
+    d = p.get("per_device", {})
+    total, params, temp = d.get("total_bytes", 0), d.get("params_bytes", 0), d.get("temp_bytes", 0)
+    if not p.get("fits"):
+        head = f"does not fit: {total / GIB:.2f} GiB needed (params {params / GIB:.2f}, temporaries {temp / GIB:.2f})"
+    else:
+        head = (f"fits: {total / GIB:.2f} of {p['hbm_bytes_per_device'] / GIB:.0f} GiB (params {params / GIB:.2f}, "
+                f"temporaries {temp / GIB:.2f}; headroom {p.get('headroom_bytes', 0) / GIB:.2f})")
+    t = p.get("timing") or {}
+    step = t.get("step_s")
+    parts = [head]
+    if step:
+        parts.append(f"{step * 1e3:.0f} ms a step ({t.get('bound', '?')}-bound roofline {t.get('roofline_step_s', 0) * 1e3:.0f} "
+                     f"ms, compute {t.get('compute_s', 0) * 1e3:.0f} ms)")
+    if p.get("largest_batch"):
+        parts.append(f"largest batch {p['largest_batch']} a device")
+    parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
+    return "; ".join(parts)
+
+
+def table(rows: list[dict]) -> str:
+    """The default-mesh table (size x accelerator), then the model sweep, as markdown."""
+    out = ["| size | " + " | ".join(ACCELERATORS) + " |", "|---|" + "---|" * len(ACCELERATORS)]
+    default = {(r["size"], r["accelerator"]): r for r in rows if not r.get("sweep_mesh")}
+    for size in SIZES:
+        if any((size, a) in default for a in ACCELERATORS):
+            out.append(f"| {size} | " + " | ".join(_cell(default[(size, a)]) if (size, a) in default else ""
+                                                   for a in ACCELERATORS) + " |")
+    sweep = [r for r in rows if r.get("sweep_mesh")]
+    if sweep:
+        out += ["", "| size | slice | mesh | per device: total (params, temporaries) | step |", "|---|---|---|---|---|"]
+        for r in sweep:
+            d = r.get("per_device", {})
+            step = (r.get("timing") or {}).get("step_s")
+            out.append(f"| {r['size']} | {r['accelerator']} | {r['sweep_mesh']} | "
+                       + (f"error: {r['error']}" if "error" in r else
+                          f"{d.get('total_bytes', 0) / GIB:.2f} GiB ({d.get('params_bytes', 0) / GIB:.2f}, "
+                          f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}")
+                       + f" | {'' if not step else f'{step * 1e3:.0f} ms'} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(prog="python -m bench.compiler.gemma_plans", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="JSON-lines file the plans are appended to")
+    p.add_argument("--sizes", default=",".join(SIZES))
+    p.add_argument("--accelerators", default=",".join(ACCELERATORS))
+    p.add_argument("--model-sweep", action="store_true", help="also every data x model mesh of each slice")
+    p.add_argument("--table", metavar="FILE", help="print the tables of a JSON-lines file and exit")
+    opts = p.parse_args(own)
+    if opts.table:
+        print(table([json.loads(line) for line in open(opts.table) if line.strip()]))
+        return 0
+    if not opts.out:
+        p.error("--out FILE (or --table FILE)")
+    rows = []
+    for size in opts.sizes.split(","):
+        for acc in opts.accelerators.split(","):
+            for mesh in (meshes(DEVICES[acc]) if opts.model_sweep else [""]):
+                row = {"size": size, "accelerator": acc, "sweep_mesh": mesh, **plan_one(command(acc, size, extra, mesh))}
+                rows.append(row)
+                with open(opts.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"{size} {acc} {mesh or 'default mesh'}: {_cell(row)}", flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
