@@ -778,3 +778,30 @@ def test_a_refused_step_says_what_was_refused_not_zero_tflop_or_cost():
                                                                settings={**_figures()["settings"], "steps": 0}))
     text = render(no_steps)
     assert "--steps not given" in text and "0 steps" not in text
+
+
+def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
+    """fixed 8 GiB + 32 GiB of activations for 16 rows a device (64 over data=4): 2 GiB a row, so 12 rows fill
+    the 32 GiB of a v4 device; the line says it is extrapolated. The plan's time: the step's planner process with
+    its phases inside, then each compiled suggestion."""
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=70.0, phases={"start": 5.0, "compile": 60.0}))
+    big = P.largest_batch(p)
+    assert (big["rows_per_device"], big["batch_size"], big["estimate_bytes"]) == (12, 48, 32 * P.GIB)
+    assert "extrapolated" in big["how"] and "not compiled" in big["how"]
+    p.suggestions = [P.Suggestion("--grad-accum 2", 26 * P.GIB, "", compile_wall_s=50.0)]
+    spent = p.time_spent()
+    assert spent["total_s"] == 120.0 and spent["step_phases"] == {"start": 5.0, "compile": 60.0}
+    text = render(p)
+    assert "largest batch that fits: 12 row(s) a device (--batch-size 48), about 32.00 GiB" in text
+    assert "this plan took 120s: the step's compile 70s (start 5s, compile 60s); checking --grad-accum 2 50s" in text
+    assert P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=70.0), cached=True).time_spent()["total_s"] == 0
+
+
+def test_a_scanned_step_gathers_one_layers_base_at_a_time():
+    """settings gathers "layer" (Gemma's layers in scans, recomputed): of a 2 GiB base shard on data=4, the
+    gathered copy is one of 12 layers' 6 GiB, not all of it; so the activations are the rest."""
+    s = {"batch_size": 64, "grad_accum": 1, "fsdp": True, "n_layer": 12}
+    whole = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings=s)
+    layer = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings={**s, "gathers": "layer"})
+    assert P._gathered(whole) == 6 * P.GIB and P._gathered(layer) == P.GIB // 2
+    assert P._split(layer)[1] - P._split(whole)[1] == 6 * P.GIB - P.GIB // 2

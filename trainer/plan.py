@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from trainer import cli
 from trainer.common import aot
 from trainer.common.config import UsageError
 from trainer.common.process import ArgParser
+
+STARTED = time.perf_counter()  # the plan's phases start here (aot.plan): jax and libtpu load after it
 
 
 def _options() -> argparse.ArgumentParser:
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = _options().parse_args(own)
         args = cli.parser().parse_args(trainer_argv)
         aot.check(args)  # before jax starts: a command with nothing to plan is answered at once
-        out = aot.plan(args, aot.target(opts))
+        out = aot.plan(args, aot.target(opts), STARTED)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return aot.NOTHING_TO_PLAN if isinstance(e, aot.NotPlannable) else 2

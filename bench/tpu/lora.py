@@ -21,7 +21,9 @@ from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_s
 # compiler's count (docs/performance.md)
 SIZES = {"gemma3-1b": 8, "gemma2-2b": 4, "gemma4-e2b": 1}
 # (variant name, LoraRun fields): alternatives of how the step computes, each timed beside the default
-VARIANTS: dict[str, dict] = {"lora-impl stacked": {"lora_impl": "stacked"}, "remat full": {"remat": "full"}}
+# (a remat variant that is the size's default, --remat auto, is not timed twice: Gemma 4's default is full)
+VARIANTS: dict[str, dict] = {"lora-impl stacked": {"lora_impl": "stacked"}, "remat full": {"remat": "full"},
+                             "remat dots": {"remat": "dots"}, "remat none": {"remat": "none"}}
 PEER_SIZE = "gemma2-2b"  # the size tunix's step is timed at (its Gemma 2 config is Google's own)
 RANK, ALPHA = 8, 16.0
 QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ff=1024,
@@ -152,8 +154,8 @@ def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
 
 
 def run(s: Settings):
-    """The defaults of every size first, then each variant of every size, then tunix's step, then the steps with a
-    remat policy (their layers in scans): a run cut short by the chip's time keeps what matters most."""
+    """The defaults of every size first, then each variant of every size, then tunix's step, then the steps with
+    another remat policy than the size's default: a run cut short by the chip's time keeps what matters most."""
     sizes = {k: v for k, v in SIZES.items() if not k.startswith("gemma4")} if s.quick else SIZES  # one tiny config
     batches = {size: 2 if s.quick else batch for size, batch in sizes.items()}
     for size, batch in batches.items():
@@ -168,5 +170,15 @@ def run(s: Settings):
                 yield tunix_row(s, PEER_SIZE, batch)
             continue
         for size, batch in batches.items():
+            if _is_default(size, fields) and not s.quick:
+                continue
             if s.wants(name_of(size, batch, variant=variant)):
                 yield step_row(s, size, batch, variant=variant, fields=fields)
+
+
+def _is_default(size: str, fields: dict) -> bool:
+    """A remat variant the size runs by default (--remat auto): its default row times it already."""
+    from trainer.finetune import train as finetune
+    from trainer.models import gemma
+    remat = fields.get("remat")
+    return remat is not None and finetune.remat_of("auto", gemma.SIZES[size]) == remat

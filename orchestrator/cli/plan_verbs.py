@@ -94,6 +94,24 @@ def _interrupt(signum, frame):
 
 def render(p: P.Plan) -> str:
     """The plan as text, for people."""
+    return "\n".join([_render(p), *_time_spent(p)])
+
+
+def _time_spent(p: P.Plan) -> list[str]:
+    """Where the plan's time went (none of it when every figure came from the cache)."""
+    t = p.time_spent()
+    if not t["total_s"]:
+        return []
+    ph = t["step_phases"]
+    inside = ", ".join(f"{k} {v:.0f}s" for k, v in ph.items())
+    parts = [f"the step's compile {t['step_s']:.0f}s" + (f" ({inside})" if inside else "")]
+    parts += [f"checking {c['change']} {c['wall_s']:.0f}s" for c in t["suggestion_checks"]]
+    if t["next_size"]:
+        parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
+    return [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts)]
+
+
+def _render(p: P.Plan) -> str:
     f, a = p.figures, p.accelerator
     mesh = ",".join(f"{k}={v}" for k, v in f["mesh"].items())
     other = f["total_bytes"] - f["temp_bytes"] - f["params_bytes"] - f["optimizer_bytes"]
@@ -112,6 +130,13 @@ def render(p: P.Plan) -> str:
              f"    headroom            {P.gib(p.headroom_bytes):>12}",
              f"  verdict: {'FITS' if p.fits else 'DOES NOT FIT'}"
              + (f": the compiler refused the step ({p.refused['message']})" if p.refused else "")]
+    big = P.largest_batch(p)
+    if big is not None:
+        seq = f.get("settings", {}).get("seq_len")
+        rows = f"{big['rows_per_device']} row(s)" + (f" of {seq}" if seq else "")
+        lines.append(f"  largest batch that fits: {rows} a device (--batch-size {big['batch_size']}), about "
+                     f"{P.gib(big['estimate_bytes'])} per device: {big['how']}" if big["rows_per_device"] else
+                     f"  largest batch that fits: none at this mesh ({big['how']})")
     if not p.fits:
         for s in p.suggestions:
             if s.compiled_bytes is not None:

@@ -52,6 +52,7 @@ class Suggestion:
     compiled_bytes: int | None = None  # the compiler's per-device total for it, when `plan` compiled it
     compiled_fits: bool | None = None
     lever: str = ""               # the LEVERS entry that made it
+    compile_wall_s: float | None = None  # what compiling it took this plan (0: cached; None: not compiled)
 
 
 @dataclass
@@ -198,6 +199,22 @@ class Plan:
                 "usd_spot_at_mfu": hours_at_mfu * a.price_per_hour(spot=True),
                 "price_per_hour_on_demand": a.price_per_hour(), "price_per_hour_spot": a.price_per_hour(spot=True)}
 
+    def time_spent(self) -> dict:
+        """Where this plan's time went, in seconds of wall time: the step's compile (the planner process, and inside
+        it its phases: start = python, jax and libtpu; build = the step's abstract inputs; compile = the TPU
+        compiler; count = reading the program's figures), each suggestion's check and the next slice size's; a
+        figure taken from the cache took 0."""
+        f = self.figures
+        step = 0.0 if self.cached else float(f.get("wall_s") or 0.0)
+        checks = [{"change": s.change, "wall_s": s.compile_wall_s} for s in self.suggestions
+                  if s.compile_wall_s is not None]
+        alt = self.alternative
+        nxt = None if alt is None else {"accelerator": alt.accelerator.name,
+                                        "wall_s": 0.0 if alt.cached else float(alt.figures.get("wall_s") or 0.0)}
+        total = step + sum(c["wall_s"] for c in checks) + (nxt["wall_s"] if nxt else 0.0)
+        return {"total_s": round(total, 2), "step_s": step, "step_phases": f.get("phases") or {},
+                "suggestion_checks": checks, "next_size": nxt}
+
     def to_json(self) -> dict:
         f = self.figures
         out = {"accelerator": self.accelerator.name, "compiler": self.compiler, "label": self.label,
@@ -216,6 +233,7 @@ class Plan:
                "dtype": f["dtype"], "compile_s": f["compile_s"], "tokens_per_step": f["tokens_per_step"],
                "model_flops_per_token": f["model_flops_per_token"], "timing": self.timing(),
                "refused": self.refused, "suggestions": [s.__dict__ for s in self.suggestions],
+               "time_spent": self.time_spent(), "largest_batch": largest_batch(self),
                "alternative": self.alternative.to_json() if self.alternative else None}
         return out
 
@@ -323,6 +341,7 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
         tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
         raise PlanError(f"the planner's compile failed (exit {proc.returncode}) for {a.name}: {tail}")
     figures = json.loads(stdout.strip().splitlines()[-1])
+    figures["wall_s"] = round(time.monotonic() - t0, 2)  # the planner process, its phases inside (`phases`)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two plans of the same step may finish at once
     tmp.write_text(json.dumps(figures))
@@ -358,12 +377,16 @@ def _base(f: dict) -> int:
 
 
 def _gathered(f: dict, data: int | None = None, scale: float = 1.0) -> int:
-    """An fsdp base (settings fsdp) is all-gathered over `data` for the matmuls, and the compiler keeps the
+    """An fsdp base (settings fsdp) is all-gathered over `data` for the matmuls, and a step written out keeps the
     gathered layers for the backward pass: each device holds the shards of the other data-1 devices besides
-    its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded."""
-    if not f["settings"].get("fsdp"):
+    its own (`scale` its own shard's size relative to now). A step whose layers run in scans and are recomputed
+    (settings gathers "layer") gathers one layer at a time: a layer's share of that. 0 for state that is not
+    fsdp-sharded."""
+    s = f["settings"]
+    if not s.get("fsdp"):
         return 0
-    return int(_base(f) * scale * ((data or f["mesh"]["data"]) - 1))
+    share = 1 / max(s.get("n_layer") or 1, 1) if s.get("gathers") == "layer" else 1.0
+    return int(_base(f) * scale * ((data or f["mesh"]["data"]) - 1) * share)
 
 
 def _split(f: dict) -> tuple[int, int]:
@@ -382,6 +405,27 @@ def _on_devices(p: Plan, devices: int) -> int:
     if s.get("fsdp"):
         fixed = (fixed - _gathered(f)) * n // devices + _gathered(f, devices // f["mesh"]["model"], n / devices)
     return fixed + (act if s.get("batch_per_device") else act * n // devices)
+
+
+def largest_batch(p: Plan) -> dict | None:
+    """The largest per-device batch whose step fits the chip's HBM, extrapolated from this step's activations
+    (_split: the temporaries beyond the gradients and the gathered base, taken as growing with the rows a device
+    holds): {rows_per_device, batch_size, estimate_bytes, how}; None for a step with no rows setting (or whose
+    rows are not split by the batch axes), or a refused one (nothing was counted to extrapolate from)."""
+    f, s = p.figures, p.figures["settings"]
+    if p.refused or not s.get("batch_size"):
+        return None
+    axes = _batch_axes(f) * max(s.get("grad_accum") or 1, 1)
+    rows = s["batch_size"] // axes
+    if rows < 1:
+        return None
+    fixed, act = _split(f)
+    per_row = act / rows
+    fit = int((p.hbm_bytes - fixed) // per_row) if per_row > 0 else rows
+    fit = max(fit, 0)
+    return {"rows_per_device": fit, "batch_size": fit * axes, "estimate_bytes": int(fixed + per_row * fit),
+            "compiled_rows_per_device": rows,
+            "how": f"extrapolated from this step's activations at {rows} row(s) a device (not compiled)"}
 
 
 def _grad_accum(p: Plan) -> Iterator[Suggestion]:
@@ -588,10 +632,13 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
 
 def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
     """Check an estimated suggestion with the compiler (activations do not shrink exactly with the batch)."""
+    t0 = time.monotonic()
     try:
-        figs, _ = compile_figures(p.accelerator, [*argv, *s.change.split()], **kw)
+        figs, cached = compile_figures(p.accelerator, [*argv, *s.change.split()], **kw)
     except PlanError:
+        s.compile_wall_s = round(time.monotonic() - t0, 2)
         return  # the trainer rejects it after all: it stays an estimate
+    s.compile_wall_s = 0.0 if cached else figs.get("wall_s", round(time.monotonic() - t0, 2))
     checked = Plan(p.accelerator, p.compiler, figs)
     s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
 

@@ -160,10 +160,12 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  mesh=mesh_lib.shape_of(mesh), dtype=run.dtype,
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
-                           "remat": run.remat, "loss_chunk": run.loss_chunk, "seq_len": run.seq_len,
+                           "remat": steps.remat, "loss_chunk": steps.loss_chunk, "seq_len": run.seq_len,
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
-                           "fsdp": True, "batch_per_device": not run.batch_size},
+                           "fsdp": True, "batch_per_device": not run.batch_size,
+                           # the layers in scans, each recomputed: one layer's base gathered at a time
+                           **({"gathers": "layer"} if steps.scanned else {})},
                  levers=("base_dtype", "loss_chunk", "remat", "batch_size", "mesh_model"),
                  # no twin: the layers' scans and the loss's chunks are counted by their trips from the program's
                  # text (whole_count), not from a second compile of the step written out
@@ -366,17 +368,28 @@ def check(args: argparse.Namespace) -> None:
     PRECHECKS.get(args.cmd, lambda a: None)(args)
 
 
-def plan(args: argparse.Namespace, target: Target) -> dict:
-    """Build the command's step for the target, compile it, and return the figures (jax already set up)."""
+def plan(args: argparse.Namespace, target: Target, started: float | None = None) -> dict:
+    """Build the command's step for the target, compile it, and return the figures (jax already set up).
+    started: time.perf_counter() when the planner started (its imports and the target before this): the figures'
+    `phases` say where the plan's time went, in seconds (start, build, compile, count)."""
+    t_build = time.perf_counter()
     built = BUILDERS[args.cmd](args, target)
     t0 = time.perf_counter()
+    phases = {"start": t_build - started if started is not None else None, "build": t0 - t_build}
     try:
         compiled = built.compile()
     except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return out_of_memory(built, target, str(e), time.perf_counter() - t0)
-    return figures(built, compiled, target, time.perf_counter() - t0)
+        out = out_of_memory(built, target, str(e), time.perf_counter() - t0)
+        return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
+    t1 = time.perf_counter()
+    out = figures(built, compiled, target, t1 - t0)
+    return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1})}
+
+
+def _rounded(phases: dict) -> dict:
+    return {k: round(v, 2) for k, v in phases.items() if v is not None}
 
 
 _UNIT = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}

@@ -46,7 +46,7 @@ class LoraRun:
     log_every: int = 10
     eval_every: int = 0             # val loss every N steps (and at the last); 0 = only at the last
     attention: str = "auto"         # auto (splash kernel on TPU, XLA elsewhere), xla, splash
-    remat: str = "none"             # what each layer recomputes in the backward pass: none, dots, full
+    remat: str = "auto"             # what each layer recomputes in the backward pass: auto, none, dots, full
     loss_chunk: int = 0             # positions whose logits exist at once in the loss (0: all)
     lora_impl: str = "beside"       # how paired projections' adapters are applied (trainer/models/lora.py IMPLS)
     profile: str = ""               # START:END: steps every process traces (trainer/common/profiling.py)
@@ -94,8 +94,8 @@ class LoraRun:
         from trainer.models.lora import IMPLS
         if self.lora_impl not in IMPLS:
             raise UsageError(f"--lora-impl {self.lora_impl}: choose {' or '.join(IMPLS)}")
-        if self.remat not in ("none", "dots", "full"):
-            raise UsageError(f"--remat {self.remat}: choose none, dots or full")
+        if self.remat not in ("auto", "none", "dots", "full"):
+            raise UsageError(f"--remat {self.remat}: choose auto, none, dots or full")
         if not self.ckpt_dir:
             raise UsageError("--ckpt-dir is required: a local directory or gs://BUCKET/PATH for the adapters")
 

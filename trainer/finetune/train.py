@@ -76,6 +76,30 @@ def _layer_adapter(lc: lora_lib.LoraConfig, dropout_key, lora_impl: str = "besid
     return make
 
 
+# --remat auto, by family. Gemma 4: full, its layers in scans. By the TPU compiler's count (libtpu 0.0.42.1) for
+# gemma4-e2b on v5litepod-8, 4 rows of 512 a device: 5.93 GiB a device against 10.87 for dots, at about the same
+# calibrated step time (dots saves the matmuls' recompute and pays as much in the HBM traffic of what it saves),
+# and the only policy that fits 31B; a plan of the written-out step (none) took 456 s. Gemma 2 and 3: none, the
+# step as it was (written out, no recompute).
+AUTO_REMAT = {"gemma4": "full"}
+
+
+def remat_of(remat: str, cfg: gemma.GemmaConfig) -> str:
+    """--remat with auto resolved for the model's family."""
+    return AUTO_REMAT.get(cfg.family, "none") if remat == "auto" else remat
+
+
+# --loss-chunk 0 (the default), by family. Gemma 4: 128 positions at a time: its loss held [rows, T, 262k] f32
+# twice whole (4 GiB a device at 4 rows of 512 on 31B's default mesh, the largest of its temporaries), a quarter
+# of that in chunks, for one more read of the embedding a chunk. Gemma 2 and 3: all at once, as before.
+AUTO_LOSS_CHUNK = {"gemma4": 128}
+
+
+def loss_chunk_of(chunk: int, cfg: gemma.GemmaConfig) -> int:
+    """--loss-chunk with 0 resolved for the model's family (0 after it: all positions at once)."""
+    return AUTO_LOSS_CHUNK.get(cfg.family, 0) if chunk == 0 else chunk
+
+
 class Steps:
     """The compiled train and eval steps of one (base config, LoRA config, mesh)."""
 
@@ -87,10 +111,12 @@ class Steps:
         self.dtype = compute_dtype(run.dtype, platform)
         self.attention = attention.resolve(run.attention, platform, run.seq_len, mesh.devices.flat[0].device_kind)
         self.global_batch = global_batch
+        self.remat = remat_of(run.remat, cfg)
+        self.loss_chunk = loss_chunk_of(run.loss_chunk, cfg)
         # the base as the step takes it: with a remat policy, the layers run in scans and the scanned layers'
         # weights come stacked (gemma.stacked_layout, place_base); without one the layers stay written out, as a
         # scan would keep every layer's residuals in stacked buffers the compiler cannot rematerialise
-        self.scanned = run.remat != "none"
+        self.scanned = self.remat != "none"
         self.flat_base_sh = gemma.shardings(cfg, mesh)  # as a checkpoint loads (weights.load)
         self.base_layout = gemma.stacked_layout(cfg) if self.scanned else gemma.param_layout(cfg)
         self.base_sh = gemma.stacked_shardings(cfg, mesh) if self.scanned else self.flat_base_sh
@@ -115,7 +141,7 @@ class Steps:
 
     def _sums(self, lora, base, batch, key):
         return loss_sums(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
-                         attention=self.attention, remat=self.run.remat, loss_chunk=self.run.loss_chunk,
+                         attention=self.attention, remat=self.remat, loss_chunk=self.loss_chunk,
                          lora_impl=self.run.lora_impl)
 
     def _train_step(self, lora, opt_state, base, batch, step):
@@ -140,7 +166,7 @@ class Steps:
     @property
     def loss_chunks(self) -> int:
         """How many chunks of positions the loss takes (1: the logits whole, no loop)."""
-        return self.run.seq_len // xent.chunk_of(self.run.loss_chunk, self.run.seq_len)
+        return self.run.seq_len // xent.chunk_of(self.loss_chunk, self.run.seq_len)
 
     def _jit_train(self, fn):
         return jax.jit(fn, in_shardings=(self.lora_sh, self.opt_sh, self.base_sh, self.fields_sh, self.rep),

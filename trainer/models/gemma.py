@@ -600,8 +600,8 @@ def random_params(cfg: GemmaConfig, seed: int = 0, dtype=jnp.float32, shardings:
     layout = stacked_layout(cfg) if stacked else param_layout(cfg)
     out = {}
     for i, (name, (shape, _)) in enumerate(layout.items()):
-        groups = shape[0] if name.startswith(SCANNED) else 0
-        one = shape[1:] if groups else shape
+        groups = tuple(shape[:2]) if name.startswith(SCANNED) else ()  # [groups, run length, ...]
+        one = shape[2:] if groups else shape
         leaf = name.rsplit(".", 1)[-1]
         fan_in = {"embed": one[-1], "ple_embed": one[-1], "ple_in": one[0], "ple_gate": one[0],
                   "router": one[0]}.get(leaf, one[-1])
@@ -612,13 +612,15 @@ def random_params(cfg: GemmaConfig, seed: int = 0, dtype=jnp.float32, shardings:
     return out
 
 
+
 @functools.lru_cache(maxsize=None)
-def _drawer(shape: tuple[int, ...], groups: int, dtype, sharding):
-    """(key, std, offset) -> std * normal(shape) + offset in dtype ([groups, *shape], a key folded per group,
+def _drawer(shape: tuple[int, ...], groups: tuple[int, ...], dtype, sharding):
+    """(key, std, offset) -> std * normal(shape) + offset in dtype ([*groups, *shape], a key folded per group,
     when groups), placed by sharding: one compiled program for every array of this shape and placement."""
     def draw(key, std, offset):
         one = lambda k: jax.random.normal(k, shape, dtype)  # noqa: E731
-        val = one(key) if not groups else jax.vmap(lambda g: one(jax.random.fold_in(key, g)))(jnp.arange(groups))
+        val = one(key) if not groups else jax.vmap(lambda g: one(jax.random.fold_in(key, g)))(
+            jnp.arange(math.prod(groups))).reshape(*groups, *shape)
         return (std.astype(dtype) * val + offset.astype(dtype)).astype(dtype)
     return jax.jit(draw, out_shardings=sharding)
 
@@ -627,10 +629,13 @@ def _drawer(shape: tuple[int, ...], groups: int, dtype, sharding):
 # A train step over the layers one by one is a program as long as the model: the TPU compiler takes minutes over
 # a Gemma 4 step (its buffers too: it keeps each layer's gathered weights for the backward pass). The step runs
 # the layers as scans instead: a run of whole periods of the attention pattern whose layers have the same shapes
-# (a segment: the E sizes' kv-shared layers are one of their own) is one lax.scan over the periods, the body one
-# period's layers. Its weights come stacked ("scan.S.J.LEAF": period position J of segment S, [groups, ...],
-# the stacked dim whole on every device, `stack`), so each iteration gathers one period's shards and no more.
-# The layers outside any segment (a depth that is not whole periods) keep their flat names and run one by one.
+# (a segment: the E sizes' kv-shared layers are one of their own) is one lax.scan over the periods, and inside a
+# period each run of consecutive layers of one kind (Gemma 4's five local layers, then its global one) is a scan
+# of its own over those layers. The compiler so generates code for one layer of each kind per segment, not for a
+# whole period, and a device gathers one layer's weights at a time. The weights come stacked
+# ("scan.S.R.LEAF": run R of the period in segment S, [groups, run length, ...], both stacked dims whole on every
+# device, `stack`). The layers outside any segment (a depth that is not whole periods) keep their flat names and
+# run one by one.
 
 SCANNED = "scan."
 
@@ -640,33 +645,45 @@ class Segment:
     start: int   # its first layer
     groups: int  # periods of the pattern it scans over
     period: int  # layers per period
+    runs: tuple[tuple[int, int], ...] = ()  # (first position, length): the period's runs of layers of one kind
 
     def layer(self, g: int, j: int) -> int:
         return self.start + g * self.period + j
 
 
+def _runs(pattern: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    out: list[list[int]] = []
+    for j, kind in enumerate(pattern):
+        if out and pattern[out[-1][0]] == kind:
+            out[-1][1] += 1
+        else:
+            out.append([j, 1])
+    return tuple((a, n) for a, n in out)
+
+
 def segments(cfg: GemmaConfig, min_groups: int = 2) -> list[Segment]:
     """The scanned runs of layers: within the layers that own their kv and within those that share (their MLP
     width and kv sources differ), as many whole periods as there are, when at least min_groups."""
-    p = len(cfg.pattern or cfg.fam.pattern)
+    pattern = cfg.pattern or cfg.fam.pattern
+    p = len(pattern)
     first_shared = cfg.n_layers - cfg.kv_shared_layers
     out = []
     for a, b in ((0, first_shared), (first_shared, cfg.n_layers)):
         g = (b - a) // p
         if g >= min_groups:
-            out.append(Segment(a, g, p))
+            out.append(Segment(a, g, p, _runs(pattern)))
     return out
 
 
-def _scanned_layers(cfg: GemmaConfig) -> dict[int, tuple[int, int, int]]:
-    """Layer -> (segment, group, position) for every layer that runs in a scan."""
-    return {seg.layer(g, j): (s, g, j) for s, seg in enumerate(segments(cfg))
-            for g in range(seg.groups) for j in range(seg.period)}
+def _scanned_layers(cfg: GemmaConfig) -> dict[int, tuple[int, int, int, int]]:
+    """Layer -> (segment, group, run, index in the run) for every layer that runs in a scan."""
+    return {seg.layer(g, j0 + k): (s, g, r, k) for s, seg in enumerate(segments(cfg))
+            for g in range(seg.groups) for r, (j0, n) in enumerate(seg.runs) for k in range(n)}
 
 
 def stacked_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
-    """param_layout with the scanned layers' weights stacked: 'scan.S.J.LEAF' [groups, ...] (the stacked dim
-    unsharded); every other name as param_layout has it."""
+    """param_layout with the scanned layers' weights stacked: 'scan.S.R.LEAF' [groups, run length, ...] (the
+    stacked dims unsharded); every other name as param_layout has it."""
     flat = param_layout(cfg)
     where = _scanned_layers(cfg)
     segs = segments(cfg)
@@ -679,9 +696,9 @@ def stacked_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[s
         if int(i) not in where:
             out[name] = (shape, axes)
             continue
-        s, g, j = where[int(i)]
-        if g == 0:
-            out[f"{SCANNED}{s}.{j}.{leaf}"] = ((segs[s].groups, *shape), (None, *axes))
+        s, g, r, k = where[int(i)]
+        if g == 0 and k == 0:
+            out[f"{SCANNED}{s}.{r}.{leaf}"] = ((segs[s].groups, segs[s].runs[r][1], *shape), (None, None, *axes))
     return out
 
 
@@ -690,16 +707,17 @@ def stacked_shardings(cfg: GemmaConfig, mesh, rules: dict = RULES) -> dict[str, 
             for name, (shape, axes) in stacked_layout(cfg).items()}
 
 
-def _members(cfg: GemmaConfig) -> dict[str, list[str]]:
-    """Stacked name -> the flat names it stacks, in group order."""
-    out: dict[str, list[str]] = {}
+def _members(cfg: GemmaConfig) -> dict[str, list[list[str]]]:
+    """Stacked name -> the flat names it stacks, [group][index in the run]."""
+    out: dict[str, list[list[str]]] = {}
     for s, seg in enumerate(segments(cfg)):
-        for j in range(seg.period):
+        for r, (j0, n) in enumerate(seg.runs):
+            prefix = f"layers.{seg.layer(0, j0)}."
             for name in param_layout(cfg):
-                prefix = f"layers.{seg.layer(0, j)}."
                 if name.startswith(prefix):
                     leaf = name[len(prefix):]
-                    out[f"{SCANNED}{s}.{j}.{leaf}"] = [f"layers.{seg.layer(g, j)}.{leaf}" for g in range(seg.groups)]
+                    out[f"{SCANNED}{s}.{r}.{leaf}"] = [[f"layers.{seg.layer(g, j0 + k)}.{leaf}" for k in range(n)]
+                                                      for g in range(seg.groups)]
     return out
 
 
@@ -710,10 +728,11 @@ def stack(cfg: GemmaConfig, flat: dict[str, jax.Array], shardings: dict | None =
     out = {n: a for n, a in flat.items() if not n.startswith("layers.") or int(n.split(".")[1])
            not in _scanned_layers(cfg)}
     for name, parts in _members(cfg).items():
-        arrays = [flat[p] for p in parts]
+        arrays = [flat[p] for row in parts for p in row]
+        groups, n = len(parts), len(parts[0])
+        together = lambda *xs: jnp.stack(xs).reshape(groups, n, *xs[0].shape)  # noqa: E731
         sh = None if shardings is None else shardings[name]
-        out[name] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sh)(*arrays) if sh is not None else \
-            jnp.stack(arrays)
+        out[name] = jax.jit(together, out_shardings=sh)(*arrays) if sh is not None else together(*arrays)
         if free:
             for a in arrays:
                 if isinstance(a, jax.Array):
@@ -725,8 +744,9 @@ def unstack(cfg: GemmaConfig, stacked: dict[str, jax.Array]) -> dict[str, jax.Ar
     """stacked_layout's names -> param_layout's (inside a jit: slices)."""
     out = {n: a for n, a in stacked.items() if not n.startswith(SCANNED)}
     for name, parts in _members(cfg).items():
-        for g, p in enumerate(parts):
-            out[p] = stacked[name][g]
+        for g, row in enumerate(parts):
+            for k, p in enumerate(row):
+                out[p] = stacked[name][g, k]
     return out
 
 
@@ -735,7 +755,7 @@ def is_stacked(params: dict) -> bool:
 
 
 def _layer_state(cfg: GemmaConfig, i: int):
-    """(graphdef, abstract state) of layer i alone: a scan body builds the layer from one period's slices."""
+    """(graphdef, abstract state) of layer i alone: a scan body builds the layer from one layer's slices."""
     return nnx.split(nnx.eval_shape(lambda: Layer(cfg, i, None)))
 
 
@@ -802,50 +822,79 @@ def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, po
 
 def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, kvs, adapters, adapter_of,
                   attention, remat, unroll):
-    """One segment's layers as a scan over its periods -> (x, {layer: its (k, v)} of the last period's kv
-    origins, carried out of the loop)."""
+    """One segment's layers as a scan over its periods, each period's runs of one kind a scan over their layers
+    -> (x, {layer: its (k, v)} of the last period's kv origins, carried out of the loops)."""
     p, n = seg.period, seg.groups
-    defs = [_layer_state(cfg, seg.layer(0, j)) for j in range(p)]
-    weights = {j: {} for j in range(p)}
+    defs = [_layer_state(cfg, seg.layer(0, j0)) for j0, _ in seg.runs]
+    weights = {r: {} for r in range(len(seg.runs))}
     for name, a in params.items():
         if name.startswith(f"{SCANNED}{s}."):
-            _, _, j, leaf = name.split(".", 3)
-            weights[int(j)][leaf] = a
-    # the adapters of each period position, stacked over the periods
+            _, _, r, leaf = name.split(".", 3)
+            weights[int(r)][leaf] = a
+    # the adapters of each run, stacked [groups, run length, ...] like the weights
     ads = {}
-    for j in range(p):
-        names = {}
+    for r, (j0, m) in enumerate(seg.runs):
+        names: dict[str, list] = {}
         for g in range(n):
-            prefix = f"layers.{seg.layer(g, j)}."
-            for nm, a in adapters.items():
-                if nm.startswith(prefix):
-                    names.setdefault(nm[len(prefix):], []).append(a)
-        ads[j] = {k: jnp.stack(v) for k, v in names.items()}
+            for k in range(m):
+                prefix = f"layers.{seg.layer(g, j0 + k)}."
+                for nm, a in adapters.items():
+                    if nm.startswith(prefix):
+                        names.setdefault(nm[len(prefix):], []).append(a)
+        ads[r] = {key: jnp.stack(v).reshape(n, m, *v[0].shape) for key, v in names.items()}
     per_layer = None
     if ple is not None:  # [B, T, L, P] -> [groups, B, T, period, P]
         part = ple[:, :, seg.start:seg.start + n * p]
         per_layer = jnp.moveaxis(part.reshape(*part.shape[:2], n, p, part.shape[-1]), 2, 0)
-    origins = {j: seg.layer(n - 1, j) for j in range(p) if seg.layer(n - 1, j) in cfg.kv_origins}
+    # the runs whose last layer (in the last period) is a kv origin: their scans carry out their last (k, v)
+    origins = {r: seg.layer(n - 1, j0 + m - 1) for r, (j0, m) in enumerate(seg.runs)
+               if seg.layer(n - 1, j0 + m - 1) in cfg.kv_origins}
+    for r, (j0, m) in enumerate(seg.runs):
+        if any(seg.layer(n - 1, j0 + k) in cfg.kv_origins for k in range(m - 1)):
+            raise AssertionError(f"segment {s} run {r}: a kv origin that is not the last layer of its kind")
+    b, t, _ = x.shape
+    # a carried (k, v) as attention returns them: [B, T, kv heads, head width] each, in the compute dtype
+    zeros_kv = {r: (jnp.zeros((b, t, *cfg.attn_dims(origins[r])[:2]), x.dtype),) * 2 for r in origins}
+
+    def run_layers(r, x, w, ad, g, pl):
+        """Run r of period g: its layers one after the other (a scan over them when there are several)."""
+        j0, m = seg.runs[r]
+        graphdef, abstract_state = defs[r]
+        src = cfg.kv_source(seg.layer(0, j0))
+        shares = cfg.kv_source(seg.layer(0, j0)) != seg.layer(0, j0)
+        shared = kvs.get(src) if shares else None
+
+        def one(x, wk, adk, k, plk):
+            layer = _layer_from(graphdef, abstract_state, wk)
+            idx = seg.start + g * p + j0 + k
+            return _remat_layer(layer, remat, positions, segment_ids, adapter_of(idx, adk), attention)(
+                x, plk, shared)
+
+        pls = None if pl is None else jnp.moveaxis(pl[:, :, j0:j0 + m], 2, 0)  # [run length, B, T, P]
+        if m == 1:
+            take = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+            return one(x, take(w), take(ad), 0, None if pls is None else pls[0])
+
+        def body(carry, xs):
+            x, _ = carry
+            wk, adk, k, plk = xs
+            x, kv = one(x, wk, adk, k, plk)
+            return (x, kv if r in origins else None), None
+
+        (x, kv), _ = jax.lax.scan(body, (x, zeros_kv.get(r)), (w, ad, jnp.arange(m, dtype=jnp.int32), pls),
+                                  unroll=unroll)
+        return x, kv
 
     def body(carry, xs):
         x, _ = carry
         w, ad, g, pl = xs
         out_kv = {}
-        for j in range(p):
-            graphdef, abstract_state = defs[j]
-            layer = _layer_from(graphdef, abstract_state, w[j])
-            src = cfg.kv_source(seg.layer(0, j))
-            shared = kvs.get(src) if layer.shares_kv else None
-            idx = seg.start + g * p + j
-            x, kv = _remat_layer(layer, remat, positions, segment_ids, adapter_of(idx, ad[j]), attention)(
-                x, None if pl is None else pl[:, :, j], shared)
-            if j in origins:
-                out_kv[j] = kv
+        for r in range(len(seg.runs)):
+            x, kv = run_layers(r, x, w[r], ad[r], g, pl)
+            if r in origins:
+                out_kv[r] = kv
         return (x, out_kv), None
 
-    b, t, _ = x.shape
-    # the carried (k, v) as attention returns them: [B, T, kv heads, head width] each, in the compute dtype
-    init_kv = {j: (jnp.zeros((b, t, *cfg.attn_dims(origins[j])[:2]), x.dtype),) * 2 for j in origins}
-    (x, kv), _ = jax.lax.scan(body, (x, init_kv), (weights, ads, jnp.arange(n, dtype=jnp.int32), per_layer),
+    (x, kv), _ = jax.lax.scan(body, (x, zeros_kv), (weights, ads, jnp.arange(n, dtype=jnp.int32), per_layer),
                               unroll=unroll)
-    return x, {origins[j]: kv[j] for j in origins}
+    return x, {origins[r]: kv[r] for r in origins}
