@@ -805,3 +805,31 @@ def test_a_scanned_step_gathers_one_layers_base_at_a_time():
     layer = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings={**s, "gathers": "layer"})
     assert P._gathered(whole) == 6 * P.GIB and P._gathered(layer) == P.GIB // 2
     assert P._split(layer)[1] - P._split(whole)[1] == 6 * P.GIB - P.GIB // 2
+
+
+@needs_libtpu
+def test_remat_auto_writes_the_step_out_where_it_fits_and_scans_it_where_not():
+    """--remat auto on the TPU topologies the plan compiles for (libtpu's devices, nothing compiled): Gemma 4's
+    written-out step (the chip's faster one) where its estimated bytes fit under AUTO_FIT of a chip's HBM, its
+    layers in scans with full recompute where not and for the experts; Gemma 2 and 3 always written out; a named
+    policy as it is. The estimate stands beside the compiler's counts at 4 rows of 512 on v5litepod-8: the
+    written-out steps of e2b (11.49 GiB, fits) and e4b (15.91 of 16 GiB: no headroom) and 31B (46 GiB)."""
+    from jax.experimental import topologies
+
+    def resolved(topology, chips, size, rows, remat="auto"):
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
+                                            chips_per_host_bounds=aot.host_bounds(topology), num_slices=1)
+        mesh = mesh_lib.make_mesh({"data": chips, "model": 1}, list(desc.devices))
+        run = LoraRun(weights="-", data="-", ckpt_dir="-", model=size, batch_size=rows * chips,
+                      base_dtype="bfloat16", remat=remat)
+        return finetune.remat_of(run, gemma.SIZES[size], mesh, rows * chips)
+
+    assert resolved("v5e:2x4", 8, "gemma4-e2b", 4)[0] == "none"
+    remat, why = resolved("v5e:2x4", 8, "gemma4-e4b", 4)
+    assert remat == "full" and "would need" in why and "of 16 a device" in why
+    assert resolved("v5e:2x4", 8, "gemma4-31b", 1)[0] == "full"
+    assert resolved("v5e:2x4", 8, "gemma4-26b-a4b", 1)[0] == "full"
+    assert resolved("v5e:1x1", 1, "gemma4-e2b", 1)[0] == "none"  # the chip's row: 41.4 ms written out
+    assert resolved("v5e:2x4", 8, "gemma3-1b", 64)[0] == "none"
+    assert resolved("v5e:2x4", 8, "gemma4-31b", 4, remat="dots") == ("dots", "--remat dots")
+    assert finetune.written_out_bytes(gemma.SIZES["gemma4-e2b"], 2048) / 2 ** 30 == pytest.approx(12.2, abs=0.1)

@@ -21,7 +21,7 @@ from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_s
 # compiler's count (docs/performance.md)
 SIZES = {"gemma3-1b": 8, "gemma2-2b": 4, "gemma4-e2b": 1}
 # (variant name, LoraRun fields): alternatives of how the step computes, each timed beside the default
-# (a remat variant that is the size's default, --remat auto, is not timed twice: Gemma 4's default is full)
+# (a remat variant that is the size's default here, --remat auto, is not timed twice)
 VARIANTS: dict[str, dict] = {"lora-impl stacked": {"lora_impl": "stacked"}, "remat full": {"remat": "full"},
                              "remat dots": {"remat": "dots"}, "remat none": {"remat": "none"}}
 PEER_SIZE = "gemma2-2b"  # the size tunix's step is timed at (its Gemma 2 config is Google's own)
@@ -170,15 +170,23 @@ def run(s: Settings):
                 yield tunix_row(s, PEER_SIZE, batch)
             continue
         for size, batch in batches.items():
-            if _is_default(size, fields) and not s.quick:
+            if not s.quick and _is_default(size, fields, batch):
                 continue
             if s.wants(name_of(size, batch, variant=variant)):
                 yield step_row(s, size, batch, variant=variant, fields=fields)
 
 
-def _is_default(size: str, fields: dict) -> bool:
-    """A remat variant the size runs by default (--remat auto): its default row times it already."""
+def _is_default(size: str, fields: dict, batch: int) -> bool:
+    """A remat variant the size runs by default here (--remat auto on this chip): its default row times it."""
+    import dataclasses
+
+    from trainer.common import mesh as mesh_lib
     from trainer.finetune import train as finetune
+    from trainer.finetune.config import LoraRun
     from trainer.models import gemma
     remat = fields.get("remat")
-    return remat is not None and finetune.remat_of("auto", gemma.SIZES[size]) == remat
+    if remat is None:
+        return False
+    run = LoraRun(weights="-", data="-", ckpt_dir="-", model=size, batch_size=batch, base_dtype="bfloat16")
+    mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
+    return finetune.remat_of(dataclasses.replace(run, remat="auto"), gemma.SIZES[size], mesh, batch)[0] == remat

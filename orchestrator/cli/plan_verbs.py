@@ -118,6 +118,8 @@ def _render(p: P.Plan) -> str:
     lines = [f"plan for {a.name}: {a.chips} chips, {a.hosts} host(s), {f['devices']} devices, mesh {mesh}, "
              f"{f['dtype']} compute",
              f"  compiler: {p.label}" + (" [cached]" if p.cached else f" [compiled in {f['compile_s']:.0f}s]"),
+             *([f"  step: remat {f['settings']['remat']} ({f['settings']['remat_why']})"]
+               if f.get("settings", {}).get("remat_why") else []),
              "  per device:",
              f"    parameters          {P.gib(f['params_bytes']):>12}",
              f"    optimizer state     {P.gib(f['optimizer_bytes']):>12}",

@@ -160,7 +160,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  mesh=mesh_lib.shape_of(mesh), dtype=run.dtype,
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
-                           "remat": steps.remat, "loss_chunk": steps.loss_chunk, "seq_len": run.seq_len,
+                           "remat": steps.remat, "remat_why": steps.remat_why, "loss_chunk": steps.loss_chunk, "seq_len": run.seq_len,
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
                            "fsdp": True, "batch_per_device": not run.batch_size,
@@ -381,11 +381,30 @@ def plan(args: argparse.Namespace, target: Target, started: float | None = None)
     except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        out = out_of_memory(built, target, str(e), time.perf_counter() - t0)
-        return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
+        if not _falls_back(args, built):
+            out = out_of_memory(built, target, str(e), time.perf_counter() - t0)
+            return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
+        # as the run does (finetune.compile_fitting): --remat auto's written-out step refused, the scanned one
+        phases["refused written out"] = time.perf_counter() - t0
+        args = argparse.Namespace(**{**vars(args), "remat": "full"})
+        built = BUILDERS[args.cmd](args, target)
+        built.settings["remat_why"] = "auto: the written-out step was refused by the compiler for memory"
+        t0 = time.perf_counter()
+        try:
+            compiled = built.compile()
+        except Exception as e2:  # noqa: BLE001
+            if "RESOURCE_EXHAUSTED" not in str(e2):
+                raise
+            out = out_of_memory(built, target, str(e2), time.perf_counter() - t0)
+            return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
     t1 = time.perf_counter()
     out = figures(built, compiled, target, t1 - t0)
     return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1})}
+
+
+def _falls_back(args: argparse.Namespace, built: Built) -> bool:
+    """Whether a refused step is one --remat auto chose written out on an estimate (lora's remat_of)."""
+    return args.cmd == "lora" and getattr(args, "remat", "") == "auto" and built.settings.get("remat") == "none"
 
 
 def _rounded(phases: dict) -> dict:

@@ -32,3 +32,15 @@ HBM_BYTES_S = {
     "TPU v6 lite": 1638e9,   # [1]
     "TPU v6e": 1638e9,
 }
+
+# HBM per chip, bytes (the catalog's hbm_gib_per_chip, orchestrator/catalog.py, and its sources): what a step's
+# estimate is held against before the compiler counts it (trainer/finetune/train.py remat_of).
+HBM_BYTES = {
+    "TPU v4": 32 * 2 ** 30,        # [4]
+    "TPU v5 lite": 16 * 2 ** 30,   # [2]
+    "TPU v5e": 16 * 2 ** 30,
+    "TPU v5": 95 * 2 ** 30,        # [3]
+    "TPU v5p": 95 * 2 ** 30,
+    "TPU v6 lite": 32 * 2 ** 30,   # [1]
+    "TPU v6e": 32 * 2 ** 30,
+}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import time
 
 import jax
@@ -20,7 +21,7 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.common import checkpoint, loop, metrics, optim, profiling, scans
+from trainer.common import checkpoint, chips, loop, metrics, optim, profiling, scans
 from trainer.finetune import data as sft_data
 from trainer.gemma import tokenizer as tok_lib
 from trainer.gemma import weights
@@ -76,17 +77,53 @@ def _layer_adapter(lc: lora_lib.LoraConfig, dropout_key, lora_impl: str = "besid
     return make
 
 
-# --remat auto, by family. Gemma 4: full, its layers in scans. By the TPU compiler's count (libtpu 0.0.42.1) for
-# gemma4-e2b on v5litepod-8, 4 rows of 512 a device: 5.93 GiB a device against 10.87 for dots, at about the same
-# calibrated step time (dots saves the matmuls' recompute and pays as much in the HBM traffic of what it saves),
-# and the only policy that fits 31B; a plan of the written-out step (none) took 456 s. Gemma 2 and 3: none, the
-# step as it was (written out, no recompute).
-AUTO_REMAT = {"gemma4": "full"}
+# --remat auto: the step the chip timed fastest where it fits, and the layers in scans with full recompute where
+# it does not. On one v5e chip, gemma4-e2b at 1 x 512 (jax 0.10.2, libtpu 0.0.42.1; bench/tpu_records/
+# v5e-2026-12-06-d.json): 41.4 ms a step written out without recompute (none), 87.8 ms with its layers in scans
+# and full recompute. So none wherever the written-out step's activations fit the device, full where they do not
+# (gemma4-31b and gemma4-26b-a4b on v5litepod-8 and v4-8, gemma4-e4b on v5litepod-8 at 4 rows of 512: their
+# written-out steps need 46, 38 and 15.9 GiB of a 16 GiB chip by the compiler's count). Gemma 2 and 3 stay
+# written out (none), as the chip timed them.
+#
+# "Fits" is decided before anything compiles, from the shapes: the written-out step keeps, per token of a
+# device's rows and per layer, about WRITTEN_OUT_BYTES bytes per unit of (d_model + the layer's MLP width)
+# (10.5-13.9 by the compiler's count of gemma4-e2b, e4b and 31b on v5litepod-8, 4 x 512, libtpu 0.0.42.1), and
+# the loss its f32 logits twice; with the base's shard, it must stay under AUTO_FIT of the chip's HBM. The
+# experts' dispatch is not in that count: a config with experts takes full.
+WRITTEN_OUT_BYTES = 11.0
+AUTO_FIT = 0.85
 
 
-def remat_of(remat: str, cfg: gemma.GemmaConfig) -> str:
-    """--remat with auto resolved for the model's family."""
-    return AUTO_REMAT.get(cfg.family, "none") if remat == "auto" else remat
+def written_out_bytes(cfg: gemma.GemmaConfig, tokens: int, vocab_shards: int = 1) -> float:
+    """What the written-out LoRA step (no recompute) holds beside its state, per device, for `tokens` tokens of
+    rows a device computes: the layers' kept activations and the loss's logits (an estimate: see AUTO_FIT)."""
+    width = sum(cfg.d_model + cfg.ff_of(i) for i in range(cfg.n_layers))
+    return WRITTEN_OUT_BYTES * tokens * width + 2 * 4 * tokens * cfg.vocab / vocab_shards
+
+
+def remat_of(run: LoraRun, cfg: gemma.GemmaConfig, mesh, global_batch: int) -> tuple[str, str]:
+    """(--remat with auto resolved for this model, mesh and batch, why)."""
+    if run.remat != "auto":
+        return run.remat, "--remat " + run.remat
+    if cfg.family != "gemma4":
+        return "none", "auto: Gemma 2 and 3 run written out"
+    if cfg.n_experts:
+        return "full", "auto: the experts' step runs its layers in scans with full recompute"
+    kind = mesh.devices.flat[0].device_kind
+    hbm = chips.HBM_BYTES.get(kind)
+    if not hbm:  # the CPU (a local slice): no device memory to fit
+        return "none", "auto: written out (no device memory to fit on " + kind + ")"
+    data = mesh.shape["data"] * mesh.shape.get(mesh_lib.DCN, 1)
+    tokens = global_batch // max(data, 1) * run.seq_len
+    state = sum(math.prod(sh.shard_shape(shape)) for (shape, _), sh in
+                zip(gemma.param_layout(cfg).values(), gemma.shardings(cfg, mesh).values())) * \
+        jnp.dtype(compute_dtype(run.base_dtype, mesh.devices.flat[0].platform)).itemsize
+    need = state + written_out_bytes(cfg, tokens, mesh.shape["model"])
+    gib = 2 ** 30
+    if need <= AUTO_FIT * hbm:
+        return "none", f"auto: written out, ~{need / gib:.1f} GiB of {hbm / gib:.0f} a device (estimated)"
+    return "full", (f"auto: layers in scans with full recompute: written out would need ~{need / gib:.1f} GiB of "
+                    f"{hbm / gib:.0f} a device (estimated)")
 
 
 # --loss-chunk 0 (the default), by family. Gemma 4: 128 positions at a time: its loss held [rows, T, 262k] f32
@@ -111,7 +148,7 @@ class Steps:
         self.dtype = compute_dtype(run.dtype, platform)
         self.attention = attention.resolve(run.attention, platform, run.seq_len, mesh.devices.flat[0].device_kind)
         self.global_batch = global_batch
-        self.remat = remat_of(run.remat, cfg)
+        self.remat, self.remat_why = remat_of(run, cfg, mesh, global_batch)
         self.loss_chunk = loss_chunk_of(run.loss_chunk, cfg)
         # the base as the step takes it: with a remat policy, the layers run in scans and the scanned layers'
         # weights come stacked (gemma.stacked_layout, place_base); without one the layers stay written out, as a
@@ -219,6 +256,29 @@ class Steps:
     def init(self):
         lora = jax.block_until_ready(lora_lib.init(self.cfg, self.lc, self.run.seed, self.mesh))
         return lora, jax.block_until_ready(jax.jit(self.tx.init, out_shardings=self.opt_sh)(lora))
+
+
+def is_out_of_memory(e: Exception) -> bool:
+    """Whether the compiler refused a step for want of device memory (jax raises its runtime error type)."""
+    return "RESOURCE_EXHAUSTED" in str(e)
+
+
+def compile_fitting(steps: Steps, base: dict, total: int) -> tuple[Steps, dict, float]:
+    """(steps, base as they take it, compile seconds): the step compiled; a written-out step that --remat auto
+    chose on an estimate (remat_of) and the compiler refuses for memory is compiled again with its layers in
+    scans and full recompute, the base restacked in place."""
+    try:
+        return steps, base, steps.compile(base)
+    except Exception as e:  # noqa: BLE001
+        if not is_out_of_memory(e) or steps.run.remat != "auto" or steps.remat != "none":
+            raise
+    if jax.process_index() == 0:
+        metrics.say("the written-out step does not fit the devices after all (the compiler refused it); compiling it "
+                    "with its layers in scans and full recompute (--remat full)")
+    full = Steps(dataclasses.replace(steps.run, remat="full"), steps.cfg, steps.mesh, total, steps.global_batch)
+    full.remat_why = "auto: the written-out step was refused by the compiler for memory"
+    base = full.place_base(base, free=True)
+    return full, base, full.compile(base)
 
 
 def load_data(run: LoraRun, tok, pid: int, nproc: int, global_batch: int):
@@ -334,12 +394,13 @@ def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, 
         metrics.say(data_msg)
         metrics.say(f"LoRA rank {lc.rank} alpha {lc.alpha:g} on {','.join(lc.targets)}: {n_lora:,} trainable params "
                     f"({100 * n_lora / n_base:.3f}% of {n_base:,}) | mesh {mesh_lib.describe(steps.mesh)} over "
-                    f"{jax.device_count()} devices in {jax.process_count()} process(es) | " + (f"resuming from step {start}" if start else "starting from the base"))
+                    f"{jax.device_count()} devices in {jax.process_count()} process(es) | remat {steps.remat} ({steps.remat_why}) | "
+                    + (f"resuming from step {start}" if start else "starting from the base"))
     if start >= total:
         if primary:
             metrics.say(f"already at step {start} >= {total}: nothing to do")
         return 0
-    compile_s = steps.compile(base)
+    steps, base, compile_s = compile_fitting(steps, base, total)
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
     meta = _Meta(run, cfg)
