@@ -46,6 +46,9 @@ from trainer.models.gpt2 import loss_fn
 # a device holds 1/model of its rows' residuals, not all of them, and more `model` never grows it (sequence
 # parallelism: the projections gather it, the output projections reduce-scatter back).
 RESIDUAL = ("batch", "residual_seq", "embed")
+# Attention's scores [B, T, kv heads, query heads per kv head, S] (fitted_spec gives `model` to the first that
+# it divides; the positions stay whole).
+SCORES = ("batch", "seq", "kv_heads", "heads", None)
 K_MASK = -2.3819763e38  # what Google's implementation writes into masked attention logits
 LOCAL, GLOBAL = "local", "global"
 
@@ -407,6 +410,8 @@ class Layer(nnx.Module):
         n_kv = k.shape[2]
         qg = q.reshape(b, t, n_kv, h // n_kv, hd)
         logits = jnp.einsum("btkgh,bskh->btkgs", qg, k, preferred_element_type=jnp.float32)
+        # over `model` by kv heads, or where it does not split those (one kv head) by the query heads of each
+        logits = _constrain(logits, SCORES)
         logits = softcap(logits, fam.attn_softcap)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
         mask = kp <= qp
