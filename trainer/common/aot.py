@@ -160,6 +160,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  mesh=mesh_lib.shape_of(mesh), dtype=run.dtype,
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
+                           "d_model": cfg.d_model,
                            "remat": run.remat, "loss_chunk": run.loss_chunk, "seq_len": run.seq_len,
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
