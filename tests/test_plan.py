@@ -272,6 +272,9 @@ def test_lora_levers_and_sizes_from_given_figures():
                  levers=["base_dtype", "batch_size", "mesh_model"])
     p = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, f)
     assert not p.fits and P._gathered(f) == 7 * gib and P._split(f) == (15 * gib, 2 * gib)
+    # temporaries too small to hold the gathered base: the layers in a scan, one period gathered at a time
+    scanned = {**f, "temp_bytes": grads + 2 * gib}
+    assert P._gathered(scanned) == 0 and P._split(scanned) == (15 * gib, 2 * gib)
     by = {s.change: s for s in P.suggest(p)}
     assert list(by) == ["--base-dtype bfloat16", "--batch-size 16", "--mesh data=4,model=2"]  # the first is compiled
     assert by["--base-dtype bfloat16"].estimate_bytes == 17 * gib - 8 * gib // 2

@@ -364,6 +364,10 @@ def _gathered(f: dict, data: int | None = None, scale: float = 1.0) -> int:
     its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded."""
     if not f["settings"].get("fsdp"):
         return 0
+    if _base(f) * (f["mesh"]["data"] - 1) > f["temp_bytes"] - f.get("grad_bytes", f["params_bytes"]):
+        # more than the temporaries hold: a step whose layers run in a scan gathers one period's weights at a
+        # time, counted with the activations, whatever the mesh
+        return 0
     return int(_base(f) * scale * ((data or f["mesh"]["data"]) - 1))
 
 
