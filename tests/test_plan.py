@@ -275,6 +275,9 @@ def test_lora_levers_and_sizes_from_given_figures():
     # temporaries too small to hold the gathered base: the layers in a scan, one period gathered at a time
     scanned = {**f, "temp_bytes": grads + 2 * gib}
     assert P._gathered(scanned) == 0 and P._split(scanned) == (15 * gib, 2 * gib)
+    # ... and where the plan says so: one iteration's layers (8 of 32), twice
+    scan = {**scanned, "settings": {**f["settings"], "scan_layers": 8, "n_layer": 32}}
+    assert P._gathered(scan) == int(gib * 0.5 * 7) and P._gathered(scan, 4) == int(gib * 0.5 * 3)
     by = {s.change: s for s in P.suggest(p)}
     assert list(by) == ["--base-dtype bfloat16", "--batch-size 16", "--mesh data=4,model=2"]  # the first is compiled
     assert by["--base-dtype bfloat16"].estimate_bytes == 17 * gib - 8 * gib // 2

@@ -358,17 +358,24 @@ def _base(f: dict) -> int:
     return f["params_bytes"] - f.get("grad_bytes", f["params_bytes"])
 
 
+SCAN_GATHERED = 2
+
+
 def _gathered(f: dict, data: int | None = None, scale: float = 1.0) -> int:
     """An fsdp base (settings fsdp) is all-gathered over `data` for the matmuls, and the compiler keeps the
     gathered layers for the backward pass: each device holds the shards of the other data-1 devices besides
     its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded."""
-    if not f["settings"].get("fsdp"):
+    s = f["settings"]
+    if not s.get("fsdp"):
         return 0
-    if _base(f) * (f["mesh"]["data"] - 1) > f["temp_bytes"] - f.get("grad_bytes", f["params_bytes"]):
-        # more than the temporaries hold: a step whose layers run in a scan gathers one period's weights at a
-        # time, counted with the activations, whatever the mesh
-        return 0
-    return int(_base(f) * scale * ((data or f["mesh"]["data"]) - 1))
+    share = 1.0
+    if s.get("scan_layers") and s.get("n_layer"):
+        # the layers in a scan: one iteration's layers gathered at a time, twice (the period's forward recomputed
+        # and its backward)
+        share = min(1.0, SCAN_GATHERED * s["scan_layers"] / s["n_layer"])
+    elif _base(f) * (f["mesh"]["data"] - 1) > f["temp_bytes"] - f.get("grad_bytes", f["params_bytes"]):
+        return 0  # more than the temporaries hold, and no scan said: not counted
+    return int(_base(f) * scale * share * ((data or f["mesh"]["data"]) - 1))
 
 
 def _split(f: dict) -> tuple[int, int]:

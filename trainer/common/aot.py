@@ -161,6 +161,9 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
                            "d_model": cfg.d_model,
+                           # layers a scan iteration runs (one period of the attention pattern), 0 written out
+                           "scan_layers": (len(cfg.pattern or cfg.fam.pattern)
+                                           if steps.scanned and gemma.segments(cfg) else 0),
                            "remat": run.remat, "loss_chunk": run.loss_chunk, "seq_len": run.seq_len,
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
