@@ -9,7 +9,8 @@ embed [V, D], q [H, D, hd], kv [2, K, D, hd], o [H, hd, D], gating [2, F, D] (ga
 RMSNorm scales [D] (and [hd] for the QK-norm of Gemma 3 and 4), applied as x * (1 + scale) (Gemma 2, 3) or
 x * scale (Gemma 4).
 The D dimension of every matrix is sharded over `data` (fsdp) and heads / mlp / vocab over `model`;
-a dimension that a mesh axis does not divide (one kv head on model=2) stays whole (mesh.fitted_spec).
+a dimension that a mesh axis does not divide (one kv head on model=2) stays whole, and the D dimension takes
+that axis too (mesh.fitted_spec).
 
 Gemma 4 adds, each a field of GemmaConfig that is off for the older families:
 - global layers with their own head width and kv heads (global_head_dim, global_kv_heads), rotating only a
