@@ -105,12 +105,14 @@ def test_load_on_a_4x2_mesh_gives_each_param_its_rule_sharding(ckpts, mesh, layo
         x = params[name]
         want = mesh_lib.fitted_spec(axes, shape, {"data": 4, "model": 2})
         assert x.sharding.spec == want, name
-        n_shards = math.prod({"data": 4, "model": 2}[a] for a in want if a is not None)
+        n_shards = math.prod({"data": 4, "model": 2}[n] for a in want if a is not None
+                             for n in ((a,) if isinstance(a, str) else a))
         assert _per_device_bytes(x) == {x.nbytes // n_shards}, name
         np.testing.assert_array_equal(np.asarray(x), np.asarray(flat[name]))
-    # Fsdp over data and tensor-parallel over model; the single kv head stays whole on model=2.
+    # Fsdp over data and tensor-parallel over model; the single kv head model=2 cannot split stays whole, and its
+    # width splits over model as well as data instead.
     assert params["layers.0.q"].sharding.spec == jax.sharding.PartitionSpec("model", "data", None)
-    assert params["layers.0.kv"].sharding.spec == jax.sharding.PartitionSpec(None, None, "data", None)
+    assert params["layers.0.kv"].sharding.spec == jax.sharding.PartitionSpec(None, None, ("data", "model"), None)
     if layout == "transformers":  # no read ever fetched more than one device's block of a tensor
         largest = max(max(_per_device_bytes(x)) for x in params.values())
         assert reads and max(n for _, n in reads) <= largest

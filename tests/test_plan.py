@@ -267,15 +267,25 @@ def test_lora_levers_and_sizes_from_given_figures():
     f = _figures(params_bytes=gib + grads, optimizer_bytes=2 * grads, grad_bytes=grads,
                  temp_bytes=grads + 7 * gib + 2 * gib, total_bytes=17 * gib, mesh={"data": 8, "model": 1}, devices=8,
                  settings={"batch_size": 32, "grad_accum": 1, "steps": 10, "mesh": "", "n_head": 32,
-                           "base_dtype": "float32", "fsdp": True, "batch_per_device": True},
+                           "base_dtype": "float32", "fsdp": True, "batch_per_device": True, "seq_len": 512,
+                           "d_model": 4096},
                  levers=["base_dtype", "batch_size", "mesh_model"])
     p = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, f)
     assert not p.fits and P._gathered(f) == 7 * gib and P._split(f) == (15 * gib, 2 * gib)
+    # temporaries too small to hold the gathered base: the layers in a scan, one period gathered at a time
+    scanned = {**f, "temp_bytes": grads + 2 * gib}
+    assert P._gathered(scanned) == 0 and P._split(scanned) == (15 * gib, 2 * gib)
+    # ... and where the plan says so: one iteration's layers (8 of 32), twice
+    scan = {**scanned, "settings": {**f["settings"], "scan_layers": 8, "n_layer": 32}}
+    assert P._gathered(scan) == int(gib * 0.5 * 7) and P._gathered(scan, 4) == int(gib * 0.5 * 3)
     by = {s.change: s for s in P.suggest(p)}
     assert list(by) == ["--base-dtype bfloat16", "--batch-size 16", "--mesh data=4,model=2"]  # the first is compiled
     assert by["--base-dtype bfloat16"].estimate_bytes == 17 * gib - 8 * gib // 2
     assert by["--batch-size 16"].estimate_bytes == 16 * gib  # 15 GiB stays, activations / 2
-    assert by["--mesh data=4,model=2"].estimate_bytes == 17 * gib - 4 * gib + 2 * gib  # twice the rows
+    # the residual's positions split over model: the activations stay, but for the two layer inputs (bf16) each
+    # device gathers of twice the rows (8 of 512 positions of 4096, not 4)
+    inputs = 2 * 512 * 4096 * 2
+    assert by["--mesh data=4,model=2"].estimate_bytes == 17 * gib - 4 * gib + inputs * (8 - 4)
     state = 15 * gib - 7 * gib  # on 16 devices: half of it, and 15 shards of half the size gathered
     assert P._on_devices(p, 16) == state // 2 + int(gib * 0.5 * 15) + 2 * gib
     bf16 = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, {**f, "settings": {**f["settings"], "base_dtype": "bfloat16"}})
@@ -547,6 +557,28 @@ def test_a_suggestion_the_compiler_refutes_is_followed_by_its_levers_next(monkey
     assert asked == ["data=4,model=1", "data=2,model=2"] and len(p.suggestions) == 1
 
 
+def test_a_model_mesh_that_holds_more_than_data_alone_says_why():
+    """The exception to "more model, fewer bytes a device": the same step on data=1,model=8 estimated on
+    data=8 (the base gathered over 8, the layers' inputs of 4 rows, not 32); the plan names it, in its text
+    and JSON, only where the compiled total is above that estimate (not with 8x the base to gather)."""
+    gib = P.GIB
+    settings = {"batch_size": 32, "grad_accum": 1, "steps": 10, "mesh": "data=1,model=8", "n_head": 8,
+                "fsdp": True, "batch_per_device": True, "seq_len": 512, "d_model": 8192}
+    f = _figures(params_bytes=gib // 64 + 1, optimizer_bytes=2, grad_bytes=1, temp_bytes=4 * gib, total_bytes=5 * gib,
+                 mesh={"data": 1, "model": 8}, devices=8, settings=settings, levers=["mesh_model"])
+    p = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, f)
+    inputs = 2 * 512 * 8192 * 2  # per row: two layer inputs, bf16
+    one = P._on_mesh(f, 1)
+    assert one == 5 * gib + 7 * (gib // 64) - inputs * (32 - 4)  # 7 other shards gathered; 28 fewer rows' inputs
+    note = P.mesh_note(p)
+    assert note and note.startswith("model=8 needs about ") and "data=8,model=1 would" in note
+    assert "  mesh: model=8 needs" in render(p) and p.to_json()["mesh_note"] == note
+    heavy = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, {**f, "params_bytes": gib // 8 + 1})  # base outweighs
+    assert P._on_mesh(heavy.figures, 1) > heavy.total_bytes
+    assert P.mesh_note(heavy) is None and "mesh:" not in render(heavy)
+    assert P.mesh_note(P.Plan(catalog.lookup("v5litepod-8"), P.TPU, _figures())) is None  # model=1
+
+
 def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():
     assert [a.name for a in P._larger(catalog.lookup("v4-256"))] == ["v4-512", "v4-1024", "v4-2048", "v4-4096"]
     assert P._larger(catalog.lookup("v5litepod-256")) == []
@@ -798,13 +830,13 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
 
 
 def test_a_scanned_step_gathers_one_layers_base_at_a_time():
-    """settings gathers "layer" (Gemma's layers in scans, recomputed): of a 2 GiB base shard on data=4, the
-    gathered copy is one of 12 layers' 6 GiB, not all of it; so the activations are the rest."""
+    """settings scan_layers 1 (Gemma's layers in nested scans, recomputed): of a 2 GiB base shard on data=4, the
+    gathered copy is one of 12 layers' 6 GiB twice (the layer's forward recomputed, and its backward), not all."""
     s = {"batch_size": 64, "grad_accum": 1, "fsdp": True, "n_layer": 12}
     whole = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings=s)
-    layer = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings={**s, "gathers": "layer"})
-    assert P._gathered(whole) == 6 * P.GIB and P._gathered(layer) == P.GIB // 2
-    assert P._split(layer)[1] - P._split(whole)[1] == 6 * P.GIB - P.GIB // 2
+    layer = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings={**s, "scan_layers": 1})
+    assert P._gathered(whole) == 6 * P.GIB and P._gathered(layer) == P.GIB
+    assert P._split(layer)[1] - P._split(whole)[1] == 6 * P.GIB - P.GIB
 
 
 @needs_libtpu

@@ -147,6 +147,9 @@ def _render(p: P.Plan) -> str:
         lines.append(f"  largest batch that fits: {rows} a device (--batch-size {big['batch_size']}), about "
                      f"{P.gib(big['estimate_bytes'])} per device: {big['how']}" if big["rows_per_device"] else
                      f"  largest batch that fits: none at this mesh ({big['how']})")
+    note = P.mesh_note(p)
+    if note:
+        lines.append(f"  mesh: {note}")
     if not p.fits:
         for s in p.suggestions:
             if s.compiled_bytes is not None:

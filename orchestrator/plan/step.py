@@ -232,7 +232,8 @@ class Plan:
                "headroom_bytes": self.headroom_bytes, "devices": f["devices"], "mesh": f["mesh"],
                "dtype": f["dtype"], "compile_s": f["compile_s"], "tokens_per_step": f["tokens_per_step"],
                "model_flops_per_token": f["model_flops_per_token"], "timing": self.timing(),
-               "refused": self.refused, "suggestions": [s.__dict__ for s in self.suggestions],
+               "refused": self.refused, "mesh_note": mesh_note(self),
+               "suggestions": [s.__dict__ for s in self.suggestions],
                "time_spent": self.time_spent(), "largest_batch": largest_batch(self),
                "alternative": self.alternative.to_json() if self.alternative else None}
         return out
@@ -376,17 +377,24 @@ def _base(f: dict) -> int:
     return f["params_bytes"] - f.get("grad_bytes", f["params_bytes"])
 
 
+SCAN_GATHERED = 2
+
+
 def _gathered(f: dict, data: int | None = None, scale: float = 1.0) -> int:
     """An fsdp base (settings fsdp) is all-gathered over `data` for the matmuls, and a step written out keeps the
     gathered layers for the backward pass: each device holds the shards of the other data-1 devices besides
-    its own (`scale` its own shard's size relative to now). A step whose layers run in scans and are recomputed
-    (settings gathers "layer") gathers one layer at a time: a layer's share of that. 0 for state that is not
-    fsdp-sharded."""
+    its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded."""
     s = f["settings"]
     if not s.get("fsdp"):
         return 0
-    share = 1 / max(s.get("n_layer") or 1, 1) if s.get("gathers") == "layer" else 1.0
-    return int(_base(f) * scale * ((data or f["mesh"]["data"]) - 1) * share)
+    share = 1.0
+    if s.get("scan_layers") and s.get("n_layer"):
+        # the layers in a scan: one iteration's layers gathered at a time, twice (the period's forward recomputed
+        # and its backward)
+        share = min(1.0, SCAN_GATHERED * s["scan_layers"] / s["n_layer"])
+    elif _base(f) * (f["mesh"]["data"] - 1) > f["temp_bytes"] - f.get("grad_bytes", f["params_bytes"]):
+        return 0  # more than the temporaries hold, and no scan said: not counted
+    return int(_base(f) * scale * share * ((data or f["mesh"]["data"]) - 1))
 
 
 def _split(f: dict) -> tuple[int, int]:
@@ -454,23 +462,69 @@ def _batch_size(p: Plan) -> Iterator[Suggestion]:
                                                         "(changes the optimisation; --grad-accum keeps it)")
 
 
+# Tensor parallelism as the mesh rules lay it out (trainer/common/mesh.py RULES, trainer/models/gemma.py): the
+# residual stream between the layers splits its positions over `model`, the heads and MLP columns split over it,
+# so a device's activations stay the same as `model` grows on the same devices, but for the layers' inputs: each
+# projection reads its rows' every position whole ([rows of one data group, T, d_model]), and a data group has
+# model times the rows. Two such inputs at a time (the attention's and the MLP's, of the layer being recomputed).
+GATHERED_INPUTS = 2
+
+
+def _layer_inputs(f: dict, model: int) -> int:
+    """Per device: the layers' inputs gathered over `model` on a mesh of `model` on this plan's slice (0 where
+    the plan does not know the model's width)."""
+    s = f["settings"]
+    if not s.get("d_model") or not s.get("seq_len"):
+        return 0
+    rows = s["batch_size"] // (s.get("grad_accum") or 1) // (_slice_devices(f) // model * f["mesh"].get("dcn", 1))
+    width = 2 if f.get("dtype") in ("bfloat16", "bf16") else 4
+    return GATHERED_INPUTS * rows * s["seq_len"] * s["d_model"] * width
+
+
+def _on_mesh(f: dict, m: int) -> int:
+    """The per-device total of this plan's step on the same slice with model=m (data = devices / m), by
+    arithmetic: the fsdp base gathered over the smaller data, the layers' inputs over model=m's larger groups."""
+    fixed, act = _split(f)
+    n = _slice_devices(f)
+    if f["settings"].get("fsdp"):
+        return fixed - _gathered(f) + _gathered(f, n // m) + act - _layer_inputs(f, f["mesh"]["model"]) \
+            + _layer_inputs(f, m)
+    return (fixed * f["mesh"]["model"]) // m + act
+
+
 def _mesh_model(p: Plan) -> Iterator[Suggestion]:
     f, s = p.figures, p.figures["settings"]
-    fixed, act = _split(f)
     n = _slice_devices(f)  # --mesh is one slice's
     for m in (2, 4, 8, 16):
         if n % m or s.get("n_head", m) % m or m <= f["mesh"]["model"]:
             continue
+        est = _on_mesh(f, m)
         if s.get("fsdp"):
-            # The state is split over every device either way; less of the base is gathered, but each device has
-            # m / model times the rows (counted whole: their heads and MLP split over model shrink, the rest not).
-            est = fixed - _gathered(f) + _gathered(f, n // m) + act * m // f["mesh"]["model"]
-            note = f"the base's heads and MLP split over {m} devices (tensor parallel): less of it gathered"
+            note = (f"the base's heads and MLP split over {m} devices (tensor parallel): less of it gathered, "
+                    f"each layer's input gathered over {m} positions' shards")
         else:
-            est = (fixed * f["mesh"]["model"]) // m + act
             note = f"params, optimizer state and gradients split over {m} devices (tensor parallel)"
         if est <= p.hbm_bytes:
             yield Suggestion(f"--mesh data={n // m},model={m}", est, note)
+
+
+def mesh_note(p: Plan) -> str | None:
+    """Where this plan's `model` > 1 needs more per device than all its devices on `data` would (by
+    arithmetic from its figures): the exception to "more `model` on the same slice, fewer bytes a device",
+    and why."""
+    f = p.figures
+    model = f["mesh"]["model"]
+    if model <= 1 or not f["settings"].get("fsdp") or p.refused:
+        return None
+    one = _on_mesh(f, 1)
+    if p.total_bytes <= one:
+        return None
+    inputs = _layer_inputs(f, model) - _layer_inputs(f, 1)
+    return (f"model={model} needs about {gib(p.total_bytes - one)} more per device than data={_slice_devices(f)},"
+            f"model=1 would ({gib(one)}, estimated): tensor parallelism gathers each layer's input over model "
+            f"({gib(inputs)} more of them here) and saves only the base's gathering over data "
+            f"({gib(_gathered(f, _slice_devices(f)) - _gathered(f))}); it pays where the layers' weights outweigh "
+            "their inputs (a larger model, a smaller batch per device)")
 
 
 def _remat(p: Plan) -> Iterator[Suggestion]:

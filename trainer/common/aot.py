@@ -160,12 +160,14 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  mesh=mesh_lib.shape_of(mesh), dtype=run.dtype,
                  settings={"batch_size": batch, "grad_accum": 1, "steps": run.steps, "mesh": run.mesh,
                            "base_dtype": run.base_dtype, "n_head": cfg.n_heads, "n_layer": cfg.n_layers,
-                           "remat": steps.remat, "remat_why": steps.remat_why, "loss_chunk": steps.loss_chunk, "seq_len": run.seq_len,
+                           "d_model": cfg.d_model,
+                           # layers a scan iteration runs (the nested scans: one), 0 written out
+                           "scan_layers": 1 if steps.scanned and gemma.segments(cfg) else 0,
+                           "remat": steps.remat, "remat_why": steps.remat_why, "loss_chunk": steps.loss_chunk,
+                           "seq_len": run.seq_len,
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
-                           "fsdp": True, "batch_per_device": not run.batch_size,
-                           # the layers in scans, each recomputed: one layer's base gathered at a time
-                           **({"gathers": "layer"} if steps.scanned else {})},
+                           "fsdp": True, "batch_per_device": not run.batch_size},
                  levers=("base_dtype", "loss_chunk", "remat", "batch_size", "mesh_model"),
                  # no twin: the layers' scans and the loss's chunks are counted by their trips from the program's
                  # text (whole_count), not from a second compile of the step written out

@@ -8,6 +8,7 @@ data-center network. On one slice `dcn` has size 1.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -21,6 +22,7 @@ from trainer.common.process import check_accelerator
 
 DCN = "dcn"
 AXES = (DCN, "data", "model")
+ICI = ("data", "model")  # one slice's axes (--mesh)
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": (DCN, "data"),
     "vocab": "model",
@@ -244,20 +246,32 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def fitted_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape: dict[str, int],
                 rules: dict = RULES) -> P:
     """spec(axes) for an array of `shape`, with a mesh axis that does not divide its dimension (or that an
-    earlier dimension already uses) left out: that dimension stays whole, e.g. a single kv head on model=2."""
+    earlier dimension already uses) left out: that dimension stays whole, e.g. a single kv head on model=2.
+
+    An array's `fsdp` dimension also takes the slice's mesh axes (data, model; never dcn) that no other
+    dimension of it uses, where they divide it: a weight `model` cannot split by its heads (4 kv heads on
+    model=8), or one with no dimension over `model` at all (a LoRA adapter's A), is split over `model`
+    fsdp-style. So more `model` on the same devices never leaves a device more of a weight to hold."""
+    size_of = lambda names: math.prod(mesh_shape.get(name, 1) for name in names)  # noqa: E731
     used: set[str] = set()
-    out = []
+    out: list = []
     for a, n in zip(axes, shape):
         m = rules[a] if a is not None else None
         names = (m,) if isinstance(m, str) else tuple(m or ())
-        size = 1
-        for name in names:
-            size *= mesh_shape.get(name, 1)
-        if not names or n % size or used & set(names):
+        if not names or n % size_of(names) or used & set(names):
             out.append(None)
             continue
         used |= set(names)
         out.append(m)
+    if "fsdp" in axes:
+        i = axes.index("fsdp")
+        have = out[i]
+        names = () if have is None else (have,) if isinstance(have, str) else tuple(have)
+        for extra in ICI:
+            if extra not in used and mesh_shape.get(extra, 1) > 1 and shape[i] % size_of(names + (extra,)) == 0:
+                names += (extra,)
+                used.add(extra)
+        out[i] = None if not names else names[0] if len(names) == 1 else names
     return P(*out)
 
 

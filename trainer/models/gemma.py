@@ -9,7 +9,8 @@ embed [V, D], q [H, D, hd], kv [2, K, D, hd], o [H, hd, D], gating [2, F, D] (ga
 RMSNorm scales [D] (and [hd] for the QK-norm of Gemma 3 and 4), applied as x * (1 + scale) (Gemma 2, 3) or
 x * scale (Gemma 4).
 The D dimension of every matrix is sharded over `data` (fsdp) and heads / mlp / vocab over `model`;
-a dimension that a mesh axis does not divide (one kv head on model=2) stays whole (mesh.fitted_spec).
+a dimension that a mesh axis does not divide (one kv head on model=2) stays whole, and the D dimension takes
+that axis too (mesh.fitted_spec).
 
 Gemma 4 adds, each a field of GemmaConfig that is off for the older families:
 - global layers with their own head width and kv heads (global_head_dim, global_kv_heads), rotating only a
@@ -46,6 +47,9 @@ from trainer.models.gpt2 import loss_fn
 # a device holds 1/model of its rows' residuals, not all of them, and more `model` never grows it (sequence
 # parallelism: the projections gather it, the output projections reduce-scatter back).
 RESIDUAL = ("batch", "residual_seq", "embed")
+# Attention's scores [B, T, kv heads, query heads per kv head, S] (fitted_spec gives `model` to the first that
+# it divides; the positions stay whole).
+SCORES = ("batch", "seq", "kv_heads", "heads", None)
 K_MASK = -2.3819763e38  # what Google's implementation writes into masked attention logits
 LOCAL, GLOBAL = "local", "global"
 
@@ -407,6 +411,8 @@ class Layer(nnx.Module):
         n_kv = k.shape[2]
         qg = q.reshape(b, t, n_kv, h // n_kv, hd)
         logits = jnp.einsum("btkgh,bskh->btkgs", qg, k, preferred_element_type=jnp.float32)
+        # over `model` by kv heads, or where it does not split those (one kv head) by the query heads of each
+        logits = _constrain(logits, SCORES)
         logits = softcap(logits, fam.attn_softcap)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
         mask = kp <= qp
