@@ -128,7 +128,7 @@ def param_layout(cfg: gemma.GemmaConfig, lc: LoraConfig) -> dict[str, tuple[tupl
                 continue
             t = TARGETS[name]
             d = dims if t.experts else _dims(cfg, i)
-            lead, lead_axes = ((cfg.n_experts,), (None,)) if t.experts else ((), ())
+            lead, lead_axes = ((cfg.n_experts,), ("expert",)) if t.experts else ((), ())
             out[f"layers.{i}.{name}.a"] = (lead + tuple(d[a] for a in t.in_axes) + (lc.rank,),
                                            lead_axes + t.in_axes + (None,))
             out[f"layers.{i}.{name}.b"] = (lead + (lc.rank,) + tuple(d[a] for a in t.out_axes),
