@@ -112,6 +112,8 @@ def render(p: P.Plan) -> str:
              f"    headroom            {P.gib(p.headroom_bytes):>12}",
              f"  verdict: {'FITS' if p.fits else 'DOES NOT FIT'}"
              + (f": the compiler refused the step ({p.refused['message']})" if p.refused else "")]
+    if f["settings"].get("experts"):
+        lines.append(f"  experts: {f['settings']['experts']['note']}")
     if not p.fits:
         for s in p.suggestions:
             if s.compiled_bytes is not None:

@@ -150,3 +150,25 @@ def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter
 
     return jax.shard_map(body, in_specs=(x_spec, P(), P(), P(), e_spec, e_spec), out_specs=x_spec)(
         x, p["router"], p["router_scale"], p["expert_scale"], p["experts_gating"], p["experts_linear"])
+
+
+def describe(n_experts: int, top_k: int, mesh_shape: dict[str, int], tokens: int, capacity: float) -> dict:
+    """How a step places the experts and bounds their rows, for a plan: tokens = what one expert-parallel group
+    gathers a layer (a slice's tokens of the step)."""
+    axes = expert_axes(n_experts, mesh_shape)
+    if not axes:
+        return {"parallel_over": "", "per_device": n_experts, "note": "every expert on every device (the expert "
+                "axes do not divide the experts): each device gathers every expert, nothing dropped"}
+    shards = math.prod(mesh_shape[a] for a in axes)
+    rows = capacity_rows(tokens, top_k, n_experts, shards, capacity)
+    even = tokens * top_k / shards
+    bound = ("dropless (--expert-capacity 0: a buffer of the worst case)" if capacity <= 0 else
+             f"at most {rows:,} rows a device a layer (--expert-capacity {capacity:g} x the even share of "
+             f"{even:,.0f}); a device's assignments beyond it are dropped" + (
+                 ": none can be here, the bound is the worst case" if rows >= tokens * min(top_k, n_experts // shards)
+                 else ""))
+    over = ",".join(a for a in axes if mesh_shape[a] > 1) or ",".join(axes)
+    return {"parallel_over": over, "per_device": n_experts // shards, "capacity": capacity,
+            "rows_per_device": rows, "even_share": even,
+            "note": f"expert parallel over {over}: {n_experts // shards} of {n_experts} experts a device, "
+                    f"{tokens:,} tokens gathered to them a layer; {bound}"}
