@@ -140,8 +140,8 @@ def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter
         out = _mlp(rows[pick // top_k], gating, linear, groups, ad, all_groups)
         scale = jnp.take(expert_scale, first + jnp.minimum(key[pick], n_local - 1)).astype(jnp.float32)
         w = jnp.where(jnp.arange(cap) < ends[-1], weights.reshape(-1)[pick] * scale, 0.0)
-        total = jnp.zeros((rows.shape[0], d), jnp.float32).at[pick // top_k].add(out.astype(jnp.float32) * w[:, None])
-        total = total.astype(dt)
+        # summed in the compute dtype: an f32 sum doubled the bytes of the step's largest buffers ([rows, D])
+        total = jnp.zeros((rows.shape[0], d), dt).at[pick // top_k].add(out * w[:, None].astype(dt))
         if gather:
             total = jax.lax.psum_scatter(total, gather, scatter_dimension=0, tiled=True)
         if repeat:
