@@ -217,6 +217,8 @@ class Plan:
                "model_flops_per_token": f["model_flops_per_token"], "timing": self.timing(),
                "refused": self.refused, "suggestions": [s.__dict__ for s in self.suggestions],
                "alternative": self.alternative.to_json() if self.alternative else None}
+        if f.get("settings", {}).get("experts"):  # where the experts are, and how a device's rows are bounded
+            out["experts"] = f["settings"]["experts"]
         return out
 
 
