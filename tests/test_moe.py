@@ -138,3 +138,11 @@ def test_a_capacity_below_the_load_drops_rows_and_changes_the_output():
         small = jax.jit(lambda x: moe.experts(x, p, cfg.top_k, capacity=0.25))(x)
     np.testing.assert_allclose(np.asarray(full), np.asarray(want), atol=1e-5)
     assert np.isfinite(np.asarray(small)).all() and float(jnp.abs(small - want).max()) > 1e-3
+
+
+def test_the_plan_states_the_experts_placement_and_bound():
+    d = moe.describe(128, 8, {"dcn": 1, "data": 8, "model": 1}, 16384, 2.0)
+    assert (d["parallel_over"], d["per_device"], d["rows_per_device"]) == ("data", 16, 32768)
+    assert "at most 32,768 rows a device a layer" in d["note"] and "dropped" in d["note"]
+    assert "dropless" in moe.describe(128, 8, {"data": 8, "model": 1}, 16384, 0.0)["note"]
+    assert moe.describe(6, 2, {"data": 4, "model": 2}, 1024, 2.0)["per_device"] == 6  # not divisible: every expert
