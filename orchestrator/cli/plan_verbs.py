@@ -150,6 +150,8 @@ def _render(p: P.Plan) -> str:
     note = P.mesh_note(p)
     if note:
         lines.append(f"  mesh: {note}")
+    if f["settings"].get("experts"):
+        lines.append(f"  experts: {f['settings']['experts']['note']}")
     if not p.fits:
         for s in p.suggestions:
             if s.compiled_bytes is not None:

@@ -236,6 +236,8 @@ class Plan:
                "suggestions": [s.__dict__ for s in self.suggestions],
                "time_spent": self.time_spent(), "largest_batch": largest_batch(self),
                "alternative": self.alternative.to_json() if self.alternative else None}
+        if f.get("settings", {}).get("experts"):  # where the experts are, and how a device's rows are bounded
+            out["experts"] = f["settings"]["experts"]
         return out
 
 

@@ -144,7 +144,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
 
     from trainer.common import mesh as mesh_lib
     from trainer.finetune import train as finetune
-    from trainer.models import gemma, lora as lora_lib
+    from trainer.models import gemma, lora as lora_lib, moe
     run = _lora_run(args, target.run_platform)
     cfg = gemma.SIZES[run.size]
     mesh = target.mesh(run.mesh)
@@ -167,7 +167,10 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                            "seq_len": run.seq_len,
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
-                           "fsdp": True, "batch_per_device": not run.batch_size},
+                           "fsdp": True, "batch_per_device": not run.batch_size,
+                           **({"experts": moe.describe(cfg.n_experts, cfg.top_k, dict(mesh.shape),
+                                                       batch * run.seq_len // target.slices, run.expert_capacity)}
+                              if cfg.n_experts else {})},
                  levers=("base_dtype", "loss_chunk", "remat", "batch_size", "mesh_model"),
                  # no twin: the layers' scans and the loss's chunks are counted by their trips from the program's
                  # text (whole_count), not from a second compile of the step written out

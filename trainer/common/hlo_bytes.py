@@ -6,7 +6,9 @@ the bytes go. This reads the optimized HLO text (`compiled.as_text()`) and charg
 every computation the step runs as the cost analysis does (XLA's HloCostAnalysis):
 - a fusion: its result, and each operand as its fused parameter is read (a parameter read only through slices
   or dynamic slices costs the slices; one updated in place by a dynamic-update-slice costs nothing, its update
-  being the result);
+  being the result; one the fusion only hands on as an element of its result tuple, as the compiler's windowed
+  matmul loops pass their carried buffers from trip to trip, costs nothing either way: the buffer stays where it
+  is);
 - a Pallas kernel that carries a cost estimate (trainer/kernels/xent_kernel.py's): the estimate's bytes, as the
   compiler takes them; one without (splash attention's): its operands and its result, a lower bound of what it
   moves, which the compiler counts as nothing (so this count runs above the compiler's by those kernels);
@@ -234,7 +236,10 @@ class Charger:
     def param_read(self, fused: Computation, p: Instr) -> float:
         """HloCostAnalysis::FusionParameterReadBytes: a fused parameter's bytes as its users read them."""
         total, seen_full = 0.0, False
-        for u in fused.users.get(p.name, []):
+        users = fused.users.get(p.name, [])
+        if users and all(u is fused.root and u.opcode == "tuple" for u in users):
+            return 0.0  # handed on as it is (module docstring)
+        for u in users:
             if u.opcode == "slice":
                 total += self.size(u.shape)
             elif u.opcode == "dynamic-slice":
@@ -265,6 +270,8 @@ class Charger:
         total = 0.0
         for k, shape in enumerate(shapes):
             r = roots[k] if k < len(roots) else None
+            if r is not None and r.opcode == "parameter" and root is not None and root.opcode == "tuple":
+                continue  # a parameter handed on: no bytes move (module docstring)
             if r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1:
                 total += self.size(self.operand_shape(fused, r.operands[1]))  # in place: only the update
             else:

@@ -35,6 +35,10 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     # Gemma: the model width of each weight matrix is sharded fsdp-style over `data`; kv heads like heads.
     "fsdp": "data",
     "kv_heads": "model",
+    # Gemma 4's routed experts (trainer/models/moe.py): each device keeps a share of the experts whole and the
+    # tokens travel to them (expert parallelism over every device of a slice); where the experts do not divide
+    # over data x model they fall back to the fsdp / mlp sharding of their other dims.
+    "expert": ("data", "model"),
 }
 # --vocab-parallel: the tied embedding's vocab rows over every device (trainer/models/vocab_parallel.py).
 VOCAB_PARALLEL_RULES = {**RULES, "vocab": AXES}

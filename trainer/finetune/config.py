@@ -48,6 +48,7 @@ class LoraRun:
     attention: str = "auto"         # auto (splash kernel on TPU, XLA elsewhere), xla, splash
     remat: str = "auto"             # what each layer recomputes in the backward pass: auto, none, dots, full
     loss_chunk: int = 0             # positions whose logits exist at once in the loss (0: all)
+    expert_capacity: float = 2.0    # rows a device's experts take, x the even share (trainer/models/moe.py; 0: dropless)
     lora_impl: str = "beside"       # how paired projections' adapters are applied (trainer/models/lora.py IMPLS)
     profile: str = ""               # START:END: steps every process traces (trainer/common/profiling.py)
 
@@ -79,7 +80,8 @@ class LoraRun:
         for flag, v in {"--batch-size": self.batch_size, "--loss-chunk": self.loss_chunk, "--steps": self.steps,
                         "--lr": self.lr, "--warmup-steps": self.warmup_steps, "--ckpt-every": self.ckpt_every,
                         "--eval-every": self.eval_every, "--weight-decay": self.weight_decay,
-                        "--grad-clip": self.grad_clip}.items():
+                        "--grad-clip": self.grad_clip,
+                        "--expert-capacity": self.expert_capacity}.items():
             if v < 0:
                 raise UsageError(f"{flag} {v}: must not be negative")
         if self.epochs <= 0 and not self.steps:

@@ -81,6 +81,9 @@ LORA_HELP = {
                   "rows of 512, held twice; N >= seq-len: all); N < seq-len takes "
                   "the largest divisor of seq-len not above N: less memory, the embedding read once more per chunk "
                   "(`tpuctl plan` suggests it when a step does not fit)",
+    "expert_capacity": "Gemma 4 26B-A4B under expert parallelism: the rows each device's experts take a layer, as a "
+                       "multiple of the even share (tokens x 8 / devices); a device's assignments beyond it are "
+                       "dropped; 0 = dropless (a static buffer of the worst case: 8x the even share on 8 devices)",
     "lora_impl": "beside or stacked: how the adapters of k and v, and of gate and up, are applied; stacked adds "
                  "each pair's in one batched matmul to the base's stacked output (the same arithmetic, fewer passes "
                  "over the MLP's activations on TPU)",

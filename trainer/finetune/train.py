@@ -141,6 +141,7 @@ class Steps:
     """The compiled train and eval steps of one (base config, LoRA config, mesh)."""
 
     def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, mesh, total_steps: int, global_batch: int):
+        cfg = dataclasses.replace(cfg, expert_capacity=run.expert_capacity) if cfg.n_experts else cfg
         self.run, self.cfg, self.mesh, self.lc = run, cfg, mesh, run.lora
         lora_lib.check_model(cfg, self.lc)
         self.wait_each_step = mesh_lib.one_step_in_flight(mesh)

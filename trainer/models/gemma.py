@@ -102,6 +102,9 @@ class GemmaConfig:
     n_experts: int = 0              # routed experts beside the dense MLP (0: none)
     top_k: int = 0                  # experts per token
     expert_ff: int = 0              # each expert's MLP width
+    # Not the checkpoint's: how a run bounds each device's rows under expert parallelism, as a multiple of the
+    # even share (trainer/models/moe.py; 0: dropless). Sampling keeps 0; a LoRA run sets --expert-capacity.
+    expert_capacity: float = 0.0
 
     @property
     def fam(self) -> Family:
@@ -258,8 +261,8 @@ def param_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str
             out.update({
                 p + "router": ((d, e), ("fsdp", None)), p + "router_scale": ((d,), (None,)),
                 p + "expert_scale": ((e,), (None,)),
-                p + "experts_gating": ((e, 2, fe, d), (None, None, "mlp", "fsdp")),
-                p + "experts_linear": ((e, fe, d), (None, "mlp", "fsdp")),
+                p + "experts_gating": ((e, 2, fe, d), ("expert", None, "mlp", "fsdp")),
+                p + "experts_linear": ((e, fe, d), ("expert", "mlp", "fsdp")),
             })
         if cfg.per_layer_dim:
             pd = cfg.per_layer_dim
@@ -436,7 +439,8 @@ class Layer(nnx.Module):
 
     def experts(self, x, adapter=None):
         names = ("router", "router_scale", "expert_scale", "experts_gating", "experts_linear")
-        out = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, adapter)
+        out = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, adapter,
+                              self.cfg.expert_capacity)
         return _constrain(out, RESIDUAL)
 
     def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None,

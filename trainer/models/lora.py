@@ -7,7 +7,9 @@ Dims are each layer's own (Gemma 4's global layers have wider heads, its kv-shar
 layer without the projection has no adapter for it: Gemma 4's k=v global layers have no v (their k adapter
 feeds both), and its kv-shared layers no k or v (they attend over another layer's).
 On Gemma 4's experts (26B-A4B), expert_gate, expert_up and expert_down, only when named (--targets experts):
-one A [E, in, r] and B [E, r, out] per layer, each expert its own pair, applied to the rows routed to it.
+one A [E, in, r] and B [E, r, out] per layer, each expert its own pair, applied to the rows routed to it; their E
+dim carries the experts' `expert` axis, so they are stored split like the experts (the expert-parallel step reads
+them whole: trainer/models/moe.py).
 As in the LoRA paper (and PEFT): A starts Kaiming-uniform, B at zero (step 0 is the base model), dropout
 drops the adapter's input only, and the update is scaled by alpha / r. LoRA params are f32 whatever the
 base's dtype, and they carry logical axes so the mesh rules shard them like the matrices they adapt.
@@ -128,7 +130,7 @@ def param_layout(cfg: gemma.GemmaConfig, lc: LoraConfig) -> dict[str, tuple[tupl
                 continue
             t = TARGETS[name]
             d = dims if t.experts else _dims(cfg, i)
-            lead, lead_axes = ((cfg.n_experts,), (None,)) if t.experts else ((), ())
+            lead, lead_axes = ((cfg.n_experts,), ("expert",)) if t.experts else ((), ())
             out[f"layers.{i}.{name}.a"] = (lead + tuple(d[a] for a in t.in_axes) + (lc.rank,),
                                            lead_axes + t.in_axes + (None,))
             out[f"layers.{i}.{name}.b"] = (lead + (lc.rank,) + tuple(d[a] for a in t.out_axes),
