@@ -75,9 +75,8 @@ LORA_HELP = {
              "outputs; full: only its input); trades compute for memory. auto = full on Gemma 4 (the least memory, "
              "a fraction of the written-out step's compile time), none on Gemma 2 and 3. Any policy but none runs "
              "the layers in scans",
-    "loss_chunk": "sequence positions whose logits exist at once in the loss (0 = auto: 128 on Gemma 4, all on "
-                  "Gemma 2 and 3; all: [rows, seq-len, vocab] f32 per device, 2 GB for Gemma's 256k vocabulary and 4 "
-                  "rows of 512, held twice; N >= seq-len: all); N < seq-len takes "
+    "loss_chunk": "sequence positions whose logits exist at once in the loss (0 = all: [rows, seq-len, vocab] f32 "
+                  "per device, 2 GB for Gemma's 256k vocabulary and 4 rows of 512, held twice); N < seq-len takes "
                   "the largest divisor of seq-len not above N: less memory, the embedding read once more per chunk "
                   "(`tpuctl plan` suggests it when a step does not fit)",
     "lora_impl": "beside or stacked: how the adapters of k and v, and of gate and up, are applied; stacked adds "
