@@ -51,10 +51,16 @@ def test_more_model_parallelism_never_grows_a_devices_bytes():
 
 @pytest.mark.parametrize("kind", ["e", "dense", "moe"])
 def test_scanned_layers_equal_the_flat_model_forward_and_gradients(kind):
-    """gemma.hidden over stacked weights (the layers of whole periods in scans, the rest one by one; the E
-    kind's kv-shared layers reading keys and values carried out of the first scan) against Gemma.__call__."""
+    """gemma.hidden over stacked weights (the layers of whole periods in scans, each period's run of local layers
+    a scan inside, the rest one by one; the E kind's kv-shared layers reading keys and values carried out of the
+    first scan) against Gemma.__call__."""
     cfg = _cfg(kind)
-    assert gemma.segments(cfg), "the config must have a scanned segment"
+    segs = gemma.segments(cfg)
+    assert segs and all(max(n for _, n in seg.runs) > 1 for seg in segs), "a segment whose local layers are a scan"
+    # one stacked array per run of one kind, [periods, run length, ...]
+    first = segs[0]
+    assert gemma.stacked_layout(cfg)["scan.0.0.q"][0] == (first.groups, first.runs[0][1],
+                                                         *gemma.param_layout(cfg)["layers.0.q"][0])
     flat = gemma.random_params(cfg, seed=3)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab, (2, 12)))
     ref = lambda p: gemma.from_flat(cfg, p)(tokens, logits=False)[0]  # noqa: E731

@@ -865,3 +865,18 @@ def test_remat_auto_writes_the_step_out_where_it_fits_and_scans_it_where_not():
     assert resolved("v5e:2x4", 8, "gemma3-1b", 64)[0] == "none"
     assert resolved("v5e:2x4", 8, "gemma4-31b", 4, remat="dots") == ("dots", "--remat dots")
     assert finetune.written_out_bytes(gemma.SIZES["gemma4-e2b"], 2048) / 2 ** 30 == pytest.approx(12.2, abs=0.1)
+
+
+def test_a_step_counted_a_loop_body_once_takes_its_matmuls_from_the_arithmetic():
+    """A scanned step's compiler count has one layer of each kind's matmuls: the calibrated time's matmul work is
+    then the model's arithmetic (less the splash kernel's share), and says so; a program counted whole keeps the
+    compiler's."""
+    from trainer.common import aot
+    built = aot.Built(compile=None, params=None, opt_state=None, tokens_per_step=1000, model_flops_per_token=1e9,
+                      mesh={}, dtype="bfloat16", settings={}, levers=(), kernel_attention_flops_per_token=1e8,
+                      head_dim=256)
+    figures = {"devices": 4, "flops": 1e11, "counted": "loop bodies once"}
+    low = aot.work(built, figures, "")
+    assert low["matmul_flops"] == pytest.approx((1e9 - 1e8) * 1000 / 4) and "arithmetic" in low["matmul_flops_from"]
+    whole = aot.work(built, {**figures, "counted": "program"}, "")
+    assert whole["matmul_flops"] == 1e11 and "matmul_flops_from" not in whole

@@ -76,9 +76,8 @@ LORA_HELP = {
              "chip's faster step, 41.4 against 87.8 ms for gemma4-e2b) where its activations fit the devices by an "
              "estimate from the shapes, else full (and full for Gemma 4's experts); a written-out step the compiler "
              "refuses for memory is compiled again with full. Any policy but none runs the layers in scans",
-    "loss_chunk": "sequence positions whose logits exist at once in the loss (0 = auto: 128 on Gemma 4, all on "
-                  "Gemma 2 and 3; all: [rows, seq-len, vocab] f32 per device, 2 GB for Gemma's 256k vocabulary and 4 "
-                  "rows of 512, held twice; N >= seq-len: all); N < seq-len takes "
+    "loss_chunk": "sequence positions whose logits exist at once in the loss (0 = all: [rows, seq-len, vocab] f32 "
+                  "per device, 2 GB for Gemma's 256k vocabulary and 4 rows of 512, held twice); N < seq-len takes "
                   "the largest divisor of seq-len not above N: less memory, the embedding read once more per chunk "
                   "(`tpuctl plan` suggests it when a step does not fit)",
     "expert_capacity": "Gemma 4 26B-A4B under expert parallelism: the rows each device's experts take a layer, as a "

@@ -126,16 +126,6 @@ def remat_of(run: LoraRun, cfg: gemma.GemmaConfig, mesh, global_batch: int) -> t
                     f"{hbm / gib:.0f} a device (estimated)")
 
 
-# --loss-chunk 0 (the default), by family. Gemma 4: 128 positions at a time: its loss held [rows, T, 262k] f32
-# twice whole (4 GiB a device at 4 rows of 512 on 31B's default mesh, the largest of its temporaries), a quarter
-# of that in chunks, for one more read of the embedding a chunk. Gemma 2 and 3: all at once, as before.
-AUTO_LOSS_CHUNK = {"gemma4": 128}
-
-
-def loss_chunk_of(chunk: int, cfg: gemma.GemmaConfig) -> int:
-    """--loss-chunk with 0 resolved for the model's family (0 after it: all positions at once)."""
-    return AUTO_LOSS_CHUNK.get(cfg.family, 0) if chunk == 0 else chunk
-
 
 class Steps:
     """The compiled train and eval steps of one (base config, LoRA config, mesh)."""
@@ -150,7 +140,7 @@ class Steps:
         self.attention = attention.resolve(run.attention, platform, run.seq_len, mesh.devices.flat[0].device_kind)
         self.global_batch = global_batch
         self.remat, self.remat_why = remat_of(run, cfg, mesh, global_batch)
-        self.loss_chunk = loss_chunk_of(run.loss_chunk, cfg)
+        self.loss_chunk = run.loss_chunk
         # the base as the step takes it: with a remat policy, the layers run in scans and the scanned layers'
         # weights come stacked (gemma.stacked_layout, place_base); without one the layers stay written out, as a
         # scan would keep every layer's residuals in stacked buffers the compiler cannot rematerialise
