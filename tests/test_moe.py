@@ -116,7 +116,8 @@ def test_expert_parallel_step_equals_replicated_experts(shape):
     want, g_want = jax.jit(jax.value_and_grad(loss))(lora, stacked)
     mesh = mesh_lib.make_mesh(shape)
     placed = gemma.stack(cfg, base, gemma.stacked_shardings(cfg, mesh))
-    assert placed["scan.0.0.experts_gating"].addressable_shards[0].data.shape == (2, 1, 2, 24, 64)
+    # [periods, the period's run of local layers, experts: one of 8 a device, gate|up, Fe, D]
+    assert placed["scan.0.0.experts_gating"].addressable_shards[0].data.shape == (2, 5, 1, 2, 24, 64)
     on_mesh = {k: jax.device_put(v, lora_lib.shardings(cfg, LC, mesh)[k]) for k, v in lora.items()}
     with jax.set_mesh(mesh):
         got, g_got = jax.jit(jax.value_and_grad(loss))(on_mesh, placed)
