@@ -78,8 +78,9 @@ def _cell(p: dict) -> str:
     if step:
         parts.append(f"{step * 1e3:.0f} ms a step ({t.get('bound', '?')}-bound roofline {t.get('roofline_step_s', 0) * 1e3:.0f} "
                      f"ms, compute {t.get('compute_s', 0) * 1e3:.0f} ms)")
-    if p.get("largest_batch"):
-        parts.append(f"largest batch {p['largest_batch']} a device")
+    big = p.get("largest_batch") or {}
+    if big.get("rows_per_device") is not None:
+        parts.append(f"largest batch {big['rows_per_device']} rows a device (extrapolated, not compiled)")
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
     return "; ".join(parts)
 
