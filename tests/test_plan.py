@@ -228,34 +228,25 @@ def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
 @pytest.mark.slow
 def test_gemma2_27b_lora_on_v5litepod_8_does_not_fit_and_the_plan_names_what_would():
     """The trainer has no full fine-tuning of Gemma, so the 27B case is its LoRA run, one row of 512 per device.
-    The TPU compiler refuses it for lack of HBM, quickly (it stops at memory assignment): each device gathers
-    the whole base over the fsdp axis and keeps it for the backward pass, 44 of the 45 GiB of temporaries. So
-    neither a smaller batch nor a larger v5litepod helps (each device still gathers all of it); the plan names
-    tensor parallelism, an estimate that `tpuctl plan` compiles to check. The lever takes the activations as
-    what the temporaries leave beside the gathered base: 0.66 GB here since the loss no longer holds the logits
-    through autodiff (0.92 before), so model=4 (6 GiB gathered, 4 rows) is now estimated at 15.2 GiB, under 16;
-    compiled, with the loss before, it needed 26.98 GiB (model=8: estimated 13.21, compiled 14.71, fits). The
-    split underestimates this step's activations: known, not fixed. `tpuctl plan` compiles model=4, and when the
-    compiler refutes it, model=8 too (test_a_suggestion_the_compiler_refutes_is_followed_by_its_levers_next)."""
+    The written-out step compiles and does not fit: 17.78 GiB a device (params 6.35, temporaries 11.37; libtpu
+    0.0.42.1). Its temporaries were 45 GiB (the whole base gathered and kept for the backward pass) and the
+    compiler refused it before the sharding rules pinned attention's scores over `model` and gave an fsdp
+    dimension the axes its other dims leave unused; which of the two cut it is not yet checked. The plan names
+    tensor parallelism, an estimate that `tpuctl plan` compiles to check; no larger v5litepod helps by arithmetic."""
     # XLA attention: the step whose figures the lever arithmetic was checked against by compiling its suggestions
     # (splash, the TPU default, stops memory assignment elsewhere: its refused figures differ).
     argv = [*LORA, "--model", "gemma2-27b", "--batch-size", "8", "--attention", "xla"]
     p = P.plan("v5litepod-8", argv, alternatives=False)
     f = p.figures
-    assert not p.fits and p.refused and "RESOURCE_EXHAUSTED" in p.refused["message"], p.verdict()
+    assert not p.fits and p.refused is None and p.total_bytes > p.hbm_bytes, p.verdict()
     params, opt = _gemma_state("gemma2-27b", 2, 8)
     assert params > 6e9 and abs(f["params_bytes"] - params) / params < 0.01
-    gathered = P._gathered(f)
-    assert gathered == pytest.approx(7 * (params - f["grad_bytes"]), rel=0.01)
-    assert gathered < f["temp_bytes"] > p.refused["available_bytes"]
-    fixed, act = P._split(f)
-    assert 0.5e9 < act < 1e9
-    assert [s.change for s in p.suggestions] == ["--mesh data=2,model=4"]
-    assert p.suggestions[0].estimate_bytes == fixed - gathered + P._gathered(f, 2) + act * 4
+    assert f["temp_bytes"] < 2 * p.hbm_bytes  # not the whole base gathered and kept
+    assert [s.change for s in p.suggestions] == ["--mesh data=1,model=8"]
     assert p.suggestions[0].estimate_bytes <= p.hbm_bytes < p.total_bytes
     assert P.next_size(p, argv) is None  # by arithmetic: nothing compiled
     text = render(p)
-    assert "DOES NOT FIT" in text and "would fit: --mesh data=2,model=4 (about " in text and "estimated" in text
+    assert "DOES NOT FIT" in text and "would fit: --mesh data=1,model=8 (about " in text and "estimated" in text
 
 
 def test_lora_levers_and_sizes_from_given_figures():

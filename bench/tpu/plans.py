@@ -37,7 +37,7 @@ def commands() -> dict[str, list[str]]:
                 "--base-dtype", "bfloat16"]
         out[lora.name_of(size, batch)] = base
         for variant, fields in lora.VARIANTS.items():
-            if not lora._is_default(size, fields):  # a variant that is the size's default is its default row
+            if not lora._is_default(size, fields, batch):  # a variant that is the size's default is its default row
                 out[lora.name_of(size, batch, variant=variant)] = [*base, *_flags(fields)]
     return out
 
