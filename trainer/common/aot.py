@@ -390,30 +390,32 @@ def plan(args: argparse.Namespace, target: Target, started: float | None = None)
     built = BUILDERS[args.cmd](args, target)
     t0 = time.perf_counter()
     phases = {"start": t_build - started if started is not None else None, "build": t0 - t_build}
-    try:
-        compiled = built.compile()
-    except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        if not _falls_back(args, built):
-            out = out_of_memory(built, target, str(e), time.perf_counter() - t0)
-            return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
+    compiled, refusal = _compile(built)
+    if refusal and _falls_back(args, built):
         # as the run does (finetune.compile_fitting): --remat auto's written-out step refused, the scanned one
         phases["refused written out"] = time.perf_counter() - t0
         args = argparse.Namespace(**{**vars(args), "remat": "full"})
         built = BUILDERS[args.cmd](args, target)
-        built.settings["remat_why"] = "auto: the written-out step was refused by the compiler for memory"
+        from trainer.finetune.train import REFUSED_WRITTEN_OUT
+        built.settings["remat_why"] = REFUSED_WRITTEN_OUT
         t0 = time.perf_counter()
-        try:
-            compiled = built.compile()
-        except Exception as e2:  # noqa: BLE001
-            if "RESOURCE_EXHAUSTED" not in str(e2):
-                raise
-            out = out_of_memory(built, target, str(e2), time.perf_counter() - t0)
-            return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
+        compiled, refusal = _compile(built)
+    if refusal:
+        out = out_of_memory(built, target, refusal, time.perf_counter() - t0)
+        return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
     t1 = time.perf_counter()
     out = figures(built, compiled, target, t1 - t0)
     return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1})}
+
+
+def _compile(built: Built) -> tuple[Any, str | None]:
+    """(the compiled step, None), or (None, the compiler's message) when it refuses the step for want of HBM."""
+    try:
+        return built.compile(), None
+    except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None, str(e)
 
 
 def _falls_back(args: argparse.Namespace, built: Built) -> bool:

@@ -254,6 +254,9 @@ def is_out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e)
 
 
+REFUSED_WRITTEN_OUT = "auto: the written-out step was refused by the compiler for memory"
+
+
 def compile_fitting(steps: Steps, base: dict, total: int) -> tuple[Steps, dict, float]:
     """(steps, base as they take it, compile seconds): the step compiled; a written-out step that --remat auto
     chose on an estimate (remat_of) and the compiler refuses for memory is compiled again with its layers in
@@ -267,7 +270,7 @@ def compile_fitting(steps: Steps, base: dict, total: int) -> tuple[Steps, dict, 
         metrics.say("the written-out step does not fit the devices after all (the compiler refused it); compiling it "
                     "with its layers in scans and full recompute (--remat full)")
     full = Steps(dataclasses.replace(steps.run, remat="full"), steps.cfg, steps.mesh, total, steps.global_batch)
-    full.remat_why = "auto: the written-out step was refused by the compiler for memory"
+    full.remat_why = REFUSED_WRITTEN_OUT
     base = full.place_base(base, free=True)
     return full, base, full.compile(base)
 
