@@ -209,6 +209,18 @@ def _lora_state_args(f: dict) -> int:
     return f["argument_bytes"] - len(sft_data.FIELDS) * f["tokens_per_step"] // f["devices"] * 4 - 4
 
 
+def test_a_plan_is_cached_by_the_step_it_compiles():
+    """lora's paths and logging reach no program: the same step under other ones is the same cache entry, in
+    either spelling of an option; what shapes the step (the rank) and pretrain's --data (its tokenizer) are not."""
+    argv = [*LORA, "--model", "gemma2-2b"]
+    moved = ["lora", "--weights=gs://c/other", "--data", "gs://c/other.jsonl", "--ckpt-dir=gs://c/run2", "--rank", "8",
+             "--model", "gemma2-2b", "--log-every", "5"]
+    key = lambda a: P.cache_key("v5litepod-8", "slice", a)  # noqa: E731
+    assert key(moved) == key([*argv, "--log-every", "1"]) != key(argv)
+    assert key([*argv, "--rank", "16"]) != key(argv)
+    assert P.step_argv(["pretrain", "--data", "a.txt"]) == ["pretrain", "--data", "a.txt"]
+
+
 @needs_libtpu
 @pytest.mark.slow
 def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
@@ -218,6 +230,12 @@ def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
     argv = [*LORA, "--model", "gemma2-2b", "--batch-size", "8", "--seq-len", "128"]
     p = P.gate("v5litepod-8", argv, cpu_devices=False)
     assert p is not None and p.cached and p.fits
+    # cached by the step it compiles: other weights, data and checkpoints (either spelling) are the same plan,
+    # another rank is not
+    moved = ["lora", "--weights=gs://c/other", "--data", "gs://c/other.jsonl", "--ckpt-dir", "gs://c/run2",
+             *argv[7:], "--log-every", "5"]
+    again = P.gate("v5litepod-8", moved, cpu_devices=False)
+    assert again.cached and again.figures == p.figures
     monkeypatch.setitem(catalog.GENERATIONS, "v5litepod", dataclasses.replace(
         catalog.GENERATIONS["v5litepod"], hbm_gib_per_chip=p.total_bytes / P.GIB / 2))
     with pytest.raises(P.PlanError, match="plan: does NOT fit on v5litepod-8.*--no-plan skips this check"):

@@ -273,8 +273,34 @@ def _trainer_code_hash() -> str:
     return h.hexdigest()
 
 
+# Options of a command whose values never reach its planned step: `lora` is planned from its --model size
+# (trainer/common/aot.py), never reading its weights, data or checkpoints, and logging changes no program. A plan
+# is cached by the step it compiles, so the same step under other paths is the same plan. (`pretrain`'s --data
+# picks its tokenizer, so its vocabulary: not among them.)
+STEP_NEUTRAL = {"lora": ("--weights", "--data", "--val-data", "--ckpt-dir", "--ckpt-every", "--keep",
+                         "--log-every", "--eval-every", "--profile")}
+
+
+def step_argv(argv: list[str]) -> list[str]:
+    """argv with each value of its command's step-neutral options written as '*' (--opt v and --opt=v alike)."""
+    neutral = STEP_NEUTRAL.get(argv[0] if argv else "", ())
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            out.append("*")
+            skip = False
+        elif a in neutral:
+            out.append(a)
+            skip = True
+        elif a.split("=", 1)[0] in neutral and "=" in a:
+            out += [a.split("=", 1)[0], "*"]
+        else:
+            out.append(a)
+    return out
+
+
 def cache_key(accelerator: str, mode: str, argv: list[str]) -> str:
-    blob = json.dumps({"accelerator": accelerator, "mode": mode, "argv": argv, "versions": _versions(),
+    blob = json.dumps({"accelerator": accelerator, "mode": mode, "argv": step_argv(argv), "versions": _versions(),
                        "trainer": _trainer_code_hash()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
