@@ -79,17 +79,19 @@ def test_scanned_layers_equal_the_flat_model_forward_and_gradients(kind):
     assert set(back) == set(flat) and all(np.array_equal(back[n], flat[n]) for n in flat)
 
 
-@pytest.mark.parametrize("kind,remat", [("dense", "full"), ("e", "none")])
-def test_the_embedding_by_its_vocab_rows_gives_the_gathered_tables_loss_and_adapter_gradients(kind, remat):
+@pytest.mark.parametrize("scanned", [False, True])
+def test_the_embedding_by_its_vocab_rows_gives_the_gathered_tables_loss_and_adapter_gradients(scanned):
     """The LoRA step's tied embedding sharded by its vocab rows over the 8 devices (data=4,model=2): the lookup and
     the soft-capped output layer + loss on each device's own rows (vocab_parallel.lookup, frozen_xent) give the
-    weighted loss sum and adapter gradients of the table as the model shards it (gathered where it is used), f32,
-    the loss whole and in chunks of 8 positions, the layers in scans (full) and written out (none)."""
-    cfg = _cfg(kind)
+    weighted loss sum and adapter gradients of the table as the model shards it (gathered where it is used), f32;
+    written out (remat none) the loss whole and in chunks of 8 positions, the layers in scans (full) in chunks."""
+    cfg = _cfg("dense") if scanned else gc.TINY4["dense"]
     mesh = mesh_lib.make_mesh({"data": 4, "model": 2})
     rows, t = 8, 32
-    run = LoraRun(weights="-", data="-", ckpt_dir="-", targets="all", seq_len=t, batch_size=rows, remat=remat)
+    run = LoraRun(weights="-", data="-", ckpt_dir="-", targets="all", seq_len=t, batch_size=rows,
+                  remat="full" if scanned else "none")
     steps = finetune.Steps(run, cfg, mesh, 10, rows)
+    assert steps.scanned == scanned
     assert steps.vocab_parallel and steps.base_sh["embed"].spec == P(("dcn", "data", "model"), None)
     rng = np.random.RandomState(0)
     batch = {"inputs": rng.randint(0, cfg.vocab, (rows, t)), "targets": rng.randint(0, cfg.vocab, (rows, t)),
@@ -110,7 +112,7 @@ def test_the_embedding_by_its_vocab_rows_gives_the_gathered_tables_loss_and_adap
                                       loss_chunk=chunk, vocab_parallel=vocab_parallel)
             return s
         grad = jax.jit(jax.value_and_grad(sums), static_argnums=(2, 3))
-        for chunk in (0, 8):
+        for chunk in (8,) if scanned else (0, 8):
             want, g_want = grad(lora, gathered, False, chunk)
             got, g_got = grad(lora, base, True, chunk)
             np.testing.assert_allclose(float(got), float(want), rtol=2e-6)

@@ -85,14 +85,39 @@ def _cell(p: dict) -> str:
     return "; ".join(parts)
 
 
+def extra_flags(row: dict) -> str:
+    """The lora flags a row's command adds to the default command (e.g. '--batch-size 8'), '' for the default."""
+    argv = shlex.split(row.get("command", ""))
+    tail = argv[argv.index("gs://b/l") + 1:] if "gs://b/l" in argv else []
+    if "--mesh" in tail:
+        i = tail.index("--mesh")
+        tail = tail[:i] + tail[i + 2:]
+    return shlex.join(tail)
+
+
+def _rows_label(row: dict) -> str:
+    """extra_flags with --batch-size B said as rows a device (B over the slice's devices)."""
+    argv = shlex.split(extra_flags(row))
+    if "--batch-size" in argv:
+        i = argv.index("--batch-size")
+        n = int(argv[i + 1]) // DEVICES[row["accelerator"]]
+        argv = argv[:i] + argv[i + 2:] + [f"{n} row{'s' if n != 1 else ''} a device"]
+    return " ".join(argv)
+
+
 def table(rows: list[dict]) -> str:
-    """The default-mesh table (size x accelerator), then the model sweep, as markdown."""
+    """The default-mesh table (size and the flags added to the default command x accelerator; the newest row of
+    each), then the model sweep, as markdown."""
     out = ["| size | " + " | ".join(ACCELERATORS) + " |", "|---|" + "---|" * len(ACCELERATORS)]
-    default = {(r["size"], r["accelerator"]): r for r in rows if not r.get("sweep_mesh")}
+    default = {(r["size"], extra_flags(r), r["accelerator"]): r for r in rows if not r.get("sweep_mesh")}
+    # a 1-row-a-device plan is --batch-size 8 on v5litepod-8's 8 chips and 4 on v4-8's 4: one line, by rows a device
+    per_device = {k: (k[0], _rows_label(default[k]), k[2]) for k in default}
+    cells = {per_device[k]: default[k] for k in default}
     for size in SIZES:
-        if any((size, a) in default for a in ACCELERATORS):
-            out.append(f"| {size} | " + " | ".join(_cell(default[(size, a)]) if (size, a) in default else ""
-                                                   for a in ACCELERATORS) + " |")
+        for label in sorted({lab for (s, lab, _) in cells if s == size}, key=lambda x: (x != "", x)):
+            name = size + (f" ({label})" if label else "")
+            out.append(f"| {name} | " + " | ".join(_cell(cells[(size, label, a)]) if (size, label, a) in cells
+                                                   else "" for a in ACCELERATORS) + " |")
     sweep = [r for r in rows if r.get("sweep_mesh")]
     if sweep:
         out += ["", "| size | slice | mesh | per device: total (params, temporaries) | step |", "|---|---|---|---|---|"]
