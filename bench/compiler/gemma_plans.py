@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shlex
 import subprocess
@@ -62,7 +63,13 @@ def plan_one(argv: list[str]) -> dict:
         return {**cost, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
 
 
-def _cell(p: dict) -> str:
+def _compiled_rows(p: dict) -> int | None:
+    return (p.get("largest_batch") or {}).get("compiled_rows_per_device")
+
+
+def _cell(p: dict, same: list[dict] = ()) -> str:
+    """One plan's table cell; `same`: the plans of the same size, slice and flags but the batch, where the plan's
+    largest batch may have been compiled to check it."""
     if "error" in p:
         return f"error: {p['error']}"
     d = p.get("per_device", {})
@@ -80,7 +87,16 @@ def _cell(p: dict) -> str:
                      f"ms, compute {t.get('compute_s', 0) * 1e3:.0f} ms)")
     big = p.get("largest_batch") or {}
     if big.get("rows_per_device") is not None:
-        parts.append(f"largest batch {big['rows_per_device']} rows a device (extrapolated, not compiled)")
+        n = big["rows_per_device"]
+        check = next((q for q in [p, *same] if _compiled_rows(q) == n and "error" not in q), None)
+        if check is None:
+            parts.append(f"largest batch {n} rows a device (extrapolated, not compiled)")
+        else:
+            d = check.get("per_device", {})
+            parts.append(f"largest batch {n} rows a device (extrapolated; compiled: "
+                         + (f"fits, {d.get('total_bytes', 0) / GIB:.2f} GiB, headroom "
+                            f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
+                            f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
     return "; ".join(parts)
 
@@ -105,6 +121,10 @@ def _rows_label(row: dict) -> str:
     return " ".join(argv)
 
 
+def _without_rows(label: str) -> str:
+    return re.sub(r"\s*\d+ rows? a device", "", label).strip()
+
+
 def table(rows: list[dict]) -> str:
     """The default-mesh table (size and the flags added to the default command x accelerator; the newest row of
     each), then the model sweep, as markdown."""
@@ -116,8 +136,10 @@ def table(rows: list[dict]) -> str:
     for size in SIZES:
         for label in sorted({lab for (s, lab, _) in cells if s == size}, key=lambda x: (x != "", x)):
             name = size + (f" ({label})" if label else "")
-            out.append(f"| {name} | " + " | ".join(_cell(cells[(size, label, a)]) if (size, label, a) in cells
-                                                   else "" for a in ACCELERATORS) + " |")
+            out.append(f"| {name} | " + " | ".join(
+                _cell(cells[(size, label, a)], [q for (s2, lab2, a2), q in cells.items() if s2 == size and a2 == a
+                                                and _without_rows(lab2) == _without_rows(label)])
+                if (size, label, a) in cells else "" for a in ACCELERATORS) + " |")
     sweep = [r for r in rows if r.get("sweep_mesh")]
     if sweep:
         out += ["", "| size | slice | mesh | per device: total (params, temporaries) | step |", "|---|---|---|---|---|"]
