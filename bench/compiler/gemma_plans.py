@@ -89,11 +89,12 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
     if big.get("rows_per_device") is not None:
         n = big["rows_per_device"]
         check = next((q for q in [p, *same] if _compiled_rows(q) == n and "error" not in q), None)
+        rows = f"{n} row{'s' if n != 1 else ''} a device"
         if check is None:
-            parts.append(f"largest batch {n} rows a device (extrapolated, not compiled)")
+            parts.append(f"largest batch {rows} (extrapolated, not compiled)")
         else:
             d = check.get("per_device", {})
-            parts.append(f"largest batch {n} rows a device (extrapolated; compiled: "
+            parts.append(f"largest batch {rows} (extrapolated; compiled: "
                          + (f"fits, {d.get('total_bytes', 0) / GIB:.2f} GiB, headroom "
                             f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
                             f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
