@@ -156,9 +156,9 @@ class Steps:
         self.flat_base_sh = gemma.shardings(cfg, mesh)  # as a checkpoint loads (weights.load)
         self.base_layout = gemma.stacked_layout(cfg) if self.scanned else gemma.param_layout(cfg)
         self.base_sh = gemma.stacked_shardings(cfg, mesh) if self.scanned else self.flat_base_sh
-        # The tied embedding by its vocab rows over every device where they divide (the vocab-parallel rules): its
-        # lookup and the output layer then never gather the table ([262144, D]: 2.6 GiB for 31B in bf16).
-        self.vocab_parallel = vocab_parallel_lib.divides(cfg.vocab, mesh)
+        # The tied embedding by its vocab rows over every device where they divide, on one slice (the vocab-parallel
+        # rules): its lookup and the output layer then never gather the table ([262144, D]: 2.6 GiB for 31B in bf16).
+        self.vocab_parallel = vocab_parallel_lib.fits_mesh(cfg.vocab, mesh)
         if self.vocab_parallel:
             shape, axes = gemma.param_layout(cfg)["embed"]
             rows = mesh_lib.fitted_spec(axes, shape, dict(mesh.shape), mesh_lib.VOCAB_PARALLEL_RULES)

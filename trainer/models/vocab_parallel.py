@@ -269,7 +269,9 @@ def _frozen_bwd(softcap, chunk, res, g):
 frozen_xent.defvjp(_frozen_fwd, _frozen_bwd)
 
 
-def divides(vocab: int, mesh) -> bool:
-    """Whether the tied table's rows split evenly over every device of `mesh` (TABLE applies), on more than one."""
+def fits_mesh(vocab: int, mesh) -> bool:
+    """Whether a frozen tied table goes by its rows on `mesh`: they split evenly over its devices (more than one),
+    on one slice (on several, each chunk's gathers of hidden states would cross DCN; the table then stays as the
+    model's rules shard it, gathered over a slice's devices only)."""
     n = mesh.devices.size
-    return n > 1 and vocab % n == 0
+    return n > 1 and vocab % n == 0 and dict(mesh.shape).get("dcn", 1) == 1
