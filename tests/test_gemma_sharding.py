@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import _gemma_ckpt as gc
 from trainer.common import mesh as mesh_lib
 from trainer.finetune import train as finetune
 from trainer.finetune.config import LoraRun
-from trainer.models import gemma
+from trainer.models import gemma, lora as lora_lib
 
 # deep enough for two periods in a scan (and, on the E kind, two of the kv-shared layers), 8 heads for model=8
 DEEP = {"dense": dict(n_layers=14, d_model=128, ff=256, n_heads=8, n_kv_heads=8),
@@ -76,3 +77,45 @@ def test_scanned_layers_equal_the_flat_model_forward_and_gradients(kind):
         assert float(jnp.abs(g_ours[name] - g_ref[name]).max()) <= 1e-3 * scale, name  # f32 sums in another order
     back = gemma.unstack(cfg, gemma.stack(cfg, flat))
     assert set(back) == set(flat) and all(np.array_equal(back[n], flat[n]) for n in flat)
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_the_embedding_by_its_vocab_rows_gives_the_gathered_tables_loss_and_adapter_gradients(scanned):
+    """The LoRA step's tied embedding sharded by its vocab rows over the 8 devices (data=4,model=2): the lookup and
+    the soft-capped output layer + loss on each device's own rows (vocab_parallel.lookup, frozen_xent) give the
+    weighted loss sum and adapter gradients of the table as the model shards it (gathered where it is used), f32;
+    written out (remat none) the loss whole and in chunks of 8 positions, the layers in scans (full) in chunks."""
+    cfg = _cfg("dense") if scanned else gc.TINY4["dense"]
+    mesh = mesh_lib.make_mesh({"data": 4, "model": 2})
+    rows, t = 8, 32
+    run = LoraRun(weights="-", data="-", ckpt_dir="-", targets="all", seq_len=t, batch_size=rows,
+                  remat="full" if scanned else "none")
+    steps = finetune.Steps(run, cfg, mesh, 10, rows)
+    assert steps.scanned == scanned
+    assert steps.vocab_parallel and steps.base_sh["embed"].spec == P(("dcn", "data", "model"), None)
+    rng = np.random.RandomState(0)
+    batch = {"inputs": rng.randint(0, cfg.vocab, (rows, t)), "targets": rng.randint(0, cfg.vocab, (rows, t)),
+             "weights": (rng.rand(rows, t) < 0.7).astype(np.float32), "segments": np.ones((rows, t), np.int32),
+             "positions": np.broadcast_to(np.arange(t), (rows, t)).astype(np.int32)}
+    lc = steps.lc
+    lora = {n: 0.05 * jax.random.normal(jax.random.key(i), a.shape) if n.endswith(".b") else a
+            for i, (n, a) in enumerate(lora_lib.init(cfg, lc, 1).items())}
+    flat = gemma.random_params(cfg, seed=3)
+    with jax.set_mesh(mesh):
+        base = steps.place_base(flat)
+        assert base["embed"].sharding == steps.base_sh["embed"]
+        gathered = {**base, "embed": jax.device_put(flat["embed"], gemma.shardings(cfg, mesh)["embed"])}
+        batch = {f: jax.device_put(a, steps.batch_sh) for f, a in batch.items()}
+
+        def sums(lora, base, vocab_parallel, chunk):
+            s, _ = finetune.loss_sums(cfg, lc, base, lora, batch, attention=steps.attention, remat=steps.remat,
+                                      loss_chunk=chunk, vocab_parallel=vocab_parallel)
+            return s
+        grad = jax.jit(jax.value_and_grad(sums), static_argnums=(2, 3))
+        for chunk in (8,) if scanned else (0, 8):
+            want, g_want = grad(lora, gathered, False, chunk)
+            got, g_got = grad(lora, base, True, chunk)
+            np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
+            for name in g_want:
+                np.testing.assert_allclose(g_got[name], g_want[name], rtol=1e-4,
+                                           atol=1e-5 * float(jnp.abs(g_want[name]).max()), err_msg=name)

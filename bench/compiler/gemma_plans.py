@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shlex
 import subprocess
@@ -62,7 +63,13 @@ def plan_one(argv: list[str]) -> dict:
         return {**cost, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
 
 
-def _cell(p: dict) -> str:
+def _compiled_rows(p: dict) -> int | None:
+    return (p.get("largest_batch") or {}).get("compiled_rows_per_device")
+
+
+def _cell(p: dict, same: list[dict] = ()) -> str:
+    """One plan's table cell; `same`: the plans of the same size, slice and flags but the batch, where the plan's
+    largest batch may have been compiled to check it."""
     if "error" in p:
         return f"error: {p['error']}"
     d = p.get("per_device", {})
@@ -80,19 +87,60 @@ def _cell(p: dict) -> str:
                      f"ms, compute {t.get('compute_s', 0) * 1e3:.0f} ms)")
     big = p.get("largest_batch") or {}
     if big.get("rows_per_device") is not None:
-        parts.append(f"largest batch {big['rows_per_device']} rows a device (extrapolated, not compiled)")
+        n = big["rows_per_device"]
+        check = next((q for q in [p, *same] if _compiled_rows(q) == n and "error" not in q), None)
+        rows = f"{n} row{'s' if n != 1 else ''} a device"
+        if check is None:
+            parts.append(f"largest batch {rows} (extrapolated, not compiled)")
+        else:
+            d = check.get("per_device", {})
+            parts.append(f"largest batch {rows} (extrapolated; compiled: "
+                         + (f"fits, {d.get('total_bytes', 0) / GIB:.2f} GiB, headroom "
+                            f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
+                            f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
     return "; ".join(parts)
 
 
+def extra_flags(row: dict) -> str:
+    """The lora flags a row's command adds to the default command (e.g. '--batch-size 8'), '' for the default."""
+    argv = shlex.split(row.get("command", ""))
+    tail = argv[argv.index("gs://b/l") + 1:] if "gs://b/l" in argv else []
+    if "--mesh" in tail:
+        i = tail.index("--mesh")
+        tail = tail[:i] + tail[i + 2:]
+    return shlex.join(tail)
+
+
+def _rows_label(row: dict) -> str:
+    """extra_flags with --batch-size B said as rows a device (B over the slice's devices)."""
+    argv = shlex.split(extra_flags(row))
+    if "--batch-size" in argv:
+        i = argv.index("--batch-size")
+        n = int(argv[i + 1]) // DEVICES[row["accelerator"]]
+        argv = argv[:i] + argv[i + 2:] + [f"{n} row{'s' if n != 1 else ''} a device"]
+    return " ".join(argv)
+
+
+def _without_rows(label: str) -> str:
+    return re.sub(r"\s*\d+ rows? a device", "", label).strip()
+
+
 def table(rows: list[dict]) -> str:
-    """The default-mesh table (size x accelerator), then the model sweep, as markdown."""
+    """The default-mesh table (size and the flags added to the default command x accelerator; the newest row of
+    each), then the model sweep, as markdown."""
     out = ["| size | " + " | ".join(ACCELERATORS) + " |", "|---|" + "---|" * len(ACCELERATORS)]
-    default = {(r["size"], r["accelerator"]): r for r in rows if not r.get("sweep_mesh")}
+    default = {(r["size"], extra_flags(r), r["accelerator"]): r for r in rows if not r.get("sweep_mesh")}
+    # a 1-row-a-device plan is --batch-size 8 on v5litepod-8's 8 chips and 4 on v4-8's 4: one line, by rows a device
+    per_device = {k: (k[0], _rows_label(default[k]), k[2]) for k in default}
+    cells = {per_device[k]: default[k] for k in default}
     for size in SIZES:
-        if any((size, a) in default for a in ACCELERATORS):
-            out.append(f"| {size} | " + " | ".join(_cell(default[(size, a)]) if (size, a) in default else ""
-                                                   for a in ACCELERATORS) + " |")
+        for label in sorted({lab for (s, lab, _) in cells if s == size}, key=lambda x: (x != "", x)):
+            name = size + (f" ({label})" if label else "")
+            out.append(f"| {name} | " + " | ".join(
+                _cell(cells[(size, label, a)], [q for (s2, lab2, a2), q in cells.items() if s2 == size and a2 == a
+                                                and _without_rows(lab2) == _without_rows(label)])
+                if (size, label, a) in cells else "" for a in ACCELERATORS) + " |")
     sweep = [r for r in rows if r.get("sweep_mesh")]
     if sweep:
         out += ["", "| size | slice | mesh | per device: total (params, temporaries) | step |", "|---|---|---|---|---|"]

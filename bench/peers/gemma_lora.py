@@ -51,6 +51,7 @@ def ours():
     sh = gemma.shardings(cfg, mesh)
     base = {k: jax.device_put(v, sh[k]) for k, v in gemma.random_params(cfg, 0).items()}
     steps = finetune.Steps(run, cfg, mesh, 1000, B)
+    base = steps.place_base(base)  # as the run holds it (the embedding by its vocab rows)
     steps.compile(base)
     state = list(steps.init())
     toks = _batch()

@@ -40,7 +40,8 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     # over data x model they fall back to the fsdp / mlp sharding of their other dims.
     "expert": ("data", "model"),
 }
-# --vocab-parallel: the tied embedding's vocab rows over every device (trainer/models/vocab_parallel.py).
+# --vocab-parallel, and the LoRA step's frozen Gemma embedding wherever its rows divide over the devices: the tied
+# embedding's vocab rows over every device (trainer/models/vocab_parallel.py).
 VOCAB_PARALLEL_RULES = {**RULES, "vocab": AXES}
 # ZeRO-1 (--optimizer-state sharded): a parameter's optimizer state, and its gradient where the update reads
 # it, are also split over this axis, on the first dimension the parameter's own sharding leaves whole and the

@@ -29,7 +29,7 @@ from trainer.common import mesh as mesh_lib
 from trainer.common.config import TrainConfig, UsageError
 from trainer.finetune.config import LoraRun
 from trainer.common.mesh import compute_dtype
-from trainer.models import attention, gemma, lora as lora_lib, xent
+from trainer.models import attention, gemma, lora as lora_lib, vocab_parallel as vocab_parallel_lib, xent
 
 
 def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
@@ -47,22 +47,30 @@ def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lo
 
 def loss_sums(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
               dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
-              loss_chunk: int = 0, lora_impl: str = "beside") -> tuple[jax.Array, jax.Array]:
+              loss_chunk: int = 0, lora_impl: str = "beside", vocab_parallel: bool = False
+              ) -> tuple[jax.Array, jax.Array]:
     """(sum of weight x cross-entropy, sum of weights) of packed rows under base + adapters: what a step
     differentiates. The output layer and the loss take loss_chunk positions at a time (trainer/models/xent.py;
     0: all at once), so the [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist
-    whole, and the frozen embedding gets no gradient. The same sums as token_losses' up to the order of addition."""
+    whole, and the frozen embedding gets no gradient. The same sums as token_losses' up to the order of addition.
+    vocab_parallel: the embedding is sharded by its rows over every device (vocab_parallel.TABLE; Steps places it
+    so): the lookup and the output layer each work on a device's own rows, and the table is never gathered."""
+    lookup = vocab_parallel_lib.lookup if vocab_parallel else None
     if gemma.is_stacked(base):  # the step's base (Steps.place_base): the layers in scans
         x = gemma.hidden(cfg, base, batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
                          adapters=lora, make_adapter=_layer_adapter(lc, dropout_key, lora_impl),
-                         attention=attention, remat=remat)
+                         attention=attention, remat=remat, lookup=lookup)
     else:
         model = gemma.from_flat(cfg, base)
         x, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
                      adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention, remat=remat,
-                     logits=False)
-    total = xent.chunked(x, base["embed"], batch["targets"], loss_chunk, None, cfg.fam.final_softcap, False,
-                         batch["weights"], False)
+                     logits=False, lookup=lookup)
+    if vocab_parallel:
+        total = vocab_parallel_lib.frozen_xent(x, base["embed"], batch["targets"], batch["weights"],
+                                               cfg.fam.final_softcap, loss_chunk)
+    else:
+        total = xent.chunked(x, base["embed"], batch["targets"], loss_chunk, None, cfg.fam.final_softcap, False,
+                             batch["weights"], False)
     return total, jnp.sum(batch["weights"])
 
 
@@ -148,6 +156,13 @@ class Steps:
         self.flat_base_sh = gemma.shardings(cfg, mesh)  # as a checkpoint loads (weights.load)
         self.base_layout = gemma.stacked_layout(cfg) if self.scanned else gemma.param_layout(cfg)
         self.base_sh = gemma.stacked_shardings(cfg, mesh) if self.scanned else self.flat_base_sh
+        # The tied embedding by its vocab rows over every device where they divide, on one slice (the vocab-parallel
+        # rules): its lookup and the output layer then never gather the table ([262144, D]: 2.6 GiB for 31B in bf16).
+        self.vocab_parallel = vocab_parallel_lib.fits_mesh(cfg.vocab, mesh)
+        if self.vocab_parallel:
+            shape, axes = gemma.param_layout(cfg)["embed"]
+            rows = mesh_lib.fitted_spec(axes, shape, dict(mesh.shape), mesh_lib.VOCAB_PARALLEL_RULES)
+            self.base_sh = {**self.base_sh, "embed": jax.sharding.NamedSharding(mesh, rows)}
         self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh)
         self.rep = mesh_lib.replicated(mesh)
         self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
@@ -170,7 +185,7 @@ class Steps:
     def _sums(self, lora, base, batch, key):
         return loss_sums(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
                          attention=self.attention, remat=self.remat, loss_chunk=self.loss_chunk,
-                         lora_impl=self.run.lora_impl)
+                         lora_impl=self.run.lora_impl, vocab_parallel=self.vocab_parallel)
 
     def _train_step(self, lora, opt_state, base, batch, step):
         key = jax.random.fold_in(jax.random.key(self.run.seed), step)  # from (seed, step): any host count
@@ -188,8 +203,15 @@ class Steps:
 
     def place_base(self, flat: dict, free: bool = False) -> dict:
         """The base as loaded (param_layout's names) -> as the steps take it (stacked_layout's), where the rules
-        place it. free: each loaded array is deleted once stacked (a base is never held twice)."""
-        return gemma.stack(self.cfg, flat, self.base_sh, free=free) if self.scanned else flat
+        place it (the embedding moved to its rows' sharding). free: each loaded array is deleted once stacked or
+        moved (a base is never held twice)."""
+        out = gemma.stack(self.cfg, flat, self.base_sh, free=free) if self.scanned else dict(flat)
+        table = out["embed"]
+        if isinstance(table, jax.Array) and table.sharding != self.base_sh["embed"]:
+            out["embed"] = jax.device_put(table, self.base_sh["embed"])
+            if free:
+                table.delete()
+        return out
 
     @property
     def loss_chunks(self) -> int:

@@ -483,7 +483,7 @@ class Gemma(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: list | None = None,
                  cache_index: jax.Array | int = 0, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
                  adapter=None, attention: str = attention_lib.XLA, remat: str = "none",
-                 logits: bool = True) -> tuple[jax.Array, list | None]:
+                 logits: bool = True, lookup=None) -> tuple[jax.Array, list | None]:
         """int tokens [B, T] -> (f32 logits [B, T, V], updated cache or None).
 
         Without a cache the tokens attend to each other (positions default to 0..T-1). With one (from
@@ -496,14 +496,14 @@ class Gemma(nnx.Module):
         attention (no cache): a resolved implementation (attention.resolve); the splash kernel masks by
         index (causal, the local layers' window, segment_ids), which is what positions 0..T-1 per example mean.
         remat (no cache): a policy of trainer/models/remat.py for each layer.
-        logits=False: the final hidden states [B, T, D] instead of logits (a chunked loss computes those)."""
+        logits=False: the final hidden states [B, T, D] instead of logits (a chunked loss computes those).
+        lookup: the embedding lookup, as `hidden` takes it."""
         cfg = self.cfg
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None] + cache_index, (b, t))
         emb = self.embed[...]
-        x = jnp.take(emb, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(cfg.d_model), dtype)
-        x = _constrain(x, RESIDUAL)
+        x = embed(cfg, emb, tokens, dtype, lookup)
         ple = self.per_layer_inputs(tokens, x) if cfg.per_layer_dim else None
         new_cache = [] if cache is not None else None
         kvs: dict[int, tuple] = {}  # the (k, v) of layers that later layers share
@@ -523,6 +523,13 @@ class Gemma(nnx.Module):
         if not logits:
             return x, new_cache
         return xent.logits(x, emb, softcap=cfg.fam.final_softcap), new_cache
+
+
+def embed(cfg: GemmaConfig, table: jax.Array, tokens: jax.Array, dtype, lookup=None) -> jax.Array:
+    """The residual stream's input [B, T, D]: the tokens' rows of the tied table (by `lookup(table, tokens)`, a
+    take by default) times sqrt(D), in dtype."""
+    rows = jnp.take(table, tokens, axis=0) if lookup is None else lookup(table, tokens)
+    return _constrain(rows.astype(dtype) * jnp.asarray(math.sqrt(cfg.d_model), dtype), RESIDUAL)
 
 
 def per_layer_inputs(cfg: GemmaConfig, ple_in, ple_in_norm, ple_embed, tokens: jax.Array, x: jax.Array) -> jax.Array:
@@ -780,17 +787,17 @@ MakeAdapter = Any
 def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, positions: jax.Array | None = None,
            *, dtype=jnp.float32, segment_ids: jax.Array | None = None, adapters: dict | None = None,
            make_adapter: MakeAdapter = None, attention: str = attention_lib.XLA, remat: str = "none",
-           unroll: int | bool = 1) -> jax.Array:
+           unroll: int | bool = 1, lookup=None) -> jax.Array:
     """The final hidden states [B, T, D] (normalised) of int tokens [B, T], from stacked params (stacked_layout),
     the segments' layers in scans: the training forward of Gemma.__call__ (no cache) with its numerics.
     adapters: flat arrays named 'layers.I.REST' (LoRA's), stacked here like the weights (they are small), each
-    layer's handed to make_adapter. unroll: the scans' unroll (True: written out, e.g. a twin for counting)."""
+    layer's handed to make_adapter. unroll: the scans' unroll (True: written out, e.g. a twin for counting).
+    lookup(table, tokens) -> rows: the embedding lookup (default a take; vocab_parallel.lookup for a table
+    sharded by its rows)."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-    emb = params["embed"]
-    x = jnp.take(emb, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(cfg.d_model), dtype)
-    x = _constrain(x, RESIDUAL)
+    x = embed(cfg, params["embed"], tokens, dtype, lookup)
     ple = None if not cfg.per_layer_dim else per_layer_inputs(cfg, params["ple_in"], params["ple_in_norm"],
                                                                params["ple_embed"], tokens, x)
     adapters = adapters or {}

@@ -175,3 +175,103 @@ def _xent_bwd(vocab_size, chunk, res, g):
 
 
 xent.defvjp(_xent_fwd, _xent_bwd)
+
+
+# ---- a frozen tied table's loss (LoRA) -------------------------------------------------------------------------
+# The same layout (TABLE, ACTS) for a table that gets no gradient: each device computes the logits of its vocab
+# rows for the global batch's tokens of one chunk of positions, soft-capped where the model caps them; the softmax's
+# max, sum and the target's logit are combined over the shards in one all-gather of three numbers per token; the
+# hidden states' gradient, (softmax - onehot) x weight per shard times the shard's rows, is reduce-scattered back to
+# each device's rows. Nothing of size [V, D] beyond a device's own rows exists, and no table gradient is formed.
+
+
+def _frozen_chunk(x, table, targets, weights, softcap: float | None, with_grads: bool):
+    """Inside shard_map, one chunk of positions: (sum over the global batch's tokens of weight x cross-entropy,
+    and with grads d sum / d x [b, c, D] of this device's rows)."""
+    b, c, d = x.shape
+    xg = jax.lax.all_gather(x, DATA, axis=0, tiled=True)  # [B, c, D]: the global batch's hidden states, small
+    tg = jax.lax.all_gather(targets, DATA, axis=0, tiled=True).reshape(-1)
+    wg = jax.lax.all_gather(weights, DATA, axis=0, tiled=True).reshape(-1)
+    rows_here = table.shape[0]
+    w = table.astype(x.dtype)
+    z = jnp.einsum("nd,vd->nv", xg.reshape(-1, d), w, preferred_element_type=jnp.float32)  # [N, V/n_dev]
+    capped = jnp.tanh(z / softcap) if softcap is not None else None
+    lg = capped * softcap if softcap is not None else z
+    rel, mine = _local_rows(tg, _shard_start(rows_here), rows_here)
+    target = (jnp.arange(rows_here) == rel[:, None]) & mine[:, None]
+    m = jnp.max(lg, axis=-1)
+    e_sum = jnp.sum(jnp.exp(lg - m[:, None]), axis=-1)
+    picked = jnp.sum(jnp.where(target, lg, 0.0), axis=-1)  # one term on the shard that holds the target, else 0
+    stats = jax.lax.all_gather(jnp.stack([m, e_sum, picked]), ALL)  # [n_dev, 3, N]: one collective
+    top = stats[:, 0].max(0)
+    logz = top + jnp.log((stats[:, 1] * jnp.exp(stats[:, 0] - top)).sum(0))
+    loss = jnp.sum((logz - stats[:, 2].sum(0)) * wg)
+    if not with_grads:
+        return loss
+    # d loss / d logits = (softmax - onehot) x the token's weight, through the soft-cap; in the compute dtype for
+    # the matmul, as xent.chunked does.
+    dz = jnp.exp(lg - logz[:, None])
+    dz = jnp.where(target, dz - 1.0, dz) * wg[:, None]
+    if softcap is not None:
+        dz = dz * (1.0 - jnp.square(capped))
+    dx = jnp.einsum("nv,vd->nd", dz.astype(x.dtype), w, preferred_element_type=jnp.float32).reshape(-1, c, d)
+    dx = jax.lax.psum(jax.lax.psum_scatter(dx, DATA, scatter_dimension=0, tiled=True), MODEL)
+    return loss, dx.astype(x.dtype)
+
+
+def _local_frozen(x, table, targets, weights, softcap: float | None, chunk: int, with_grads: bool):
+    b, t, d = x.shape
+    c = chunk_of(chunk, t)
+    if c == t:
+        return _frozen_chunk(x, table, targets, weights, softcap, with_grads)
+    split = lambda a: a.reshape(b, t // c, c, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731  [chunks, b, c, ...]
+    xs = (split(x), split(targets), split(weights))
+    if not with_grads:
+        def loss_only(acc, xt):
+            return acc + _frozen_chunk(*xt[:1], table, *xt[1:], softcap, False), None
+        return scans.scan(loss_only, jnp.zeros((), jnp.float32), xs)[0]
+
+    def body(acc, xt):
+        lc, dx = _frozen_chunk(xt[0], table, xt[1], xt[2], softcap, True)
+        return acc + lc, dx
+    loss, dxs = scans.scan(body, jnp.zeros((), jnp.float32), xs)
+    return loss, dxs.swapaxes(0, 1).reshape(b, t, d)
+
+
+def _frozen_specs(with_grads: bool):
+    return dict(in_specs=(ACTS, TABLE, IDS, IDS), out_specs=(P(), ACTS) if with_grads else P(),
+                check_vma=False)  # the loss is computed identically on every device
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def frozen_xent(x: jax.Array, table: jax.Array, targets: jax.Array, weights: jax.Array,
+                softcap: float | None = None, chunk: int = 0) -> jax.Array:
+    """Sum over tokens of weight x cross-entropy (f32) of the logits x @ table.T, soft-capped (tanh, Gemma) when
+    softcap is given: xent.chunked(..., weights=weights, table_grads=False) with the table sharded by its rows.
+    x [B, T, D] sharded over data, table [V, D] sharded as TABLE (every row a real token: no padding), targets
+    int [B, T] and weights f32 [B, T] sharded over data. chunk: positions whose logits exist at once (0: all).
+    The table and the weights get no gradient."""
+    f = partial(_local_frozen, softcap=softcap, chunk=chunk, with_grads=False)
+    return jax.shard_map(f, **_frozen_specs(False))(x, table, targets, weights)
+
+
+def _frozen_fwd(x, table, targets, weights, softcap, chunk):
+    f = partial(_local_frozen, softcap=softcap, chunk=chunk, with_grads=True)
+    loss, dx = jax.shard_map(f, **_frozen_specs(True))(x, table, targets, weights)
+    return loss, (dx, table, weights)
+
+
+def _frozen_bwd(softcap, chunk, res, g):
+    dx, table, weights = res
+    return (dx * g.astype(dx.dtype), jnp.zeros_like(table), None, jnp.zeros_like(weights))
+
+
+frozen_xent.defvjp(_frozen_fwd, _frozen_bwd)
+
+
+def fits_mesh(vocab: int, mesh) -> bool:
+    """Whether a frozen tied table goes by its rows on `mesh`: they split evenly over its devices (more than one),
+    on one slice (on several, each chunk's gathers of hidden states would cross DCN; the table then stays as the
+    model's rules shard it, gathered over a slice's devices only)."""
+    n = mesh.devices.size
+    return n > 1 and vocab % n == 0 and dict(mesh.shape).get("dcn", 1) == 1
