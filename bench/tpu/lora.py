@@ -20,10 +20,14 @@ from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_s
 # rows of 512 each size is measured at on one v5e chip: the largest batch whose step fits its 15.7 GiB by the
 # compiler's count (docs/performance.md)
 SIZES = {"gemma3-1b": 8, "gemma2-2b": 4, "gemma4-e2b": 1}
-# (variant name, LoraRun fields): alternatives of how the step computes, each timed beside the default
+# The step's embedding by its vocab rows (what every multi-device slice runs: trainer/models/vocab_parallel.py), forced
+# on the one chip: its lookup and loss's compute beside the gathered table's, without the collectives.
+VOCAB_ROWS = "vocab_parallel"
+# (variant name, LoraRun fields, or VOCAB_ROWS): alternatives of how the step computes, each timed beside the default
 # (a remat variant that is the size's default here, --remat auto, is not timed twice)
 VARIANTS: dict[str, dict] = {"lora-impl stacked": {"lora_impl": "stacked"}, "remat full": {"remat": "full"},
-                             "remat dots": {"remat": "dots"}, "remat none": {"remat": "none"}}
+                             "remat dots": {"remat": "dots"}, "remat none": {"remat": "none"},
+                             "vocab rows": {VOCAB_ROWS: True}}
 PEER_SIZE = "gemma2-2b"  # the size tunix's step is timed at (its Gemma 2 config is Google's own)
 RANK, ALPHA = 8, 16.0
 QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ff=1024,
@@ -53,11 +57,13 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
     cfg = gemma.GemmaConfig(**QUICK) if s.quick else gemma.SIZES[size]
     seq_len = 128 if s.quick else seq_len
     name = name_of(size, batch, seq_len, variant)
+    fields = dict(fields or {})
+    vocab_rows = fields.pop(VOCAB_ROWS, None)
     run = LoraRun(weights="-", data="-", ckpt_dir=tempfile.mkdtemp(dir=s.out), model=size, targets="all",
                   rank=RANK, alpha=ALPHA, seq_len=seq_len, batch_size=batch, steps=1000, base_dtype="bfloat16",
-                  **(fields or {}))
+                  **fields)
     mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
-    steps = finetune.Steps(run, cfg, mesh, 1000, batch)
+    steps = finetune.Steps(run, cfg, mesh, 1000, batch, vocab_parallel=vocab_rows)
     t0 = time.perf_counter()
     # drawn where it lives, in the layout the step takes (its scanned layers' weights stacked)
     base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh, stacked=steps.scanned))
@@ -79,7 +85,8 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
     tps = tokens / step_s
     return Row("lora", name, step_s=step_s, tokens_per_s=tps, compile_s=compile_s,
                mfu=tps * fpt / s.peak if s.peak else None, hbm_bytes=hbm_of(steps.train_fn),
-               note=f"attention {steps.attention}, random bf16 base" + (f"; {fields}" if fields else ""),
+               note=f"attention {steps.attention}, random bf16 base" + (f"; {fields}" if fields else "")
+               + ("; the embedding by its vocab rows" if vocab_rows else ""),
                figures={"batch": batch, "seq_len": seq_len, "fields": fields or {}, "loss": float(one()),
                         "flops_per_token": fpt})
 

@@ -138,7 +138,8 @@ def remat_of(run: LoraRun, cfg: gemma.GemmaConfig, mesh, global_batch: int) -> t
 class Steps:
     """The compiled train and eval steps of one (base config, LoRA config, mesh)."""
 
-    def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, mesh, total_steps: int, global_batch: int):
+    def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, mesh, total_steps: int, global_batch: int,
+                 vocab_parallel: bool | None = None):
         cfg = dataclasses.replace(cfg, expert_capacity=run.expert_capacity) if cfg.n_experts else cfg
         self.run, self.cfg, self.mesh, self.lc = run, cfg, mesh, run.lora
         lora_lib.check_model(cfg, self.lc)
@@ -158,7 +159,8 @@ class Steps:
         self.base_sh = gemma.stacked_shardings(cfg, mesh) if self.scanned else self.flat_base_sh
         # The tied embedding by its vocab rows over every device where they divide, on one slice (the vocab-parallel
         # rules): its lookup and the output layer then never gather the table ([262144, D]: 2.6 GiB for 31B in bf16).
-        self.vocab_parallel = vocab_parallel_lib.fits_mesh(cfg.vocab, mesh)
+        # vocab_parallel None: by the mesh; True on one device is the chip check's measure of that path's compute
+        self.vocab_parallel = vocab_parallel_lib.fits_mesh(cfg.vocab, mesh) if vocab_parallel is None else vocab_parallel
         if self.vocab_parallel:
             shape, axes = gemma.param_layout(cfg)["embed"]
             rows = mesh_lib.fitted_spec(axes, shape, dict(mesh.shape), mesh_lib.VOCAB_PARALLEL_RULES)
