@@ -64,9 +64,7 @@ def capacity_rows(n_rows: int, top_k: int, n_experts: int, shards: int, capacity
     return min(worst, 8 * math.ceil(capacity * n_rows * top_k / shards / 8))
 
 
-# rows [N, K] by a group's [Out, K] (the experts' weights as stored: gating[:, c] is [E, Fe, D]) -> [N, Out]
-_BY_ROWS_OF = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
-                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+LANES = 128  # the TPU's minor tile: a split of gate | up at a multiple of it is a slice, not a layout copy
 
 
 def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Array, ad: Adapter,
@@ -75,13 +73,17 @@ def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Arra
     ad_groups: the same rows' groups over the adapters' experts) -> [N, D], each row times row_weights [N] when
     given (applied to the hidden rows, [N, Fe], before the down projection and its adapter: both are linear in
     them, and the hidden rows are a quarter of the output's width).
-    Gate and up are two ragged dots over the weights as stored ([E, Fe, D], contracted on D): one over a
-    transposed [E, D, 2 Fe] copy cost that copy each layer and pass, and splitting its [N, 2 Fe] output at Fe
-    (704 on 26B-A4B, not a multiple of the 128-lane tile) cost two layout copies of it."""
+    Gate and up are one ragged dot over [E, D, 2 Fe'], each half padded to Fe' (a multiple of LANES): split at
+    Fe (704 on 26B-A4B) its [N, 2 Fe] output took two layout copies a pass; two ragged dots instead cost the
+    backward a second [N, D] gradient of the rows and their sum."""
     dt = rows.dtype
-    gate, up = (jax.lax.ragged_dot_general(rows, gating[:, c].astype(dt), groups, _BY_ROWS_OF) for c in (0, 1))
-    gate = ad("expert_gate", rows, gate, ad_groups)
-    up = ad("expert_up", rows, up, ad_groups)
+    n_exp, _, fe, d = gating.shape
+    fp = -(-fe // LANES) * LANES
+    w_in = jnp.pad(gating.astype(dt), ((0, 0), (0, 0), (0, fp - fe), (0, 0)))
+    w_in = w_in.transpose(0, 3, 1, 2).reshape(n_exp, d, 2 * fp)  # [E, D, 2 Fe']: gate | up
+    gu = jax.lax.ragged_dot(rows, w_in, group_sizes=groups)
+    gate = ad("expert_gate", rows, gu[:, :fe], ad_groups)
+    up = ad("expert_up", rows, gu[:, fp:fp + fe], ad_groups)
     hid = jax.nn.gelu(gate, approximate=True) * up
     if row_weights is not None:
         hid = hid * row_weights[:, None].astype(dt)
