@@ -64,26 +64,21 @@ def capacity_rows(n_rows: int, top_k: int, n_experts: int, shards: int, capacity
     return min(worst, 8 * math.ceil(capacity * n_rows * top_k / shards / 8))
 
 
-LANES = 128  # the TPU's minor tile: a split of gate | up at a multiple of it is a slice, not a layout copy
-
-
 def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Array, ad: Adapter,
          ad_groups: jax.Array, row_weights: jax.Array | None = None) -> jax.Array:
     """The experts' gated-GELU MLP on rows [N, D] grouped by expert (groups [E'] over gating's E' experts;
     ad_groups: the same rows' groups over the adapters' experts) -> [N, D], each row times row_weights [N] when
     given (applied to the hidden rows, [N, Fe], before the down projection and its adapter: both are linear in
     them, and the hidden rows are a quarter of the output's width).
-    Gate and up are one ragged dot over [E, D, 2 Fe'], each half padded to Fe' (a multiple of LANES): split at
-    Fe (704 on 26B-A4B) its [N, 2 Fe] output took two layout copies a pass; two ragged dots instead cost the
-    backward a second [N, D] gradient of the rows and their sum."""
+    Gate and up are one ragged dot (two dots over the weights as stored, contracted on D, gave the backward a
+    second [N, D] gradient of the rows and their sum; padding each half to a multiple of 128 lanes, so the split
+    is a slice, moved a relayout copy of the stacked experts into the scan on v4: docs/gemma.md)."""
     dt = rows.dtype
     n_exp, _, fe, d = gating.shape
-    fp = -(-fe // LANES) * LANES
-    w_in = jnp.pad(gating.astype(dt), ((0, 0), (0, 0), (0, fp - fe), (0, 0)))
-    w_in = w_in.transpose(0, 3, 1, 2).reshape(n_exp, d, 2 * fp)  # [E, D, 2 Fe']: gate | up
-    gu = jax.lax.ragged_dot(rows, w_in, group_sizes=groups)
-    gate = ad("expert_gate", rows, gu[:, :fe], ad_groups)
-    up = ad("expert_up", rows, gu[:, fp:fp + fe], ad_groups)
+    w_in = gating.astype(dt).transpose(0, 3, 1, 2).reshape(n_exp, d, 2 * fe)  # [E, D, 2 Fe]: gate | up
+    gu = jax.lax.ragged_dot(rows, w_in, group_sizes=groups).reshape(-1, 2, fe)
+    gate = ad("expert_gate", rows, gu[:, 0], ad_groups)
+    up = ad("expert_up", rows, gu[:, 1], ad_groups)
     hid = jax.nn.gelu(gate, approximate=True) * up
     if row_weights is not None:
         hid = hid * row_weights[:, None].astype(dt)
