@@ -2,6 +2,8 @@
 the plain one (beside): the same loss and the same adapter gradients, on tiny configs, on the CPU."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,3 +64,27 @@ def test_an_unknown_impl_is_refused():
         LoraRun(weights="w", data="d", ckpt_dir="c", lora_impl="inside").check()
     with pytest.raises(UsageError, match="--lora-impl"):
         lora_lib.adapter(lora_lib.LoraConfig(), {}, impl="inside")
+
+
+def test_adapters_are_gathered_whole_where_a_mesh_applies_them():
+    """A and B are stored split like the weights they adapt; applied under a mesh each is constrained whole (the
+    TPU compiler otherwise gathered every device's rows of the layer's input for each adapter, to contract A's
+    split dim where it lay), with the numbers of no mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from trainer.common import mesh as mesh_lib
+    cfg = CASES["gemma4 k=v"]
+    lc = lora_lib.LoraConfig(4, 8.0, 0.0, ("q",))
+    lora = _trained(cfg, lc)
+    apply = lora_lib.adapter(lc, lora)
+    x = jax.random.normal(jax.random.key(0), (8, 16, cfg.d_model))
+    y = jnp.zeros((8, 16) + lora["layers.0.q.b"].shape[1:])
+    want = apply(0, "q", x, y)
+    mesh = mesh_lib.make_mesh({"data": 8, "model": 1})
+    placed = {n: jax.device_put(a, NamedSharding(mesh, P("data") if n.endswith(".a") else P())) for n, a in lora.items()}
+    f = jax.jit(lambda lo, x, y: lora_lib.adapter(lc, lo)(0, "q", x, y))
+    with jax.set_mesh(mesh):
+        text = f.lower(placed, x, y).as_text()
+        got = f(placed, x, y)
+    whole = re.findall(r"sdy.sharding_constraint %\S+ <@mesh, \[\{\}(?:, \{\})*\]>", text)
+    assert len(whole) >= 2, "A and B not constrained whole"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

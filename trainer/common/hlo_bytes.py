@@ -9,6 +9,11 @@ every computation the step runs as the cost analysis does (XLA's HloCostAnalysis
   being the result; one the fusion only hands on as an element of its result tuple, as the compiler's windowed
   matmul loops pass their carried buffers from trip to trip, costs nothing either way: the buffer stays where it
   is);
+- an async collective libtpu splits over a chain of fusions (one collective, one channel_id and chain_id, in
+  every fusion of the chain: the first's root an `AsyncCollectiveStart` custom call, the last's an
+  `AsyncCollectiveDone`, those between doing other work and returning the collective's in-flight buffer,
+  aliased to their operand): its operand and its result once, in the start fusion; the fusions between are
+  charged their own work only, the done fusion nothing (it hands the buffer over, as all-gather-done does);
 - a Pallas kernel that carries a cost estimate (trainer/kernels/xent_kernel.py's): the estimate's bytes, as the
   compiler takes them; one without (splash attention's): its operands and its result, a lower bound of what it
   moves, which the compiler counts as nothing (so this count runs above the compiler's by those kernels);
@@ -220,6 +225,24 @@ def parse(text: str) -> Module:
     return Module(comps, entry, frames, locs)
 
 
+START, DONE = "AsyncCollectiveStart", "AsyncCollectiveDone"
+
+
+def chained(ins: Instr) -> bool:
+    """A collective libtpu runs asynchronously over a chain of fusions (its chain_id frontend attribute)."""
+    return ins.opcode.startswith(_COLLECTIVE_OPS) and 'chain_id="' in ins.attrs
+
+
+def _async_step(fused: Computation) -> str | None:
+    """START or DONE for the fusion that begins or ends an async collective's chain (its root custom call)."""
+    root = fused.root
+    if root is not None and root.opcode == "custom-call":
+        for step in (START, DONE):
+            if f'custom_call_target="{step}"' in root.attrs:
+                return step
+    return None
+
+
 class Charger:
     """Bytes per instruction, as the cost analysis counts them."""
 
@@ -237,7 +260,9 @@ class Charger:
         """HloCostAnalysis::FusionParameterReadBytes: a fused parameter's bytes as its users read them."""
         total, seen_full = 0.0, False
         users = fused.users.get(p.name, [])
-        if users and all(u is fused.root and u.opcode == "tuple" for u in users):
+        if _async_step(fused) != START:  # a chained collective's operand is read once, by its start fusion
+            users = [u for u in users if not chained(u)]
+        if all(u is fused.root and u.opcode == "tuple" for u in users):
             return 0.0  # handed on as it is (module docstring)
         for u in users:
             if u.opcode == "slice":
@@ -272,6 +297,8 @@ class Charger:
             r = roots[k] if k < len(roots) else None
             if r is not None and r.opcode == "parameter" and root is not None and root.opcode == "tuple":
                 continue  # a parameter handed on: no bytes move (module docstring)
+            if r is not None and chained(r):
+                continue  # a chained collective's in-flight buffer: its result is charged at its start
             if r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1:
                 total += self.size(self.operand_shape(fused, r.operands[1]))  # in place: only the update
             else:
@@ -286,7 +313,11 @@ class Charger:
             fused = self.m.computations.get(ins.attr("calls") or "")
             if fused is None:
                 return self.size(ins.shape) + sum(self.size(self.operand_shape(comp, o)) for o in ins.operands)
-            total = self.fusion_output(fused, ins)
+            step = _async_step(fused)
+            if step == DONE:
+                return 0.0
+            total = sum(self.size(c.shape) for c in fused.instrs.values() if chained(c)) if step == START else \
+                self.fusion_output(fused, ins)
             for idx, o in enumerate(ins.operands):
                 p = fused.params.get(idx)
                 total += self.param_read(fused, p) if p is not None else self.size(self.operand_shape(comp, o))

@@ -193,8 +193,8 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
         if name in _PAIRS:
             if not paired(i, name) or y.shape[0] != 2:
                 return y
-            a = jnp.stack([lora[f"layers.{i}.{n}.a"] for n in _PAIRS[name]])  # [2, in, r]
-            b = jnp.stack([lora[f"layers.{i}.{n}.b"] for n in _PAIRS[name]])  # [2, r, *out]
+            a = whole(jnp.stack([lora[f"layers.{i}.{n}.a"] for n in _PAIRS[name]]))  # [2, in, r]
+            b = whole(jnp.stack([lora[f"layers.{i}.{n}.b"] for n in _PAIRS[name]]))  # [2, r, *out]
             h = jnp.einsum("btd,cdr->cbtr", x.astype(jnp.float32), a)
             d = jnp.einsum("cbtr,crf->cbtf", h, b) if b.ndim == 3 else jnp.einsum("cbtr,crkh->cbtkh", h, b)
             return y + (lc.scale * d).astype(y.dtype)
@@ -204,7 +204,7 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
         a = lora.get(f"layers.{i}.{name}.a")
         if a is None:
             return y
-        b = lora[f"layers.{i}.{name}.b"]
+        a, b = whole(a), whole(lora[f"layers.{i}.{name}.b"])
         if dropout_key is not None and lc.dropout > 0:
             k = jax.random.fold_in(jax.random.fold_in(dropout_key, i), list(TARGETS).index(name))
             keep = jax.random.bernoulli(k, 1.0 - lc.dropout, x.shape)
@@ -215,6 +215,17 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
         h = jnp.tensordot(x.astype(jnp.float32), a, axes=a.ndim - 1)
         return y + (lc.scale * jnp.tensordot(h, b, axes=1)).astype(y.dtype)
     return apply
+
+
+def whole(w: jax.Array) -> jax.Array:
+    """An adapter's A or B gathered whole on every device where it is used. They are stored split like the weights
+    they adapt (fsdp), and left to itself the partitioner contracts the split dim where it lies: it gathered a
+    layer's input over `data` for each adapter ([rows of every device, D], in windowed loops) to save gathering
+    A ([D, r]: kilobytes). Not inside a shard_map (the experts' step), where they enter whole already."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return w
+    return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec())
 
 
 def delta(lc: LoraConfig, lora: dict[str, jax.Array], i: int, name: str) -> jax.Array:

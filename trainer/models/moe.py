@@ -65,9 +65,14 @@ def capacity_rows(n_rows: int, top_k: int, n_experts: int, shards: int, capacity
 
 
 def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Array, ad: Adapter,
-         ad_groups: jax.Array) -> jax.Array:
+         ad_groups: jax.Array, row_weights: jax.Array | None = None) -> jax.Array:
     """The experts' gated-GELU MLP on rows [N, D] grouped by expert (groups [E'] over gating's E' experts;
-    ad_groups: the same rows' groups over the adapters' experts) -> [N, D]."""
+    ad_groups: the same rows' groups over the adapters' experts) -> [N, D], each row times row_weights [N] when
+    given (applied to the hidden rows, [N, Fe], before the down projection and its adapter: both are linear in
+    them, and the hidden rows are a quarter of the output's width).
+    Gate and up are one ragged dot (two dots over the weights as stored, contracted on D, gave the backward a
+    second [N, D] gradient of the rows and their sum; padding each half to a multiple of 128 lanes, so the split
+    is a slice, moved a relayout copy of the stacked experts into the scan on v4: docs/gemma.md)."""
     dt = rows.dtype
     n_exp, _, fe, d = gating.shape
     w_in = gating.astype(dt).transpose(0, 3, 1, 2).reshape(n_exp, d, 2 * fe)  # [E, D, 2 Fe]: gate | up
@@ -75,6 +80,8 @@ def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Arra
     gate = ad("expert_gate", rows, gu[:, 0], ad_groups)
     up = ad("expert_up", rows, gu[:, 1], ad_groups)
     hid = jax.nn.gelu(gate, approximate=True) * up
+    if row_weights is not None:
+        hid = hid * row_weights[:, None].astype(dt)
     return ad("expert_down", hid, jax.lax.ragged_dot(hid, linear.astype(dt), group_sizes=groups), ad_groups)
 
 
@@ -137,11 +144,11 @@ def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter
         ends = jnp.minimum(jnp.cumsum(jnp.bincount(key, length=n_local + 1)[:n_local]), cap)
         groups = jnp.diff(ends, prepend=0).astype(jnp.int32)  # rows beyond the capacity dropped
         all_groups = jax.lax.dynamic_update_slice(jnp.zeros(n_exp, jnp.int32), groups, (first,))
-        out = _mlp(rows[pick // top_k], gating, linear, groups, ad, all_groups)
         scale = jnp.take(expert_scale, first + jnp.minimum(key[pick], n_local - 1)).astype(jnp.float32)
         w = jnp.where(jnp.arange(cap) < ends[-1], weights.reshape(-1)[pick] * scale, 0.0)
+        out = _mlp(rows[pick // top_k], gating, linear, groups, ad, all_groups, w)  # weighted rows
         # summed in the compute dtype: an f32 sum doubled the bytes of the step's largest buffers ([rows, D])
-        total = jnp.zeros((rows.shape[0], d), dt).at[pick // top_k].add(out * w[:, None].astype(dt))
+        total = jnp.zeros((rows.shape[0], d), dt).at[pick // top_k].add(out)
         if gather:
             total = jax.lax.psum_scatter(total, gather, scatter_dimension=0, tiled=True)
         if repeat:
