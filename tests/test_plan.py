@@ -232,8 +232,7 @@ def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
     assert p is not None and p.cached and p.fits
     # cached by the step it compiles: other weights, data and checkpoints (either spelling) are the same plan,
     # another rank is not
-    moved = ["lora", "--weights=gs://c/other", "--data", "gs://c/other.jsonl", "--ckpt-dir", "gs://c/run2",
-             *argv[7:], "--log-every", "5"]
+    moved = ["lora", "--weights=gs://c/other", "--data", "gs://c/other.jsonl", "--ckpt-dir", "gs://c/run2", *argv[7:]]
     again = P.gate("v5litepod-8", moved, cpu_devices=False)
     assert again.cached and again.figures == p.figures
     monkeypatch.setitem(catalog.GENERATIONS, "v5litepod", dataclasses.replace(
