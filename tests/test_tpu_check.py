@@ -104,6 +104,8 @@ def test_rows_are_chosen_by_name_and_the_plans_join_by_name(tmp_path):
     cmds = plans.commands()
     assert cmds["ours, batch 16"] == ["pretrain", "--preset", "gpt2-124m", "--batch-size", "16"]
     assert "--base-dtype" in cmds["gemma4-e2b LoRA r8 all targets, 1 x 512"]
+    # the vocab rows variant is a Steps option forced on one chip: no trainer command (no flag) builds its step
+    assert not any("vocab rows" in name for name in cmds) and "--vocab-parallel" not in str(cmds)
     work = {"matmul_flops": 12.2e12, "attention_flops": 1.86e12, "head_dim": 64, "attention_kernel": "resident",
             "loss_kernel_flops": 0.0, "other_bytes": 20e9}
     rows = [{"section": "steps", "name": "ours, batch 16", "step_s": 0.1, "figures": {}},

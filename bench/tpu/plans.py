@@ -37,6 +37,8 @@ def commands() -> dict[str, list[str]]:
                 "--base-dtype", "bfloat16"]
         out[lora.name_of(size, batch)] = base
         for variant, fields in lora.VARIANTS.items():
+            if lora.VOCAB_ROWS in fields:  # a Steps option on one chip, no flag: no trainer command builds that step
+                continue
             if not lora._is_default(size, fields, batch):  # a variant that is the size's default is its default row
                 out[lora.name_of(size, batch, variant=variant)] = [*base, *_flags(fields)]
     return out
