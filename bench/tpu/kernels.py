@@ -105,6 +105,75 @@ def run(s: Settings):
         yield from attention_rows(s)
     if s.wants("--lora-impl stacked vs beside"):
         yield from lora_impl_rows(s)
+    if s.wants("experts' MLP"):
+        yield from experts_rows(s)
+
+
+# Gemma 4 26B-A4B's experts at one chip's rows (trainer/models/moe.py): (rows routed, experts held, D, Fe). The
+# first is a device holding every expert at 4 x 512 tokens, top 8 (the one-chip twin's layer); the second one of
+# v5litepod-8's devices under expert parallelism (16 experts, capacity 2 x the even share of 16,384 x 8 / 8).
+EXPERT_SHAPES = {"all 128 experts, 16384 rows": (16384, 128, 2816, 704),
+                 "16 experts, 32768 rows": (32768, 16, 2816, 704)}
+GMM_TILINGS = ((128, 128, 128), (512, 1024, 1024))
+
+
+def experts_rows(s: Settings) -> list[Row]:
+    """The experts' gated-GELU MLP (gate|up, then down: two grouped matmuls) forward and its gradient in the rows
+    (the LoRA step's: the experts are frozen) by XLA's ragged_dot, the step's, and by the megablox grouped matmul
+    kernel (jax.experimental.pallas.ops.tpu.megablox) at two tilings: each against the same MLP in f32 at full
+    precision, and timed, at the shapes a 26B-A4B step's layer has on one chip. Its routing is random (every
+    expert about the even share); rows past the routed ones stay out of every group, as the step pads them."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+    from bench.tpu.common import block, reps_for, time_steps
+    on_tpu = jax.default_backend() == "tpu" and not s.quick
+    shapes = EXPERT_SHAPES if on_tpu else {"tiny, 4 experts": (256, 4, 256, 128)}
+    rows = []
+    for sname, (m, e, d, fe) in shapes.items():
+        rng = np.random.default_rng(3)
+        routed = m // 2 if "32768" in sname else m  # capacity 2: about half the buffer holds routed rows
+        groups = jnp.asarray(np.bincount(rng.integers(0, e, routed), minlength=e), jnp.int32)
+        x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+        w_in = jnp.asarray(rng.standard_normal((e, d, 2 * fe)) / np.sqrt(d), jnp.bfloat16)
+        w_out = jnp.asarray(rng.standard_normal((e, fe, d)) / np.sqrt(fe), jnp.bfloat16)
+        ct = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+
+        def mlp(dot, x):
+            gu = dot(x, w_in).reshape(-1, 2, fe)
+            return dot(jax.nn.gelu(gu[:, 0], approximate=True) * gu[:, 1], w_out)
+
+        def ragged(x, w, dt=jnp.bfloat16):
+            return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes=groups, preferred_element_type=dt)
+
+        def megablox(tiling):
+            return lambda x, w: gmm(x, w, groups, jnp.bfloat16, tiling, interpret=not on_tpu)
+
+        def vjp(dot, x):
+            out, pull = jax.vjp(lambda x: mlp(dot, x), x)
+            return out, pull(ct.astype(out.dtype))[0]
+        with jax.default_matmul_precision("highest"):
+            want, wdx = jax.jit(lambda x: vjp(lambda a, w: ragged(a, w, jnp.float32), x))(x.astype(jnp.float32))
+        contenders = {"ragged_dot (XLA)": ragged, **{f"megablox gmm {t[0]}x{t[1]}x{t[2]}": megablox(t)
+                                                     for t in (GMM_TILINGS if on_tpu else GMM_TILINGS[:1])}}
+        for cname, dot in contenders.items():
+            name = f"experts' MLP, {cname} vs f32, {sname}"
+            if not s.wants(name):
+                continue
+            fn = jax.jit(lambda x, dot=dot: vjp(dot, x))
+            try:
+                got, gdx = fn(x)
+            except Exception as e:  # noqa: BLE001 - a tiling the kernel refuses is a row that says so
+                rows.append(Row("kernels", name, ok=False, note=f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            live = int(routed)  # rows past the routed ones are out of every group: zero in both
+            err = {"out": _rel(got[:live], want[:live]), "dx": _rel(gdx[:live], wdx[:live])}
+            first = time_steps(lambda: fn(x), 1, block)
+            step_s = time_steps(lambda: fn(x), reps_for(first), block)
+            flops = 2 * 2 * live * d * 3 * fe  # forward and the rows' gradient: twice its matmuls' 2 N D (3 Fe)
+            rows.append(Row("kernels", name, ok=max(err.values()) <= LOSS_TOL, step_s=step_s,
+                            mfu=flops / step_s / s.peak if s.peak else None,
+                            note=", ".join(f"{k} {v:.1e}" for k, v in err.items()) + f"; {step_s * 1e3:.2f} ms",
+                            figures={**err, "rows": m, "routed": live, "experts": e, "flops": flops}))
+    return rows
 
 
 

@@ -20,6 +20,10 @@ from bench.tpu.common import Row, Settings, block, hbm_of, reps_for, say, time_s
 # rows of 512 each size is measured at on one v5e chip: the largest batch whose step fits its 15.7 GiB by the
 # compiler's count (docs/performance.md)
 SIZES = {"gemma3-1b": 8, "gemma2-2b": 4, "gemma4-e2b": 1}
+# sizes whose whole base does not fit one chip, cut to their first layers (size -> (layers, rows of 512)): the
+# step's work a layer is the whole size's, so the chip's time against the plan's for the same program says whether
+# the plan's roofline is the chip's (26B-A4B: its experts count as memory-bound, docs/gemma.md)
+TWINS = {"gemma4-26b-a4b": (6, 4)}
 # The step's embedding by its vocab rows (what every multi-device slice runs: trainer/models/vocab_parallel.py), forced
 # on the one chip: its lookup and loss's compute beside the gathered table's, without the collectives.
 VOCAB_ROWS = "vocab_parallel"
@@ -34,8 +38,8 @@ QUICK = dict(family="gemma2", vocab=1024, d_model=256, n_layers=2, n_heads=4, n_
              sliding_window=64, query_pre_attn_scalar=64.0)
 
 
-def name_of(size: str, batch: int, seq_len: int = 512, variant: str = "") -> str:
-    return f"{size} LoRA r{RANK} all targets, {batch} x {seq_len}" + (f", {variant}" if variant else "")
+def name_of(size: str, batch: int, seq_len: int = 512, variant: str = "", layers: int = 0) -> str:
+    return f"{size}{f' ({layers} layers)' if layers else ''} LoRA r{RANK} all targets, {batch} x {seq_len}" + (f", {variant}" if variant else "")
 
 
 def _batch(vocab: int, batch: int, seq_len: int) -> dict:
@@ -49,14 +53,15 @@ def _batch(vocab: int, batch: int, seq_len: int) -> dict:
 
 
 def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: str = "",
-             fields: dict | None = None) -> Row:
+             fields: dict | None = None, layers: int = 0) -> Row:
     from trainer.common import aot, mesh as mesh_lib
     from trainer.finetune import train as finetune
     from trainer.finetune.config import LoraRun
     from trainer.models import gemma, lora as lora_lib
-    cfg = gemma.GemmaConfig(**QUICK) if s.quick else gemma.SIZES[size]
+    from bench.tpu import twin
+    cfg = gemma.GemmaConfig(**QUICK) if s.quick else twin.config(size, layers) if layers else gemma.SIZES[size]
     seq_len = 128 if s.quick else seq_len
-    name = name_of(size, batch, seq_len, variant)
+    name = name_of(size, batch, seq_len, variant, layers)
     fields = dict(fields or {})
     vocab_rows = fields.pop(VOCAB_ROWS, None)
     run = LoraRun(weights="-", data="-", ckpt_dir=tempfile.mkdtemp(dir=s.out), model=size, targets="all",
@@ -88,7 +93,7 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
                note=f"attention {steps.attention}, random bf16 base" + (f"; {fields}" if fields else "")
                + ("; the embedding by its vocab rows" if vocab_rows else ""),
                figures={"batch": batch, "seq_len": seq_len, "fields": fields or {}, "loss": float(one()),
-                        "flops_per_token": fpt})
+                        "flops_per_token": fpt, **({"layers": layers} if layers else {})})
 
 
 def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
@@ -168,6 +173,9 @@ def run(s: Settings):
     for size, batch in batches.items():
         if s.wants(name_of(size, batch)):
             yield step_row(s, size, batch)
+    for size, (layers, batch) in ({} if s.quick else TWINS).items():
+        if s.wants(name_of(size, batch, layers=layers)):
+            yield step_row(s, size, batch, layers=layers)
     later = {k: v for k, v in VARIANTS.items() if v.get("remat")}  # the scanned layers (remat): new, and slower
     for variant, fields in [*((k, v) for k, v in VARIANTS.items() if k not in later), (None, None),
                             *later.items()]:

@@ -36,6 +36,12 @@ def commands() -> dict[str, list[str]]:
                 str(lora.RANK), "--alpha", str(lora.ALPHA), "--seq-len", "512", "--batch-size", str(batch),
                 "--base-dtype", "bfloat16"]
         out[lora.name_of(size, batch)] = base
+        if size in lora.TWINS:
+            raise AssertionError(f"{size} is both a size and a twin")
+    for size, (layers, batch) in lora.TWINS.items():
+        out[lora.name_of(size, batch, layers=layers)] = [
+            "lora", "--model", size, "--weights", "-", "--data", "-", "--targets", "all", "--rank", str(lora.RANK),
+            "--alpha", str(lora.ALPHA), "--seq-len", "512", "--batch-size", str(batch), "--base-dtype", "bfloat16"]
         for variant, fields in lora.VARIANTS.items():
             if lora.VOCAB_ROWS in fields:  # a Steps option on one chip, no flag: no trainer command builds that step
                 continue
@@ -66,9 +72,12 @@ def plan_ahead(path: str, rows: tuple = ()) -> int:
         if done["rows"].get(name, {}).get("work") and done["rows"][name].get("argv") == argv:
             continue  # planned already (at the commit it names: a row's program changes only with its code)
         t0 = time.perf_counter()
-        print(f"planning {name!r}: python -m trainer.plan --devices 1 --tpu {TPU} -- {' '.join(argv)}", flush=True)
+        twin = next(((size, layers) for size, (layers, batch) in lora.TWINS.items()
+                     if name == lora.name_of(size, batch, layers=layers)), None)
+        how = ["-m", "bench.tpu.twin", twin[0], str(twin[1]), "--"] if twin else ["-m", "trainer.plan"]
+        print(f"planning {name!r}: python {' '.join(how)} --devices 1 --tpu {TPU} -- {' '.join(argv)}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            p = subprocess.run([sys.executable, "-m", "trainer.plan", "--devices", "1", "--tpu", TPU, "--",
+            p = subprocess.run([sys.executable, *how, "--devices", "1", "--tpu", TPU, "--",
                                 *argv, "--ckpt-dir", os.path.join(tmp, "ckpt")], capture_output=True, text=True)
         took = time.perf_counter() - t0
         if p.returncode:
