@@ -793,6 +793,11 @@ def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofl
     untimed = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, resident)
     assert untimed.timing()["step_s"] == pytest.approx(t["step_s"]) and not untimed.timing()["calibrated"]["measured"]
     assert "NOT measured: the resident attention kernel, at splash's rate" in render(untimed)
+    # The experts' grouped matmuls (ragged_dot) at their own measured rate, out of the matmul class: slower
+    moe = {**f, "work": {**work, "matmul_flops": 4.115e12, "grouped_matmul_flops": 2e12}}
+    g = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, moe).timing()
+    assert g["calibrated"]["terms"]["grouped matmul"] == pytest.approx(2e12 / calibration.V5E.grouped_matmul_flops_s)
+    assert g["calibrated"]["measured"] and g["step_s"] > t["step_s"]
 
 
 def test_host_bounds_fit_a_topology_smaller_than_a_4_chip_host():
@@ -837,6 +842,12 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     assert "largest batch that fits: 12 row(s) a device (--batch-size 48), about 32.00 GiB" in text
     assert "this plan took 120s: the step's compile 70s (start 5s, compile 60s); checking --grad-accum 2 50s" in text
     assert P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=70.0), cached=True).time_spent()["total_s"] == 0
+    # one row a device compiled: that row is the figure, said to be a lower bound (nothing to extrapolate from)
+    one = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings={**_figures()["settings"], "batch_size": 4},
+                                                          temp_bytes=10 * P.GIB, total_bytes=16 * P.GIB))
+    low = P.largest_batch(one)
+    assert one.fits and (low["rows_per_device"], low["batch_size"], low["lower_bound"]) == (1, 4, True)
+    assert "at least this" in low["how"] and "--batch-size 8" in low["how"]
 
 
 def test_a_scanned_step_gathers_one_layers_base_at_a_time():

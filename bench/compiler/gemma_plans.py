@@ -90,7 +90,10 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
         n = big["rows_per_device"]
         check = next((q for q in [p, *same] if _compiled_rows(q) == n and "error" not in q), None)
         rows = f"{n} row{'s' if n != 1 else ''} a device"
-        if check is None:
+        if big.get("lower_bound") or (p.get("fits") and _compiled_rows(p) == 1):
+            # compiled at one row: no share of the temporaries to extrapolate from (orchestrator/plan/step.py)
+            parts.append("largest batch: at least 1 row a device (one row compiled; plan two to extrapolate)")
+        elif check is None:
             parts.append(f"largest batch {rows} (extrapolated, not compiled)")
         else:
             d = check.get("per_device", {})
@@ -142,6 +145,14 @@ def table(rows: list[dict]) -> str:
                                                 and _without_rows(lab2) == _without_rows(label)])
                 if (size, label, a) in cells else "" for a in ACCELERATORS) + " |")
     sweep = [r for r in rows if r.get("sweep_mesh")]
+    # model=1 is the default mesh's step: a sweep without its own row of it takes the newest default-command row
+    for size, acc in dict.fromkeys((r["size"], r["accelerator"]) for r in sweep):
+        one = f"data={DEVICES[acc]},model=1"
+        if not any(r["sweep_mesh"] == one for r in sweep if (r["size"], r["accelerator"]) == (size, acc)) \
+                and (size, "", acc) in default:
+            sweep.append({**default[(size, "", acc)], "sweep_mesh": one + " (the default command's row)"})
+    sweep.sort(key=lambda r: (SIZES.index(r["size"]) if r["size"] in SIZES else 99, r["accelerator"],
+                              int(re.search(r"model=(\d+)", r["sweep_mesh"]).group(1))))
     if sweep:
         out += ["", "| size | slice | mesh | per device: total (params, temporaries) | step |", "|---|---|---|---|---|"]
         for r in sweep:
@@ -163,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--accelerators", default=",".join(ACCELERATORS))
     p.add_argument("--model-sweep", action="store_true", help="also every data x model mesh of each slice")
+    p.add_argument("--models", default="", metavar="M,...",
+                   help="with --model-sweep, only the meshes of these model sizes (model=1 is the default mesh's "
+                        "step: the table takes the default row for it when the sweep has none)")
     p.add_argument("--table", metavar="FILE", help="print the tables of a JSON-lines file and exit")
     opts = p.parse_args(own)
     if opts.table:
@@ -173,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in opts.sizes.split(","):
         for acc in opts.accelerators.split(","):
-            for mesh in (meshes(DEVICES[acc]) if opts.model_sweep else [""]):
+            wanted = {f"model={m}" for m in opts.models.split(",") if m}
+            for mesh in ([m for m in meshes(DEVICES[acc]) if not wanted or m.split(",")[1] in wanted]
+                         if opts.model_sweep else [""]):
                 row = {"size": size, "accelerator": acc, "sweep_mesh": mesh, **plan_one(command(acc, size, extra, mesh))}
                 rows.append(row)
                 with open(opts.out, "a") as f:

@@ -456,6 +456,15 @@ def largest_batch(p: Plan) -> dict | None:
     if rows < 1:
         return None
     fixed, act = _split(f)
+    if rows == 1 and p.fits:
+        # From one row the temporaries' share that grows with the rows cannot be told from the rest (the loss's
+        # chunk, a layer's working set): all of it per row said 1 where 4 fit (gemma4-31b on v5litepod-8,
+        # docs/gemma.md). So the one row compiled is the figure, a lower bound.
+        return {"rows_per_device": 1, "batch_size": axes, "estimate_bytes": int(p.total_bytes),
+                "compiled_rows_per_device": 1, "lower_bound": True,
+                "how": "at least this: compiled at one row a device, which cannot tell the rows' share of the "
+                       "temporaries from the rest; plan two rows a device (--batch-size "
+                       f"{2 * axes}) to extrapolate"}
     per_row = act / rows
     fit = int((p.hbm_bytes - fixed) // per_row) if per_row > 0 else rows
     fit = max(fit, 0)

@@ -66,6 +66,8 @@ class Built:
     kernel_attention_flops_per_token: float = 0.0
     head_dim: int = 0
     attention_kernel: str = "splash"  # which kernel does that work (a rate of its own: calibration.py)
+    # of model_flops_per_token, the routed experts' grouped matmuls (ragged_dot): a rate of their own
+    grouped_flops_per_token: float = 0.0
 
 
 def _auto_dtype(cfg, run_platform: str):
@@ -177,7 +179,9 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  compile_unrolled=None,
                  kernel_attention_flops_per_token=splash_flops_per_token(
                      cfg.n_layers, run.seq_len, cfg.n_heads * cfg.head_dim, steps.attention),
-                 head_dim=cfg.head_dim)
+                 head_dim=cfg.head_dim,
+                 # frozen experts: forward and back to their input, as lora_flops_per_token counts every base weight
+                 grouped_flops_per_token=4.0 * gemma.expert_matmul_params(cfg))
 
 
 def _needs_size(args: argparse.Namespace) -> None:
@@ -291,6 +295,12 @@ def work(built: Built, figures: dict, hlo_text: str) -> dict:
         arithmetic = built.model_flops_per_token * built.tokens_per_step / devices - attention
         if arithmetic > matmul:
             matmul, extra = arithmetic, {"matmul_flops_from": "model arithmetic (the loops' bodies counted once)"}
+    # the experts' grouped matmuls by the arithmetic (the compiler's count of a ragged_dot inside a scan is not
+    # separable from the loop's other dots), taken out of the matmul class
+    grouped = min(built.grouped_flops_per_token * built.tokens_per_step / devices, matmul)
+    if grouped:
+        matmul -= grouped
+        extra["grouped_matmul_flops"] = grouped
     return {"matmul_flops": matmul, "loss_kernel_flops": kernel, **extra,
             "attention_flops": attention,
             "head_dim": built.head_dim, "attention_kernel": built.attention_kernel,

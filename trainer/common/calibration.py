@@ -8,6 +8,8 @@ do it, added up. Jax-free data and arithmetic.
   declare in their cost estimates (the loss kernels'): the MXU work of XLA's fusions.
 - attention_flops: the splash kernel's work by the arithmetic (12 x layers x positions x heads x head_dim per token,
   the term MFU counts), which the compiler counts as nothing; 0 when XLA computes attention (then it is matmul).
+- grouped_matmul_flops: the routed experts' grouped matmuls (jax.lax.ragged_dot, Gemma 4 26B-A4B) by the
+  arithmetic, out of matmul_flops: XLA runs them far below a plain matmul's rate on TPU.
 - loss_kernel_flops: what trainer/kernels/xent_kernel.py's kernels declare (8 N V D: the logits twice).
 - other_bytes: the bytes of every instruction that is neither a matmul fusion nor a kernel nor a collective
   (trainer/common/hlo_bytes.py op_class): elementwise work, reductions, copies, bound by HBM.
@@ -38,6 +40,8 @@ class Rates:
     # head_dim -> FLOP/s of the resident attention kernel (trainer/kernels/resident_attention.py); empty until a
     # chip has timed it, and then its steps are planned at splash's rate and said to be
     resident_flops_s: dict = field(default_factory=dict)
+    # the experts' grouped matmuls (ragged_dot) forward and back to their rows; 0: priced as plain matmuls
+    grouped_matmul_flops_s: float = 0.0
 
     def attention_at(self, head_dim: int, kernel: str = "splash") -> float:
         """The kernel's rate at the nearest measured head_dim (at or above a head_dim between them: larger ones
@@ -55,6 +59,7 @@ V5E = Rates(
     loss_kernel_flops_s=180.8e12,
     other_bytes_s=954e9,
     resident_flops_s={64: 105.2e12},
+    grouped_matmul_flops_s=30.5e12,
     source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05 (python -m bench.tpu: its classes "
            "section, and the default gpt2-124m step at batch 16 for elementwise work; "
            "bench/tpu_records/v5e-2026-12-05.json)",
@@ -65,6 +70,10 @@ V5E = Rates(
                         "(12 T heads head_dim per token): 52.1 TFLOP/s, 26% of the peak",
         "resident 64": "the resident kernel (block 256) on the same work: 105.2 TFLOP/s, 53% of the peak "
                        "(2026-12-06, bench/tpu_records/v5e-2026-12-06-b7ab3c2.json)",
+        "grouped matmul": "the experts' gated MLP of Gemma 4 26B-A4B (D 2816, Fe 704) by jax.lax.ragged_dot, forward "
+                          "and back to its rows, 16,384 rows over 128 experts (a chip holding every expert at 4 x "
+                          "512 tokens): 12.77 ms for 390 GFLOP, 30.5 TFLOP/s, 15.5% of the peak (megablox's grouped "
+                          "matmul at 128-square tiles: 66.7 ms); 2026-12-06, bench/tpu_records/v5e-2026-12-06-k5.json",
         "attention 256": "the same for 8 x 512 positions, 4 heads of 256 on one kv head (gemma3-1b's): 76.6 TFLOP/s",
         "loss kernel": "the two loss kernels forward and backward, 8 x 1024 tokens, vocabulary 50304: 180.8 TFLOP/s "
                        "of their 8 N V D",
@@ -82,6 +91,7 @@ def scaled(base: Rates, peak: float, hbm: float, kind: str) -> Rates:
                    attention_flops_s={d: r * f for d, r in base.attention_flops_s.items()},
                    resident_flops_s={d: r * f for d, r in base.resident_flops_s.items()},
                    loss_kernel_flops_s=base.loss_kernel_flops_s * f, other_bytes_s=base.other_bytes_s * b,
+                   grouped_matmul_flops_s=base.grouped_matmul_flops_s * f,
                    measured=False, source=f"{kind}: not measured; v5e's efficiencies at its peak and bandwidth "
                                           f"({base.source})")
 
@@ -102,7 +112,9 @@ def estimate(work: dict, rates: Rates) -> dict:
     device's step from its work by class (aot.py's `work`: matmul_flops, attention_flops, head_dim,
     attention_kernel, loss_kernel_flops, other_bytes)."""
     kernel = work.get("attention_kernel") or "splash"
+    grouped = work.get("grouped_matmul_flops", 0.0)
     terms = {"matmul": work.get("matmul_flops", 0.0) / rates.matmul_flops_s,
+             "grouped matmul": grouped / (rates.grouped_matmul_flops_s or rates.matmul_flops_s),
              "attention": (work.get("attention_flops", 0.0) / rates.attention_at(int(work.get("head_dim") or 64),
                                                                                  kernel)
                            if work.get("attention_flops") else 0.0),

@@ -299,6 +299,13 @@ def matmul_params(cfg: GemmaConfig) -> float:
     return total
 
 
+def expert_matmul_params(cfg: GemmaConfig) -> float:
+    """Of matmul_params, the routed experts' (top_k of them a token): what the grouped matmuls (jax.lax.ragged_dot)
+    multiply a token by, priced at their own rate in a plan (trainer/common/calibration.py)."""
+    return sum(cfg.top_k / cfg.n_experts * math.prod(shape) for name, (shape, _) in param_layout(cfg).items()
+               if name.rsplit(".", 1)[-1].startswith("experts_")) if cfg.n_experts else 0.0
+
+
 def attention_width(cfg: GemmaConfig) -> int:
     """Sum over layers of heads x head width: what attention's scores and mixing cost per query and key."""
     return sum(cfg.n_heads * cfg.attn_dims(i)[1] for i in range(cfg.n_layers))
