@@ -105,7 +105,7 @@ def run(s: Settings):
         yield from attention_rows(s)
     if s.wants("--lora-impl stacked vs beside"):
         yield from lora_impl_rows(s)
-    if s.wants("experts' MLP"):
+    if s.wants("experts' MLP") or any(w.lstrip("=").startswith("experts' MLP") for w in s.rows):
         yield from experts_rows(s)
 
 
@@ -120,14 +120,14 @@ GMM_TILINGS = ((128, 128, 128), (512, 512, 512))
 def experts_rows(s: Settings):
     """The experts' gated-GELU MLP (gate|up, then down: two grouped matmuls) forward and its gradient in the rows
     (the LoRA step's: the experts are frozen) by XLA's ragged_dot, the step's, and by the megablox grouped matmul
-    kernel (jax.experimental.pallas.ops.tpu.megablox) at two tilings: each against the same MLP in f32 at full
-    precision, and timed, at the shapes a 26B-A4B step's layer has on one chip. Its routing is random (every
-    expert about the even share); rows past the routed ones stay out of every group, as the step pads them."""
+    kernel (jax.experimental.pallas.ops.tpu.megablox) at two tilings, timed at the shapes a 26B-A4B step's layer
+    has on one chip: each against ragged_dot there (its f32 at full precision did not finish), against the same MLP
+    in f32 at full precision off the chip. Its routing is random (every expert about the even share); rows past
+    the routed ones stay out of every group, as the step pads them."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
     from bench.tpu.common import block, reps_for, time_steps
     on_tpu = jax.default_backend() == "tpu" and not s.quick
     shapes = EXPERT_SHAPES if on_tpu else {"tiny, 4 experts": (256, 4, 256, 128)}
-    rows = []
     for sname, (m, e, d, fe) in shapes.items():
         rng = np.random.default_rng(3)
         routed = m // 2 if "32768" in sname else m  # capacity 2: about half the buffer holds routed rows
@@ -150,6 +150,11 @@ def experts_rows(s: Settings):
         def vjp(dot, x):
             out, pull = jax.vjp(lambda x: mlp(dot, x), x)
             return out, pull(ct.astype(out.dtype))[0]
+        contenders = {"ragged_dot (XLA)": ragged, **{f"megablox gmm {t[0]}x{t[1]}x{t[2]}": megablox(t)
+                                                     for t in (GMM_TILINGS if on_tpu else GMM_TILINGS[:1])}}
+        contenders = {c: f for c, f in contenders.items() if s.wants(f"experts' MLP, {c} vs f32, {sname}")}
+        if not contenders:
+            continue
         # the reference: off the chip the same MLP in f32 at full precision; on it XLA's ragged_dot itself (its
         # f32 at full precision did not finish in 9 minutes on the chip at these shapes)
         from bench.tpu.common import say
@@ -159,12 +164,8 @@ def experts_rows(s: Settings):
         else:
             with jax.default_matmul_precision("highest"):
                 want, wdx = jax.jit(lambda x: vjp(lambda a, w: ragged(a, w, jnp.float32), x))(x.astype(jnp.float32))
-        contenders = {"ragged_dot (XLA)": ragged, **{f"megablox gmm {t[0]}x{t[1]}x{t[2]}": megablox(t)
-                                                     for t in (GMM_TILINGS if on_tpu else GMM_TILINGS[:1])}}
         for cname, dot in contenders.items():
             name = f"experts' MLP, {cname} vs f32, {sname}"
-            if not s.wants(name):
-                continue
             fn = jax.jit(lambda x, dot=dot: vjp(dot, x))
             say(f"  {name}: compiling and timing")
             try:
