@@ -794,10 +794,14 @@ def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofl
     assert untimed.timing()["step_s"] == pytest.approx(t["step_s"]) and not untimed.timing()["calibrated"]["measured"]
     assert "NOT measured: the resident attention kernel, at splash's rate" in render(untimed)
     # The experts' grouped matmuls (ragged_dot) at their own measured rate, out of the matmul class: slower
-    moe = {**f, "work": {**work, "matmul_flops": 4.115e12, "grouped_matmul_flops": 2e12}}
-    g = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, moe).timing()
-    assert g["calibrated"]["terms"]["grouped matmul"] == pytest.approx(2e12 / calibration.V5E.grouped_matmul_flops_s)
-    assert g["calibrated"]["measured"] and g["step_s"] > t["step_s"]
+    # (the rate the chip measured at the nearest rows an expert at or below the step's: 128 on one chip, 1,024 a
+    # device's experts under expert parallelism on v5litepod-8)
+    for rows, rate in ((128, 30.5e12), (1024, 83.0e12), (2048, 83.0e12), (64, 30.5e12)):
+        moe = {**f, "work": {**work, "matmul_flops": 4.115e12, "grouped_matmul_flops": 2e12,
+                             "grouped_rows_per_expert": rows}}
+        g = P.Plan(catalog.lookup("v5litepod-1"), P.TPU, moe).timing()
+        assert g["calibrated"]["terms"]["grouped matmul"] == pytest.approx(2e12 / rate)
+        assert g["calibrated"]["measured"] and g["step_s"] > t["step_s"]
 
 
 def test_host_bounds_fit_a_topology_smaller_than_a_4_chip_host():

@@ -66,8 +66,10 @@ class Built:
     kernel_attention_flops_per_token: float = 0.0
     head_dim: int = 0
     attention_kernel: str = "splash"  # which kernel does that work (a rate of its own: calibration.py)
-    # of model_flops_per_token, the routed experts' grouped matmuls (ragged_dot): a rate of their own
+    # of model_flops_per_token, the routed experts' grouped matmuls (ragged_dot): a rate of their own, which
+    # depends on the rows an expert takes a layer
     grouped_flops_per_token: float = 0.0
+    grouped_rows_per_expert: float = 0.0
 
 
 def _auto_dtype(cfg, run_platform: str):
@@ -181,7 +183,19 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                      cfg.n_layers, run.seq_len, cfg.n_heads * cfg.head_dim, steps.attention),
                  head_dim=cfg.head_dim,
                  # frozen experts: forward and back to their input, as lora_flops_per_token counts every base weight
-                 grouped_flops_per_token=4.0 * gemma.expert_matmul_params(cfg))
+                 grouped_flops_per_token=4.0 * gemma.expert_matmul_params(cfg),
+                 grouped_rows_per_expert=_rows_per_expert(cfg, mesh, batch * run.seq_len // target.slices))
+
+
+def _rows_per_expert(cfg, mesh, slice_tokens: int) -> float:
+    """The rows an expert takes a layer at the even share: expert parallel, each expert sees every token of the
+    slice (gathered to it); else each device runs its own data shard's tokens through every expert."""
+    from trainer.models import moe
+    if not cfg.n_experts:
+        return 0.0
+    shape = dict(mesh.shape)
+    tokens = slice_tokens if moe.expert_axes(cfg.n_experts, shape) else slice_tokens // max(shape.get("data", 1), 1)
+    return tokens * cfg.top_k / cfg.n_experts
 
 
 def _needs_size(args: argparse.Namespace) -> None:
@@ -300,7 +314,7 @@ def work(built: Built, figures: dict, hlo_text: str) -> dict:
     grouped = min(built.grouped_flops_per_token * built.tokens_per_step / devices, matmul)
     if grouped:
         matmul -= grouped
-        extra["grouped_matmul_flops"] = grouped
+        extra.update(grouped_matmul_flops=grouped, grouped_rows_per_expert=built.grouped_rows_per_expert)
     return {"matmul_flops": matmul, "loss_kernel_flops": kernel, **extra,
             "attention_flops": attention,
             "head_dim": built.head_dim, "attention_kernel": built.attention_kernel,

@@ -9,7 +9,8 @@ do it, added up. Jax-free data and arithmetic.
 - attention_flops: the splash kernel's work by the arithmetic (12 x layers x positions x heads x head_dim per token,
   the term MFU counts), which the compiler counts as nothing; 0 when XLA computes attention (then it is matmul).
 - grouped_matmul_flops: the routed experts' grouped matmuls (jax.lax.ragged_dot, Gemma 4 26B-A4B) by the
-  arithmetic, out of matmul_flops: XLA runs them far below a plain matmul's rate on TPU.
+  arithmetic, out of matmul_flops: XLA runs them below a plain matmul's rate on TPU, the further the fewer rows
+  an expert takes (grouped_rows_per_expert).
 - loss_kernel_flops: what trainer/kernels/xent_kernel.py's kernels declare (8 N V D: the logits twice).
 - other_bytes: the bytes of every instruction that is neither a matmul fusion nor a kernel nor a collective
   (trainer/common/hlo_bytes.py op_class): elementwise work, reductions, copies, bound by HBM.
@@ -40,8 +41,17 @@ class Rates:
     # head_dim -> FLOP/s of the resident attention kernel (trainer/kernels/resident_attention.py); empty until a
     # chip has timed it, and then its steps are planned at splash's rate and said to be
     resident_flops_s: dict = field(default_factory=dict)
-    # the experts' grouped matmuls (ragged_dot) forward and back to their rows; 0: priced as plain matmuls
-    grouped_matmul_flops_s: float = 0.0
+    # rows an expert takes a layer -> FLOP/s of the experts' grouped matmuls (ragged_dot) forward and back to their
+    # rows; empty: priced as plain matmuls
+    grouped_matmul_flops_s: dict = field(default_factory=dict)
+
+    def grouped_at(self, rows_per_expert: float) -> float:
+        """The grouped matmuls' rate at the largest measured rows an expert at or below these (fewer rows read the
+        same expert weights for less work), the smallest measured below them all; the matmul rate unmeasured."""
+        if not self.grouped_matmul_flops_s:
+            return self.matmul_flops_s
+        below = [n for n in sorted(self.grouped_matmul_flops_s) if n <= rows_per_expert]
+        return self.grouped_matmul_flops_s[below[-1] if below else min(self.grouped_matmul_flops_s)]
 
     def attention_at(self, head_dim: int, kernel: str = "splash") -> float:
         """The kernel's rate at the nearest measured head_dim (at or above a head_dim between them: larger ones
@@ -59,7 +69,7 @@ V5E = Rates(
     loss_kernel_flops_s=180.8e12,
     other_bytes_s=954e9,
     resident_flops_s={64: 105.2e12},
-    grouped_matmul_flops_s=30.5e12,
+    grouped_matmul_flops_s={128: 30.5e12, 1024: 83.0e12},
     source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05 (python -m bench.tpu: its classes "
            "section, and the default gpt2-124m step at batch 16 for elementwise work; "
            "bench/tpu_records/v5e-2026-12-05.json)",
@@ -71,9 +81,12 @@ V5E = Rates(
         "resident 64": "the resident kernel (block 256) on the same work: 105.2 TFLOP/s, 53% of the peak "
                        "(2026-12-06, bench/tpu_records/v5e-2026-12-06-b7ab3c2.json)",
         "grouped matmul": "the experts' gated MLP of Gemma 4 26B-A4B (D 2816, Fe 704) by jax.lax.ragged_dot, forward "
-                          "and back to its rows, 16,384 rows over 128 experts (a chip holding every expert at 4 x "
-                          "512 tokens): 12.77 ms for 390 GFLOP, 30.5 TFLOP/s, 15.5% of the peak (megablox's grouped "
-                          "matmul at 128-square tiles: 66.7 ms); 2026-12-06, bench/tpu_records/v5e-2026-12-06-k5.json",
+                          "and back to its rows: 16,384 rows over 128 experts, 128 an expert (a chip holding every "
+                          "expert at 4 x 512 tokens), 12.77 ms for 390 GFLOP, 30.5 TFLOP/s, 15.5% of the peak; "
+                          "16,384 routed rows in a 32,768-row buffer over 16 experts, 1,024 an expert (a device of "
+                          "v5litepod-8 under expert parallelism), 4.70 ms, 83.0 TFLOP/s, 42.1% (megablox's grouped "
+                          "matmul at 128-square tiles: 66.7 and 39.2 ms); 2026-12-06, "
+                          "bench/tpu_records/v5e-2026-12-06-k5.json and -l.json",
         "attention 256": "the same for 8 x 512 positions, 4 heads of 256 on one kv head (gemma3-1b's): 76.6 TFLOP/s",
         "loss kernel": "the two loss kernels forward and backward, 8 x 1024 tokens, vocabulary 50304: 180.8 TFLOP/s "
                        "of their 8 N V D",
@@ -91,7 +104,7 @@ def scaled(base: Rates, peak: float, hbm: float, kind: str) -> Rates:
                    attention_flops_s={d: r * f for d, r in base.attention_flops_s.items()},
                    resident_flops_s={d: r * f for d, r in base.resident_flops_s.items()},
                    loss_kernel_flops_s=base.loss_kernel_flops_s * f, other_bytes_s=base.other_bytes_s * b,
-                   grouped_matmul_flops_s=base.grouped_matmul_flops_s * f,
+                   grouped_matmul_flops_s={n: r * f for n, r in base.grouped_matmul_flops_s.items()},
                    measured=False, source=f"{kind}: not measured; v5e's efficiencies at its peak and bandwidth "
                                           f"({base.source})")
 
@@ -114,7 +127,8 @@ def estimate(work: dict, rates: Rates) -> dict:
     kernel = work.get("attention_kernel") or "splash"
     grouped = work.get("grouped_matmul_flops", 0.0)
     terms = {"matmul": work.get("matmul_flops", 0.0) / rates.matmul_flops_s,
-             "grouped matmul": grouped / (rates.grouped_matmul_flops_s or rates.matmul_flops_s),
+             "grouped matmul": grouped / rates.grouped_at(work.get("grouped_rows_per_expert", 0.0)) if grouped
+             else 0.0,
              "attention": (work.get("attention_flops", 0.0) / rates.attention_at(int(work.get("head_dim") or 64),
                                                                                  kernel)
                            if work.get("attention_flops") else 0.0),
