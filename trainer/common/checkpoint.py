@@ -123,10 +123,14 @@ class StorageDeadline:
             else f"{self.directory} on {socket.gethostname()}"
         kept = f"the latest step known saved is {self.kept}" if self.kept else "no step is known saved yet"
         then = "some space is freed" if full else "the storage answers again"
+        # The save's own threads may be dying beside this one (orbax's writers find their event loop closed) and
+        # printing their tracebacks: none from here on, and the line goes out in one write after a newline of
+        # its own, so a traceback's half-written last line cannot swallow its start.
+        threading.excepthook = lambda args: None
         sys.stdout.flush()
-        sys.stderr.write(f"error: {where} {why} while {self.what}: stopping; {kept}, and the same command resumes "
-                         f"from the latest complete step once {then}\n")
         sys.stderr.flush()
+        os.write(2, (f"\nerror: {where} {why} while {self.what}: stopping; {kept}, and the same command resumes "
+                     f"from the latest complete step once {then}\n").encode())
         os._exit(EXIT_STORAGE)
 
     def _fire(self) -> None:
