@@ -62,28 +62,36 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     return jax.shard_map(local, in_specs=(TABLE, IDS), out_specs=ACTS)(table, ids)
 
 
-def _local_xent(x, table, targets, vocab_size: int, with_grads: bool, chunk: int):
-    """Inside shard_map: mean cross-entropy of the global batch, and optionally (dx, dtable) for it, a chunk
-    of sequence positions at a time (0: all at once): [V/n_dev, tokens] logits of one chunk at a time."""
+def _over_chunks(fn, x, per_token: tuple, chunk: int, with_grads: bool, summed: tuple = ()):
+    """Inside shard_map: fn over chunks of sequence positions (chunk 0: all at once), so one chunk's logits exist
+    at a time. fn(x [b, c, D], *per_token's [b, c, ...]) -> the chunk's loss, or with grads (loss, dx [b, c, D],
+    *grads summed over the chunks, of the shapes `summed`); the losses add up, each chunk's dx is its own."""
     b, t, d = x.shape
     c = chunk_of(chunk, t)
-    n_total = b * t * jax.lax.axis_size(DATA)
     if c == t:
-        return _chunk_xent(x, table, targets, vocab_size, with_grads, n_total)
-    xs = x.reshape(b, t // c, c, d).swapaxes(0, 1)
-    ts = targets.reshape(b, t // c, c).swapaxes(0, 1)
+        return fn(x, *per_token)
+    split = lambda a: a.reshape(b, t // c, c, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731  [chunks, b, c, ...]
+    xs = (split(x), *(split(a) for a in per_token))
     if not with_grads:
         def loss_only(acc, xt):
-            return acc + _chunk_xent(xt[0], table, xt[1], vocab_size, False, n_total), None
-        return scans.scan(loss_only, jnp.zeros((), jnp.float32), (xs, ts))[0]
+            return acc + fn(*xt), None
+        return scans.scan(loss_only, jnp.zeros((), jnp.float32), xs)[0]
 
-    def body(carry, xt):  # the table's gradient accumulates; each chunk's dx is its own
-        loss, dtable = carry
-        lc, dx, dtc = _chunk_xent(xt[0], table, xt[1], vocab_size, True, n_total)
-        return (loss + lc, dtable + dtc), dx
-    zero = (jnp.zeros((), jnp.float32), jnp.zeros(table.shape, jnp.float32))
-    (loss, dtable), dxs = scans.scan(body, zero, (xs, ts))
-    return loss, dxs.swapaxes(0, 1).reshape(b, t, d), dtable
+    def body(carry, xt):
+        lc, dx, *grads = fn(*xt)
+        return (carry[0] + lc, *(acc + g for acc, g in zip(carry[1:], grads))), dx
+    zero = (jnp.zeros((), jnp.float32), *(jnp.zeros(shape, jnp.float32) for shape in summed))
+    (loss, *grads), dxs = scans.scan(body, zero, xs)
+    return (loss, dxs.swapaxes(0, 1).reshape(b, t, d), *grads)
+
+
+def _local_xent(x, table, targets, vocab_size: int, with_grads: bool, chunk: int):
+    """Inside shard_map: mean cross-entropy of the global batch, and optionally (dx, dtable) for it, a chunk
+    of sequence positions at a time (0: all at once): [V/n_dev, tokens] logits of one chunk at a time; the
+    table's gradient accumulates over the chunks."""
+    n_total = x.shape[0] * x.shape[1] * jax.lax.axis_size(DATA)
+    return _over_chunks(lambda xc, tc: _chunk_xent(xc, table, tc, vocab_size, with_grads, n_total), x, (targets,),
+                        chunk, with_grads, (table.shape,))
 
 
 def _chunk_xent(x, table, targets, vocab_size: int, with_grads: bool, n_total: int):
@@ -220,22 +228,8 @@ def _frozen_chunk(x, table, targets, weights, softcap: float | None, with_grads:
 
 
 def _local_frozen(x, table, targets, weights, softcap: float | None, chunk: int, with_grads: bool):
-    b, t, d = x.shape
-    c = chunk_of(chunk, t)
-    if c == t:
-        return _frozen_chunk(x, table, targets, weights, softcap, with_grads)
-    split = lambda a: a.reshape(b, t // c, c, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731  [chunks, b, c, ...]
-    xs = (split(x), split(targets), split(weights))
-    if not with_grads:
-        def loss_only(acc, xt):
-            return acc + _frozen_chunk(*xt[:1], table, *xt[1:], softcap, False), None
-        return scans.scan(loss_only, jnp.zeros((), jnp.float32), xs)[0]
-
-    def body(acc, xt):
-        lc, dx = _frozen_chunk(xt[0], table, xt[1], xt[2], softcap, True)
-        return acc + lc, dx
-    loss, dxs = scans.scan(body, jnp.zeros((), jnp.float32), xs)
-    return loss, dxs.swapaxes(0, 1).reshape(b, t, d)
+    return _over_chunks(lambda xc, tc, wc: _frozen_chunk(xc, table, tc, wc, softcap, with_grads), x,
+                        (targets, weights), chunk, with_grads)
 
 
 def _frozen_specs(with_grads: bool):
