@@ -24,6 +24,11 @@ def _flags(fields: dict) -> list[str]:
     return [x for k, v in fields.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
+def _lora_argv(size: str, batch: int) -> list[str]:
+    return ["lora", "--model", size, "--weights", "-", "--data", "-", "--targets", "all", "--rank", str(lora.RANK),
+            "--alpha", str(lora.ALPHA), "--seq-len", "512", "--batch-size", str(batch), "--base-dtype", "bfloat16"]
+
+
 def commands() -> dict[str, list[str]]:
     """Row name -> the trainer command whose train step is that row's (in `python -m trainer` words)."""
     out = {}
@@ -31,22 +36,17 @@ def commands() -> dict[str, list[str]]:
         out[f"ours, batch {b}"] = ["pretrain", "--preset", steps.PRESET, "--batch-size", str(b)]
     for name, train in steps.ALTERNATIVES.items():
         out[f"ours, batch 8, {name}"] = ["pretrain", "--preset", steps.PRESET, "--batch-size", "8", *_flags(train)]
+    assert not set(lora.SIZES) & set(lora.TWINS), "a size is timed whole or as a twin, not both"
     for size, batch in lora.SIZES.items():
-        base = ["lora", "--model", size, "--weights", "-", "--data", "-", "--targets", "all", "--rank",
-                str(lora.RANK), "--alpha", str(lora.ALPHA), "--seq-len", "512", "--batch-size", str(batch),
-                "--base-dtype", "bfloat16"]
+        base = _lora_argv(size, batch)
         out[lora.name_of(size, batch)] = base
-        if size in lora.TWINS:
-            raise AssertionError(f"{size} is both a size and a twin")
-    for size, (layers, batch) in lora.TWINS.items():
-        out[lora.name_of(size, batch, layers=layers)] = [
-            "lora", "--model", size, "--weights", "-", "--data", "-", "--targets", "all", "--rank", str(lora.RANK),
-            "--alpha", str(lora.ALPHA), "--seq-len", "512", "--batch-size", str(batch), "--base-dtype", "bfloat16"]
         for variant, fields in lora.VARIANTS.items():
             if lora.VOCAB_ROWS in fields:  # a Steps option on one chip, no flag: no trainer command builds that step
                 continue
             if not lora._is_default(size, fields, batch):  # a variant that is the size's default is its default row
                 out[lora.name_of(size, batch, variant=variant)] = [*base, *_flags(fields)]
+    for size, (layers, batch) in lora.TWINS.items():  # the whole size's command: bench.tpu.twin cuts its layers
+        out[lora.name_of(size, batch, layers=layers)] = _lora_argv(size, batch)
     return out
 
 
