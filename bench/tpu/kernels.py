@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.tpu.common import Row, Settings
+from bench.tpu.common import Row, Settings, block, reps_for, say, time_steps
 
 LOSS_TOL = 2e-2   # max |error| / max |reference| for bf16 matmuls with f32 accumulation
 ATTN_TOL = 2e-2
@@ -125,7 +125,6 @@ def experts_rows(s: Settings):
     in f32 at full precision off the chip. Its routing is random (every expert about the even share); rows past
     the routed ones stay out of every group, as the step pads them."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
-    from bench.tpu.common import block, reps_for, time_steps
     on_tpu = jax.default_backend() == "tpu" and not s.quick
     shapes = EXPERT_SHAPES if on_tpu else {"tiny, 4 experts": (256, 4, 256, 128)}
     for sname, (m, e, d, fe) in shapes.items():
@@ -157,7 +156,6 @@ def experts_rows(s: Settings):
             continue
         # the reference: off the chip the same MLP in f32 at full precision; on it XLA's ragged_dot itself (its
         # f32 at full precision did not finish in 9 minutes on the chip at these shapes)
-        from bench.tpu.common import say
         say(f"  experts' MLP, {sname}: the reference")
         if on_tpu:
             want, wdx = jax.jit(lambda x: vjp(ragged, x))(x)
