@@ -3,7 +3,7 @@
 process, timed, and written to a JSON-lines file as it finishes (a run cut short keeps what it planned).
 
     python -m bench.compiler.gemma_plans --out plans.jsonl [--sizes gemma4-e2b,...] [--accelerators v5litepod-8,v4-8]
-        [--model-sweep] [-- EXTRA LORA FLAGS]
+        [--model-sweep [--models 2,4,8]] [-- EXTRA LORA FLAGS]
     python -m bench.compiler.gemma_plans --table plans.jsonl      # the markdown tables from a file
 
 The compiler's count (libtpu, no chip). Each row keeps its command, the plan's wall time, the CPU seconds the
