@@ -109,11 +109,16 @@ def run(s: Settings):
         yield from experts_rows(s)
 
 
-# Gemma 4 26B-A4B's experts at one chip's rows (trainer/models/moe.py): (rows routed, experts held, D, Fe). The
-# first is a device holding every expert at 4 x 512 tokens, top 8 (the one-chip twin's layer); the second one of
-# v5litepod-8's devices under expert parallelism (16 experts, capacity 2 x the even share of 16,384 x 8 / 8).
-EXPERT_SHAPES = {"all 128 experts, 16384 rows": (16384, 128, 2816, 704),
-                 "16 experts, 32768 rows": (32768, 16, 2816, 704)}
+# Gemma 4 26B-A4B's experts (trainer/models/moe.py) as one device holds a layer's: name -> (rows in the buffer,
+# rows routed, experts held, D, Fe), top 8. A chip holding all 128 at 4 and 8 x 512 tokens (128 and 256 rows an
+# expert; 4 x 512 is the one-chip twin's layer), then a device under expert parallelism at capacity 2 x the even
+# share (half the buffer routed): v4-8's 32 experts at 4 rows of 512 a device (512 an expert), v5litepod-8's 16 at
+# 4 and 8 rows (1,024 and 2,048).
+EXPERT_SHAPES = {"all 128 experts, 16384 rows": (16384, 16384, 128, 2816, 704),
+                 "all 128 experts, 32768 rows": (32768, 32768, 128, 2816, 704),
+                 "32 experts, 32768 rows": (32768, 16384, 32, 2816, 704),
+                 "16 experts, 32768 rows": (32768, 16384, 16, 2816, 704),
+                 "16 experts, 65536 rows": (65536, 32768, 16, 2816, 704)}
 GMM_TILINGS = ((128, 128, 128), (512, 512, 512))
 
 
@@ -126,10 +131,9 @@ def experts_rows(s: Settings):
     the routed ones stay out of every group, as the step pads them."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
     on_tpu = jax.default_backend() == "tpu" and not s.quick
-    shapes = EXPERT_SHAPES if on_tpu else {"tiny, 4 experts": (256, 4, 256, 128)}
-    for sname, (m, e, d, fe) in shapes.items():
+    shapes = EXPERT_SHAPES if on_tpu else {"tiny, 4 experts": (256, 128, 4, 256, 128)}
+    for sname, (m, routed, e, d, fe) in shapes.items():
         rng = np.random.default_rng(3)
-        routed = m // 2 if "32768" in sname else m  # capacity 2: about half the buffer holds routed rows
         groups = jnp.asarray(np.bincount(rng.integers(0, e, routed), minlength=e), jnp.int32)
         x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
         w_in = jnp.asarray(rng.standard_normal((e, d, 2 * fe)) / np.sqrt(d), jnp.bfloat16)
