@@ -132,7 +132,12 @@ def experts_rows(s: Settings):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
     on_tpu = jax.default_backend() == "tpu" and not s.quick
     shapes = EXPERT_SHAPES if on_tpu else {"tiny, 4 experts": (256, 128, 4, 256, 128)}
+    names = ["ragged_dot (XLA)", *(f"megablox gmm {t[0]}x{t[1]}x{t[2]}" for t in
+                                   (GMM_TILINGS if on_tpu else GMM_TILINGS[:1]))]
     for sname, (m, routed, e, d, fe) in shapes.items():
+        wanted = [c for c in names if s.wants(f"experts' MLP, {c} vs f32, {sname}")]
+        if not wanted:  # a shape's arrays are drawn only when one of its rows is asked for
+            continue
         rng = np.random.default_rng(3)
         groups = jnp.asarray(np.bincount(rng.integers(0, e, routed), minlength=e), jnp.int32)
         x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
@@ -155,20 +160,20 @@ def experts_rows(s: Settings):
             return out, pull(ct.astype(out.dtype))[0]
         contenders = {"ragged_dot (XLA)": ragged, **{f"megablox gmm {t[0]}x{t[1]}x{t[2]}": megablox(t)
                                                      for t in (GMM_TILINGS if on_tpu else GMM_TILINGS[:1])}}
-        contenders = {c: f for c, f in contenders.items() if s.wants(f"experts' MLP, {c} vs f32, {sname}")}
-        if not contenders:
-            continue
+        contenders = {c: contenders[c] for c in wanted}
         # the reference: off the chip the same MLP in f32 at full precision; on it XLA's ragged_dot itself (its
-        # f32 at full precision did not finish in 9 minutes on the chip at these shapes)
+        # f32 at full precision did not finish in 9 minutes on the chip at these shapes), one program that the
+        # ragged_dot row then times (compiling it twice took a minute a shape there)
         say(f"  experts' MLP, {sname}: the reference")
+        reference = jax.jit(lambda x: vjp(ragged, x))
         if on_tpu:
-            want, wdx = jax.jit(lambda x: vjp(ragged, x))(x)
+            want, wdx = reference(x)
         else:
             with jax.default_matmul_precision("highest"):
                 want, wdx = jax.jit(lambda x: vjp(lambda a, w: ragged(a, w, jnp.float32), x))(x.astype(jnp.float32))
         for cname, dot in contenders.items():
             name = f"experts' MLP, {cname} vs f32, {sname}"
-            fn = jax.jit(lambda x, dot=dot: vjp(dot, x))
+            fn = reference if on_tpu and dot is ragged else jax.jit(lambda x, dot=dot: vjp(dot, x))
             say(f"  {name}: compiling and timing")
             try:
                 got, gdx = fn(x)

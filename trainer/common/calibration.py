@@ -26,6 +26,8 @@ different share of their peak, and splash's head_dim penalty differs with the MX
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 
 
@@ -46,12 +48,20 @@ class Rates:
     grouped_matmul_flops_s: dict = field(default_factory=dict)
 
     def grouped_at(self, rows_per_expert: float) -> float:
-        """The grouped matmuls' rate at the largest measured rows an expert at or below these (fewer rows read the
-        same expert weights for less work), the smallest measured below them all; the matmul rate unmeasured."""
-        if not self.grouped_matmul_flops_s:
+        """The grouped matmuls' rate at these rows an expert: between two measured points along the log of the rows
+        (the chip's rate rose by about the same step at each doubling from 128 to 1,024), the nearest end's
+        outside them (fewer rows read the same expert weights for less work: no faster than the fewest measured;
+        more: no faster than the most); the matmul rate unmeasured."""
+        table = self.grouped_matmul_flops_s
+        if not table:
             return self.matmul_flops_s
-        below = [n for n in sorted(self.grouped_matmul_flops_s) if n <= rows_per_expert]
-        return self.grouped_matmul_flops_s[below[-1] if below else min(self.grouped_matmul_flops_s)]
+        rows = sorted(table)
+        if rows_per_expert <= rows[0] or rows_per_expert >= rows[-1]:
+            return table[rows[0] if rows_per_expert <= rows[0] else rows[-1]]
+        hi = next(n for n in rows if n >= rows_per_expert)
+        lo = rows[rows.index(hi) - 1]
+        at = math.log(rows_per_expert / lo) / math.log(hi / lo)
+        return table[lo] + at * (table[hi] - table[lo])
 
     def attention_at(self, head_dim: int, kernel: str = "splash") -> float:
         """The kernel's rate at the nearest measured head_dim (at or above a head_dim between them: larger ones
@@ -69,7 +79,7 @@ V5E = Rates(
     loss_kernel_flops_s=180.8e12,
     other_bytes_s=954e9,
     resident_flops_s={64: 105.2e12},
-    grouped_matmul_flops_s={128: 30.5e12, 1024: 83.0e12},
+    grouped_matmul_flops_s={128: 30.5e12, 256: 48.1e12, 512: 63.7e12, 1024: 83.0e12},
     source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05 (python -m bench.tpu: its classes "
            "section, and the default gpt2-124m step at batch 16 for elementwise work; "
            "bench/tpu_records/v5e-2026-12-05.json)",
@@ -83,10 +93,12 @@ V5E = Rates(
         "grouped matmul": "the experts' gated MLP of Gemma 4 26B-A4B (D 2816, Fe 704) by jax.lax.ragged_dot, forward "
                           "and back to its rows: 16,384 rows over 128 experts, 128 an expert (a chip holding every "
                           "expert at 4 x 512 tokens), 12.77 ms for 390 GFLOP, 30.5 TFLOP/s, 15.5% of the peak; "
-                          "16,384 routed rows in a 32,768-row buffer over 16 experts, 1,024 an expert (a device of "
-                          "v5litepod-8 under expert parallelism), 4.70 ms, 83.0 TFLOP/s, 42.1% (megablox's grouped "
-                          "matmul at 128-square tiles: 66.7 and 39.2 ms); 2026-12-06, "
-                          "bench/tpu_records/v5e-2026-12-06-k5.json and -l.json",
+                          "32,768 rows over 128, 256 an expert (8 x 512 tokens), 16.21 ms, 48.1 TFLOP/s, 24.4%; "
+                          "16,384 routed rows in a 32,768-row buffer over 32 experts, 512 an expert (a device of v4-8 "
+                          "under expert parallelism), 6.12 ms, 63.7 TFLOP/s, 32.3%; the same over 16 experts, 1,024 "
+                          "an expert (a device of v5litepod-8), 4.70 ms, 83.0 TFLOP/s, 42.1% (megablox's grouped "
+                          "matmul at 128-square tiles: 66.7 and 39.2 ms at 128 and 1,024); 2026-12-06, "
+                          "bench/tpu_records/v5e-2026-12-06-k5.json, -l.json and -m.json",
         "attention 256": "the same for 8 x 512 positions, 4 heads of 256 on one kv head (gemma3-1b's): 76.6 TFLOP/s",
         "loss kernel": "the two loss kernels forward and backward, 8 x 1024 tokens, vocabulary 50304: 180.8 TFLOP/s "
                        "of their 8 N V D",
