@@ -3,6 +3,8 @@ parameter read through a slice, an async copy counted once, a loop body times it
 instruction's bucket from its jax stack frame (forward, backward). No compile: pure text."""
 from __future__ import annotations
 
+import pytest
+
 from trainer.common import hlo_bytes as H
 
 HLO = '''HloModule jit_step, is_scheduled=true
@@ -180,3 +182,15 @@ def test_an_async_collective_over_a_chain_of_fusions_is_charged_once():
     assert charges["start"] == 1024 * 128 * 2 + 1024 * 1024 * 2  # the shard read, the gathered result written
     assert charges["between"] == 2 * 256 * 128 * 4  # its own negate only
     assert "done" not in charges
+
+
+def test_the_bytes_tool_refuses_a_trainer_command_in_one_line(capsys):
+    """`python -m bench.compiler.tpu_bytes -- <trainer command>`: a command the trainer refuses (no --ckpt-dir; a
+    batch the mesh's data axis cannot split) is one `error:` line and exit 2, before anything compiles."""
+    pytest.importorskip("libtpu")
+    from bench.compiler import tpu_bytes
+    lora = ["lora", "--model", "gemma4-26b-a4b", "--weights", "-", "--data", "-"]
+    assert tpu_bytes.main(["--", *lora, "--batch-size", "8"]) == 2
+    assert tpu_bytes.main(["--", *lora, "--ckpt-dir", "gs://b/r", "--batch-size", "4"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert "--ckpt-dir" in err[0] and "not divisible by the mesh's data axis (8)" in err[1], err

@@ -92,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         if not has_libtpu():
             print("error: libtpu is not installed: pip install 'tpuctl[plan]'", file=sys.stderr)
             return 2
-        text, compiler = compile_text(a.tpu, a.devices, trainer_argv)
+        from trainer.common.config import UsageError
+        try:
+            text, compiler = compile_text(a.tpu, a.devices, trainer_argv)
+        except UsageError as e:  # the trainer command's own refusal (a flag missing, a batch the mesh cannot split)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if a.hlo:
         with open(a.hlo, "w") as fh:
             fh.write(text)
