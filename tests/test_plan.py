@@ -210,8 +210,9 @@ def _lora_state_args(f: dict) -> int:
 
 
 def test_a_plan_is_cached_by_the_step_it_compiles():
-    """lora's paths and logging reach no program: the same step under other ones is the same cache entry, in
-    either spelling of an option; what shapes the step (the rank) and pretrain's --data (its tokenizer) are not."""
+    """lora's paths and logging, and pretrain's checkpoints and logging, reach no program: the same step under other
+    ones is the same cache entry, in either spelling of an option; what shapes the step (the rank, the batch) and
+    pretrain's --data (its tokenizer) are not."""
     argv = [*LORA, "--model", "gemma2-2b"]
     moved = ["lora", "--weights=gs://c/other", "--data", "gs://c/other.jsonl", "--ckpt-dir=gs://c/run2", "--rank", "8",
              "--model", "gemma2-2b", "--log-every", "5"]
@@ -219,6 +220,10 @@ def test_a_plan_is_cached_by_the_step_it_compiles():
     assert key(moved) == key([*argv, "--log-every", "1"]) != key(argv)
     assert key([*argv, "--rank", "16"]) != key(argv)
     assert P.step_argv(["pretrain", "--data", "a.txt"]) == ["pretrain", "--data", "a.txt"]
+    # pretrain's checkpoints and logging reach no program either: a run into a new --ckpt-dir plans from the cache
+    pre = ["pretrain", "--preset", "gpt2-124m", "--ckpt-dir", "gs://b/run1", "--log-every", "10"]
+    assert key(pre) == key(["pretrain", "--preset", "gpt2-124m", "--ckpt-dir=gs://b/run2", "--log-every", "1"])
+    assert key(pre) != key([*pre, "--batch-size", "16"])
 
 
 @needs_libtpu

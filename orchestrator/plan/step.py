@@ -276,9 +276,10 @@ def _trainer_code_hash() -> str:
 # Options of a command whose values never reach its planned step: `lora` is planned from its --model size
 # (trainer/common/aot.py), never reading its weights, data or checkpoints, and logging changes no program. A plan
 # is cached by the step it compiles, so the same step under other paths is the same plan. (`pretrain`'s --data
-# picks its tokenizer, so its vocabulary: not among them.)
+# picks its tokenizer, so its vocabulary: not among them; its checkpoints' place and cadence and its logging are.)
 STEP_NEUTRAL = {"lora": ("--weights", "--data", "--val-data", "--ckpt-dir", "--ckpt-every", "--keep",
-                         "--log-every", "--eval-every", "--profile")}
+                         "--log-every", "--eval-every", "--profile"),
+                "pretrain": ("--ckpt-dir", "--ckpt-every", "--keep", "--log-every", "--eval-every", "--profile")}
 
 
 def step_argv(argv: list[str]) -> list[str]:
