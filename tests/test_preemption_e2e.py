@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from _local_hosts import needs_hosts
+from _local_hosts import TEST_CACHE, needs_hosts
 from bench.system.preempt import ARGS, BUCKET, STEPS, LocalSpot
 
 pytestmark = [needs_hosts, pytest.mark.e2e, pytest.mark.slow]
@@ -39,8 +39,14 @@ print(json.dumps({"steps": [sa, sb], "leaves": len(la),
 
 @pytest.fixture(scope="module")
 def spot(tmp_path_factory):
-    """One local cloud, slice and uninterrupted reference run for the attached and the managed run."""
-    with LocalSpot(tmp_path_factory.mktemp("preempt") / "home") as spot:
+    """One local cloud, slice and uninterrupted reference run for the attached and the managed run. The hosts (and
+    the controller's) install from the machine's test wheelhouse, as every e2e test's do: the dependency layer and
+    the hosts' compile cache are built once per machine, not once per test."""
+    home = tmp_path_factory.mktemp("preempt") / "home"
+    home.mkdir()
+    TEST_CACHE.joinpath("wheelhouse").mkdir(parents=True, exist_ok=True)
+    (home / "wheelhouse").symlink_to(TEST_CACHE / "wheelhouse")
+    with LocalSpot(home) as spot:
         ref_rc, _, ref_err = spot.run(f"gs://{BUCKET}/ref")
         assert ref_rc == 0, ref_err[-3000:]
         yield spot
