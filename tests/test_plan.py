@@ -807,7 +807,7 @@ def test_the_step_time_is_the_calibrated_estimate_by_class_of_work_and_the_roofl
     # (the rate the chip measured at the step's rows an expert: 128 on one chip, 512 a device's experts under
     # expert parallelism on v4-8, 1,024 on v5litepod-8; between two measured points along the log of the rows, the
     # ends' rates outside them)
-    for rows, rate in ((128, 30.5e12), (512, 63.7e12), (1024, 83.0e12), (2048, 83.0e12), (64, 30.5e12),
+    for rows, rate in ((128, 30.5e12), (512, 63.7e12), (1024, 83.0e12), (4096, 78.6e12), (64, 30.5e12),
                        (512 * 2 ** 0.5, 63.7e12 + 0.5 * (83.0e12 - 63.7e12))):
         moe = {**f, "work": {**work, "matmul_flops": 4.115e12, "grouped_matmul_flops": 2e12,
                              "grouped_rows_per_expert": rows}}

@@ -49,7 +49,8 @@ class Rates:
 
     def grouped_at(self, rows_per_expert: float) -> float:
         """The grouped matmuls' rate at these rows an expert: between two measured points along the log of the rows
-        (the chip's rate rose by about the same step at each doubling from 128 to 1,024), the nearest end's
+        (the chip's rate rose by about the same step at each doubling from 128 to 1,024, then fell a little at
+        2,048), the nearest end's
         outside them (fewer rows read the same expert weights for less work: no faster than the fewest measured;
         more: no faster than the most); the matmul rate unmeasured."""
         table = self.grouped_matmul_flops_s
@@ -79,7 +80,7 @@ V5E = Rates(
     loss_kernel_flops_s=180.8e12,
     other_bytes_s=954e9,
     resident_flops_s={64: 105.2e12},
-    grouped_matmul_flops_s={128: 30.5e12, 256: 48.1e12, 512: 63.7e12, 1024: 83.0e12},
+    grouped_matmul_flops_s={128: 30.5e12, 256: 48.1e12, 512: 63.7e12, 1024: 83.0e12, 2048: 78.6e12},
     source="one TPU v5 lite chip, jax 0.10.2, libtpu 0.0.42.1, 2026-12-05 (python -m bench.tpu: its classes "
            "section, and the default gpt2-124m step at batch 16 for elementwise work; "
            "bench/tpu_records/v5e-2026-12-05.json)",
@@ -96,9 +97,11 @@ V5E = Rates(
                           "32,768 rows over 128, 256 an expert (8 x 512 tokens), 16.21 ms, 48.1 TFLOP/s, 24.4%; "
                           "16,384 routed rows in a 32,768-row buffer over 32 experts, 512 an expert (a device of v4-8 "
                           "under expert parallelism), 6.12 ms, 63.7 TFLOP/s, 32.3%; the same over 16 experts, 1,024 "
-                          "an expert (a device of v5litepod-8), 4.70 ms, 83.0 TFLOP/s, 42.1% (megablox's grouped "
-                          "matmul at 128-square tiles: 66.7 and 39.2 ms at 128 and 1,024); 2026-12-06, "
-                          "bench/tpu_records/v5e-2026-12-06-k5.json, -l.json and -m.json",
+                          "an expert (a device of v5litepod-8), 4.70 ms, 83.0 TFLOP/s, 42.1%; 32,768 routed in a "
+                          "65,536-row buffer over 16, 2,048 an expert (v5litepod-8 at 8 rows of 512), 9.92 ms, "
+                          "78.6 TFLOP/s, 39.9%: no faster past 1,024 (megablox's grouped matmul at 128-square "
+                          "tiles: 66.7 and 39.2 ms at 128 and 1,024); 2026-12-06, "
+                          "bench/tpu_records/v5e-2026-12-06-k5.json, -l.json, -m.json and -n.json",
         "attention 256": "the same for 8 x 512 positions, 4 heads of 256 on one kv head (gemma3-1b's): 76.6 TFLOP/s",
         "loss kernel": "the two loss kernels forward and backward, 8 x 1024 tokens, vocabulary 50304: 180.8 TFLOP/s "
                        "of their 8 N V D",
