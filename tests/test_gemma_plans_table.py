@@ -1,6 +1,6 @@
 """docs/gemma.md's plan tables (bench/compiler/gemma_plans.py --table) from plans' JSON, no compile: the model
-sweep takes the default command's row for model=1 and orders each size's meshes by model; a plan compiled at one
-row a device says its largest batch is at least that row."""
+sweep takes the default command's row for model=1, the newest plan of a mesh planned twice, and orders each size's
+meshes by model; a plan compiled at one row a device says its largest batch is at least that row."""
 from __future__ import annotations
 
 from bench.compiler import gemma_plans as gp
@@ -20,6 +20,7 @@ def _row(size, acc, mesh="", total=10.0, extra="", rows=4, fits=True):
 
 def test_the_sweep_takes_model_1_from_the_default_row_and_a_one_row_plan_is_a_lower_bound():
     rows = [_row("gemma4-26b-a4b", "v5litepod-8", "data=1,model=8", 11.3),
+            _row("gemma4-26b-a4b", "v5litepod-8", "data=4,model=2", 12.5),  # planned again below: replaced
             _row("gemma4-26b-a4b", "v5litepod-8", "data=4,model=2", 10.9),
             _row("gemma4-26b-a4b", "v5litepod-8", total=10.88),
             _row("gemma4-31b", "v5litepod-8", total=13.12, extra="--batch-size 8", rows=1)]
@@ -27,7 +28,7 @@ def test_the_sweep_takes_model_1_from_the_default_row_and_a_one_row_plan_is_a_lo
     sweep = [line for line in text.splitlines() if line.startswith("| gemma4-26b-a4b | v5litepod-8 | data")]
     assert [line.split(" | ")[2] for line in sweep] == [
         "data=8,model=1 (the default command's row)", "data=4,model=2", "data=1,model=8"], sweep
-    assert "10.88 GiB" in sweep[0] and "11.30 GiB" in sweep[2]
+    assert "10.88 GiB" in sweep[0] and "10.90 GiB" in sweep[1] and "11.30 GiB" in sweep[2]
     one, = (line for line in text.splitlines() if line.startswith("| gemma4-31b (1 row a device)"))
     assert "largest batch: at least 1 row a device (one row compiled; plan two to extrapolate)" in one
     assert "largest batch 4 rows a device" in text  # the 26B default row's, compiled at that batch

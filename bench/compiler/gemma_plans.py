@@ -131,7 +131,7 @@ def _without_rows(label: str) -> str:
 
 def table(rows: list[dict]) -> str:
     """The default-mesh table (size and the flags added to the default command x accelerator; the newest row of
-    each), then the model sweep, as markdown."""
+    each), then the model sweep (the newest row of each mesh), as markdown."""
     out = ["| size | " + " | ".join(ACCELERATORS) + " |", "|---|" + "---|" * len(ACCELERATORS)]
     default = {(r["size"], extra_flags(r), r["accelerator"]): r for r in rows if not r.get("sweep_mesh")}
     # a 1-row-a-device plan is --batch-size 8 on v5litepod-8's 8 chips and 4 on v4-8's 4: one line, by rows a device
@@ -144,7 +144,10 @@ def table(rows: list[dict]) -> str:
                 _cell(cells[(size, label, a)], [q for (s2, lab2, a2), q in cells.items() if s2 == size and a2 == a
                                                 and _without_rows(lab2) == _without_rows(label)])
                 if (size, label, a) in cells else "" for a in ACCELERATORS) + " |")
-    sweep = [r for r in rows if r.get("sweep_mesh")]
+    # the newest plan of each size, slice, mesh and flags (a mesh planned again, e.g. after the plan's pricing
+    # changed, replaces its older row)
+    sweep = list({(r["size"], r["accelerator"], r["sweep_mesh"], extra_flags(r)): r
+                  for r in rows if r.get("sweep_mesh")}.values())
     # model=1 is the default mesh's step: a sweep without its own row of it takes the newest default-command row
     for size, acc in dict.fromkeys((r["size"], r["accelerator"]) for r in sweep):
         one = f"data={DEVICES[acc]},model=1"
