@@ -37,14 +37,31 @@ def _device_bytes(cfg, model: int, remat: str, rows: int) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
-def test_more_model_parallelism_never_grows_a_devices_bytes():
+# Each kind with its real size's grouped-query ratios and Gemma 4's proportions (an MLP 4x the width where the real
+# size has one), a period of one local and one global layer, so that two periods make a scan: "dense" 31B's 2 query
+# heads a kv head on local layers and 8 on global ones (32 / 16 / 4), "e" E4B's 4 (8 / 2), "moe" 26B-A4B's 2 and 8
+# (16 / 8 / 2) with its dense MLP 3/4 and each expert 1/4 of the width. On model=8 (dense, e) or model=4 and 8 (moe)
+# `model` splits the query heads of a layer and not its kv heads.
+SHRINK = {
+    "dense": dict(n_layers=4, d_model=128, ff=512, n_heads=8, n_kv_heads=4, global_kv_heads=1),
+    "e": dict(n_layers=8, kv_shared_layers=4, d_model=128, ff=512, shared_ff=1024, n_heads=8, n_kv_heads=2),
+    "moe": dict(n_layers=4, d_model=128, ff=96, expert_ff=32, n_heads=16, n_kv_heads=8, global_kv_heads=2,
+                head_dim=8, global_head_dim=16),
+}
+
+
+@pytest.mark.parametrize("kind", ["dense", "e", "moe"])
+def test_more_model_parallelism_never_grows_a_devices_bytes(kind):
     """The scanned LoRA step (--remat full) on the same 8 devices, data=8 / data=4,model=2 / data=2,model=4 /
     data=1,model=8: each mesh with more `model` holds no more bytes a device than the one before (the
-    compiler's memory analysis). The config is Gemma 4's proportions (an MLP 4x the width) at one row of 64 a
+    compiler's memory analysis), for each kind of Gemma 4 with its grouped-query attention. At one row of 64 a
     device on data=8: tensor parallelism gathers each layer's input over `model` ([rows of a data group, T, D])
     and saves gathering the base over `data`, so it pays where a layer's weights outweigh its inputs, as on
-    every real size (orchestrator/plan/step.py mesh_note names a step where it does not)."""
-    cfg = dataclasses.replace(_cfg("dense"), ff=4 * DEEP["dense"]["d_model"])
+    every real size (orchestrator/plan/step.py mesh_note names a step where it does not); and where `model`
+    splits the query heads and not the kv heads, the kv heads are copied to split alike
+    (trainer/models/attention.kv_copies), or XLA gathers the queries to every device."""
+    cfg = dataclasses.replace(gc.TINY4[kind], pattern=(gemma.LOCAL, gemma.GLOBAL), **SHRINK[kind])
+    assert len(gemma.segments(cfg)) == (2 if kind == "e" else 1), "the layers in scans, as the real step runs them"
     got = {m: _device_bytes(cfg, m, "full", rows=8) for m in (1, 2, 4, 8)}
     for fewer, more in ((1, 2), (2, 4), (4, 8)):
         assert got[more] <= got[fewer], got
