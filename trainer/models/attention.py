@@ -7,8 +7,8 @@ writes the scores out. `resolve` picks it for TPU devices, judged by the devices
 interpreter: slow, exact, for checking it on CPU.
 
 The kernel works on one example's [heads, T, head_dim]; `splash` vmaps it over the batch inside a
-shard_map that follows the mesh rules: batch over `data`, heads (and kv heads where they divide) over
-`model`. Masks are by position index: causal, optionally a sliding window, optionally packed segments.
+shard_map that follows the mesh rules: batch over `data`, heads and kv heads over `model` (kv heads that do not
+divide over it copied until they do, kv_copies). Masks are by position index: causal, optionally a sliding window, optionally packed segments.
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def kv_copies(heads: int, kv_heads: int, mesh_shape: dict[str, int] | None = Non
         mesh_shape = {} if mesh.empty else dict(mesh.shape)
     spec = fitted_spec(("heads",), (heads,), mesh_shape)[0]
     names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    n = math.prod(mesh_shape[a] for a in names)
+    n = math.prod(mesh_shape.get(a, 1) for a in names)
     if kv_heads == 1 or kv_heads % n == 0:
         return 1
     return n // math.gcd(kv_heads, n)
