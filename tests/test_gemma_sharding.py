@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,17 +38,46 @@ def _device_bytes(cfg, model: int, remat: str, rows: int) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
-def test_more_model_parallelism_never_grows_a_devices_bytes():
+# Each kind with its real size's grouped-query ratios and Gemma 4's proportions (an MLP 4x the width where the real
+# size has one), a period of one local and one global layer, so that two periods make a scan: "dense" 31B's 2 query
+# heads a kv head on local layers and 8 on global ones (32 / 16 / 4), "e" E4B's 4 (8 / 2), "moe" 26B-A4B's 2 and 8
+# (16 / 8 / 2) with its dense MLP 3/4 and each expert 1/4 of the width. On model=8 (dense, e) or model=4 and 8 (moe)
+# `model` splits the query heads of a layer and not its kv heads.
+SHRINK = {
+    "dense": dict(n_layers=4, d_model=128, ff=512, n_heads=8, n_kv_heads=4, global_kv_heads=1),
+    "e": dict(n_layers=8, kv_shared_layers=4, d_model=128, ff=512, shared_ff=1024, n_heads=8, n_kv_heads=2),
+    "moe": dict(n_layers=4, d_model=128, ff=96, expert_ff=32, n_heads=16, n_kv_heads=8, global_kv_heads=2,
+                head_dim=8, global_head_dim=16),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _shrink_bytes(kind: str, model: int) -> int:
+    """A device's bytes of SHRINK's step of `kind` on data=8/model,model=model: each compiled once for the module."""
+    cfg = dataclasses.replace(gc.TINY4[kind], pattern=(gemma.LOCAL, gemma.GLOBAL), **SHRINK[kind])
+    assert len(gemma.segments(cfg)) == (2 if kind == "e" else 1), "the layers in scans, as the real step runs them"
+    return _device_bytes(cfg, model, "full", rows=8)
+
+
+# 26B-A4B's kind grows where `model` goes from 2 to 4 (by 1.6 kB of 6.5 MB) and from 4 to 8 (by 0.45 MB), with as
+# many kv heads as query heads too: not attention's grouped queries; the cause is not yet known.
+MOE_GROWS = pytest.mark.xfail(strict=True, reason="the experts' kind grows with model: cause not yet known")
+
+
+@pytest.mark.parametrize("kind,fewer,more", [
+    (kind, a, b) if (kind, b) not in (("moe", 4), ("moe", 8)) else pytest.param(kind, a, b, marks=MOE_GROWS)
+    for kind in ("dense", "e", "moe") for a, b in ((1, 2), (2, 4), (4, 8))])
+def test_more_model_parallelism_never_grows_a_devices_bytes(kind, fewer, more):
     """The scanned LoRA step (--remat full) on the same 8 devices, data=8 / data=4,model=2 / data=2,model=4 /
     data=1,model=8: each mesh with more `model` holds no more bytes a device than the one before (the
-    compiler's memory analysis). The config is Gemma 4's proportions (an MLP 4x the width) at one row of 64 a
+    compiler's memory analysis), for each kind of Gemma 4 with its grouped-query attention. At one row of 64 a
     device on data=8: tensor parallelism gathers each layer's input over `model` ([rows of a data group, T, D])
     and saves gathering the base over `data`, so it pays where a layer's weights outweigh its inputs, as on
-    every real size (orchestrator/plan/step.py mesh_note names a step where it does not)."""
-    cfg = dataclasses.replace(_cfg("dense"), ff=4 * DEEP["dense"]["d_model"])
-    got = {m: _device_bytes(cfg, m, "full", rows=8) for m in (1, 2, 4, 8)}
-    for fewer, more in ((1, 2), (2, 4), (4, 8)):
-        assert got[more] <= got[fewer], got
+    every real size (orchestrator/plan/step.py mesh_note names a step where it does not); and where `model`
+    splits the query heads and not the kv heads, the kv heads are copied to split alike
+    (trainer/models/attention.kv_copies), or XLA gathers the queries to every device."""
+    got = {m: _shrink_bytes(kind, m) for m in (fewer, more)}
+    assert got[more] <= got[fewer], got
 
 
 @pytest.mark.parametrize("kind", ["e", "dense", "moe"])
@@ -119,3 +149,41 @@ def test_the_embedding_by_its_vocab_rows_gives_the_gathered_tables_loss_and_adap
             for name in g_want:
                 np.testing.assert_allclose(g_got[name], g_want[name], rtol=1e-4,
                                            atol=1e-5 * float(jnp.abs(g_want[name]).max()), err_msg=name)
+
+
+def test_kv_copies_split_the_kv_heads_as_the_query_heads():
+    """E4B's 2 kv heads of 8 query heads: none on model=2, 2 copies each on model=4, 4 on model=8 (one kv head a
+    device); none for a single kv head, kv heads that divide, or query heads `model` does not split."""
+    from trainer.models import attention
+    got = {m: attention.kv_copies(8, 2, {"data": 8 // m, "model": m}) for m in (1, 2, 4, 8)}
+    assert got == {1: 1, 2: 1, 4: 2, 8: 4}
+    assert attention.kv_copies(16, 2, {"data": 2, "model": 4}) == 2  # 26B-A4B's global layers
+    assert attention.kv_copies(32, 4, {"data": 1, "model": 8}) == 2  # 31B's global layers: 8 kv heads, one a device
+    assert attention.kv_copies(8, 1, {"data": 1, "model": 8}) == 1
+    assert attention.kv_copies(4, 2, {"data": 1, "model": 8}) == 1
+
+
+def test_a_layer_with_copied_kv_heads_gives_the_same_attention():
+    """A Gemma 4 layer with 8 query heads over 2 kv heads (E4B's grouping) on data=2,model=4 (each kv head copied
+    twice, one a device) and without a mesh: the same output and gradients (XLA attention, f32), local and global."""
+    from flax import nnx
+    from trainer.models import attention as attention_lib
+    cfg = dataclasses.replace(gc.TINY4["dense"], n_heads=8, n_kv_heads=2, global_kv_heads=2)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 16, cfg.d_model)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(16)[None], (2, 16))
+    for i in (0, 5):  # a local layer, a global one (k = v)
+        graphdef, state = nnx.split(gemma.Layer(cfg, i, nnx.Rngs(i)))
+
+        def loss(state, x):
+            y = nnx.merge(graphdef, state)(x, pos, None, None)[0]
+            return jnp.sum(jnp.sin(y)), y
+        grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        (_, want), g_want = jax.jit(grad)(state, x)
+        mesh = mesh_lib.make_mesh({"data": 2, "model": 4})
+        with jax.set_mesh(mesh):
+            assert attention_lib.kv_copies(8, 2) == 2
+            (_, got), g_got = jax.jit(grad)(state, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+        for a, r in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-4 * (1 + float(jnp.abs(r).max())))

@@ -7,8 +7,8 @@ writes the scores out. `resolve` picks it for TPU devices, judged by the devices
 interpreter: slow, exact, for checking it on CPU.
 
 The kernel works on one example's [heads, T, head_dim]; `splash` vmaps it over the batch inside a
-shard_map that follows the mesh rules: batch over `data`, heads (and kv heads where they divide) over
-`model`. Masks are by position index: causal, optionally a sliding window, optionally packed segments.
+shard_map that follows the mesh rules: batch over `data`, heads and kv heads over `model` (kv heads that do not
+divide over it copied until they do, kv_copies). Masks are by position index: causal, optionally a sliding window, optionally packed segments.
 """
 from __future__ import annotations
 
@@ -119,6 +119,39 @@ def _kernel(heads: int, t: int, window: int | None, softcap: float | None, inter
     return made
 
 
+def kv_copies(heads: int, kv_heads: int, mesh_shape: dict[str, int] | None = None) -> int:
+    """How many copies of each kv head grouped-query attention takes, so that the mesh axes that split the query
+    heads (the rules' `heads`) split the kv heads too, each device holding only the kv heads its query heads read.
+
+    Query head j reads kv head j // (heads / kv_heads), and the rules split the query heads into contiguous runs,
+    one a device. When the kv heads do not divide over those devices (2 kv heads, model=4 or 8), `kv_heads` stays
+    whole on every device while the scores split by query heads, and XLA reshuffles (or rematerialises) the
+    query heads to match them. r copies of each kv head (r = n / gcd(kv_heads, n) over n devices) give
+    lcm(kv_heads, n) kv heads, which split over the n devices in the query heads' runs: a device then holds
+    kv_heads / gcd(kv_heads, n) kv heads (one, where kv_heads divides n), never more than the kv_heads it held
+    whole, and fewer than a copy for each of its query heads (r = heads / kv_heads). 1 where no copies are
+    needed: the query heads are whole on each device, the kv heads already split, or a single kv head (every
+    device needs it, and holds it once either way). mesh_shape: default the mesh the step is traced under."""
+    if mesh_shape is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        mesh_shape = {} if mesh.empty else dict(mesh.shape)
+    spec = fitted_spec(("heads",), (heads,), mesh_shape)[0]
+    names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    n = math.prod(mesh_shape.get(a, 1) for a in names)
+    if kv_heads == 1 or kv_heads % n == 0:
+        return 1
+    return n // math.gcd(kv_heads, n)
+
+
+def spread_kv(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+    """k, v [B, S, K, hd] with each kv head repeated kv_copies times (adjacent, so query head j still reads copy
+    j // (heads / copies) of its own kv head), for the mesh the step is traced under; as they are without one."""
+    r = kv_copies(heads, k.shape[2])
+    if r == 1:
+        return k, v
+    return jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+
+
 def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None, softcap: float | None = None,
            segment_ids: jax.Array | None = None, interpret: bool = False, kernel: Kernel = Kernel()) -> jax.Array:
     """Causal attention of q [B, T, H, hd] (already scaled) over k, v [B, T, K, hd] (K divides H; query
@@ -126,13 +159,9 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = Non
     softcap: tanh soft-capping of the scores; segment_ids [B, T]: attend only within the same id; kernel: how
     the kernel runs (Kernel)."""
     b, t, h, hd = q.shape
-    kh = k.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
     shape = {} if mesh.empty else dict(mesh.shape)
-    if 1 < kh < h and kh % shape.get("model", 1):
-        # kv heads the model axis does not split, beside query heads it does: give each query head its own
-        # copy, so that every device holds the kv heads of its query heads.
-        k, v = (jnp.repeat(a, h // kh, axis=2) for a in (k, v))
+    k, v = spread_kv(k, v, h)
     qt, kt, vt = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, heads, T, hd]
 
     def local(q, k, v, seg=None):

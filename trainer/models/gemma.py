@@ -48,7 +48,8 @@ from trainer.models.gpt2 import loss_fn
 # parallelism: the projections gather it, the output projections reduce-scatter back).
 RESIDUAL = ("batch", "residual_seq", "embed")
 # Attention's scores [B, T, kv heads, query heads per kv head, S] (fitted_spec gives `model` to the first that
-# it divides; the positions stay whole).
+# it divides: the kv heads, with copies where they would not divide (attention.kv_copies), or a single kv head's
+# query heads; the positions stay whole).
 SCORES = ("batch", "seq", "kv_heads", "heads", None)
 K_MASK = -2.3819763e38  # what Google's implementation writes into masked attention logits
 LOCAL, GLOBAL = "local", "global"
@@ -409,8 +410,19 @@ class Layer(nnx.Module):
                 key_pos = jnp.arange(k.shape[1])[None, :]
             else:
                 key_pos = positions
-        k = _constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
-        v = _constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        kv_axes = ("batch", "seq", "kv_heads", "head_dim")
+        if attention_lib.kv_copies(q.shape[2], k.shape[2]) > 1:
+            # copies of the kv heads where `model` splits the query heads and not the kv heads
+            # (attention.kv_copies), so both split alike. They are made where the keys are split by position
+            # like the residual stream, and then go over to the heads' split (one all-to-all, the copies of a
+            # device's positions out to the devices of their heads): never a device holding every row's whole kv
+            # heads (XLA cannot go from positions split to kv heads split part-way, and gathers them whole).
+            # The kv-shared layers read the copies as they are.
+            by_position = ("batch", "residual_seq", "kv_heads", "head_dim")
+            k, v = _constrain(k, by_position), _constrain(v, by_position)
+            k, v = attention_lib.spread_kv(k, v, q.shape[2])
+            k, v = _constrain(k, by_position), _constrain(v, by_position)
+        k, v = _constrain(k, kv_axes), _constrain(v, kv_axes)
         if cache_index is None and impl != attention_lib.XLA:  # training: positions 0..T-1 (or per packed example)
             enc = attention_lib.splash(q, k, v, window=cfg.sliding_window if local else None,
                                        softcap=fam.attn_softcap, segment_ids=segment_ids,
@@ -421,7 +433,7 @@ class Layer(nnx.Module):
         n_kv = k.shape[2]
         qg = q.reshape(b, t, n_kv, h // n_kv, hd)
         logits = jnp.einsum("btkgh,bskh->btkgs", qg, k, preferred_element_type=jnp.float32)
-        # over `model` by kv heads, or where it does not split those (one kv head) by the query heads of each
+        # over `model` by kv heads (or their copies), or where there is one kv head by its query heads
         logits = _constrain(logits, SCORES)
         logits = softcap(logits, fam.attn_softcap)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
@@ -874,8 +886,12 @@ def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, 
         if any(seg.layer(n - 1, j0 + k) in cfg.kv_origins for k in range(m - 1)):
             raise AssertionError(f"segment {s} run {r}: a kv origin that is not the last layer of its kind")
     b, t, _ = x.shape
-    # a carried (k, v) as attention returns them: [B, T, kv heads, head width] each, in the compute dtype
-    zeros_kv = {r: (jnp.zeros((b, t, *cfg.attn_dims(origins[r])[:2]), x.dtype),) * 2 for r in origins}
+    # a carried (k, v) as attention returns them: [B, T, kv heads (with their copies), head width] each, in the
+    # compute dtype
+    def kv_shape(i):
+        k, hd, _ = cfg.attn_dims(i)
+        return b, t, k * attention_lib.kv_copies(cfg.n_heads, k), hd
+    zeros_kv = {r: (jnp.zeros(kv_shape(origins[r]), x.dtype),) * 2 for r in origins}
 
     def run_layers(r, x, w, ad, g, pl):
         """Run r of period g: its layers one after the other (a scan over them when there are several)."""
