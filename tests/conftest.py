@@ -47,6 +47,7 @@ if "TPUCTL_SSH_KEY" not in os.environ:
 # (test caches and compile cache empty, as on CI); the rest keep their order after these.
 LONGEST_FIRST = (
     "test_plan.py", "test_preemption_e2e.py", "test_lora.py", "test_multislice_e2e.py", "test_run_e2e.py",
+    "test_gemma_sharding.py",
     "test_attention.py", "test_trainer_train.py", "test_demo.py", "test_sweep_e2e.py", "test_bench.py",
     "test_trainer_multiproc.py", "test_fresh_vm_e2e.py", "test_access.py", "test_tpu_check.py",
 )
