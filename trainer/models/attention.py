@@ -8,7 +8,8 @@ interpreter: slow, exact, for checking it on CPU.
 
 The kernel works on one example's [heads, T, head_dim]; `splash` vmaps it over the batch inside a
 shard_map that follows the mesh rules: batch over `data`, heads and kv heads over `model` (kv heads that do not
-divide over it copied until they do, kv_copies). Masks are by position index: causal, optionally a sliding window, optionally packed segments.
+divide over it copied once for each query head; XLA's attention copies them only until they divide, kv_copies).
+Masks are by position index: causal, optionally a sliding window, optionally packed segments.
 """
 from __future__ import annotations
 
@@ -159,9 +160,14 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = Non
     softcap: tanh soft-capping of the scores; segment_ids [B, T]: attend only within the same id; kernel: how
     the kernel runs (Kernel)."""
     b, t, h, hd = q.shape
+    kh = k.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
     shape = {} if mesh.empty else dict(mesh.shape)
-    k, v = spread_kv(k, v, h)
+    if 1 < kh < h and kh % shape.get("model", 1):
+        # kv heads the model axis does not split, beside query heads it does: give each query head its own
+        # copy, so that every device holds the kv heads of its query heads (spread_kv's fewer copies, made
+        # before the kernel, took more of the TPU step's memory: gemma.Layer.attention)
+        k, v = (jnp.repeat(a, h // kh, axis=2) for a in (k, v))
     qt, kt, vt = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, heads, T, hd]
 
     def local(q, k, v, seg=None):
