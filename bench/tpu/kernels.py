@@ -132,8 +132,8 @@ def experts_rows(s: Settings):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
     on_tpu = jax.default_backend() == "tpu" and not s.quick
     shapes = EXPERT_SHAPES if on_tpu else {"tiny, 4 experts": (256, 128, 4, 256, 128)}
-    names = ["ragged_dot (XLA)", *(f"megablox gmm {t[0]}x{t[1]}x{t[2]}" for t in
-                                   (GMM_TILINGS if on_tpu else GMM_TILINGS[:1]))]
+    tilings = {f"megablox gmm {t[0]}x{t[1]}x{t[2]}": t for t in (GMM_TILINGS if on_tpu else GMM_TILINGS[:1])}
+    names = ["ragged_dot (XLA)", *tilings]
     for sname, (m, routed, e, d, fe) in shapes.items():
         wanted = [c for c in names if s.wants(f"experts' MLP, {c} vs f32, {sname}")]
         if not wanted:  # a shape's arrays are drawn only when one of its rows is asked for
@@ -158,9 +158,7 @@ def experts_rows(s: Settings):
         def vjp(dot, x):
             out, pull = jax.vjp(lambda x: mlp(dot, x), x)
             return out, pull(ct.astype(out.dtype))[0]
-        contenders = {"ragged_dot (XLA)": ragged, **{f"megablox gmm {t[0]}x{t[1]}x{t[2]}": megablox(t)
-                                                     for t in (GMM_TILINGS if on_tpu else GMM_TILINGS[:1])}}
-        contenders = {c: contenders[c] for c in wanted}
+        contenders = {c: ragged if c == "ragged_dot (XLA)" else megablox(tilings[c]) for c in wanted}
         # the reference: off the chip the same MLP in f32 at full precision; on it XLA's ragged_dot itself (its
         # f32 at full precision did not finish in 9 minutes on the chip at these shapes), one program that the
         # ragged_dot row then times (compiling it twice took a minute a shape there)

@@ -277,9 +277,8 @@ def _trainer_code_hash() -> str:
 # (trainer/common/aot.py), never reading its weights, data or checkpoints, and logging changes no program. A plan
 # is cached by the step it compiles, so the same step under other paths is the same plan. (`pretrain`'s --data
 # picks its tokenizer, so its vocabulary: not among them; its checkpoints' place and cadence and its logging are.)
-STEP_NEUTRAL = {"lora": ("--weights", "--data", "--val-data", "--ckpt-dir", "--ckpt-every", "--keep",
-                         "--log-every", "--eval-every", "--profile"),
-                "pretrain": ("--ckpt-dir", "--ckpt-every", "--keep", "--log-every", "--eval-every", "--profile")}
+_RUN_ONLY = ("--ckpt-dir", "--ckpt-every", "--keep", "--log-every", "--eval-every", "--profile")
+STEP_NEUTRAL = {"lora": ("--weights", "--data", "--val-data", *_RUN_ONLY), "pretrain": _RUN_ONLY}
 
 
 def step_argv(argv: list[str]) -> list[str]:

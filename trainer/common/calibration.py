@@ -27,7 +27,6 @@ different share of their peak, and splash's head_dim penalty differs with the MX
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, replace
 
 
@@ -50,15 +49,16 @@ class Rates:
     def grouped_at(self, rows_per_expert: float) -> float:
         """The grouped matmuls' rate at these rows an expert: between two measured points along the log of the rows
         (the chip's rate rose by about the same step at each doubling from 128 to 1,024, then fell a little at
-        2,048), the nearest end's
-        outside them (fewer rows read the same expert weights for less work: no faster than the fewest measured;
-        more: no faster than the most); the matmul rate unmeasured."""
+        2,048), the nearest end's outside them (fewer rows read the same expert weights for less work: no faster
+        than the fewest measured; more: no faster than the most); the matmul rate unmeasured."""
         table = self.grouped_matmul_flops_s
         if not table:
             return self.matmul_flops_s
         rows = sorted(table)
-        if rows_per_expert <= rows[0] or rows_per_expert >= rows[-1]:
-            return table[rows[0] if rows_per_expert <= rows[0] else rows[-1]]
+        if rows_per_expert <= rows[0]:
+            return table[rows[0]]
+        if rows_per_expert >= rows[-1]:
+            return table[rows[-1]]
         hi = next(n for n in rows if n >= rows_per_expert)
         lo = rows[rows.index(hi) - 1]
         at = math.log(rows_per_expert / lo) / math.log(hi / lo)

@@ -144,13 +144,13 @@ def kv_copies(heads: int, kv_heads: int, mesh_shape: dict[str, int] | None = Non
     return n // math.gcd(kv_heads, n)
 
 
-def spread_kv(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
-    """k, v [B, S, K, hd] with each kv head repeated kv_copies times (adjacent, so query head j still reads copy
-    j // (heads / copies) of its own kv head), for the mesh the step is traced under; as they are without one."""
-    r = kv_copies(heads, k.shape[2])
-    if r == 1:
-        return k, v
-    return jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+def copies_before(impl: str, heads: int, kv_heads: int) -> int:
+    """The copies of each kv head a step makes before attending by `impl` (repeated adjacent, so query head j
+    still reads a copy of its own kv head), under the mesh the step is traced under: kv_copies on XLA's path (the
+    CPU mesh's, decoding's); none before the splash kernel (the TPU step), which copies inside `splash` (fewer
+    copies made before it held gemma4-31b at data=1,model=8 on v5litepod-8 at 17.34 GiB where its own took 15.08,
+    the TPU compiler's count)."""
+    return kv_copies(heads, kv_heads) if impl == XLA else 1
 
 
 def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None, softcap: float | None = None,
@@ -165,8 +165,7 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = Non
     shape = {} if mesh.empty else dict(mesh.shape)
     if 1 < kh < h and kh % shape.get("model", 1):
         # kv heads the model axis does not split, beside query heads it does: give each query head its own
-        # copy, so that every device holds the kv heads of its query heads (spread_kv's fewer copies, made
-        # before the kernel, took more of the TPU step's memory: gemma.Layer.attention)
+        # copy, so that every device holds the kv heads of its query heads (copies_before says why not fewer)
         k, v = (jnp.repeat(a, h // kh, axis=2) for a in (k, v))
     qt, kt, vt = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, heads, T, hd]
 

@@ -411,27 +411,24 @@ class Layer(nnx.Module):
             else:
                 key_pos = positions
         kv_axes = ("batch", "seq", "kv_heads", "head_dim")
-        xla = cache_index is not None or impl == attention_lib.XLA
-        if xla and attention_lib.kv_copies(q.shape[2], k.shape[2]) > 1:
+        path = attention_lib.XLA if cache_index is not None else impl  # decoding attends by XLA
+        copies = attention_lib.copies_before(path, q.shape[2], k.shape[2])
+        if copies > 1:
             # copies of the kv heads where `model` splits the query heads and not the kv heads
             # (attention.kv_copies), so both split alike: XLA's grouped-query product, without them, was
-            # rematerialised whole over `model`. The splash kernel (the TPU step) makes its own copies inside
-            # attention.splash: these, made before it, held gemma4-31b at data=1,model=8 on v5litepod-8 at
-            # 17.34 GiB where its own took 15.08 (the TPU compiler's count). They are made where the keys are
-            # split by position like the residual stream, and then go over to the heads' split (one all-to-all,
-            # the copies of a device's positions out to the devices of their heads): never a device holding every
-            # row's whole kv heads (XLA cannot go from positions split to kv heads split part-way, and gathers
-            # them whole).
-            # The kv-shared layers read the copies as they are.
+            # rematerialised whole over `model`. They are made where the keys are split by position like the
+            # residual stream, and then go over to the heads' split (one all-to-all, the copies of a device's
+            # positions out to the devices of their heads): never a device holding every row's whole kv heads
+            # (XLA cannot go from positions split to kv heads split part-way, and gathers them whole). The
+            # kv-shared layers read the copies as they are.
             by_position = ("batch", "residual_seq", "kv_heads", "head_dim")
-            k, v = _constrain(k, by_position), _constrain(v, by_position)
-            k, v = attention_lib.spread_kv(k, v, q.shape[2])
+            k, v = (jnp.repeat(_constrain(a, by_position), copies, axis=2) for a in (k, v))
             k, v = _constrain(k, by_position), _constrain(v, by_position)
         k, v = _constrain(k, kv_axes), _constrain(v, kv_axes)
-        if not xla:  # training: positions 0..T-1 (or per packed example)
+        if path != attention_lib.XLA:  # training: positions 0..T-1 (or per packed example)
             enc = attention_lib.splash(q, k, v, window=cfg.sliding_window if local else None,
                                        softcap=fam.attn_softcap, segment_ids=segment_ids,
-                                       interpret=impl == attention_lib.INTERPRET)
+                                       interpret=path == attention_lib.INTERPRET)
             out = ad("o", enc, jnp.einsum("btnh,nhd->btd", enc, self.o[...].astype(dt)))
             return _constrain(out, RESIDUAL), cache, (k, v)
         b, t, h, hd = q.shape
@@ -891,11 +888,11 @@ def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, 
         if any(seg.layer(n - 1, j0 + k) in cfg.kv_origins for k in range(m - 1)):
             raise AssertionError(f"segment {s} run {r}: a kv origin that is not the last layer of its kind")
     b, t, _ = x.shape
-    # a carried (k, v) as attention returns them: [B, T, kv heads (with the XLA path's copies), head width] each,
-    # in the compute dtype
+    # a carried (k, v) as attention returns them: [B, T, kv heads (with the copies made before attending), head
+    # width] each, in the compute dtype
     def kv_shape(i):
         k, hd, _ = cfg.attn_dims(i)
-        return b, t, k * (attention_lib.kv_copies(cfg.n_heads, k) if attention == attention_lib.XLA else 1), hd
+        return b, t, k * attention_lib.copies_before(attention, cfg.n_heads, k), hd
     zeros_kv = {r: (jnp.zeros(kv_shape(origins[r]), x.dtype),) * 2 for r in origins}
 
     def run_layers(r, x, w, ad, g, pl):
