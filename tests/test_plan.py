@@ -874,6 +874,14 @@ def test_a_scanned_step_gathers_one_layers_base_at_a_time():
     layer = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings={**s, "scan_layers": 1})
     assert P._gathered(whole) == 6 * P.GIB and P._gathered(layer) == P.GIB
     assert P._split(layer)[1] - P._split(whole)[1] == 6 * P.GIB - P.GIB
+    # only the layers' weights are gathered (settings gathered_share): not the embedding tables, nor the experts
+    # that expert parallelism keeps on their devices, most of 26B-A4B's base
+    quarter = _figures(params_bytes=2 * P.GIB, grad_bytes=0, settings={**s, "scan_layers": 1, "gathered_share": 0.25})
+    assert P._gathered(quarter) == P.GIB // 4
+    from trainer.models import gemma
+    moe, e2b = gemma.SIZES["gemma4-26b-a4b"], gemma.SIZES["gemma4-e2b"]
+    assert gemma.gathered_share(moe, True) < 0.1 and 0.9 < gemma.gathered_share(moe, False) < 1
+    assert 0.3 < gemma.gathered_share(e2b, False) < 0.5  # its per-layer embedding table is half its base
 
 
 @needs_libtpu

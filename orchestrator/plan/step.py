@@ -411,16 +411,19 @@ SCAN_GATHERED = 2
 def _gathered(f: dict, data: int | None = None, scale: float = 1.0) -> int:
     """An fsdp base (settings fsdp) is all-gathered over `data` for the matmuls, and a step written out keeps the
     gathered layers for the backward pass: each device holds the shards of the other data-1 devices besides
-    its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded."""
+    its own (`scale` its own shard's size relative to now). 0 for state that is not fsdp-sharded. Only the
+    layers' weights are gathered (settings gathered_share: not the embedding tables, nor the experts that expert
+    parallelism keeps in place; counted as gathered, 26B-A4B's experts, 93% of its base, would leave its rows a
+    tenth of a GiB of activations and extrapolate a batch of 188 rows a device)."""
     s = f["settings"]
     if not s.get("fsdp"):
         return 0
-    share = 1.0
+    share = s.get("gathered_share", 1.0)
     if s.get("scan_layers") and s.get("n_layer"):
         # the layers in a scan: one iteration's layers gathered at a time, twice (the period's forward recomputed
         # and its backward)
-        share = min(1.0, SCAN_GATHERED * s["scan_layers"] / s["n_layer"])
-    elif _base(f) * (f["mesh"]["data"] - 1) > f["temp_bytes"] - f.get("grad_bytes", f["params_bytes"]):
+        share *= min(1.0, SCAN_GATHERED * s["scan_layers"] / s["n_layer"])
+    elif _base(f) * share * (f["mesh"]["data"] - 1) > f["temp_bytes"] - f.get("grad_bytes", f["params_bytes"]):
         return 0  # more than the temporaries hold, and no scan said: not counted
     return int(_base(f) * scale * share * ((data or f["mesh"]["data"]) - 1))
 

@@ -172,6 +172,8 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
                            "fsdp": True, "batch_per_device": not run.batch_size,
+                           "gathered_share": gemma.gathered_share(
+                               cfg, bool(cfg.n_experts and moe.expert_axes(cfg.n_experts, dict(mesh.shape)))),
                            **({"experts": moe.describe(cfg.n_experts, cfg.top_k, dict(mesh.shape),
                                                        batch * run.seq_len // target.slices, run.expert_capacity)}
                               if cfg.n_experts else {})},

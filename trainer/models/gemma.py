@@ -307,6 +307,16 @@ def expert_matmul_params(cfg: GemmaConfig) -> float:
                if name.rsplit(".", 1)[-1].startswith("experts_")) if cfg.n_experts else 0.0
 
 
+def gathered_share(cfg: GemmaConfig, experts_split: bool) -> float:
+    """Of count_params, the share a step gathers whole over `data` for its matmuls: the layers' weights, not the
+    embedding tables (the tied one held by its vocab rows, the per-layer one read by a lookup), nor the experts
+    where expert parallelism keeps each on its own devices (experts_split)."""
+    layout = param_layout(cfg).items()
+    gathered = sum(math.prod(shape) for name, (shape, _) in layout if name.startswith("layers.") and not (
+        experts_split and name.rsplit(".", 1)[-1].startswith("experts_")))
+    return gathered / sum(math.prod(shape) for _, (shape, _) in layout)
+
+
 def attention_width(cfg: GemmaConfig) -> int:
     """Sum over layers of heads x head width: what attention's scores and mixing cost per query and key."""
     return sum(cfg.n_heads * cfg.attn_dims(i)[1] for i in range(cfg.n_layers))
