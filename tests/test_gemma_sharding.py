@@ -27,14 +27,20 @@ def _cfg(kind: str) -> gemma.GemmaConfig:
     return dataclasses.replace(gc.TINY4[kind], **DEEP[kind])
 
 
+# The step below is compiled for its memory analysis only, never run: the CPU backend's machine-code optimization
+# (LLVM) comes after buffer assignment, which is what the analysis reports, so it is left out. The same bytes to
+# the byte for every kind and mesh here, for about 40% fewer compile CPU-seconds (jax 0.10.2).
+MEMORY_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def _device_bytes(cfg, model: int, remat: str, rows: int) -> int:
     mesh = mesh_lib.make_mesh({"data": 8 // model, "model": model})
     run = LoraRun(weights="-", data="-", ckpt_dir="-", targets="all", seq_len=64, batch_size=rows, remat=remat)
     steps = finetune.Steps(run, cfg, mesh, 10, rows)
     base = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=steps.base_sh[n]) for n, (s, _) in
             steps.base_layout.items()}
-    steps.compile(base)
-    m = steps.train_fn.memory_analysis()
+    with jax.set_mesh(mesh):  # as Steps.compile lowers it, with the options above
+        m = steps.train_fn.lower(*steps._train_args(base)).compile(compiler_options=MEMORY_ONLY).memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
