@@ -255,9 +255,10 @@ def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
 @pytest.mark.slow
 def test_gemma2_27b_lora_on_v5litepod_8_does_not_fit_and_the_plan_names_what_would():
     """The trainer has no full fine-tuning of Gemma, so the 27B case is its LoRA run, one row of 512 per device.
-    The written-out step compiles and does not fit (libtpu 0.0.42.1): 17.78 GiB a device (params 6.35, temporaries
-    11.37) while each device gathered the tied embedding whole; with it held by its vocab rows the plan's first
-    lever is chunking the loss's logits, then tensor parallelism. Its temporaries were 45 GiB (the whole base
+    --remat auto writes the step out by its estimate, the compiler refuses that, and the plan compiles the step
+    with its layers in scans as the run would (libtpu 0.0.42.1): it does not fit either, 16.56 GiB a device
+    (params 6.35, temporaries 10.15); with the tied embedding held by its vocab rows the plan's first lever is
+    chunking the loss's logits, then tensor parallelism. Its temporaries were 45 GiB (the whole base
     gathered and kept for the backward pass) and the compiler refused it before the sharding rules pinned
     attention's scores over `model` and gave an fsdp dimension the axes its other dims leave unused; which of the
     two cut it is not yet checked. The levers are estimates that `tpuctl plan` compiles to check; no larger
