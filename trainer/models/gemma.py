@@ -915,10 +915,11 @@ def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, 
                 x, plk, shared)
 
         pls = None if pl is None else jnp.moveaxis(pl[:, :, j0:j0 + m], 2, 0)  # [run length, B, T, P]
-        if m == 1:
-            take = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-            return one(x, take(w), take(ad), 0, None if pls is None else pls[0])
 
+        # a scan even over a run of one layer: its weights then enter the layer as the scan's own slices of the
+        # outer scan's, which the backward pass slices again from the stacked base; a slice taken here (w[0])
+        # was a value of the outer scan's body that the backward needs, which jax keeps for it stacked over the
+        # periods: a copy of the run's stacked weights (gemma4-31b on v4-8: 2.5 GiB a device, its global layers')
         def body(carry, xs):
             x, _ = carry
             wk, adk, k, plk = xs
