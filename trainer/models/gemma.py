@@ -8,7 +8,8 @@ Parameter layout = Kaggle's flax layout (so a checkpoint restores without reshuf
 embed [V, D], q [H, D, hd], kv [2, K, D, hd], o [H, hd, D], gating [2, F, D] (gate, up), linear [F, D],
 RMSNorm scales [D] (and [hd] for the QK-norm of Gemma 3 and 4), applied as x * (1 + scale) (Gemma 2, 3) or
 x * scale (Gemma 4).
-The D dimension of every matrix is sharded over `data` (fsdp) and heads / mlp / vocab over `model`;
+The D dimension of every matrix is sharded over `data` (fsdp) and heads / mlp / vocab over `model` (Gemma 4's
+per-layer table: its P columns over every device, its rows whole);
 a dimension that a mesh axis does not divide (one kv head on model=2) stays whole, and the D dimension takes
 that axis too (mesh.fitted_spec).
 
@@ -239,7 +240,11 @@ def param_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str
     out = {"embed": ((v, d), ("vocab", "fsdp")), "final_norm": ((d,), (None,))}
     if cfg.per_layer_dim:
         pd, n = cfg.per_layer_dim, cfg.n_layers
-        out.update({"ple_embed": ((v, n, pd), ("vocab", None, "fsdp")),
+        # the per-layer table by its P columns over every device (fitted_spec gives fsdp `model` too), its rows
+        # whole: its lookup is then the same program on every mesh. With its rows over `model`, the TPU compiler
+        # copied a device's share into a row-major layout for the gather, P padded to 128 lanes: on E4B at
+        # data=4,model=2 (P 64 a device) a 1.5 GiB copy of a 672 MiB shard (libtpu 0.0.42.1)
+        out.update({"ple_embed": ((v, n, pd), (None, None, "fsdp")),
                     "ple_in": ((d, n, pd), ("fsdp", None, None)), "ple_in_norm": ((pd,), (None,))})
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
@@ -920,10 +925,11 @@ def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, 
                 x, plk, shared)
 
         pls = None if pl is None else jnp.moveaxis(pl[:, :, j0:j0 + m], 2, 0)  # [run length, B, T, P]
-        if m == 1:
-            take = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-            return one(x, take(w), take(ad), 0, None if pls is None else pls[0])
 
+        # a scan even over a run of one layer: its weights then enter the layer as the scan's own slices of the
+        # outer scan's, which the backward pass slices again from the stacked base; a slice taken here (w[0])
+        # was a value of the outer scan's body that the backward needs, which jax keeps for it stacked over the
+        # periods: a copy of the run's stacked weights (gemma4-31b on v4-8: 2.5 GiB a device, its global layers')
         def body(carry, xs):
             x, _ = carry
             wk, adk, k, plk = xs
