@@ -32,3 +32,10 @@ def test_the_sweep_takes_model_1_from_the_default_row_and_a_one_row_plan_is_a_lo
     one, = (line for line in text.splitlines() if line.startswith("| gemma4-31b (1 row a device)"))
     assert "largest batch: at least 1 row a device (one row compiled; plan two to extrapolate)" in one
     assert "largest batch 4 rows a device" in text  # the 26B default row's, compiled at that batch
+    # a sweep's own model=1 row gives way to a newer default-command row, and stays where it is the newer
+    older = [_row("gemma4-31b", "v5litepod-8", "data=8,model=1", 15.08), _row("gemma4-31b", "v5litepod-8", total=13.1),
+             _row("gemma4-e4b", "v5litepod-8", total=5.7), _row("gemma4-e4b", "v5litepod-8", "data=8,model=1", 5.45)]
+    lines = [line for line in gp.table(older).splitlines() if "data=8,model=1" in line]
+    e4b, big = lines  # the sizes in gemma_plans.SIZES' order
+    assert "13.10 GiB" in big and "the default command's row" in big, lines
+    assert "5.45 GiB" in e4b and "the default command's row" not in e4b, lines

@@ -148,12 +148,16 @@ def table(rows: list[dict]) -> str:
     # changed, replaces its older row)
     sweep = list({(r["size"], r["accelerator"], r["sweep_mesh"], extra_flags(r)): r
                   for r in rows if r.get("sweep_mesh")}.values())
-    # model=1 is the default mesh's step: a sweep without its own row of it takes the newest default-command row
+    # model=1 is the default mesh's step: a sweep takes the newest default-command row for it where that row is
+    # newer than the sweep's own row of it (or the sweep has none)
+    order = {id(r): i for i, r in enumerate(rows)}
     for size, acc in dict.fromkeys((r["size"], r["accelerator"]) for r in sweep):
         one = f"data={DEVICES[acc]},model=1"
-        if not any(r["sweep_mesh"] == one for r in sweep if (r["size"], r["accelerator"]) == (size, acc)) \
-                and (size, "", acc) in default:
-            sweep.append({**default[(size, "", acc)], "sweep_mesh": one + " (the default command's row)"})
+        own = [r for r in sweep if (r["size"], r["accelerator"], r["sweep_mesh"]) == (size, acc, one)]
+        newest = default.get((size, "", acc))
+        if newest is not None and all(order[id(r)] < order[id(newest)] for r in own):
+            sweep = [r for r in sweep if not any(r is o for o in own)]
+            sweep.append({**newest, "sweep_mesh": one + " (the default command's row)"})
     sweep.sort(key=lambda r: (SIZES.index(r["size"]) if r["size"] in SIZES else 99, r["accelerator"],
                               int(re.search(r"model=(\d+)", r["sweep_mesh"]).group(1))))
     if sweep:
