@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import _gemma_ckpt as gc
-from trainer.common import mesh as mesh_lib
+from trainer.common import aot, mesh as mesh_lib
 from trainer.finetune import train as finetune
 from trainer.finetune.config import LoraRun
 from trainer.models import gemma, lora as lora_lib
@@ -27,10 +27,9 @@ def _cfg(kind: str) -> gemma.GemmaConfig:
     return dataclasses.replace(gc.TINY4[kind], **DEEP[kind])
 
 
-# The step below is compiled for its memory analysis only, never run: the CPU backend's machine-code optimization
-# (LLVM) comes after buffer assignment, which is what the analysis reports, so it is left out. The same bytes to
-# the byte for every kind and mesh here, for about 40% fewer compile CPU-seconds (jax 0.10.2).
-MEMORY_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# The step below is compiled for its memory analysis only, never run, with the options a plan compiles with
+# (aot.MEMORY_ONLY): the same bytes to the byte for every kind and mesh here, for about 40% fewer compile
+# CPU-seconds (jax 0.10.2).
 
 
 def _device_bytes(cfg, model: int, remat: str, rows: int) -> int:
@@ -39,8 +38,8 @@ def _device_bytes(cfg, model: int, remat: str, rows: int) -> int:
     steps = finetune.Steps(run, cfg, mesh, 10, rows)
     base = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=steps.base_sh[n]) for n, (s, _) in
             steps.base_layout.items()}
-    with jax.set_mesh(mesh):  # as Steps.compile lowers it, with the options above
-        m = steps.train_fn.lower(*steps._train_args(base)).compile(compiler_options=MEMORY_ONLY).memory_analysis()
+    with jax.set_mesh(mesh):  # as Steps.compile lowers it
+        m = steps.train_fn.lower(*steps._train_args(base)).compile(compiler_options=aot.MEMORY_ONLY).memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
