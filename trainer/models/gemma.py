@@ -286,6 +286,11 @@ def _is_scale(cfg: GemmaConfig, name: str) -> bool:
     return leaf.endswith("_scale") or (leaf.endswith("norm") and not cfg.fam.norm_plus_one)
 
 
+def _routed(name: str) -> bool:
+    """A routed expert's stacked weights (the experts' MLP), not the dense layers'."""
+    return name.rsplit(".", 1)[-1].startswith("experts_")
+
+
 def count_params(cfg: GemmaConfig) -> int:
     return sum(math.prod(shape) for shape, _ in param_layout(cfg).values())
 
@@ -300,7 +305,7 @@ def matmul_params(cfg: GemmaConfig) -> float:
         if len(shape) < 2 or name == "ple_embed" or (leaf == "kv" and cfg.kv_source(int(name.split(".")[1])) !=
                                                      int(name.split(".")[1])):
             continue
-        share = cfg.top_k / cfg.n_experts if leaf.startswith("experts_") else 1.0
+        share = cfg.top_k / cfg.n_experts if _routed(name) else 1.0
         total += share * math.prod(shape)
     return total
 
@@ -309,17 +314,16 @@ def expert_matmul_params(cfg: GemmaConfig) -> float:
     """Of matmul_params, the routed experts' (top_k of them a token): what the grouped matmuls (jax.lax.ragged_dot)
     multiply a token by, priced at their own rate in a plan (trainer/common/calibration.py)."""
     return sum(cfg.top_k / cfg.n_experts * math.prod(shape) for name, (shape, _) in param_layout(cfg).items()
-               if name.rsplit(".", 1)[-1].startswith("experts_")) if cfg.n_experts else 0.0
+               if _routed(name)) if cfg.n_experts else 0.0
 
 
 def gathered_share(cfg: GemmaConfig, experts_split: bool) -> float:
     """Of count_params, the share a step gathers whole over `data` for its matmuls: the layers' weights, not the
     embedding tables (the tied one held by its vocab rows, the per-layer one read by a lookup), nor the experts
     where expert parallelism keeps each on its own devices (experts_split)."""
-    layout = param_layout(cfg).items()
-    gathered = sum(math.prod(shape) for name, (shape, _) in layout if name.startswith("layers.") and not (
-        experts_split and name.rsplit(".", 1)[-1].startswith("experts_")))
-    return gathered / sum(math.prod(shape) for _, (shape, _) in layout)
+    gathered = sum(math.prod(shape) for name, (shape, _) in param_layout(cfg).items()
+                   if name.startswith("layers.") and not (experts_split and _routed(name)))
+    return gathered / count_params(cfg)
 
 
 def attention_width(cfg: GemmaConfig) -> int:
