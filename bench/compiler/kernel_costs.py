@@ -123,12 +123,17 @@ def compile_logged(out: str, plan_argv: list[str]) -> dict:
     os.makedirs(out, exist_ok=True)
     os.environ.update(LOG_ENV)
     sys.stderr.flush()
+    stderr = os.dup(2)
     fd = os.open(os.path.join(out, "libtpu.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
-    target = aot.target(opts)
-    built = aot.BUILDERS[args.cmd](args, target)
-    c0, w0 = _cpu(), time.time()
-    compiled = built.compile()
+    try:
+        target = aot.target(opts)
+        built = aot.BUILDERS[args.cmd](args, target)
+        c0, w0 = _cpu(), time.time()
+        compiled = built.compile()
+    finally:  # the log holds libtpu's lines; an error of ours is said where the caller sees it
+        sys.stderr.flush()
+        os.dup2(stderr, 2)
     run = {"compile_cpu_s": round(_cpu() - c0, 1), "compile_wall_s": round(time.time() - w0, 1),
            "load": round(os.getloadavg()[0], 2), "settings": built.settings}
     with open(os.path.join(out, "step.hlo"), "w") as fh:
@@ -161,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         if rest.count("--") != 1:
             p.error("give the plan's options and the trainer command: -- --devices 8 --tpu v5e:2x4 ... -- lora ...")
-        compile_logged(a.out, rest)
+        from trainer.common.config import UsageError
+        try:
+            compile_logged(a.out, rest)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(read(a.out or a.read, a.top))
     return 0
 
