@@ -108,6 +108,8 @@ def _time_spent(p: P.Plan) -> list[str]:
     parts += [f"checking {c['change']} {c['wall_s']:.0f}s" for c in t["suggestion_checks"]]
     if t["next_size"]:
         parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
+    if t["data_only"]:
+        parts.append(f"comparing with {t['data_only']['mesh']} {t['data_only']['wall_s']:.0f}s")
     out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts)]
     settings = p.figures.get("settings", {})
     if t["total_s"] > SLOW_PLAN_S and settings.get("remat") == "none" and "remat_why" in settings:
