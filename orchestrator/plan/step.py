@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,8 +261,10 @@ def devices_of(a: catalog.AcceleratorType) -> int:
 
 
 def gib(b: float) -> str:
-    """Bytes for people: GiB from 1 GiB up (2 decimals), MiB below."""
-    return f"{b / GIB:.2f} GiB" if abs(b) >= GIB else f"{b / 2 ** 20:.1f} MiB"
+    """Bytes for people: GiB from 1 GiB up (2 decimals), MiB below, KiB below 1 MiB (a tiny step's buffers)."""
+    if abs(b) >= GIB:
+        return f"{b / GIB:.2f} GiB"
+    return f"{b / 2 ** 20:.1f} MiB" if abs(b) >= 2 ** 20 else f"{b / 2 ** 10:.1f} KiB"
 
 
 # ---- running the trainer's compile --------------------------------------------------------------------------
@@ -586,14 +589,17 @@ def mesh_check(p: Plan) -> dict | None:
         return out
     out["more_bytes"] = p.total_bytes - d.total_bytes
     if out["more_bytes"] > 0:
-        out["grown"] = buffers.grown(f.get("buffers") or [], d.figures.get("buffers") or [], GROWN_SHOWN)
+        mine, theirs = f.get("buffers"), d.figures.get("buffers")
+        # None: a program jax's persistent compilation cache served, whose buffer assignment nobody wrote
+        out["grown"] = None if mine is None or theirs is None else buffers.grown(mine, theirs, GROWN_SHOWN)
     return out
 
 
 def _buffer_text(b: dict) -> str:
     was = (f"{gib(b['other_bytes'])} on data alone" if b["other_bytes"] is not None else
            "not among data alone's largest")
-    return (f"{b['op_name'] or b['instruction']} {b['shape']} {gib(b['bytes'])} ({was})"
+    op = re.sub(r"^jit\([^)]*\)/", "", b["op_name"]) or b["instruction"]  # the step's own name, on every op
+    return (f"{op} {b['shape']} {gib(b['bytes'])} ({was})"
             + (f" at {b['source']}" if b["source"] else ""))
 
 
@@ -618,10 +624,13 @@ def mesh_note(p: Plan) -> str | None:
                "compiled, the compiler's count)")
     if more <= 0:
         return f"{c['mesh']} holds {gib(-more)} less per device than {other} (data alone): {figures}"
-    grown = "; ".join(_buffer_text(b) for b in c["grown"])
-    return (f"{c['mesh']} holds {gib(more)} MORE per device than {other} (data alone): {figures}"
-            + (f". Grew most, in the compiler's buffer assignment: {grown}" if grown else
-               ". No buffer of its buffer assignment's largest grew: the growth is in smaller ones"))
+    head = f"{c['mesh']} holds {gib(more)} MORE per device than {other} (data alone): {figures}"
+    if c["grown"] is None:
+        return (head + ". What grew is not named: a program came from jax's compilation cache "
+                       "(JAX_COMPILATION_CACHE_DIR), which keeps no buffer assignment")
+    if not c["grown"]:
+        return head + ". None of its buffer assignment's largest buffers grew: the growth is in smaller ones"
+    return head + ". Grew most, in the compiler's buffer assignment: " + "; ".join(map(_buffer_text, c["grown"]))
 
 
 def _remat(p: Plan) -> Iterator[Suggestion]:

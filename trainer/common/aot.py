@@ -438,8 +438,8 @@ def plan(args: argparse.Namespace, target: Target, started: float | None = None)
     return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1})}
 
 
-def _compile(built: Built) -> tuple[Any, str | None, list]:
-    """(the compiled step, None, its largest buffers), or (None, the compiler's message, []) when it refuses the
+def _compile(built: Built) -> tuple[Any, str | None, list | None]:
+    """(the compiled step, None, its largest buffers), or (None, the compiler's message, None) when it refuses the
     step for want of HBM. The buffers are read from the compiler's buffer assignment, dumped for this compile
     (trainer/common/buffers.py): what a plan names when one mesh holds more than another."""
     from trainer.common import buffers
@@ -449,7 +449,7 @@ def _compile(built: Built) -> tuple[Any, str | None, list]:
         except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            return None, str(e), []
+            return None, str(e), None
         return compiled, None, buffers.largest(dump)
 
 

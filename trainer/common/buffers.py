@@ -139,13 +139,14 @@ def _named(src: dict[str, dict], name: str, hops: int = 8) -> dict:
     return src.get(name, {})
 
 
-def largest(dump_dir: str | Path, keep: int = KEEP) -> list[dict]:
+def largest(dump_dir: str | Path, keep: int = KEEP) -> list[dict] | None:
     """The `keep` largest buffers of the step compiled into dump_dir: {bytes, shape, instruction, op_name, source},
-    the largest first; [] when the compiler wrote no buffer assignment there. A compiler-made instruction with no
-    op_name (a copy to another layout, say) is named by what it reads: "copy of base['scan.0.0.kv']"."""
+    the largest first; None when the compiler wrote no buffer assignment there (jax served the program from its
+    persistent compilation cache, JAX_COMPILATION_CACHE_DIR: nothing was compiled). A compiler-made instruction
+    with no op_name (a copy to another layout, say) is named by what it reads: "copy of base['scan.0.0.kv']"."""
     files = sorted(Path(dump_dir).glob("*after_optimizations-buffer-assignment.txt"), key=lambda p: p.stat().st_size)
     if not files:
-        return []
+        return None
     ba = files[-1]
     program = ba.with_name(ba.name.replace("-buffer-assignment.txt", ".txt"))
     src = sources(program.read_text()) if program.exists() else {}
