@@ -597,7 +597,7 @@ def mesh_check(p: Plan) -> dict | None:
 
 def _buffer_text(b: dict) -> str:
     was = (f"{gib(b['other_bytes'])} on data alone" if b["other_bytes"] is not None else
-           "not among data alone's largest")
+           f"not among data alone's {buffers.KEEP} largest")
     op = re.sub(r"^jit\([^)]*\)/", "", b["op_name"]) or b["instruction"]  # the step's own name, on every op
     return (f"{op} {b['shape']} {gib(b['bytes'])} ({was})"
             + (f" at {b['source']}" if b["source"] else ""))

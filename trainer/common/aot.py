@@ -415,7 +415,9 @@ def check(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace, target: Target, started: float | None = None) -> dict:
     """Build the command's step for the target, compile it, and return the figures (jax already set up).
     started: time.perf_counter() when the planner started (its imports and the target before this): the figures'
-    `phases` say where the plan's time went, in seconds (start, build, compile, count)."""
+    `phases` say where the plan's time went, in seconds (start, build, compile, count); `buffers` are the step's
+    largest, from the compiler's buffer assignment (trainer/common/buffers.py; None when jax's compilation cache
+    served the program)."""
     t_build = time.perf_counter()
     built = BUILDERS[args.cmd](args, target)
     t0 = time.perf_counter()
