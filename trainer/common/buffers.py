@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-KEEP = 32  # buffers kept per program: enough that a buffer of one mesh is found among another's
+KEEP = 200  # buffers kept per program: enough that a buffer of one mesh is found among another's (32 missed
+# 26B-A4B's layer inputs on v4-8, tens of MiB where the largest are GiB)
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^\s{>]+)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
