@@ -15,8 +15,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-KEEP = 200  # buffers kept per program: enough that a buffer of one mesh is found among another's (32 missed
-# 26B-A4B's layer inputs on v4-8, tens of MiB where the largest are GiB)
+# buffers kept per program: enough that a buffer of one mesh is found among another's (the 32 largest named nothing
+# of 26B-A4B's 128 MiB growth from data=4 to model=4 on v4-8: its largest buffers are GiB-sized)
+KEEP = 200
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^\s{>]+)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
