@@ -696,6 +696,52 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home, sig):
     assert not list(home.glob("plans/*.json"))  # nothing cached from a compile that did not finish
 
 
+def _processes_with(env_entry: str) -> list[int]:
+    """This user's processes whose environment holds env_entry (e.g. a test's own TPUCTL_HOME)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if env_entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def test_a_compile_past_the_hosts_memory_is_stopped_in_one_line_with_no_process_left(home, monkeypatch):
+    """The plan's compile watched for host memory (orchestrator/plan/memory_watch.py): past a cap on its resident
+    memory (here 150 MB, which the tiny CPU plan's process passes while jax loads), or with the machine's available
+    memory under the reserve a plan keeps free (here more than the machine has), its process group is stopped and
+    the plan fails in one line naming the step, what it reached, what the machine has and what to do; exit 1,
+    nothing cached, no process left. A plan that finishes says what its compile held at its peak."""
+    from orchestrator.plan import memory_watch
+    monkeypatch.setenv(memory_watch.MAX_RSS_ENV, "150")
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY])
+    assert res.exit_code == 1, res.output
+    [line] = _error_lines(res)
+    assert line.startswith("Error: stopped compiling `pretrain --preset gpt2-tiny` for v4-8: it reached "), line
+    assert f"GB of host memory, over the 0.15 GB {memory_watch.MAX_RSS_ENV} allows (this machine has " in line
+    assert "available); close other programs, plan on a machine with more memory, or plan a smaller step" in line
+    marker = f"TPUCTL_HOME={home}"
+    assert not _processes_with(marker) and not list(home.glob("plans/*.json"))
+    monkeypatch.delenv(memory_watch.MAX_RSS_ENV)
+    monkeypatch.setenv(memory_watch.RESERVE_ENV, str(memory_watch.meminfo()["MemTotal"] // memory_watch.MB + 1))
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY])
+    assert res.exit_code == 1 and "GB a plan leaves free (TPUCTL_PLAN_RESERVE_MB); close other" in _error_lines(res)[0]
+    assert not _processes_with(marker)
+    monkeypatch.setenv(memory_watch.RESERVE_ENV, "lots")
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY])
+    assert _error_lines(res) == ["Error: TPUCTL_PLAN_RESERVE_MB=lots: give megabytes, e.g. "
+                                 "TPUCTL_PLAN_RESERVE_MB=2048"] and not _processes_with(marker)
+    monkeypatch.delenv(memory_watch.RESERVE_ENV)
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--json", "--", *TINY])
+    spent = json.loads(res.stdout)["time_spent"]
+    assert 150 * memory_watch.MB < spent["peak_rss_bytes"] == spent["step_peak_rss_bytes"] < 20e9
+    assert f"host memory: {spent['peak_rss_bytes'] / 1e9:.1f} GB at the peak of a compile process" in render(
+        P.Plan(catalog.lookup("v4-8"), P.CPU, {**_figures(), "wall_s": 9.0,
+                                                "host_peak_rss_bytes": spent["peak_rss_bytes"]}))
+
+
 # ---- the gate before `up` creates a slice ---------------------------------------------------------------------
 
 def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, tiny_plans):

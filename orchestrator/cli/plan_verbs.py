@@ -108,7 +108,9 @@ def _time_spent(p: P.Plan) -> list[str]:
     parts += [f"checking {c['change']} {c['wall_s']:.0f}s" for c in t["suggestion_checks"]]
     if t["next_size"]:
         parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
-    out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts)]
+    peak = (f"; host memory: {t['peak_rss_bytes'] / 1e9:.1f} GB at the peak of a compile process"
+            if t["peak_rss_bytes"] else "")
+    out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts) + peak]
     settings = p.figures.get("settings", {})
     if t["total_s"] > SLOW_PLAN_S and settings.get("remat") == "none" and "remat_why" in settings:
         out.append("  (the layers written out, one by one, are most of that: with --remat full they compile as scans "

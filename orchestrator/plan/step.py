@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from orchestrator import catalog
+from orchestrator.plan import memory_watch
 from trainer.common import calibration
 from orchestrator.spec import UserError
 
@@ -53,6 +54,7 @@ class Suggestion:
     compiled_fits: bool | None = None
     lever: str = ""               # the LEVERS entry that made it
     compile_wall_s: float | None = None  # what compiling it took this plan (0: cached; None: not compiled)
+    compile_peak_rss_bytes: int | None = None  # the host memory its compile process peaked at (None: not compiled)
 
 
 @dataclass
@@ -206,14 +208,19 @@ class Plan:
         figure taken from the cache took 0."""
         f = self.figures
         step = 0.0 if self.cached else float(f.get("wall_s") or 0.0)
-        checks = [{"change": s.change, "wall_s": s.compile_wall_s} for s in self.suggestions
-                  if s.compile_wall_s is not None]
+        checks = [{"change": s.change, "wall_s": s.compile_wall_s, "peak_rss_bytes": s.compile_peak_rss_bytes}
+                  for s in self.suggestions if s.compile_wall_s is not None]
         alt = self.alternative
         nxt = None if alt is None else {"accelerator": alt.accelerator.name,
-                                        "wall_s": 0.0 if alt.cached else float(alt.figures.get("wall_s") or 0.0)}
+                                        "wall_s": 0.0 if alt.cached else float(alt.figures.get("wall_s") or 0.0),
+                                        "peak_rss_bytes": _peak_rss(alt)}
         total = step + sum(c["wall_s"] for c in checks) + (nxt["wall_s"] if nxt else 0.0)
+        peaks = [b for b in (_peak_rss(self), *(c["peak_rss_bytes"] for c in checks),
+                             nxt and nxt["peak_rss_bytes"]) if b]
         return {"total_s": round(total, 2), "step_s": step, "step_phases": f.get("phases") or {},
-                "suggestion_checks": checks, "next_size": nxt}
+                "step_peak_rss_bytes": _peak_rss(self), "suggestion_checks": checks, "next_size": nxt,
+                # the most host memory one of this plan's compile processes held (memory_watch; None: none ran)
+                "peak_rss_bytes": max(peaks) if peaks else None}
 
     def to_json(self) -> dict:
         f = self.figures
@@ -239,6 +246,11 @@ class Plan:
         if f.get("settings", {}).get("experts"):  # where the experts are, and how a device's rows are bounded
             out["experts"] = f["settings"]["experts"]
         return out
+
+
+def _peak_rss(p: Plan) -> int | None:
+    """The host memory the compile of p's figures peaked at, when this plan ran it (None: from the cache)."""
+    return None if p.cached else p.figures.get("host_peak_rss_bytes") or None
 
 
 def devices_of(a: catalog.AcceleratorType) -> int:
@@ -327,6 +339,17 @@ def _trainer_error(stderr: str) -> str | None:
     return lines[-1] if lines else None
 
 
+WATCH_S = 0.25  # how often a compile's host memory is read: between two reads its growth comes out of the reserve
+MEMORY_FIX = ("close other programs, plan on a machine with more memory, or plan a smaller step (e.g. --remat full, "
+              "whose layers compile as one scan)")
+
+
+def _step_name(argv: list[str]) -> str:
+    """The step as a person names it: the command and its size, e.g. `lora --model gemma4-e4b`."""
+    named = [f"{a} {argv[i + 1]}" for i, a in enumerate(argv[:-1]) if a in ("--model", "--preset")]
+    return "`" + " ".join([*argv[:1], *named]) + "`"
+
+
 def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices: bool = False, num_slices: int = 1,
                     progress: Callable[[str], None] | None = None, use_cache: bool = True) -> tuple[dict, bool]:
     """Run the trainer's AOT compile of `python -m trainer ARGV` for accelerator `a` (num_slices of them joined by
@@ -344,11 +367,13 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TPUCTL_EMULATE_DEVICES")
            and not k.startswith("TPUCTL_COORDINATOR")}
     env["PYTHONUNBUFFERED"] = "1"
+    watch = memory_watch.Watch.from_env()
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([*_aot_argv(a, cpu_devices, num_slices), "--", *argv], stdout=out, stderr=err, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
+            watch.attach(proc.pid)  # its own session: the group is the compile and what it starts
             said = None
             while proc.poll() is None:
                 waited = int(time.monotonic() - t0) // 30 * 30  # a new line in logs every 30 s
@@ -356,9 +381,13 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
                 if progress and msg != said:
                     progress(msg)
                     said = msg
-                time.sleep(0.5)
+                try:
+                    watch.sample()
+                except memory_watch.HostMemoryExceeded as e:
+                    raise PlanError(f"stopped compiling {_step_name(argv)} for {a.name}: {e}; {MEMORY_FIX}") from None
+                time.sleep(WATCH_S)
         finally:
-            if proc.poll() is None:  # Ctrl-C or an error here: the compile goes with us
+            if proc.poll() is None:  # Ctrl-C, too much memory or an error here: the compile goes with us
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         out.seek(0)
@@ -366,11 +395,16 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
         stdout, stderr = out.read(), err.read()
     if proc.returncode in (2, NOTHING_TO_PLAN) and _trainer_error(stderr):
         raise (NotPlannable if proc.returncode == NOTHING_TO_PLAN else PlanError)(_trainer_error(stderr))
+    if proc.returncode == -signal.SIGKILL:  # not ours (we raised before killing it): most likely the OOM killer
+        raise PlanError(f"the compile of {_step_name(argv)} for {a.name} was killed (SIGKILL) at "
+                        f"{memory_watch.gb(watch.peak_bytes)} of host memory, most likely by the kernel for want of "
+                        f"memory; {MEMORY_FIX}")
     if proc.returncode != 0:
         tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
         raise PlanError(f"the planner's compile failed (exit {proc.returncode}) for {a.name}: {tail}")
     figures = json.loads(stdout.strip().splitlines()[-1])
     figures["wall_s"] = round(time.monotonic() - t0, 2)  # the planner process, its phases inside (`phases`)
+    figures["host_peak_rss_bytes"] = watch.peak_bytes  # its resident peak (0 where /proc cannot tell)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two plans of the same step may finish at once
     tmp.write_text(json.dumps(figures))
@@ -733,6 +767,7 @@ def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
         s.compile_wall_s = round(time.monotonic() - t0, 2)
         return  # the trainer rejects it after all: it stays an estimate
     s.compile_wall_s = 0.0 if cached else figs.get("wall_s", round(time.monotonic() - t0, 2))
+    s.compile_peak_rss_bytes = None if cached else figs.get("host_peak_rss_bytes") or None
     checked = Plan(p.accelerator, p.compiler, figs)
     s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
 
