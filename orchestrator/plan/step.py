@@ -205,7 +205,8 @@ class Plan:
         """Where this plan's time went, in seconds of wall time: the step's compile (the planner process, and inside
         it its phases: start = python, jax and libtpu; build = the step's abstract inputs; compile = the TPU
         compiler; count = reading the program's figures), each suggestion's check and the next slice size's; a
-        figure taken from the cache took 0."""
+        figure taken from the cache took 0. Beside each, the host memory its compile process peaked at (*peak_rss_bytes,
+        memory_watch; None from the cache), and the most of them."""
         f = self.figures
         step = 0.0 if self.cached else float(f.get("wall_s") or 0.0)
         checks = [{"change": s.change, "wall_s": s.compile_wall_s, "peak_rss_bytes": s.compile_peak_rss_bytes}
