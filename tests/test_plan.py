@@ -891,7 +891,7 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     its phases inside, then each compiled suggestion."""
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=70.0, phases={"start": 5.0, "compile": 60.0}))
     big = P.largest_batch(p)
-    assert (big["rows_per_device"], big["batch_size"], big["estimate_bytes"]) == (12, 48, 32 * P.GIB)
+    assert (big["rows"], big["per"], big["batch_size"], big["estimate_bytes"]) == (12, "device", 48, 32 * P.GIB)
     assert "extrapolated" in big["how"] and "not compiled" in big["how"]
     p.suggestions = [P.Suggestion("--grad-accum 2", 26 * P.GIB, "", compile_wall_s=50.0)]
     spent = p.time_spent()
@@ -904,8 +904,34 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     one = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings={**_figures()["settings"], "batch_size": 4},
                                                           temp_bytes=10 * P.GIB, total_bytes=16 * P.GIB))
     low = P.largest_batch(one)
-    assert one.fits and (low["rows_per_device"], low["batch_size"], low["lower_bound"]) == (1, 4, True)
+    assert one.fits and (low["rows"], low["batch_size"], low["lower_bound"]) == (1, 4, True)
     assert "at least this" in low["how"] and "--batch-size 8" in low["how"]
+
+
+def test_the_largest_batch_counts_rows_over_what_holds_them_on_any_data_by_model_mesh():
+    """The batch splits over data only: with model > 1 a data group's devices hold its rows together, so the
+    figure is rows a data group, and with data=1 the whole step's (gemma4-26b-a4b at data=1,model=8 had said "94
+    rows a device" for 94 rows of the step). Each mesh here compiled 16 rows of what holds them into 32 GiB of a
+    device's activations (2 GiB a row): 12 rows fit the 32 GiB chip beside the 8 GiB fixed, and --batch-size is
+    12 times the data groups (and micro-batches)."""
+    def big(mesh, batch, **settings):
+        f = _figures(mesh=mesh, settings={**_figures()["settings"], "batch_size": batch, **settings})
+        p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
+        return P.largest_batch(p), render(p)
+    by_device, text = big({"data": 4, "model": 1}, 64)
+    assert (by_device["rows"], by_device["per"], by_device["batch_size"]) == (12, "device", 48)
+    assert "12 row(s) a device (--batch-size 48)" in text
+    step, text = big({"data": 1, "model": 4}, 16)
+    assert (step["rows"], step["per"], step["devices_per_group"], step["batch_size"]) == (12, "step", 4, 12)
+    assert step["estimate_bytes"] == 32 * P.GIB and "at 16 row(s) a step" in step["how"]
+    assert ("largest batch that fits: 12 row(s) a step (data=1: its 4 devices hold every row, split over model) "
+            "(--batch-size 12)") in text and "a device (--batch-size" not in text
+    group, text = big({"data": 2, "model": 2}, 32)
+    assert (group["rows"], group["per"], group["devices_per_group"], group["batch_size"]) == (12, "data group", 2, 24)
+    assert "12 row(s) a data group (2 devices hold its rows, split over model) (--batch-size 24)" in text
+    # micro-batches at data=1: a data group's rows (a micro-batch's), no longer the step's
+    accum, _ = big({"data": 1, "model": 4}, 32, grad_accum=2)
+    assert (accum["rows"], accum["per"], accum["batch_size"]) == (12, "data group", 24)
 
 
 def test_a_scanned_step_gathers_one_layers_base_at_a_time():

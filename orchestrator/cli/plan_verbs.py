@@ -145,9 +145,9 @@ def _render(p: P.Plan) -> str:
     big = P.largest_batch(p)
     if big is not None:
         seq = f.get("settings", {}).get("seq_len")
-        rows = f"{big['rows_per_device']} row(s)" + (f" of {seq}" if seq else "")
-        lines.append(f"  largest batch that fits: {rows} a device (--batch-size {big['batch_size']}), about "
-                     f"{P.gib(big['estimate_bytes'])} per device: {big['how']}" if big["rows_per_device"] else
+        rows = f"{big['rows']} row(s)" + (f" of {seq}" if seq else "")
+        lines.append(f"  largest batch that fits: {rows} {big['unit']} (--batch-size {big['batch_size']}), about "
+                     f"{P.gib(big['estimate_bytes'])} per device: {big['how']}" if big["rows"] else
                      f"  largest batch that fits: none at this mesh ({big['how']})")
     note = P.mesh_note(p)
     if note:

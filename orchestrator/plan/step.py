@@ -481,11 +481,26 @@ def _on_devices(p: Plan, devices: int) -> int:
     return fixed + (act if s.get("batch_per_device") else act * n // devices)
 
 
+def _rows_unit(f: dict) -> tuple[str, str]:
+    """What a step's rows are counted over (the batch splits over dcn x data only): ("device", "a device") where
+    each device holds its own rows; on a mesh with model > 1 the devices of a data group hold its rows together
+    (the positions and heads split over model): ("data group", "a data group of N devices"), or ("step", ...) where
+    one data group holds every row of the step (data=1, one slice, no micro-batches)."""
+    group = _slice_devices(f) // f["mesh"]["data"]
+    if group == 1:
+        return "device", "a device"
+    if _batch_axes(f) == 1 and max(f["settings"].get("grad_accum") or 1, 1) == 1:
+        return "step", f"a step (data=1: its {group} devices hold every row, split over model)"
+    return "data group", f"a data group ({group} devices hold its rows, split over model)"
+
+
 def largest_batch(p: Plan) -> dict | None:
-    """The largest per-device batch whose step fits the chip's HBM, extrapolated from this step's activations
-    (_split: the temporaries beyond the gradients and the gathered base, taken as growing with the rows a device
-    holds): {rows_per_device, batch_size, estimate_bytes, how}; None for a step with no rows setting (or whose
-    rows are not split by the batch axes), or a refused one (nothing was counted to extrapolate from)."""
+    """The largest batch whose step fits the chip's HBM, extrapolated from this step's activations (_split: the
+    temporaries beyond the gradients and the gathered base, taken as growing with the rows each device's data
+    group holds): {rows, per, unit, devices_per_group, batch_size, estimate_bytes, compiled_rows, how}; `rows`
+    are counted over `per` (_rows_unit: a device where model=1, else a data group, or the step where data=1).
+    None for a step with no rows setting (or whose rows are not split by the batch axes), or a refused one
+    (nothing was counted to extrapolate from)."""
     f, s = p.figures, p.figures["settings"]
     if p.refused or not s.get("batch_size"):
         return None
@@ -493,22 +508,23 @@ def largest_batch(p: Plan) -> dict | None:
     rows = s["batch_size"] // axes
     if rows < 1:
         return None
+    per, unit = _rows_unit(f)
+    about = {"per": per, "unit": unit, "devices_per_group": _slice_devices(f) // f["mesh"]["data"]}
     fixed, act = _split(f)
     if rows == 1 and p.fits:
         # From one row the temporaries' share that grows with the rows cannot be told from the rest (the loss's
         # chunk, a layer's working set): all of it per row said 1 where 4 fit (gemma4-31b on v5litepod-8,
         # docs/gemma.md). So the one row compiled is the figure, a lower bound.
-        return {"rows_per_device": 1, "batch_size": axes, "estimate_bytes": int(p.total_bytes),
-                "compiled_rows_per_device": 1, "lower_bound": True,
-                "how": "at least this: compiled at one row a device, which cannot tell the rows' share of the "
-                       "temporaries from the rest; plan two rows a device (--batch-size "
-                       f"{2 * axes}) to extrapolate"}
+        return {"rows": 1, **about, "batch_size": axes, "estimate_bytes": int(p.total_bytes),
+                "compiled_rows": 1, "lower_bound": True,
+                "how": f"at least this: compiled at one row {unit}, which cannot tell the rows' share of the "
+                       f"temporaries from the rest; plan two rows {unit} (--batch-size {2 * axes}) to extrapolate"}
     per_row = act / rows
     fit = int((p.hbm_bytes - fixed) // per_row) if per_row > 0 else rows
     fit = max(fit, 0)
-    return {"rows_per_device": fit, "batch_size": fit * axes, "estimate_bytes": int(fixed + per_row * fit),
-            "compiled_rows_per_device": rows,
-            "how": f"extrapolated from this step's activations at {rows} row(s) a device (not compiled)"}
+    return {"rows": fit, **about, "batch_size": fit * axes, "estimate_bytes": int(fixed + per_row * fit),
+            "compiled_rows": rows,
+            "how": f"extrapolated from this step's activations at {rows} row(s) {unit} (not compiled)"}
 
 
 def _grad_accum(p: Plan) -> Iterator[Suggestion]:
