@@ -33,8 +33,8 @@ from trainer.common.mesh import fitted_spec
 
 # adapter(name, input rows [N, in], output rows [N, out], group_sizes [E]) -> output rows: an expert's LoRA
 Adapter = Callable[[str, jax.Array, jax.Array, jax.Array], jax.Array]
-# int32 [2]: (assignments dropped, assignments routed) of a layer's experts, or summed over layers; counted on every
-# device and summed over the mesh, so a token set the mesh repeats counts in both alike and their ratio holds
+# int32 [2]: (assignments dropped, assignments routed) of a layer's experts (every device's, over the step's tokens),
+# or summed over layers
 Drops = jax.Array
 EXPERT = "expert"                       # the experts' logical axis
 TOKENS = ("batch", "residual_seq", None)  # the experts' input [B, T, D] as the layer holds it (gemma.RESIDUAL)
@@ -136,6 +136,10 @@ def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter
     split = {a for s in x_spec for a in ((s,) if isinstance(s, str) else (s or ()))}
     gather = tuple(a for a in axes if a in split)    # the token rows differ along these: gathered, scattered back
     repeat = tuple(a for a in axes if a not in split)  # ... and are the same along these: outputs summed
+    # the counts of dropped assignments differ along the expert axes (each device its experts' share of the
+    # gathered tokens) and the axes the tokens split over (each its own tokens): summed over those; along any other
+    # (dcn on one slice) every device holds the same counts
+    counted = tuple(a for a in mesh_shape if a in axes or a in split)
     ad = adapter or (lambda name, inp, y, g: y)
     e_spec = P(axes)
 
@@ -155,7 +159,7 @@ def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter
         routed = jnp.cumsum(jnp.bincount(key, length=n_local + 1)[:n_local])  # this device's assignments, by expert
         ends = jnp.minimum(routed, cap)
         # counted from the routing alone (integers, no gradient): the output's numerics are untouched
-        drops = jax.lax.psum(jnp.stack([routed[-1] - ends[-1], routed[-1]]).astype(jnp.int32), tuple(mesh_shape))
+        drops = jax.lax.psum(jnp.stack([routed[-1] - ends[-1], routed[-1]]).astype(jnp.int32), counted)
         groups = jnp.diff(ends, prepend=0).astype(jnp.int32)  # rows beyond the capacity dropped
         all_groups = jax.lax.dynamic_update_slice(jnp.zeros(n_exp, jnp.int32), groups, (first,))
         scale = jnp.take(expert_scale, first + jnp.minimum(key[pick], n_local - 1)).astype(jnp.float32)
