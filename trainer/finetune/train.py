@@ -56,9 +56,10 @@ def loss_terms(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora
                loss_chunk: int = 0, lora_impl: str = "beside", vocab_parallel: bool = False
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(sum of weight x cross-entropy, sum of weights, moe.Drops summed over the layers) of packed rows under
-    base + adapters: what a step differentiates, and what its experts dropped (none without experts). The output layer and the loss take loss_chunk positions at a time (trainer/models/xent.py;
-    0: all at once), so the [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist
-    whole, and the frozen embedding gets no gradient. The same sums as token_losses' up to the order of addition.
+    base + adapters: what a step differentiates, and what its experts dropped (none without experts). The output
+    layer and the loss take loss_chunk positions at a time (trainer/models/xent.py; 0: all at once), so the
+    [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist whole, and the frozen
+    embedding gets no gradient. The same sums as token_losses' up to the order of addition.
     vocab_parallel: the embedding is sharded by its rows over every device (vocab_parallel.TABLE; Steps places it
     so): the lookup and the output layer each work on a device's own rows, and the table is never gathered."""
     lookup = vocab_parallel_lib.lookup if vocab_parallel else None
