@@ -713,7 +713,8 @@ def test_a_compile_past_the_hosts_memory_is_stopped_in_one_line_with_no_process_
     memory (here 150 MB, which the tiny CPU plan's process passes while jax loads), or with the machine's available
     memory under the reserve a plan keeps free (here more than the machine has), its process group is stopped and
     the plan fails in one line naming the step, what it reached, what the machine has and what to do; exit 1,
-    nothing cached, no process left. A plan that finishes says what its compile held at its peak."""
+    nothing cached, no process left. A compile killed from outside (the OOM killer's first choice: its
+    oom_score_adj is 1000) is said to be so. A plan that finishes says what its compile held at its peak."""
     from orchestrator.plan import memory_watch
     monkeypatch.setenv(memory_watch.MAX_RSS_ENV, "150")
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY])
@@ -734,6 +735,20 @@ def test_a_compile_past_the_hosts_memory_is_stopped_in_one_line_with_no_process_
     assert _error_lines(res) == ["Error: TPUCTL_PLAN_RESERVE_MB=lots: give megabytes, e.g. "
                                  "TPUCTL_PLAN_RESERVE_MB=2048"] and not _processes_with(marker)
     monkeypatch.delenv(memory_watch.RESERVE_ENV)
+    # killed by someone else (the kernel's OOM killer, whose first choice the compile is): said so, in one line
+
+    scores = []
+
+    def kill_the_compile(msg):
+        for pid in _processes_with(marker):
+            if b"trainer.plan" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                scores.append(int(Path(f"/proc/{pid}/oom_score_adj").read_text()))
+                os.kill(pid, signal.SIGKILL)
+    with pytest.raises(P.PlanError, match=r"^the compile of `pretrain --preset gpt2-tiny` for v4-8 was killed \(SIGKILL\) "
+                                          r"at .* GB of host memory, most likely by the kernel for want of memory; "
+                                          "close other programs"):
+        P.compile_figures(catalog.lookup("v4-8"), TINY, cpu_devices=True, progress=kill_the_compile, use_cache=False)
+    assert scores == [1000] and not _processes_with(marker)
     res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--json", "--", *TINY])
     spent = json.loads(res.stdout)["time_spent"]
     assert 150 * memory_watch.MB < spent["peak_rss_bytes"] == spent["step_peak_rss_bytes"] < 20e9

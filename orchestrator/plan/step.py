@@ -517,14 +517,14 @@ def largest_batch(p: Plan) -> dict | None:
         # docs/gemma.md). So the one row compiled is the figure, a lower bound.
         return {"rows": 1, **about, "batch_size": axes, "estimate_bytes": int(p.total_bytes),
                 "compiled_rows": 1, "lower_bound": True,
-                "how": f"at least this: compiled at one row {unit}, which cannot tell the rows' share of the "
-                       f"temporaries from the rest; plan two rows {unit} (--batch-size {2 * axes}) to extrapolate"}
+                "how": f"at least this: compiled at one row a {per}, which cannot tell the rows' share of the "
+                       f"temporaries from the rest; plan two rows a {per} (--batch-size {2 * axes}) to extrapolate"}
     per_row = act / rows
     fit = int((p.hbm_bytes - fixed) // per_row) if per_row > 0 else rows
     fit = max(fit, 0)
     return {"rows": fit, **about, "batch_size": fit * axes, "estimate_bytes": int(fixed + per_row * fit),
             "compiled_rows": rows,
-            "how": f"extrapolated from this step's activations at {rows} row(s) {unit} (not compiled)"}
+            "how": f"extrapolated from this step's activations at {rows} row(s) a {per} (not compiled)"}
 
 
 def _grad_accum(p: Plan) -> Iterator[Suggestion]:
