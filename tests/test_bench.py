@@ -114,3 +114,40 @@ def test_side_by_side_reads_maxtexts_v6e_records_from_the_repository(tmp_path, m
     missing = S.maxtext(v6e, S.maxtext_paths(str(tmp_path)))
     assert len(missing) == 1 and missing[0].note.startswith("not measured") and "gone (missing)" in missing[0].note
     assert "not measured" in S.render(v6e, missing[0])
+
+
+KERNEL_LOG = """\
+I1206 23:28:40.434995   21210 deepsea_compiler_backend.cc:3769] [fusion.460] LLO optimizing 142,480 instructions
+I1206 23:28:40.450314   21212 deepsea_compiler_backend.cc:3422] XLA::TPU LLO dependency graph-based optimizations
+I1206 23:28:40.495571   21213 deepsea_compiler_backend.cc:3769] [divide_cosine_fusion] LLO optimizing 84,636 instructions
+I1206 23:28:40.502700   21214 deepsea_compiler_backend.cc:3769] [fusion.9] LLO optimizing 1,000 instructions
+I1206 23:28:40.509603   21215 deepsea_compiler_backend.cc:3769] [<no-hlo-instruction>] LLO optimizing 50 instructions
+I1206 23:28:41.000000   21118 deepsea_compiler_base.cc:3931] BACKEND_PASSES stage duration: 2m21.2s
+"""
+KERNEL_HLO = """\
+%wide.windowed_dot_general_body_ag.1 (p: f32[8]) -> f32[8] {
+  %fusion.9 = f32[8]{0} fusion(%p), kind=kOutput, metadata={op_name="jit(_train_step)/jvp()/dot_general"}
+}
+
+ENTRY %main (a: f32[640,8]) -> f32[640,8] {
+  %fusion.460 = f32[640,8]{1,0} fusion(%a), kind=kOutput, metadata={op_name="jit(_train_step)/transpose(jvp())/checkpoint/dot_general"}
+  ROOT %divide_cosine_fusion = f32[4,512,128]{2,1,0} fusion(%a), kind=kLoop, metadata={op_name="jit(_train_step)/jvp()/cos"}
+}
+"""
+
+
+def test_kernel_costs_joins_libtpus_kernels_with_the_program(tmp_path):
+    from bench.compiler import kernel_costs as K
+    ks = K.kernels(KERNEL_LOG, KERNEL_HLO)
+    assert [(k.name, k.instructions) for k in ks] == [("fusion.460", 142480), ("divide_cosine_fusion", 84636),
+                                                      ("fusion.9", 1000), ("<no-hlo-instruction>", 50)]
+    assert [K.part_of(k) for k in ks] == ["backward: matmuls", "rotary tables", "forward: matmuls",
+                                          "not in the program's text"]
+    assert [K.held_by(k) for k in ks][:3] == ["top level", "top level",
+                                              "the compiler's windowed collective matmul loops"]
+    assert K.table(ks, K.held_by)[0] == ("top level", 2, 142480 + 84636)
+    (tmp_path / "libtpu.log").write_text(KERNEL_LOG)
+    (tmp_path / "step.hlo").write_text(KERNEL_HLO)
+    text = K.read(str(tmp_path), top=2)
+    assert text.startswith("4 kernels, 228,166 LLO instructions")
+    assert "BACKEND_PASSES stage: 2m21.2s" in text and "fusion.9 " not in text.split("largest kernels")[1]

@@ -573,26 +573,124 @@ def test_a_suggestion_the_compiler_refutes_is_followed_by_its_levers_next(monkey
     assert asked == ["data=4,model=1", "data=2,model=2"] and len(p.suggestions) == 1
 
 
-def test_a_model_mesh_that_holds_more_than_data_alone_says_why():
-    """The exception to "more model, fewer bytes a device": the same step on data=1,model=8 estimated on
-    data=8 (the base gathered over 8, the layers' inputs of 4 rows, not 32); the plan names it, in its text
-    and JSON, only where the compiled total is above that estimate (not with 8x the base to gather)."""
-    gib = P.GIB
-    settings = {"batch_size": 32, "grad_accum": 1, "steps": 10, "mesh": "data=1,model=8", "n_head": 8,
-                "fsdp": True, "batch_per_device": True, "seq_len": 512, "d_model": 8192}
-    f = _figures(params_bytes=gib // 64 + 1, optimizer_bytes=2, grad_bytes=1, temp_bytes=4 * gib, total_bytes=5 * gib,
-                 mesh={"data": 1, "model": 8}, devices=8, settings=settings, levers=["mesh_model"])
-    p = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, f)
-    inputs = 2 * 512 * 8192 * 2  # per row: two layer inputs, bf16
-    one = P._on_mesh(f, 1)
-    assert one == 5 * gib + 7 * (gib // 64) - inputs * (32 - 4)  # 7 other shards gathered; 28 fewer rows' inputs
+# A 1-layer step with gpt2's dropout, 16 rows of 32 positions, on a local v4-8 (4 CPU devices).
+TP_TINY = ["pretrain", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
+           "--ckpt-dir", "/tmp/plan-ckpt"]
+
+
+def test_a_model_mesh_that_holds_more_than_data_alone_names_what_grew(monkeypatch):
+    """data=2,model=2 against the same step compiled on data=4 (the plan compiles both): model=2 holds more a
+    device, because the dropout's keep masks are drawn for a data group's rows, twice data=4's, and its params
+    shrink by less. The plan says so from the two compiled totals, and names the buffers that grew from the two
+    programs' buffer assignments: the masks ([layers, rows, T, T] u32) at twice data=4's size, at their jax source.
+    The comparison's compile is the data=4 plan's, from the cache; the pre-run gate compiles no comparison. Both
+    compiled cold: a program from jax's compilation cache comes with no buffer assignment."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    p = P.plan("v4-8", [*TP_TINY, "--mesh", "data=2,model=2"], cpu_devices=True)
+    d = P.plan("v4-8", [*TP_TINY, "--mesh", "data=4,model=1"], cpu_devices=True)
+    assert d.cached and p.data_only.figures == d.figures
+    c = p.to_json()["mesh_check"]
+    assert (c["mesh"], c["data_only_mesh"]) == ("data=2,model=2", "data=4,model=1")
+    assert c["this"]["total_bytes"] == p.total_bytes and c["data_only"]["total_bytes"] == d.total_bytes
+    assert c["more_bytes"] == p.total_bytes - d.total_bytes > 0
+    assert c["this"]["params_bytes"] < c["data_only"]["params_bytes"] and c["this"]["temp_bytes"] > \
+        c["data_only"]["temp_bytes"]
+    grown = c["grown"]
+    assert 1 <= len(grown) <= P.GROWN_SHOWN and all(b["grown_bytes"] > 0 for b in grown)
+    top = grown[0]
+    assert top["source"].startswith("trainer/models/gpt2.py:") and top["source"].endswith("(keep_masks)"), top
+    assert top["shape"].startswith("u32[") and top["bytes"] == 2 * top["other_bytes"], top
+    assert any((b["op_name"], b["bytes"]) == (top["op_name"], top["other_bytes"]) for b in d.figures["buffers"])
     note = P.mesh_note(p)
-    assert note and note.startswith("model=8 needs about ") and "data=8,model=1 would" in note
-    assert "  mesh: model=8 needs" in render(p) and p.to_json()["mesh_note"] == note
-    heavy = P.Plan(catalog.lookup("v5litepod-8"), P.TPU, {**f, "params_bytes": gib // 8 + 1})  # base outweighs
-    assert P._on_mesh(heavy.figures, 1) > heavy.total_bytes
-    assert P.mesh_note(heavy) is None and "mesh:" not in render(heavy)
-    assert P.mesh_note(P.Plan(catalog.lookup("v5litepod-8"), P.TPU, _figures())) is None  # model=1
+    assert note.startswith(f"data=2,model=2 holds {P.gib(c['more_bytes'])} MORE per device than data=4,model=1 "
+                           f"(data alone): {P.gib(p.total_bytes)} against {P.gib(d.total_bytes)}")
+    assert f"{top['shape']} {P.gib(top['bytes'])} ({P.gib(top['other_bytes'])} on data alone) at {top['source']}" \
+        in note
+    text = render(p)
+    assert f"  mesh: {note}" in text
+    spent = p.time_spent()
+    assert spent["data_only"]["mesh"] == "data=4,model=1" and spent["data_only"]["wall_s"] > 0
+    assert spent["total_s"] == round(spent["step_s"] + spent["data_only"]["wall_s"], 2)
+    assert f"comparing with data=4,model=1 {spent['data_only']['wall_s']:.0f}s" in text
+    gate = P.plan("v4-8", [*TP_TINY, "--mesh", "data=2,model=2"], cpu_devices=True, alternatives=False)
+    assert gate.cached and gate.data_only is None and P.mesh_note(gate) is None and "mesh:" not in render(gate)
+
+
+def test_a_model_mesh_that_holds_less_than_data_alone_says_so_and_names_nothing(monkeypatch):
+    """Given figures: model=2 holds 2 GiB less than data alone; the note says so, names no buffer (one of its
+    buffers is larger than data alone's, but nothing is an exception). A data-only step the trainer refuses is
+    said, with the trainer's words; a model=1 plan compiles no comparison."""
+    asked = []
+    big = {"bytes": 2 * P.GIB, "shape": "bf16[8,512,2048]", "instruction": "fusion.1", "op_name": "jit(f)/dot",
+           "source": "trainer/models/gemma.py:10 (mlp)"}
+
+    def fake(a, argv, **kw):
+        i = next(i for i, a in enumerate(argv) if a.startswith("--mesh"))
+        mesh = argv[i].split("=", 1)[1] if "=" in argv[i] else argv[i + 1]
+        asked.append(mesh)
+        model = int(mesh.split("model=")[1])
+        gib = P.GIB
+        return _figures(mesh={"data": 4 // model, "model": model}, total_bytes=(22 - 2 * model) * gib,
+                        temp_bytes=(16 - 2 * model) * gib, params_bytes=(4 - model) * gib,
+                        buffers=[{**big, "bytes": big["bytes"] * model}]), False
+
+    monkeypatch.setattr(P, "compile_figures", fake)
+    p = P.plan("v4-8", ["pretrain", "--mesh", "data=2,model=2"], cpu_devices=True)
+    assert asked == ["data=2,model=2", "data=4,model=1"]
+    c = P.mesh_check(p)
+    assert c["more_bytes"] == -2 * P.GIB and c["grown"] == []
+    assert P.mesh_note(p) == ("data=2,model=2 holds 2.00 GiB less per device than data=4,model=1 (data alone): "
+                              "18.00 GiB against 20.00 GiB (params 2.00 GiB against 3.00 GiB, temporaries 12.00 GiB "
+                              "against 14.00 GiB; compiled, the compiler's count)")
+    asked.clear()
+    P.plan("v4-8", ["pretrain", "--mesh=data=4,model=1"], cpu_devices=True)
+    assert asked == ["data=4,model=1"]
+
+    def refuses(a, argv, **kw):
+        if "data=4,model=1" in argv:
+            raise P.PlanError("--batch-size 6 does not split over data=4")
+        return fake(a, argv, **kw)
+
+    monkeypatch.setattr(P, "compile_figures", refuses)
+    p = P.plan("v4-8", ["pretrain", "--mesh", "data=2,model=2"], cpu_devices=True)
+    assert p.data_only is None and P.mesh_check(p)["error"] == "--batch-size 6 does not split over data=4"
+    assert P.mesh_note(p) == "not compared with data=4,model=1: --batch-size 6 does not split over data=4"
+
+
+def test_the_buffers_that_grew_are_matched_by_jax_source_across_meshes():
+    """The buffer assignment as the TPU compiler writes it: arguments, thread-local scalars and other memory
+    spaces (VMEM: color 1) are not a device's HBM temporaries; an aliased output is one place. Across meshes a
+    buffer is matched by its jax op and source (shapes differ); one not among the other's listed is compared with
+    the smallest listed there."""
+    from trainer.common import buffers as B
+    text = """BufferAssignment:
+allocation 0: size 512, thread-local:
+ value: <2 reduce_sum.2 @0> (size=512,offset=0): f32[]{:T(128)}
+allocation 1: size 1048576, parameter 0, shape |f32[256,1024]| at ShapeIndex {}:
+ value: <20 param @0> (size=1048576,offset=0): f32[256,1024]{1,0:T(8,128)}
+allocation 2: size 512, output shape is |f32[]|, maybe-live-out:
+ value: <36 convolution_reduce_fusion @0> (size=512,offset=0): f32[]{:T(128)}
+ value: <37 all-reduce @0> (size=512,offset=0): f32[]{:T(128)}
+allocation 8: size 115200, preallocated-temp:
+ value: <23 slice-start{} @0> (size=512,offset=114688): ((f32[256,1024]{1,0:T(8,128)}), s32[]{:S(2)})
+ value: <24 copy.3 @0> (size=98304,offset=0): bf16[48,1024]{1,0:T(8,128)(2,1)}
+allocation 10: size 3670016, color 1, preallocated-temp:
+ value: <22 all-gather.6 @1> (size=2097152,offset=0): bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}
+"""
+    assert B.assigned(text) == [
+        {"instruction": "convolution_reduce_fusion", "index": "", "bytes": 512, "shape": "f32[]"},
+        {"instruction": "slice-start", "index": "{}", "bytes": 512, "shape": "((f32[256,1024]), s32[])"},
+        {"instruction": "copy.3", "index": "", "bytes": 98304, "shape": "bf16[48,1024]"}]
+    one = lambda n, op, src="a.py:1 (f)": {"bytes": n, "shape": "f32[n]", "instruction": "x", "op_name": op,  # noqa
+                                           "source": src}
+    fewer = [one(400, "jit(f)/dot"), one(300, "copy of a loop's carried value (get-tuple-element.12)", ""),
+             *[one(100, f"op{i}") for i in range(B.KEEP - 2)]]
+    more = [one(800, "jit(f)/dot"), one(900, "copy of a loop's carried value (get-tuple-element.70)", ""),
+            one(350, "jit(f)/new"), one(80, "op3")]
+    got = B.grown(more, fewer)
+    assert [(g["op_name"], g["other_bytes"], g["grown_bytes"]) for g in got] == [
+        ("copy of a loop's carried value (get-tuple-element.70)", 300, 600), ("jit(f)/dot", 400, 400),
+        ("jit(f)/new", None, 250)]
 
 
 def test_larger_sizes_and_a_resized_mesh_for_the_next_slice():

@@ -54,7 +54,8 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
     a chip kind not measured, v5e's efficiencies at its peak and bandwidth, said so); the roofline beside it as
     a lower bound (the FLOPs at the chip's peak or the bytes at its HBM bandwidth, whichever is longer: which
     one bounds the step, and their ratio r), and at --mfu; tokens/s, wall time and $ (list price, on-demand
-    and spot) for both.
+    and spot) for both. A --mesh with model > 1 is compared with the same step compiled on data alone (one more
+    compile): which holds more a device, and where model > 1 does, the buffers that grew, by jax source.
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
     from orchestrator.cli.options import StatusLine, TpuctlError
@@ -108,6 +109,8 @@ def _time_spent(p: P.Plan) -> list[str]:
     parts += [f"checking {c['change']} {c['wall_s']:.0f}s" for c in t["suggestion_checks"]]
     if t["next_size"]:
         parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
+    if t["data_only"]:
+        parts.append(f"comparing with {t['data_only']['mesh']} {t['data_only']['wall_s']:.0f}s")
     peak = (f"; host memory: {t['peak_rss_bytes'] / 1e9:.1f} GB at the peak of a compile process"
             if t["peak_rss_bytes"] else "")
     out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts) + peak]

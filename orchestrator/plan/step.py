@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from typing import Callable, Iterator
 
 from orchestrator import catalog
 from orchestrator.plan import memory_watch
-from trainer.common import calibration
+from trainer.common import buffers, calibration
 from orchestrator.spec import UserError
 
 GIB = 2 ** 30
@@ -67,6 +68,10 @@ class Plan:
     cached: bool = False
     suggestions: list[Suggestion] = field(default_factory=list)
     alternative: "Plan | None" = None  # the next accelerator size that fits, compiled
+    # with model > 1: the same step compiled with all of the slice's devices on data (mesh_check); the PlanError's
+    # message when the trainer or compiler would not build it
+    data_only: "Plan | None" = None
+    data_only_error: str | None = None
 
     # --- memory -------------------------------------------------------------------------------------------
     @property
@@ -215,11 +220,17 @@ class Plan:
         nxt = None if alt is None else {"accelerator": alt.accelerator.name,
                                         "wall_s": 0.0 if alt.cached else float(alt.figures.get("wall_s") or 0.0),
                                         "peak_rss_bytes": _peak_rss(alt)}
-        total = step + sum(c["wall_s"] for c in checks) + (nxt["wall_s"] if nxt else 0.0)
+        d = self.data_only
+        data = None if d is None else {"mesh": _mesh_text(d.figures["mesh"]),
+                                       "wall_s": 0.0 if d.cached else float(d.figures.get("wall_s") or 0.0),
+                                       "peak_rss_bytes": _peak_rss(d)}
+        total = step + sum(c["wall_s"] for c in checks) + (nxt["wall_s"] if nxt else 0.0) \
+            + (data["wall_s"] if data else 0.0)
         peaks = [b for b in (_peak_rss(self), *(c["peak_rss_bytes"] for c in checks),
-                             nxt and nxt["peak_rss_bytes"]) if b]
+                             nxt and nxt["peak_rss_bytes"], data and data["peak_rss_bytes"]) if b]
         return {"total_s": round(total, 2), "step_s": step, "step_phases": f.get("phases") or {},
                 "step_peak_rss_bytes": _peak_rss(self), "suggestion_checks": checks, "next_size": nxt,
+                "data_only": data,
                 # the most host memory one of this plan's compile processes held (memory_watch; None: none ran)
                 "peak_rss_bytes": max(peaks) if peaks else None}
 
@@ -240,7 +251,7 @@ class Plan:
                "headroom_bytes": self.headroom_bytes, "devices": f["devices"], "mesh": f["mesh"],
                "dtype": f["dtype"], "compile_s": f["compile_s"], "tokens_per_step": f["tokens_per_step"],
                "model_flops_per_token": f["model_flops_per_token"], "timing": self.timing(),
-               "refused": self.refused, "mesh_note": mesh_note(self),
+               "refused": self.refused, "mesh_note": mesh_note(self), "mesh_check": mesh_check(self),
                "suggestions": [s.__dict__ for s in self.suggestions],
                "time_spent": self.time_spent(), "largest_batch": largest_batch(self),
                "alternative": self.alternative.to_json() if self.alternative else None}
@@ -254,14 +265,21 @@ def _peak_rss(p: Plan) -> int | None:
     return None if p.cached else p.figures.get("host_peak_rss_bytes") or None
 
 
+def _mesh_text(mesh: dict) -> str:
+    """One slice's mesh as --mesh spells it (data=4,model=2): the `dcn` axis of several slices is not --mesh's."""
+    return ",".join(f"{k}={v}" for k, v in mesh.items() if k != "dcn")
+
+
 def devices_of(a: catalog.AcceleratorType) -> int:
     """The JAX devices a run on `a` has: the trainer's mesh is built over all of them."""
     return a.hosts * a.devices_per_host
 
 
 def gib(b: float) -> str:
-    """Bytes for people: GiB from 1 GiB up (2 decimals), MiB below."""
-    return f"{b / GIB:.2f} GiB" if abs(b) >= GIB else f"{b / 2 ** 20:.1f} MiB"
+    """Bytes for people: GiB from 1 GiB up (2 decimals), MiB below, KiB below 1 MiB (a tiny step's buffers)."""
+    if abs(b) >= GIB:
+        return f"{b / GIB:.2f} GiB"
+    return f"{b / 2 ** 20:.1f} MiB" if abs(b) >= 2 ** 20 else f"{b / 2 ** 10:.1f} KiB"
 
 
 # ---- running the trainer's compile --------------------------------------------------------------------------
@@ -599,23 +617,73 @@ def _mesh_model(p: Plan) -> Iterator[Suggestion]:
             yield Suggestion(f"--mesh data={n // m},model={m}", est, note)
 
 
-def mesh_note(p: Plan) -> str | None:
-    """Where this plan's `model` > 1 needs more per device than all its devices on `data` would (by
-    arithmetic from its figures): the exception to "more `model` on the same slice, fewer bytes a device",
-    and why."""
+GROWN_SHOWN = 3  # the buffers a mesh note names: the ones that grew most
+
+
+def mesh_check(p: Plan) -> dict | None:
+    """A plan whose mesh has model > 1 against the same step compiled with all of the slice's devices on data
+    (p.data_only): both per-device figures as the compiler counts them, how much more (or less) model > 1 holds,
+    and when more, the buffers that grew most (the compiler's buffer assignment of each program, by jax source:
+    trainer/common/buffers.py). None without that compile."""
+    if p.data_only is None and p.data_only_error is None:
+        return None
     f = p.figures
-    model = f["mesh"]["model"]
-    if model <= 1 or not f["settings"].get("fsdp") or p.refused:
+    keys = ("total_bytes", "params_bytes", "optimizer_bytes", "temp_bytes")
+    out = {"mesh": _mesh_text(f["mesh"]), "data_only_mesh": f"data={_slice_devices(f)},model=1",
+           "this": {k: f[k] for k in keys}, "data_only": None, "more_bytes": None, "grown": [],
+           "error": p.data_only_error,
+           "how": "the compiler's per-device count of both programs (not a chip measurement); the grown buffers "
+                  "from each program's buffer assignment, matched by jax op and source"}
+    d = p.data_only
+    if d is None:
+        return out
+    out["data_only"] = {**{k: d.figures[k] for k in keys}, "refused": d.refused, "cached": d.cached}
+    if d.refused:
+        return out
+    out["more_bytes"] = p.total_bytes - d.total_bytes
+    if out["more_bytes"] > 0:
+        mine, theirs = f.get("buffers"), d.figures.get("buffers")
+        # None: a program jax's persistent compilation cache served, whose buffer assignment nobody wrote
+        out["grown"] = None if mine is None or theirs is None else buffers.grown(mine, theirs, GROWN_SHOWN)
+    return out
+
+
+def _buffer_text(b: dict) -> str:
+    was = (f"{gib(b['other_bytes'])} on data alone" if b["other_bytes"] is not None else
+           f"not among data alone's {buffers.KEEP} largest")
+    op = re.sub(r"^jit\([^)]*\)/", "", b["op_name"]) or b["instruction"]  # the step's own name, on every op
+    return (f"{op} {b['shape']} {gib(b['bytes'])} ({was})"
+            + (f" at {b['source']}" if b["source"] else ""))
+
+
+def mesh_note(p: Plan) -> str | None:
+    """A model > 1 plan against the same step compiled on data alone (mesh_check), in words: which holds more a
+    device, by the compiler's count, and when model > 1 does (the exception to "more `model` on the same slice,
+    fewer bytes a device"), what grew."""
+    c = mesh_check(p)
+    if c is None:
         return None
-    one = _on_mesh(f, 1)
-    if p.total_bytes <= one:
-        return None
-    inputs = _layer_inputs(f, model) - _layer_inputs(f, 1)
-    return (f"model={model} needs about {gib(p.total_bytes - one)} more per device than data={_slice_devices(f)},"
-            f"model=1 would ({gib(one)}, estimated): tensor parallelism gathers each layer's input over model "
-            f"({gib(inputs)} more of them here) and saves only the base's gathering over data "
-            f"({gib(_gathered(f, _slice_devices(f)) - _gathered(f))}); it pays where the layers' weights outweigh "
-            "their inputs (a larger model, a smaller batch per device)")
+    other = c["data_only_mesh"]
+    if c["data_only"] is None:
+        return f"not compared with {other}: {c['error']}"
+    d = c["data_only"]
+    if d["refused"]:
+        return (f"{other} (data alone) is refused by the compiler ({d['refused']['message']}); "
+                f"{c['mesh']} is not")
+    t = c["this"]
+    more = c["more_bytes"]
+    figures = (f"{gib(t['total_bytes'])} against {gib(d['total_bytes'])} (params {gib(t['params_bytes'])} against "
+               f"{gib(d['params_bytes'])}, temporaries {gib(t['temp_bytes'])} against {gib(d['temp_bytes'])}; "
+               "compiled, the compiler's count)")
+    if more <= 0:
+        return f"{c['mesh']} holds {gib(-more)} less per device than {other} (data alone): {figures}"
+    head = f"{c['mesh']} holds {gib(more)} MORE per device than {other} (data alone): {figures}"
+    if c["grown"] is None:
+        return (head + ". What grew is not named: a program came from jax's compilation cache "
+                       "(JAX_COMPILATION_CACHE_DIR), which keeps no buffer assignment")
+    if not c["grown"]:
+        return head + ". None of its buffer assignment's largest buffers grew: the growth is in smaller ones"
+    return head + ". Grew most, in the compiler's buffer assignment: " + "; ".join(map(_buffer_text, c["grown"]))
 
 
 def _remat(p: Plan) -> Iterator[Suggestion]:
@@ -698,18 +766,11 @@ def _larger(a: catalog.AcceleratorType) -> list[catalog.AcceleratorType]:
 
 
 def _with_mesh(argv: list[str], devices: int, figures: dict) -> list[str]:
-    """An explicit --mesh resized for `devices` (data grows, model stays)."""
+    """An explicit --mesh resized for `devices` (data grows, model stays); none given: none added."""
     model = figures["mesh"]["model"]
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--mesh" and i + 1 < len(argv):
-            out += [a, f"data={devices // model},model={model}"]
-            i += 2
-            continue
-        out.append(f"--mesh=data={devices // model},model={model}" if a.startswith("--mesh=") else a)
-        i += 1
-    return out
+    if not any(a == "--mesh" or a.startswith("--mesh=") for a in argv):
+        return argv
+    return _mesh_argv(argv, f"data={devices // model},model={model}")
 
 
 def next_size(p: Plan, argv: list[str], *, num_slices: int = 1, progress=None, use_cache=True,
@@ -756,6 +817,9 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
     figs, cached = compile_figures(a, argv, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
                                    use_cache=use_cache)
     p = Plan(a, _mode(figs, cpu_devices), figs, mfu=mfu, steps=steps, cached=cached)
+    if alternatives and not p.refused and figs["mesh"]["model"] > 1:
+        _compile_data_only(p, argv, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
+                           use_cache=use_cache)
     if not p.fits:
         p.suggestions = suggest(p)
         if alternatives and p.suggestions:
@@ -773,6 +837,33 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
         if alternatives and not cpu_devices:
             p.alternative = next_size(p, argv, num_slices=num_slices, progress=progress, use_cache=use_cache)
     return p
+
+
+def _mesh_argv(argv: list[str], mesh: str) -> list[str]:
+    """argv with its --mesh (either spelling) set to `mesh`, or --mesh added where it has none."""
+    out, i, found = [], 0, False
+    while i < len(argv):
+        a = argv[i]
+        if a == "--mesh" and i + 1 < len(argv):
+            out += [a, mesh]
+            i, found = i + 2, True
+            continue
+        if a.startswith("--mesh="):
+            a, found = f"--mesh={mesh}", True
+        out.append(a)
+        i += 1
+    return out if found else [*out, "--mesh", mesh]
+
+
+def _compile_data_only(p: Plan, argv: list[str], **kw) -> None:
+    """The same step with all of the slice's devices on data, compiled (or from the cache) for mesh_check."""
+    try:
+        figs, cached = compile_figures(p.accelerator, _mesh_argv(argv, f"data={_slice_devices(p.figures)},model=1"),
+                                       **kw)
+    except PlanError as e:
+        p.data_only_error = str(e)  # e.g. a batch that does not split over that many rows
+        return
+    p.data_only = Plan(p.accelerator, p.compiler, figs, cached=cached)
 
 
 def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:

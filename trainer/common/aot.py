@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -51,7 +52,7 @@ class Target:
 @dataclass(frozen=True)
 class Built:
     """A command's train step, ready to compile, with what the plan reports beside the compiler's figures."""
-    compile: Callable[[], Any]  # -> the compiled step (jax.stages.Compiled)
+    compile: Callable[[dict | None], Any]  # compiler options -> the compiled step (jax.stages.Compiled)
     params: Any                 # abstract params: ShapeDtypeStructs carrying their shardings
     opt_state: Any              # abstract optimizer state, likewise
     tokens_per_step: int
@@ -104,7 +105,7 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
     train.check_fits(cfg, dict(mesh.shape), target.processes)
     steps = train.Steps(cfg, mesh)
     t, m = cfg.train, cfg.model
-    return Built(compile=lambda: (steps.compile(), steps.train_fn)[1], params=steps.abstract_params,
+    return Built(compile=lambda opts=None: (steps.compile(opts), steps.train_fn)[1], params=steps.abstract_params,
                  opt_state=steps.abstract_opt, tokens_per_step=t.batch_size * m.seq_len,
                  model_flops_per_token=metrics.flops_per_token(m), mesh=mesh_lib.shape_of(mesh), dtype=t.dtype,
                  settings={"batch_size": t.batch_size, "grad_accum": t.grad_accum, "steps": t.steps,
@@ -160,7 +161,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     base_dtype = mesh_lib.compute_dtype(run.base_dtype)
     base = {n: jax.ShapeDtypeStruct(s, base_dtype, sharding=steps.base_sh[n])
             for n, (s, _) in steps.base_layout.items()}
-    return Built(compile=lambda: (steps.compile(base), steps.train_fn)[1],
+    return Built(compile=lambda opts=None: (steps.compile(base, opts), steps.train_fn)[1],
                  params={"base": base, "adapters": steps.abstract_lora}, opt_state=steps.abstract_opt,
                  trained=steps.abstract_lora, tokens_per_step=batch * run.seq_len,
                  model_flops_per_token=lora_flops_per_token(cfg, lora_lib.count(cfg, run.lora), run.seq_len),
@@ -414,12 +415,14 @@ def check(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace, target: Target, started: float | None = None) -> dict:
     """Build the command's step for the target, compile it, and return the figures (jax already set up).
     started: time.perf_counter() when the planner started (its imports and the target before this): the figures'
-    `phases` say where the plan's time went, in seconds (start, build, compile, count)."""
+    `phases` say where the plan's time went, in seconds (start, build, compile, count); `buffers` are the step's
+    largest, from the compiler's buffer assignment (trainer/common/buffers.py; None when jax's compilation cache
+    served the program)."""
     t_build = time.perf_counter()
     built = BUILDERS[args.cmd](args, target)
     t0 = time.perf_counter()
     phases = {"start": t_build - started if started is not None else None, "build": t0 - t_build}
-    compiled, refusal = _compile(built)
+    compiled, refusal, largest = _compile(built)
     if refusal and _falls_back(args, built):
         # as the run does (finetune.compile_fitting): --remat auto's written-out step refused, the scanned one
         phases["refused written out"] = time.perf_counter() - t0
@@ -428,23 +431,28 @@ def plan(args: argparse.Namespace, target: Target, started: float | None = None)
         from trainer.finetune.train import REFUSED_WRITTEN_OUT
         built.settings["remat_why"] = REFUSED_WRITTEN_OUT
         t0 = time.perf_counter()
-        compiled, refusal = _compile(built)
+        compiled, refusal, largest = _compile(built)
     if refusal:
         out = out_of_memory(built, target, refusal, time.perf_counter() - t0)
         return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
     t1 = time.perf_counter()
-    out = figures(built, compiled, target, t1 - t0)
+    out = {**figures(built, compiled, target, t1 - t0), "buffers": largest}
     return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1})}
 
 
-def _compile(built: Built) -> tuple[Any, str | None]:
-    """(the compiled step, None), or (None, the compiler's message) when it refuses the step for want of HBM."""
-    try:
-        return built.compile(), None
-    except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return None, str(e)
+def _compile(built: Built) -> tuple[Any, str | None, list | None]:
+    """(the compiled step, None, its largest buffers), or (None, the compiler's message, None) when it refuses the
+    step for want of HBM. The buffers are read from the compiler's buffer assignment, dumped for this compile
+    (trainer/common/buffers.py): what a plan names when one mesh holds more than another."""
+    from trainer.common import buffers
+    with tempfile.TemporaryDirectory(prefix="tpuctl-plan-") as dump:
+        try:
+            compiled = built.compile(buffers.options(dump))
+        except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return None, str(e), None
+        return compiled, None, buffers.largest(dump)
 
 
 def _falls_back(args: argparse.Namespace, built: Built) -> bool:

@@ -242,11 +242,12 @@ class Steps:
         abstract_base = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in base.items()}
         return self.abstract_lora, self.abstract_opt, abstract_base, batch, step
 
-    def compile(self, base) -> float:
-        """Ahead-of-time compile of the train step, so no step's time includes compilation."""
+    def compile(self, base, options: dict | None = None) -> float:
+        """Ahead-of-time compile of the train step, so no step's time includes compilation (options: the
+        compiler's, e.g. a plan's dump of its buffer assignment)."""
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self._train = self._train.lower(*self._train_args(base)).compile()
+            self._train = self._train.lower(*self._train_args(base)).compile(compiler_options=options)
         took = time.perf_counter() - t0
         mesh_lib.meet("the compiled train step")
         return took

@@ -164,11 +164,12 @@ class Steps:
 
     # --- compiled ---------------------------------------------------------------------------------
 
-    def compile(self) -> float:
-        """Ahead-of-time compile of the train step, so no step's time includes compilation."""
+    def compile(self, options: dict | None = None) -> float:
+        """Ahead-of-time compile of the train step, so no step's time includes compilation (options: the
+        compiler's, e.g. a plan's dump of its buffer assignment)."""
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self.train_fn = self._train.lower(*self._train_args()).compile()
+            self.train_fn = self._train.lower(*self._train_args()).compile(compiler_options=options)
         took = time.perf_counter() - t0
         mesh_lib.meet("the compiled train step")
         return took
