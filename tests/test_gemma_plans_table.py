@@ -31,7 +31,11 @@ def test_the_sweep_takes_model_1_from_the_default_row_and_a_one_row_plan_is_a_lo
     assert "10.88 GiB" in sweep[0] and "10.90 GiB" in sweep[1] and "11.30 GiB" in sweep[2]
     one, = (line for line in text.splitlines() if line.startswith("| gemma4-31b (1 row a device)"))
     assert "largest batch: at least 1 row a device (one row compiled; plan two to extrapolate)" in one
-    assert "largest batch 4 rows a device" in text  # the 26B default row's, compiled at that batch
+    assert "largest batch 4 rows a device" in text  # the 26B default row's, compiled at that batch (older record)
+    # a plan's rows are a device's, a data group's or the step's (its `per`): at data=1 the step's
+    step = {**_row("gemma4-e2b", "v4-8", extra="--mesh data=1,model=4"),
+            "largest_batch": {"rows": 12, "per": "step", "compiled_rows": 16}}
+    assert "largest batch 12 rows a step (extrapolated, not compiled)" in gp.table([step])
     # a sweep's own model=1 row gives way to a newer default-command row, and stays where it is the newer
     older = [_row("gemma4-31b", "v5litepod-8", "data=8,model=1", 15.08), _row("gemma4-31b", "v5litepod-8", total=13.1),
              _row("gemma4-e4b", "v5litepod-8", total=5.7), _row("gemma4-e4b", "v5litepod-8", "data=8,model=1", 5.45)]

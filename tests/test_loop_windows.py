@@ -65,7 +65,8 @@ def test_no_window_exceeds_the_device_s_own_rate_when_a_slow_profiler_start_over
 
     def step(state, local, n):
         out = device.dispatch()  # not waited for: the loop decides when to wait
-        return out, {"loss": out, "lr": 0.1, "grad_norm": 1.0}
+        # a step's own scalar beside loss, lr and grad_norm (lora's expert_dropped) is logged too
+        return out, {"loss": out, "lr": 0.1, "grad_norm": 1.0, "expert_dropped": np.float32(0.25)}
     tokens = 1000
     peak = tokens / DEVICE_S / jax.device_count()  # MFU 100% is exactly one step per DEVICE_S
     job = loop.Job(ckpt_dir=str(tmp_path), total=8, log_every=4, eval_every=0, ckpt_every=0, tokens_per_step=tokens,
@@ -76,11 +77,12 @@ def test_no_window_exceeds_the_device_s_own_rate_when_a_slow_profiler_start_over
     assert loop.run(job, ckpt, (device.dispatch(),), 0,
                     ((n, np.zeros(1)) for n in range(1, 9))) == 0
     recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 4, 8]
+    assert [r["step"] for r in recs] == [1, 4, 8] and all(r["expert_dropped"] == 0.25 for r in recs)
     for r in recs[1:]:
         assert r["mfu"] <= 1.0 and r["step_time_s"] >= DEVICE_S, r
     profiled = recs[1]
     assert profiled["left_out_s"]["profiler"] >= slow_start, profiled  # named as what it is
     line = metrics.progress(profiled, 8)
     assert re.search(r"\| profiler \d+\.\d\d s left out", line), line  # its own time, however long it took here
+    assert "| experts dropped 25.00%" in line
     assert (tmp_path / "profiles").is_dir()  # the trace was really taken

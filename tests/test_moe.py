@@ -77,7 +77,7 @@ def test_expert_parallel_experts_equal_replicated_forward_and_gradients(shape, c
 
     def out(x, lora, p, parallel):
         ad = functools.partial(lora_lib.adapter(LC, {f"layers.0.{n}": a for n, a in lora.items()}), 0)
-        return (moe.experts(x, p, cfg.top_k, ad, capacity) if parallel else moe.replicated(x, p, cfg.top_k, ad))
+        return (moe.experts(x, p, cfg.top_k, ad, capacity)[0] if parallel else moe.replicated(x, p, cfg.top_k, ad))
 
     def run(parallel, *args):
         f = lambda x, lora, p: jnp.sum(jnp.sin(out(x, lora, p, parallel)))  # noqa: E731
@@ -128,17 +128,54 @@ def test_expert_parallel_step_equals_replicated_experts(shape):
 
 
 def test_a_capacity_below_the_load_drops_rows_and_changes_the_output():
-    """The bound is real: at a capacity under the busiest expert's load the output differs (and is finite)."""
+    """The bound is real: at a capacity under the busiest expert's load the output differs (and is finite), and
+    the layer counts what it dropped: with one expert a device, each expert's assignments beyond the device's
+    capacity, of the 128 tokens' 2 each (from the routing, counted here apart); dropless, none."""
     cfg = CFG
     p = _layer(cfg)
     x = jax.random.normal(jax.random.key(0), (8, 16, cfg.d_model))
     want = jax.jit(lambda x: moe.replicated(x, p, cfg.top_k))(x)
     mesh = mesh_lib.make_mesh({"data": 8, "model": 1})
     with jax.set_mesh(mesh):
-        full = jax.jit(lambda x: moe.experts(x, p, cfg.top_k, capacity=0.0))(x)
-        small = jax.jit(lambda x: moe.experts(x, p, cfg.top_k, capacity=0.25))(x)
+        full, none = jax.jit(lambda x: moe.experts(x, p, cfg.top_k, capacity=0.0))(x)
+        small, drops = jax.jit(lambda x: moe.experts(x, p, cfg.top_k, capacity=0.25))(x)
     np.testing.assert_allclose(np.asarray(full), np.asarray(want), atol=1e-5)
     assert np.isfinite(np.asarray(small)).all() and float(jnp.abs(small - want).max()) > 1e-3
+    _, ids = moe.route(x.reshape(-1, cfg.d_model), p["router"], p["router_scale"], cfg.top_k)
+    cap = moe.capacity_rows(128, cfg.top_k, 8, 8, 0.25)
+    over = int(np.maximum(np.bincount(np.asarray(ids).reshape(-1), minlength=8) - cap, 0).sum())
+    assert over > 0 and drops.tolist() == [over, 128 * cfg.top_k] and none.tolist() == [0, 128 * cfg.top_k]
+
+
+def test_the_step_counts_its_dropped_assignments_through_the_scans_and_logs_them():
+    """The LoRA step's count of dropped expert assignments, summed over its 13 layers (two periods in a scan and one
+    more written out), on data=4,model=2 (tokens gathered over data, split over model): none at a run's default
+    capacity, where the loss is the replicated experts' (checked above); at a capacity under the load, the train
+    step with its layers in scans (remat full) logs as a fraction of its assignments (expert_dropped) the count of
+    the same step written out (the model's own forward)."""
+    cfg = dataclasses.replace(CFG, n_layers=13)
+    base, lora, batch = gemma.random_params(cfg, seed=3), _trained(cfg, LC), _batch(cfg)
+    mesh = mesh_lib.make_mesh({"data": 4, "model": 2})
+    assigned = cfg.n_layers * 8 * 16 * cfg.top_k  # layers x tokens x top_k
+    on_mesh = {k: jax.device_put(v, lora_lib.shardings(cfg, LC, mesh)[k]) for k, v in lora.items()}
+
+    def drops(capacity, remat):
+        c = dataclasses.replace(cfg, expert_capacity=capacity)
+        placed = (gemma.stack(c, base, gemma.stacked_shardings(c, mesh)) if remat != "none" else
+                  jax.device_put(base, gemma.shardings(c, mesh)))
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda lo, b: finetune.loss_terms(c, LC, b, lo, batch, remat=remat)[2])(on_mesh, placed)
+    assert drops(2.0, "full").tolist() == [0, assigned]
+    written_out = drops(0.25, "none")
+    assert 0 < int(written_out[0]) < assigned and int(written_out[1]) == assigned
+    from trainer.finetune.config import LoraRun
+    run = LoraRun(weights="-", data="-", ckpt_dir="-", rank=4, alpha=8, targets=",".join(LC.targets), remat="full",
+                  seq_len=16, batch_size=8, expert_capacity=0.25)
+    steps = finetune.Steps(run, cfg, mesh, 1, 8)
+    stacked = steps.place_base(jax.device_put(base, steps.flat_base_sh))
+    lo, opt = steps.init()
+    *_, out = steps.step(lo, opt, stacked, {f: np.asarray(batch[f]) for f in batch}, 1)
+    assert steps.scanned and float(out["expert_dropped"]) == pytest.approx(int(written_out[0]) / assigned)
 
 
 def test_the_plan_states_the_experts_placement_and_bound():

@@ -794,6 +794,67 @@ def test_ctrl_c_while_compiling_stops_the_compile_too(home, sig):
     assert not list(home.glob("plans/*.json"))  # nothing cached from a compile that did not finish
 
 
+def _processes_with(env_entry: str) -> list[int]:
+    """This user's processes whose environment holds env_entry (e.g. a test's own TPUCTL_HOME)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if env_entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def test_a_compile_past_the_hosts_memory_is_stopped_in_one_line_with_no_process_left(home, monkeypatch):
+    """The plan's compile watched for host memory (orchestrator/plan/memory_watch.py): past a cap on its resident
+    memory (here 150 MB, which the tiny CPU plan's process passes while jax loads), or with the machine's available
+    memory under the reserve a plan keeps free (here more than the machine has), its process group is stopped and
+    the plan fails in one line naming the step, what it reached, what the machine has and what to do; exit 1,
+    nothing cached, no process left. A compile killed from outside (the OOM killer's first choice: its
+    oom_score_adj is 1000) is said to be so. A plan that finishes says what its compile held at its peak."""
+    from orchestrator.plan import memory_watch
+    monkeypatch.setenv(memory_watch.MAX_RSS_ENV, "150")
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY])
+    assert res.exit_code == 1, res.output
+    [line] = _error_lines(res)
+    assert line.startswith("Error: stopped compiling `pretrain --preset gpt2-tiny` for v4-8: it reached "), line
+    assert f"GB of host memory, over the 0.15 GB {memory_watch.MAX_RSS_ENV} allows (this machine has " in line
+    assert "available); close other programs, plan on a machine with more memory, or plan a smaller step" in line
+    marker = f"TPUCTL_HOME={home}"
+    assert not _processes_with(marker) and not list(home.glob("plans/*.json"))
+    monkeypatch.delenv(memory_watch.MAX_RSS_ENV)
+    monkeypatch.setenv(memory_watch.RESERVE_ENV, str(memory_watch.meminfo()["MemTotal"] // memory_watch.MB + 1))
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY])
+    assert res.exit_code == 1 and "GB a plan leaves free (TPUCTL_PLAN_RESERVE_MB); close other" in _error_lines(res)[0]
+    assert not _processes_with(marker)
+    monkeypatch.setenv(memory_watch.RESERVE_ENV, "lots")
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--", *TINY])
+    assert _error_lines(res) == ["Error: TPUCTL_PLAN_RESERVE_MB=lots: give megabytes, e.g. "
+                                 "TPUCTL_PLAN_RESERVE_MB=2048"] and not _processes_with(marker)
+    monkeypatch.delenv(memory_watch.RESERVE_ENV)
+    # killed by someone else (the kernel's OOM killer, whose first choice the compile is): said so, in one line
+
+    scores = []
+
+    def kill_the_compile(msg):
+        for pid in _processes_with(marker):
+            if b"trainer.plan" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                scores.append(int(Path(f"/proc/{pid}/oom_score_adj").read_text()))
+                os.kill(pid, signal.SIGKILL)
+    with pytest.raises(P.PlanError, match=r"^the compile of `pretrain --preset gpt2-tiny` for v4-8 was killed \(SIGKILL\) "
+                                          r"at .* GB of host memory, most likely by the kernel for want of memory; "
+                                          "close other programs"):
+        P.compile_figures(catalog.lookup("v4-8"), TINY, cpu_devices=True, progress=kill_the_compile, use_cache=False)
+    assert scores == [1000] and not _processes_with(marker)
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--local", "--json", "--", *TINY])
+    spent = json.loads(res.stdout)["time_spent"]
+    assert 150 * memory_watch.MB < spent["peak_rss_bytes"] == spent["step_peak_rss_bytes"] < 20e9
+    assert f"host memory: {spent['peak_rss_bytes'] / 1e9:.1f} GB at the peak of a compile process" in render(
+        P.Plan(catalog.lookup("v4-8"), P.CPU, {**_figures(), "wall_s": 9.0,
+                                                "host_peak_rss_bytes": spent["peak_rss_bytes"]}))
+
+
 # ---- the gate before `up` creates a slice ---------------------------------------------------------------------
 
 def test_up_with_plan_refuses_a_step_that_does_not_fit_and_creates_nothing(monkeypatch, tiny_plans):
@@ -943,7 +1004,7 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     its phases inside, then each compiled suggestion."""
     p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=70.0, phases={"start": 5.0, "compile": 60.0}))
     big = P.largest_batch(p)
-    assert (big["rows_per_device"], big["batch_size"], big["estimate_bytes"]) == (12, 48, 32 * P.GIB)
+    assert (big["rows"], big["per"], big["batch_size"], big["estimate_bytes"]) == (12, "device", 48, 32 * P.GIB)
     assert "extrapolated" in big["how"] and "not compiled" in big["how"]
     p.suggestions = [P.Suggestion("--grad-accum 2", 26 * P.GIB, "", compile_wall_s=50.0)]
     spent = p.time_spent()
@@ -956,8 +1017,34 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     one = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings={**_figures()["settings"], "batch_size": 4},
                                                           temp_bytes=10 * P.GIB, total_bytes=16 * P.GIB))
     low = P.largest_batch(one)
-    assert one.fits and (low["rows_per_device"], low["batch_size"], low["lower_bound"]) == (1, 4, True)
+    assert one.fits and (low["rows"], low["batch_size"], low["lower_bound"]) == (1, 4, True)
     assert "at least this" in low["how"] and "--batch-size 8" in low["how"]
+
+
+def test_the_largest_batch_counts_rows_over_what_holds_them_on_any_data_by_model_mesh():
+    """The batch splits over data only: with model > 1 a data group's devices hold its rows together, so the
+    figure is rows a data group, and with data=1 the whole step's (gemma4-26b-a4b at data=1,model=8 had said "94
+    rows a device" for 94 rows of the step). Each mesh here compiled 16 rows of what holds them into 32 GiB of a
+    device's activations (2 GiB a row): 12 rows fit the 32 GiB chip beside the 8 GiB fixed, and --batch-size is
+    12 times the data groups (and micro-batches)."""
+    def big(mesh, batch, **settings):
+        f = _figures(mesh=mesh, settings={**_figures()["settings"], "batch_size": batch, **settings})
+        p = P.Plan(catalog.lookup("v4-8"), P.TPU, f)
+        return P.largest_batch(p), render(p)
+    by_device, text = big({"data": 4, "model": 1}, 64)
+    assert (by_device["rows"], by_device["per"], by_device["batch_size"]) == (12, "device", 48)
+    assert "12 row(s) a device (--batch-size 48)" in text
+    step, text = big({"data": 1, "model": 4}, 16)
+    assert (step["rows"], step["per"], step["devices_per_group"], step["batch_size"]) == (12, "step", 4, 12)
+    assert step["estimate_bytes"] == 32 * P.GIB and "at 16 row(s) a step" in step["how"]
+    assert ("largest batch that fits: 12 row(s) a step (data=1: its 4 devices hold every row, split over model) "
+            "(--batch-size 12)") in text and "a device (--batch-size" not in text
+    group, text = big({"data": 2, "model": 2}, 32)
+    assert (group["rows"], group["per"], group["devices_per_group"], group["batch_size"]) == (12, "data group", 2, 24)
+    assert "12 row(s) a data group (2 devices hold its rows, split over model) (--batch-size 24)" in text
+    # micro-batches at data=1: a data group's rows (a micro-batch's), no longer the step's
+    accum, _ = big({"data": 1, "model": 4}, 32, grad_accum=2)
+    assert (accum["rows"], accum["per"], accum["batch_size"]) == (12, "data group", 24)
 
 
 def test_a_scanned_step_gathers_one_layers_base_at_a_time():

@@ -64,7 +64,8 @@ def plan_one(argv: list[str]) -> dict:
 
 
 def _compiled_rows(p: dict) -> int | None:
-    return (p.get("largest_batch") or {}).get("compiled_rows_per_device")
+    big = p.get("largest_batch") or {}
+    return big.get("compiled_rows", big.get("compiled_rows_per_device"))  # the older records' name
 
 
 def _cell(p: dict, same: list[dict] = ()) -> str:
@@ -86,13 +87,15 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
         parts.append(f"{step * 1e3:.0f} ms a step ({t.get('bound', '?')}-bound roofline {t.get('roofline_step_s', 0) * 1e3:.0f} "
                      f"ms, compute {t.get('compute_s', 0) * 1e3:.0f} ms)")
     big = p.get("largest_batch") or {}
-    if big.get("rows_per_device") is not None:
-        n = big["rows_per_device"]
+    # rows a device, a data group or the step (the plan's `per`); the older records' rows_per_device are a device's
+    n = big.get("rows", big.get("rows_per_device"))
+    if n is not None:
         check = next((q for q in [p, *same] if _compiled_rows(q) == n and "error" not in q), None)
-        rows = f"{n} row{'s' if n != 1 else ''} a device"
+        rows = f"{n} row{'s' if n != 1 else ''} a {big.get('per', 'device')}"
         if big.get("lower_bound") or (p.get("fits") and _compiled_rows(p) == 1):
             # compiled at one row: no share of the temporaries to extrapolate from (orchestrator/plan/step.py)
-            parts.append("largest batch: at least 1 row a device (one row compiled; plan two to extrapolate)")
+            parts.append(f"largest batch: at least 1 row a {big.get('per', 'device')} (one row compiled; plan two "
+                         "to extrapolate)")
         elif check is None:
             parts.append(f"largest batch {rows} (extrapolated, not compiled)")
         else:

@@ -111,7 +111,9 @@ def _time_spent(p: P.Plan) -> list[str]:
         parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
     if t["data_only"]:
         parts.append(f"comparing with {t['data_only']['mesh']} {t['data_only']['wall_s']:.0f}s")
-    out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts)]
+    peak = (f"; host memory: {t['peak_rss_bytes'] / 1e9:.1f} GB at the peak of a compile process"
+            if t["peak_rss_bytes"] else "")
+    out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts) + peak]
     settings = p.figures.get("settings", {})
     if t["total_s"] > SLOW_PLAN_S and settings.get("remat") == "none" and "remat_why" in settings:
         out.append("  (the layers written out, one by one, are most of that: with --remat full they compile as scans "
@@ -146,9 +148,9 @@ def _render(p: P.Plan) -> str:
     big = P.largest_batch(p)
     if big is not None:
         seq = f.get("settings", {}).get("seq_len")
-        rows = f"{big['rows_per_device']} row(s)" + (f" of {seq}" if seq else "")
-        lines.append(f"  largest batch that fits: {rows} a device (--batch-size {big['batch_size']}), about "
-                     f"{P.gib(big['estimate_bytes'])} per device: {big['how']}" if big["rows_per_device"] else
+        rows = f"{big['rows']} row(s)" + (f" of {seq}" if seq else "")
+        lines.append(f"  largest batch that fits: {rows} {big['unit']} (--batch-size {big['batch_size']}), about "
+                     f"{P.gib(big['estimate_bytes'])} per device: {big['how']}" if big["rows"] else
                      f"  largest batch that fits: none at this mesh ({big['how']})")
     note = P.mesh_note(p)
     if note:

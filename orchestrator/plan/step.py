@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from orchestrator import catalog
+from orchestrator.plan import memory_watch
 from trainer.common import buffers, calibration
 from orchestrator.spec import UserError
 
@@ -54,6 +55,7 @@ class Suggestion:
     compiled_fits: bool | None = None
     lever: str = ""               # the LEVERS entry that made it
     compile_wall_s: float | None = None  # what compiling it took this plan (0: cached; None: not compiled)
+    compile_peak_rss_bytes: int | None = None  # the host memory its compile process peaked at (None: not compiled)
 
 
 @dataclass
@@ -208,21 +210,29 @@ class Plan:
         """Where this plan's time went, in seconds of wall time: the step's compile (the planner process, and inside
         it its phases: start = python, jax and libtpu; build = the step's abstract inputs; compile = the TPU
         compiler; count = reading the program's figures), each suggestion's check and the next slice size's; a
-        figure taken from the cache took 0."""
+        figure taken from the cache took 0. Beside each, the host memory its compile process peaked at (*peak_rss_bytes,
+        memory_watch; None from the cache), and the most of them."""
         f = self.figures
         step = 0.0 if self.cached else float(f.get("wall_s") or 0.0)
-        checks = [{"change": s.change, "wall_s": s.compile_wall_s} for s in self.suggestions
-                  if s.compile_wall_s is not None]
+        checks = [{"change": s.change, "wall_s": s.compile_wall_s, "peak_rss_bytes": s.compile_peak_rss_bytes}
+                  for s in self.suggestions if s.compile_wall_s is not None]
         alt = self.alternative
         nxt = None if alt is None else {"accelerator": alt.accelerator.name,
-                                        "wall_s": 0.0 if alt.cached else float(alt.figures.get("wall_s") or 0.0)}
+                                        "wall_s": 0.0 if alt.cached else float(alt.figures.get("wall_s") or 0.0),
+                                        "peak_rss_bytes": _peak_rss(alt)}
         d = self.data_only
         data = None if d is None else {"mesh": _mesh_text(d.figures["mesh"]),
-                                       "wall_s": 0.0 if d.cached else float(d.figures.get("wall_s") or 0.0)}
+                                       "wall_s": 0.0 if d.cached else float(d.figures.get("wall_s") or 0.0),
+                                       "peak_rss_bytes": _peak_rss(d)}
         total = step + sum(c["wall_s"] for c in checks) + (nxt["wall_s"] if nxt else 0.0) \
             + (data["wall_s"] if data else 0.0)
+        peaks = [b for b in (_peak_rss(self), *(c["peak_rss_bytes"] for c in checks),
+                             nxt and nxt["peak_rss_bytes"], data and data["peak_rss_bytes"]) if b]
         return {"total_s": round(total, 2), "step_s": step, "step_phases": f.get("phases") or {},
-                "suggestion_checks": checks, "next_size": nxt, "data_only": data}
+                "step_peak_rss_bytes": _peak_rss(self), "suggestion_checks": checks, "next_size": nxt,
+                "data_only": data,
+                # the most host memory one of this plan's compile processes held (memory_watch; None: none ran)
+                "peak_rss_bytes": max(peaks) if peaks else None}
 
     def to_json(self) -> dict:
         f = self.figures
@@ -248,6 +258,11 @@ class Plan:
         if f.get("settings", {}).get("experts"):  # where the experts are, and how a device's rows are bounded
             out["experts"] = f["settings"]["experts"]
         return out
+
+
+def _peak_rss(p: Plan) -> int | None:
+    """The host memory the compile of p's figures peaked at, when this plan ran it (None: from the cache)."""
+    return None if p.cached else p.figures.get("host_peak_rss_bytes") or None
 
 
 def _mesh_text(mesh: dict) -> str:
@@ -343,6 +358,17 @@ def _trainer_error(stderr: str) -> str | None:
     return lines[-1] if lines else None
 
 
+WATCH_S = 0.25  # how often a compile's host memory is read: between two reads its growth comes out of the reserve
+MEMORY_FIX = ("close other programs, plan on a machine with more memory, or plan a smaller step (e.g. --remat full, "
+              "whose layers compile as one scan)")
+
+
+def _step_name(argv: list[str]) -> str:
+    """The step as a person names it: the command and its size, e.g. `lora --model gemma4-e4b`."""
+    named = [f"{a} {argv[i + 1]}" for i, a in enumerate(argv[:-1]) if a in ("--model", "--preset")]
+    return "`" + " ".join([*argv[:1], *named]) + "`"
+
+
 def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices: bool = False, num_slices: int = 1,
                     progress: Callable[[str], None] | None = None, use_cache: bool = True) -> tuple[dict, bool]:
     """Run the trainer's AOT compile of `python -m trainer ARGV` for accelerator `a` (num_slices of them joined by
@@ -360,11 +386,13 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TPUCTL_EMULATE_DEVICES")
            and not k.startswith("TPUCTL_COORDINATOR")}
     env["PYTHONUNBUFFERED"] = "1"
+    watch = memory_watch.Watch.from_env()
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([*_aot_argv(a, cpu_devices, num_slices), "--", *argv], stdout=out, stderr=err, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
+            watch.attach(proc.pid)  # its own session: the group is the compile and what it starts
             said = None
             while proc.poll() is None:
                 waited = int(time.monotonic() - t0) // 30 * 30  # a new line in logs every 30 s
@@ -372,9 +400,13 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
                 if progress and msg != said:
                     progress(msg)
                     said = msg
-                time.sleep(0.5)
+                try:
+                    watch.sample()
+                except memory_watch.HostMemoryExceeded as e:
+                    raise PlanError(f"stopped compiling {_step_name(argv)} for {a.name}: {e}; {MEMORY_FIX}") from None
+                time.sleep(WATCH_S)
         finally:
-            if proc.poll() is None:  # Ctrl-C or an error here: the compile goes with us
+            if proc.poll() is None:  # Ctrl-C, too much memory or an error here: the compile goes with us
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         out.seek(0)
@@ -382,11 +414,16 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
         stdout, stderr = out.read(), err.read()
     if proc.returncode in (2, NOTHING_TO_PLAN) and _trainer_error(stderr):
         raise (NotPlannable if proc.returncode == NOTHING_TO_PLAN else PlanError)(_trainer_error(stderr))
+    if proc.returncode == -signal.SIGKILL:  # not ours (we raised before killing it): most likely the OOM killer
+        raise PlanError(f"the compile of {_step_name(argv)} for {a.name} was killed (SIGKILL) at "
+                        f"{memory_watch.gb(watch.peak_bytes)} of host memory, most likely by the kernel for want of "
+                        f"memory; {MEMORY_FIX}")
     if proc.returncode != 0:
         tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
         raise PlanError(f"the planner's compile failed (exit {proc.returncode}) for {a.name}: {tail}")
     figures = json.loads(stdout.strip().splitlines()[-1])
     figures["wall_s"] = round(time.monotonic() - t0, 2)  # the planner process, its phases inside (`phases`)
+    figures["host_peak_rss_bytes"] = watch.peak_bytes  # its resident peak (0 where /proc cannot tell)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two plans of the same step may finish at once
     tmp.write_text(json.dumps(figures))
@@ -462,11 +499,26 @@ def _on_devices(p: Plan, devices: int) -> int:
     return fixed + (act if s.get("batch_per_device") else act * n // devices)
 
 
+def _rows_unit(f: dict) -> tuple[str, str]:
+    """What a step's rows are counted over (the batch splits over dcn x data only): ("device", "a device") where
+    each device holds its own rows; on a mesh with model > 1 the devices of a data group hold its rows together
+    (the positions and heads split over model): ("data group", "a data group of N devices"), or ("step", ...) where
+    one data group holds every row of the step (data=1, one slice, no micro-batches)."""
+    group = _slice_devices(f) // f["mesh"]["data"]
+    if group == 1:
+        return "device", "a device"
+    if _batch_axes(f) == 1 and max(f["settings"].get("grad_accum") or 1, 1) == 1:
+        return "step", f"a step (data=1: its {group} devices hold every row, split over model)"
+    return "data group", f"a data group ({group} devices hold its rows, split over model)"
+
+
 def largest_batch(p: Plan) -> dict | None:
-    """The largest per-device batch whose step fits the chip's HBM, extrapolated from this step's activations
-    (_split: the temporaries beyond the gradients and the gathered base, taken as growing with the rows a device
-    holds): {rows_per_device, batch_size, estimate_bytes, how}; None for a step with no rows setting (or whose
-    rows are not split by the batch axes), or a refused one (nothing was counted to extrapolate from)."""
+    """The largest batch whose step fits the chip's HBM, extrapolated from this step's activations (_split: the
+    temporaries beyond the gradients and the gathered base, taken as growing with the rows each device's data
+    group holds): {rows, per, unit, devices_per_group, batch_size, estimate_bytes, compiled_rows, how}; `rows`
+    are counted over `per` (_rows_unit: a device where model=1, else a data group, or the step where data=1).
+    None for a step with no rows setting (or whose rows are not split by the batch axes), or a refused one
+    (nothing was counted to extrapolate from)."""
     f, s = p.figures, p.figures["settings"]
     if p.refused or not s.get("batch_size"):
         return None
@@ -474,22 +526,23 @@ def largest_batch(p: Plan) -> dict | None:
     rows = s["batch_size"] // axes
     if rows < 1:
         return None
+    per, unit = _rows_unit(f)
+    about = {"per": per, "unit": unit, "devices_per_group": _slice_devices(f) // f["mesh"]["data"]}
     fixed, act = _split(f)
     if rows == 1 and p.fits:
         # From one row the temporaries' share that grows with the rows cannot be told from the rest (the loss's
         # chunk, a layer's working set): all of it per row said 1 where 4 fit (gemma4-31b on v5litepod-8,
         # docs/gemma.md). So the one row compiled is the figure, a lower bound.
-        return {"rows_per_device": 1, "batch_size": axes, "estimate_bytes": int(p.total_bytes),
-                "compiled_rows_per_device": 1, "lower_bound": True,
-                "how": "at least this: compiled at one row a device, which cannot tell the rows' share of the "
-                       "temporaries from the rest; plan two rows a device (--batch-size "
-                       f"{2 * axes}) to extrapolate"}
+        return {"rows": 1, **about, "batch_size": axes, "estimate_bytes": int(p.total_bytes),
+                "compiled_rows": 1, "lower_bound": True,
+                "how": f"at least this: compiled at one row a {per}, which cannot tell the rows' share of the "
+                       f"temporaries from the rest; plan two rows a {per} (--batch-size {2 * axes}) to extrapolate"}
     per_row = act / rows
     fit = int((p.hbm_bytes - fixed) // per_row) if per_row > 0 else rows
     fit = max(fit, 0)
-    return {"rows_per_device": fit, "batch_size": fit * axes, "estimate_bytes": int(fixed + per_row * fit),
-            "compiled_rows_per_device": rows,
-            "how": f"extrapolated from this step's activations at {rows} row(s) a device (not compiled)"}
+    return {"rows": fit, **about, "batch_size": fit * axes, "estimate_bytes": int(fixed + per_row * fit),
+            "compiled_rows": rows,
+            "how": f"extrapolated from this step's activations at {rows} row(s) a {per} (not compiled)"}
 
 
 def _grad_accum(p: Plan) -> Iterator[Suggestion]:
@@ -822,6 +875,7 @@ def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
         s.compile_wall_s = round(time.monotonic() - t0, 2)
         return  # the trainer rejects it after all: it stays an estimate
     s.compile_wall_s = 0.0 if cached else figs.get("wall_s", round(time.monotonic() - t0, 2))
+    s.compile_peak_rss_bytes = None if cached else figs.get("host_peak_rss_bytes") or None
     checked = Plan(p.accelerator, p.compiler, figs)
     s.compiled_bytes, s.compiled_fits = checked.total_bytes, checked.fits
 

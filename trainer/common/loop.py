@@ -56,7 +56,8 @@ class Job:
     eval_every: int                                 # 0: only at the last step
     ckpt_every: int                                 # 0: only at the end and on a notice
     tokens_per_step: int
-    step: Callable[[Any, Any, int], tuple]          # (state, local batch, step) -> (*state, {loss, grad_norm, lr})
+    # (state, local batch, step) -> (*state, {loss, grad_norm, lr, and any of the step's own scalars: logged too})
+    step: Callable[[Any, Any, int], tuple]
     evaluate: Callable[[Any], float | None]         # state -> validation loss
     save: Callable[[checkpoint.Checkpointer, int, Any], None]  # write step's state (and the job's meta)
     saved_what: str = "checkpoint"                  # the last line: "done: step N, <saved_what> in DIR"
@@ -127,6 +128,7 @@ def run(job: Job, ckpt: checkpoint.Checkpointer, state: Any, start: int,
                     rec["mfu"] = tps * job.flops_per_token / (job.peak_flops * jax.device_count()) \
                         if job.peak_flops else None
                 rec.update(step_time_s=dt, lr=float(out["lr"]), grad_norm=float(out["grad_norm"]))
+                rec.update({k: float(v) for k, v in out.items() if k not in rec})  # e.g. lora's expert_dropped
                 if profiler_s or save_s:  # named, not hidden: the window's time is the steps' alone
                     rec["left_out_s"] = {k: v for k, v in (("profiler", profiler_s), ("checkpoint", save_s)) if v}
                 mine = {"dispatch_t": dispatch_t, "input_wait_s": input_wait_s,

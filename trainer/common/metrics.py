@@ -116,6 +116,8 @@ def progress(rec: dict, total: int) -> str:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     if rec.get("step_time_s"):
         parts.append(f"{rec['step_time_s']:.3f} s/step")
+    if rec.get("expert_dropped") is not None:  # the share of the step's expert assignments over capacity
+        parts.append(f"experts dropped {100 * rec['expert_dropped']:.2f}%")
     if rec.get("left_out_s"):
         parts.append(", ".join(f"{k} {v:.2f} s" for k, v in rec["left_out_s"].items()) + " left out")
     return " | ".join(parts)

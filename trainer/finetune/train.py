@@ -45,33 +45,41 @@ def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lo
     return logz - jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
 
 
-def loss_sums(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
-              dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
-              loss_chunk: int = 0, lora_impl: str = "beside", vocab_parallel: bool = False
-              ) -> tuple[jax.Array, jax.Array]:
-    """(sum of weight x cross-entropy, sum of weights) of packed rows under base + adapters: what a step
-    differentiates. The output layer and the loss take loss_chunk positions at a time (trainer/models/xent.py;
-    0: all at once), so the [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist
-    whole, and the frozen embedding gets no gradient. The same sums as token_losses' up to the order of addition.
+def loss_sums(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict,
+              **kw) -> tuple[jax.Array, jax.Array]:
+    """(sum of weight x cross-entropy, sum of weights): loss_terms without its count of dropped assignments."""
+    return loss_terms(cfg, lc, base, lora, batch, **kw)[:2]
+
+
+def loss_terms(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
+               dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
+               loss_chunk: int = 0, lora_impl: str = "beside", vocab_parallel: bool = False
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sum of weight x cross-entropy, sum of weights, moe.Drops summed over the layers) of packed rows under
+    base + adapters: what a step differentiates, and what its experts dropped (none without experts). The output
+    layer and the loss take loss_chunk positions at a time (trainer/models/xent.py; 0: all at once), so the
+    [B, T, V] logits (Gemma's 256k vocabulary: 2 GB for 4 rows of 512) never exist whole, and the frozen
+    embedding gets no gradient. The same sums as token_losses' up to the order of addition.
     vocab_parallel: the embedding is sharded by its rows over every device (vocab_parallel.TABLE; Steps places it
     so): the lookup and the output layer each work on a device's own rows, and the table is never gathered."""
     lookup = vocab_parallel_lib.lookup if vocab_parallel else None
     if gemma.is_stacked(base):  # the step's base (Steps.place_base): the layers in scans
-        x = gemma.hidden(cfg, base, batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
-                         adapters=lora, make_adapter=_layer_adapter(lc, dropout_key, lora_impl),
-                         attention=attention, remat=remat, lookup=lookup)
+        x, drops = gemma.hidden_counted(cfg, base, batch["inputs"], batch["positions"], dtype=dtype,
+                                        segment_ids=batch["segments"], adapters=lora,
+                                        make_adapter=_layer_adapter(lc, dropout_key, lora_impl),
+                                        attention=attention, remat=remat, lookup=lookup)
     else:
         model = gemma.from_flat(cfg, base)
-        x, _ = model(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
-                     adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention, remat=remat,
-                     logits=False, lookup=lookup)
+        x, _, drops = model.forward(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
+                                    adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention,
+                                    remat=remat, logits=False, lookup=lookup)
     if vocab_parallel:
         total = vocab_parallel_lib.frozen_xent(x, base["embed"], batch["targets"], batch["weights"],
                                                cfg.fam.final_softcap, loss_chunk)
     else:
         total = xent.chunked(x, base["embed"], batch["targets"], loss_chunk, None, cfg.fam.final_softcap, False,
                              batch["weights"], False)
-    return total, jnp.sum(batch["weights"])
+    return total, jnp.sum(batch["weights"]), drops
 
 
 def _layer_adapter(lc: lora_lib.LoraConfig, dropout_key, lora_impl: str = "beside"):
@@ -185,23 +193,26 @@ class Steps:
                              out_shardings=self.rep)
 
     def _sums(self, lora, base, batch, key):
-        return loss_sums(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
-                         attention=self.attention, remat=self.remat, loss_chunk=self.loss_chunk,
-                         lora_impl=self.run.lora_impl, vocab_parallel=self.vocab_parallel)
+        return loss_terms(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
+                          attention=self.attention, remat=self.remat, loss_chunk=self.loss_chunk,
+                          lora_impl=self.run.lora_impl, vocab_parallel=self.vocab_parallel)
 
     def _train_step(self, lora, opt_state, base, batch, step):
         key = jax.random.fold_in(jax.random.key(self.run.seed), step)  # from (seed, step): any host count
 
         def loss(lr_params):
-            s, n = self._sums(lr_params, base, batch, key)
-            return s / jnp.maximum(n, 1.0)
-        value, grads = jax.value_and_grad(loss)(lora)
+            s, n, drops = self._sums(lr_params, base, batch, key)
+            return s / jnp.maximum(n, 1.0), drops
+        (value, drops), grads = jax.value_and_grad(loss, has_aux=True)(lora)
         updates, opt_state = self.tx.update(grads, opt_state, lora)
         lora = optax.apply_updates(lora, updates)
-        return lora, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), "lr": self.lr(step - 1)}
+        out = {"loss": value, "grad_norm": optax.tree.norm(grads), "lr": self.lr(step - 1)}
+        if self.cfg.n_experts:  # the step's expert assignments its devices' capacity left out (moe.parallel)
+            out["expert_dropped"] = drops[0] / jnp.maximum(drops[1], 1)
+        return lora, opt_state, out
 
     def _eval_step(self, lora, base, batch):
-        return jnp.stack(self._sums(lora, base, batch, None))
+        return jnp.stack(self._sums(lora, base, batch, None)[:2])
 
     def place_base(self, flat: dict, free: bool = False) -> dict:
         """The base as loaded (param_layout's names) -> as the steps take it (stacked_layout's), where the rules

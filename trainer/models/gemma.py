@@ -477,22 +477,28 @@ class Layer(nnx.Module):
         hid = _constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
         return _constrain(ad("down", hid, hid @ self.linear[...].astype(dt)), RESIDUAL)
 
-    def experts(self, x, adapter=None):
+    def experts(self, x, adapter=None) -> tuple[jax.Array, moe_lib.Drops]:
         names = ("router", "router_scale", "expert_scale", "experts_gating", "experts_linear")
-        out = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, adapter,
-                              self.cfg.expert_capacity)
-        return _constrain(out, RESIDUAL)
+        out, drops = moe_lib.experts(x, {n: getattr(self, n)[...] for n in names}, self.cfg.top_k, adapter,
+                                     self.cfg.expert_capacity)
+        return _constrain(out, RESIDUAL), drops
 
     def __call__(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None,
                  attention=attention_lib.XLA, per_layer=None, shared=None):
         """-> (x, updated cache, this layer's (k, v)). per_layer [B, T, P]: this layer's per-layer input."""
+        return self.forward(x, positions, cache, cache_index, segment_ids, adapter, attention, per_layer, shared)[:3]
+
+    def forward(self, x, positions, cache=None, cache_index=None, segment_ids=None, adapter=None,
+                attention=attention_lib.XLA, per_layer=None, shared=None):
+        """__call__ and what its experts dropped: (x, updated cache, (k, v), moe.Drops: none without experts)."""
+        drops = moe_lib.no_drops()
         a, cache, kv = self.attention(self.norm(x, "pre_attn_norm"), positions, cache, cache_index, segment_ids,
                                       adapter, attention, shared)
         x = x + self.norm(a, "post_attn_norm")
         h = self.mlp(self.norm(x, "pre_ffw_norm"), adapter)
         if self.cfg.n_experts:
-            h = self.norm(h, "post_mlp_norm") + self.norm(self.experts(self.norm(x, "pre_moe_norm"), adapter),
-                                                          "post_moe_norm")
+            e, drops = self.experts(self.norm(x, "pre_moe_norm"), adapter)
+            h = self.norm(h, "post_mlp_norm") + self.norm(e, "post_moe_norm")
         x = x + self.norm(h, "post_ffw_norm")
         if per_layer is not None:
             dt = x.dtype
@@ -500,7 +506,7 @@ class Layer(nnx.Module):
             x = x + self.norm(g @ self.ple_proj[...].astype(dt), "ple_norm")
         if self.cfg.family == "gemma4":
             x = x * self.skip_scale[...].astype(x.dtype)
-        return x, cache, kv
+        return x, cache, kv, drops
 
 
 class Gemma(nnx.Module):
@@ -524,7 +530,16 @@ class Gemma(nnx.Module):
                  cache_index: jax.Array | int = 0, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
                  adapter=None, attention: str = attention_lib.XLA, remat: str = "none",
                  logits: bool = True, lookup=None) -> tuple[jax.Array, list | None]:
-        """int tokens [B, T] -> (f32 logits [B, T, V], updated cache or None).
+        """int tokens [B, T] -> (f32 logits [B, T, V], updated cache or None): `forward` without its count of what
+        the experts dropped."""
+        return self.forward(tokens, positions, cache, cache_index, dtype=dtype, segment_ids=segment_ids,
+                            adapter=adapter, attention=attention, remat=remat, logits=logits, lookup=lookup)[:2]
+
+    def forward(self, tokens: jax.Array, positions: jax.Array | None = None, cache: list | None = None,
+                cache_index: jax.Array | int = 0, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
+                adapter=None, attention: str = attention_lib.XLA, remat: str = "none",
+                logits: bool = True, lookup=None) -> tuple[jax.Array, list | None, moe_lib.Drops]:
+        """int tokens [B, T] -> (f32 logits [B, T, V], updated cache or None, moe.Drops summed over the layers).
 
         Without a cache the tokens attend to each other (positions default to 0..T-1). With one (from
         init_cache) they are written at cache_index..cache_index+T-1 and attend to everything before.
@@ -547,22 +562,25 @@ class Gemma(nnx.Module):
         ple = self.per_layer_inputs(tokens, x) if cfg.per_layer_dim else None
         new_cache = [] if cache is not None else None
         kvs: dict[int, tuple] = {}  # the (k, v) of layers that later layers share
+        drops = moe_lib.no_drops()
         for i, layer in enumerate(self.layers):
             ad = None if adapter is None else functools.partial(adapter, i)
             per_layer = None if ple is None else ple[:, :, i]
             shared = kvs.get(cfg.kv_source(i)) if layer.shares_kv else None
             if cache is None:
-                x, kv = _remat_layer(layer, remat, positions, segment_ids, ad, attention)(x, per_layer, shared)
+                x, kv, dropped = _remat_layer(layer, remat, positions, segment_ids, ad, attention)(x, per_layer,
+                                                                                                  shared)
             else:
-                x, c, kv = layer(x, positions, cache[i], cache_index, segment_ids, ad, per_layer=per_layer,
-                                 shared=shared)
+                x, c, kv, dropped = layer.forward(x, positions, cache[i], cache_index, segment_ids, ad,
+                                                  per_layer=per_layer, shared=shared)
                 new_cache.append(c)
+            drops = drops + dropped
             if i in cfg.kv_origins:
                 kvs[i] = kv
         x = rms_norm(x, self.final_norm[...], cfg.fam.norm_plus_one)
         if not logits:
-            return x, new_cache
-        return xent.logits(x, emb, softcap=cfg.fam.final_softcap), new_cache
+            return x, new_cache, drops
+        return xent.logits(x, emb, softcap=cfg.fam.final_softcap), new_cache, drops
 
 
 def embed(cfg: GemmaConfig, table: jax.Array, tokens: jax.Array, dtype, lookup=None) -> jax.Array:
@@ -582,11 +600,11 @@ def per_layer_inputs(cfg: GemmaConfig, ple_in, ple_in_norm, ple_embed, tokens: j
 
 
 def _remat_layer(layer: Layer, policy: str, positions, segment_ids, adapter, attention: str):
-    """(x, per-layer input, shared kv) -> (the layer's output, its kv) (no cache), under the remat policy; the
-    other inputs are closed over."""
+    """(x, per-layer input, shared kv) -> (the layer's output, its kv, what its experts dropped) (no cache), under
+    the remat policy; the other inputs are closed over."""
     def run(lay, x, per_layer, shared):
-        out, _, kv = lay(x, positions, None, None, segment_ids, adapter, attention, per_layer, shared)
-        return out, kv
+        out, _, kv, drops = lay.forward(x, positions, None, None, segment_ids, adapter, attention, per_layer, shared)
+        return out, kv, drops
     if policy == "none":
         return lambda x, per_layer, shared: run(layer, x, per_layer, shared)
     remat_lib.check(policy)
@@ -825,10 +843,17 @@ MakeAdapter = Any
 
 
 def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, positions: jax.Array | None = None,
-           *, dtype=jnp.float32, segment_ids: jax.Array | None = None, adapters: dict | None = None,
-           make_adapter: MakeAdapter = None, attention: str = attention_lib.XLA, remat: str = "none",
-           unroll: int | bool = 1, lookup=None) -> jax.Array:
-    """The final hidden states [B, T, D] (normalised) of int tokens [B, T], from stacked params (stacked_layout),
+           **kw) -> jax.Array:
+    """hidden_counted's hidden states alone."""
+    return hidden_counted(cfg, params, tokens, positions, **kw)[0]
+
+
+def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array,
+                   positions: jax.Array | None = None, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
+                   adapters: dict | None = None, make_adapter: MakeAdapter = None, attention: str = attention_lib.XLA,
+                   remat: str = "none", unroll: int | bool = 1, lookup=None) -> tuple[jax.Array, moe_lib.Drops]:
+    """(the final hidden states [B, T, D] (normalised), moe.Drops summed over the layers: the scans carry the sum)
+    of int tokens [B, T], from stacked params (stacked_layout),
     the segments' layers in scans: the training forward of Gemma.__call__ (no cache) with its numerics.
     adapters: flat arrays named 'layers.I.REST' (LoRA's), stacked here like the weights (they are small), each
     layer's handed to make_adapter. unroll: the scans' unroll (True: written out, e.g. a twin for counting).
@@ -843,6 +868,7 @@ def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, po
     adapters = adapters or {}
     segs = {seg.start: (s, seg) for s, seg in enumerate(segments(cfg))}
     kvs: dict[int, tuple] = {}
+    drops = moe_lib.no_drops()
     i = 0
 
     def layer_adapters(idx: int) -> dict:
@@ -860,24 +886,27 @@ def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, po
                                 {n[len(prefix):]: a for n, a in params.items() if n.startswith(prefix)})
             shared = kvs.get(cfg.kv_source(i)) if layer.shares_kv else None
             per_layer = None if ple is None else ple[:, :, i]
-            x, kv = _remat_layer(layer, remat, positions, segment_ids, adapter_of(i, layer_adapters(i)),
-                                 attention)(x, per_layer, shared)
+            x, kv, dropped = _remat_layer(layer, remat, positions, segment_ids, adapter_of(i, layer_adapters(i)),
+                                          attention)(x, per_layer, shared)
+            drops = drops + dropped
             if i in cfg.kv_origins:
                 kvs[i] = kv
             i += 1
             continue
         s, seg = segs[i]
-        x, carried = _scan_segment(cfg, s, seg, params, x, ple, positions, segment_ids, kvs, adapters,
-                                   adapter_of, attention, remat, unroll)
+        x, carried, dropped = _scan_segment(cfg, s, seg, params, x, ple, positions, segment_ids, kvs, adapters,
+                                            adapter_of, attention, remat, unroll)
+        drops = drops + dropped
         kvs.update(carried)
         i = seg.start + seg.groups * seg.period
-    return rms_norm(x, params["final_norm"], cfg.fam.norm_plus_one)
+    return rms_norm(x, params["final_norm"], cfg.fam.norm_plus_one), drops
 
 
 def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, kvs, adapters, adapter_of,
                   attention, remat, unroll):
     """One segment's layers as a scan over its periods, each period's runs of one kind a scan over their layers
-    -> (x, {layer: its (k, v)} of the last period's kv origins, carried out of the loops)."""
+    -> (x, {layer: its (k, v)} of the last period's kv origins, carried out of the loops, moe.Drops summed over
+    its layers: carried too)."""
     p, n = seg.period, seg.groups
     defs = [_layer_state(cfg, seg.layer(0, j0)) for j0, _ in seg.runs]
     weights = {r: {} for r in range(len(seg.runs))}
@@ -935,25 +964,26 @@ def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, 
         # was a value of the outer scan's body that the backward needs, which jax keeps for it stacked over the
         # periods: a copy of the run's stacked weights (gemma4-31b on v4-8: 2.5 GiB a device, its global layers')
         def body(carry, xs):
-            x, _ = carry
+            x, _, drops = carry
             wk, adk, k, plk = xs
-            x, kv = one(x, wk, adk, k, plk)
-            return (x, kv if r in origins else None), None
+            x, kv, dropped = one(x, wk, adk, k, plk)
+            return (x, kv if r in origins else None, drops + dropped), None
 
-        (x, kv), _ = jax.lax.scan(body, (x, zeros_kv.get(r)), (w, ad, jnp.arange(m, dtype=jnp.int32), pls),
-                                  unroll=unroll)
-        return x, kv
+        (x, kv, drops), _ = jax.lax.scan(body, (x, zeros_kv.get(r), moe_lib.no_drops()),
+                                         (w, ad, jnp.arange(m, dtype=jnp.int32), pls), unroll=unroll)
+        return x, kv, drops
 
     def body(carry, xs):
-        x, _ = carry
+        x, _, drops = carry
         w, ad, g, pl = xs
         out_kv = {}
         for r in range(len(seg.runs)):
-            x, kv = run_layers(r, x, w[r], ad[r], g, pl)
+            x, kv, dropped = run_layers(r, x, w[r], ad[r], g, pl)
+            drops = drops + dropped
             if r in origins:
                 out_kv[r] = kv
-        return (x, out_kv), None
+        return (x, out_kv, drops), None
 
-    (x, kv), _ = jax.lax.scan(body, (x, zeros_kv), (weights, ads, jnp.arange(n, dtype=jnp.int32), per_layer),
-                              unroll=unroll)
-    return x, {origins[r]: kv[r] for r in origins}
+    (x, kv, drops), _ = jax.lax.scan(body, (x, zeros_kv, moe_lib.no_drops()),
+                                     (weights, ads, jnp.arange(n, dtype=jnp.int32), per_layer), unroll=unroll)
+    return x, {origins[r]: kv[r] for r in origins}, drops

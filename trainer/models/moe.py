@@ -14,6 +14,8 @@ the worst case (every routed token on one device's experts: `shards` times the e
 it at `capacity` times the even share (GemmaConfig.expert_capacity); a device's assignments beyond it, in
 expert order, are dropped (their weighted output left out of the token's sum). capacity 0 is dropless. Where
 the expert axes do not divide n (or there is no mesh), every device holds every expert (`replicated`).
+Beside its output, a layer's experts count what they dropped (`Drops`): a run's step sums them over its layers
+and logs the fraction of its assignments dropped (trainer/finetune/train.py).
 
 Parameters (our layout, Kaggle's flax one): router [D, E], router_scale [D], expert_scale [E],
 experts_gating [E, 2, Fe, D] (gate, up), experts_linear [E, Fe, D].
@@ -31,6 +33,9 @@ from trainer.common.mesh import fitted_spec
 
 # adapter(name, input rows [N, in], output rows [N, out], group_sizes [E]) -> output rows: an expert's LoRA
 Adapter = Callable[[str, jax.Array, jax.Array, jax.Array], jax.Array]
+# int32 [2]: (assignments dropped, assignments routed) of a layer's experts (every device's, over the step's tokens),
+# or summed over layers
+Drops = jax.Array
 EXPERT = "expert"                       # the experts' logical axis
 TOKENS = ("batch", "residual_seq", None)  # the experts' input [B, T, D] as the layer holds it (gemma.RESIDUAL)
 
@@ -85,15 +90,20 @@ def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Arra
     return ad("expert_down", hid, jax.lax.ragged_dot(hid, linear.astype(dt), group_sizes=groups), ad_groups)
 
 
+def no_drops() -> Drops:
+    return jnp.zeros(2, jnp.int32)
+
+
 def experts(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter | None = None,
-            capacity: float = 0.0) -> jax.Array:
-    """The experts' weighted sum for x [B, T, D] (compute dtype) -> [B, T, D]. p: the layer's router and expert
-    parameters by our names. Expert parallel under a mesh whose expert axes divide the experts (module
-    docstring), capacity bounding each device's rows there; else every expert on every device."""
+            capacity: float = 0.0) -> tuple[jax.Array, Drops]:
+    """(the experts' weighted sum for x [B, T, D] (compute dtype) -> [B, T, D], what they dropped). p: the layer's
+    router and expert parameters by our names. Expert parallel under a mesh whose expert axes divide the experts
+    (module docstring), capacity bounding each device's rows there; else every expert on every device, nothing
+    dropped (counted as none of none)."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else expert_axes(p["experts_gating"].shape[0], dict(mesh.shape))
     if not axes:
-        return replicated(x, p, top_k, adapter)
+        return replicated(x, p, top_k, adapter), no_drops()
     return parallel(x, p, top_k, adapter, capacity, axes, dict(mesh.shape))
 
 
@@ -116,15 +126,20 @@ def replicated(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapt
 
 
 def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter | None, capacity: float,
-             axes: tuple[str, ...], mesh_shape: dict[str, int]) -> jax.Array:
-    """Expert parallel over the mesh axes `axes` (module docstring). The adapters the hook closes over enter
-    whole (small: rank x (D + Fe) a expert), their rows grouped over all n experts with zeros elsewhere."""
+             axes: tuple[str, ...], mesh_shape: dict[str, int]) -> tuple[jax.Array, Drops]:
+    """Expert parallel over the mesh axes `axes` (module docstring) -> (output, Drops). The adapters the hook
+    closes over enter whole (small: rank x (D + Fe) a expert), their rows grouped over all n experts with zeros
+    elsewhere."""
     n_exp = p["experts_gating"].shape[0]
     shards = math.prod(mesh_shape[a] for a in axes)
     x_spec = fitted_spec(TOKENS, x.shape, mesh_shape)
     split = {a for s in x_spec for a in ((s,) if isinstance(s, str) else (s or ()))}
     gather = tuple(a for a in axes if a in split)    # the token rows differ along these: gathered, scattered back
     repeat = tuple(a for a in axes if a not in split)  # ... and are the same along these: outputs summed
+    # the counts of dropped assignments differ along the expert axes (each device its experts' share of the
+    # gathered tokens) and the axes the tokens split over (each its own tokens): summed over those; along any other
+    # (dcn on one slice) every device holds the same counts
+    counted = tuple(a for a in mesh_shape if a in axes or a in split)
     ad = adapter or (lambda name, inp, y, g: y)
     e_spec = P(axes)
 
@@ -141,7 +156,10 @@ def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter
         key = jnp.where((local >= 0) & (local < n_local), local, n_local)  # n_local: another device's expert
         cap = capacity_rows(rows.shape[0], top_k, n_exp, shards, capacity)
         pick = jnp.argsort(key, stable=True)[:cap]  # this device's assignments first, by expert
-        ends = jnp.minimum(jnp.cumsum(jnp.bincount(key, length=n_local + 1)[:n_local]), cap)
+        routed = jnp.cumsum(jnp.bincount(key, length=n_local + 1)[:n_local])  # this device's assignments, by expert
+        ends = jnp.minimum(routed, cap)
+        # counted from the routing alone (integers, no gradient): the output's numerics are untouched
+        drops = jax.lax.psum(jnp.stack([routed[-1] - ends[-1], routed[-1]]).astype(jnp.int32), counted)
         groups = jnp.diff(ends, prepend=0).astype(jnp.int32)  # rows beyond the capacity dropped
         all_groups = jax.lax.dynamic_update_slice(jnp.zeros(n_exp, jnp.int32), groups, (first,))
         scale = jnp.take(expert_scale, first + jnp.minimum(key[pick], n_local - 1)).astype(jnp.float32)
@@ -153,9 +171,9 @@ def parallel(x: jax.Array, p: dict[str, jax.Array], top_k: int, adapter: Adapter
             total = jax.lax.psum_scatter(total, gather, scatter_dimension=0, tiled=True)
         if repeat:
             total = jax.lax.psum(total, repeat)
-        return total.reshape(b, t, d)
+        return total.reshape(b, t, d), drops
 
-    return jax.shard_map(body, in_specs=(x_spec, P(), P(), P(), e_spec, e_spec), out_specs=x_spec)(
+    return jax.shard_map(body, in_specs=(x_spec, P(), P(), P(), e_spec, e_spec), out_specs=(x_spec, P()))(
         x, p["router"], p["router_scale"], p["expert_scale"], p["experts_gating"], p["experts_linear"])
 
 
