@@ -193,8 +193,11 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
         if name in _PAIRS:
             if not paired(i, name) or y.shape[0] != 2:
                 return y
-            a = whole(jnp.stack([lora[f"layers.{i}.{n}.a"] for n in _PAIRS[name]]))  # [2, in, r]
-            b = whole(jnp.stack([lora[f"layers.{i}.{n}.b"] for n in _PAIRS[name]]))  # [2, r, *out]
+            t = TARGETS[_PAIRS[name][0]]
+            a = as_applied(jnp.stack([lora[f"layers.{i}.{n}.a"] for n in _PAIRS[name]]),
+                           (None, *t.in_axes, None))  # [2, in, r]
+            b = as_applied(jnp.stack([lora[f"layers.{i}.{n}.b"] for n in _PAIRS[name]]),
+                           (None, None, *t.out_axes))  # [2, r, *out]
             h = jnp.einsum("btd,cdr->cbtr", x.astype(jnp.float32), a)
             d = jnp.einsum("cbtr,crf->cbtf", h, b) if b.ndim == 3 else jnp.einsum("cbtr,crkh->cbtkh", h, b)
             return y + (lc.scale * d).astype(y.dtype)
@@ -204,7 +207,10 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
         a = lora.get(f"layers.{i}.{name}.a")
         if a is None:
             return y
-        a, b = whole(a), whole(lora[f"layers.{i}.{name}.b"])
+        t = TARGETS[name]
+        lead = () if groups is None else (None,)  # an expert target's E dim
+        a = as_applied(a, (*lead, *t.in_axes, None))
+        b = as_applied(lora[f"layers.{i}.{name}.b"], (*lead, None, *t.out_axes))
         if dropout_key is not None and lc.dropout > 0:
             k = jax.random.fold_in(jax.random.fold_in(dropout_key, i), list(TARGETS).index(name))
             keep = jax.random.bernoulli(k, 1.0 - lc.dropout, x.shape)
@@ -217,15 +223,24 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
     return apply
 
 
-def whole(w: jax.Array) -> jax.Array:
-    """An adapter's A or B gathered whole on every device where it is used. They are stored split like the weights
-    they adapt (fsdp), and left to itself the partitioner contracts the split dim where it lies: it gathered a
-    layer's input over `data` for each adapter ([rows of every device, D], in windowed loops) to save gathering
-    A ([D, r]: kilobytes). Not inside a shard_map (the experts' step), where they enter whole already."""
+def as_applied(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """An adapter's A or B (logical axes `axes`) laid out where it is used: whole over the `fsdp` split it is
+    stored with, split over `model` like the projection's side it meets (heads, MLP columns). Stored split like the
+    weights they adapt (fsdp), left to itself the partitioner contracted A's split dim where it lay: it gathered a
+    layer's input over `data` for each adapter ([rows of every device, D], in windowed loops) to save gathering A
+    ([D, r]: kilobytes). Fully whole instead, under `model` > 1 the product with B was computed whole over the
+    columns `model` splits and gathered for the data group's rows (gemma4-31b at data=2,model=4: the MLP's
+    [16, 512, 21504] up and gate outputs, 336 MiB each; gemma4-26b-a4b at model=8: q's [32, 512, 16, 512]):
+    kept split over `model`, B's product is the output's own shard and A's a partial sum over it. On a mesh of
+    data alone this is whole, as before. Not inside a shard_map (the experts' step), where they enter whole."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.manual_axes:
         return w
-    return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec())
+    shape = dict(mesh.shape)
+    spec = fitted_spec(tuple(None if a == "fsdp" else a for a in axes), w.shape, shape)
+    # an axis of one device splits nothing: the same constraint as whole, so a data-only step is unchanged
+    spec = [None if all(shape[n] == 1 for n in ((p,) if isinstance(p, str) else p or ())) else p for p in spec]
+    return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec(*spec))
 
 
 def delta(lc: LoraConfig, lora: dict[str, jax.Array], i: int, name: str) -> jax.Array:
