@@ -636,3 +636,23 @@ def test_bench_runs_ours_and_tunix_lora_steps_side_by_side():
     assert m and float(m.group(3)) > 0, p.stdout
     # one layer: a quarter of make bench's 4 (180,224 and 172,032), as every adapter is per layer
     assert re.search(r"adapter params: ours 45,056, tunix\+qwix 43,008", p.stdout), p.stdout
+
+
+def test_adapters_are_laid_out_as_applied_whole_over_fsdp_split_over_model():
+    """A and B are whole over the fsdp split they are stored with and split over `model` like the projection's side
+    they meet (B's MLP columns and heads, A's input columns): on a mesh of data alone, whole; the same values."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    w = {"gate_b": (jnp.ones((8, 64)), (None, *lora_lib.TARGETS["gate"].out_axes)),
+         "down_a": (jnp.ones((64, 8)), (*lora_lib.TARGETS["down"].in_axes, None)),
+         "q_b": (jnp.ones((8, 4, 16)), (None, *lora_lib.TARGETS["q"].out_axes)),
+         "q_a": (jnp.ones((32, 8)), (*lora_lib.TARGETS["q"].in_axes, None))}
+    for shape, want in (({"data": 4, "model": 2}, {"gate_b": P(None, "model"), "down_a": P("model", None),
+                                                      "q_b": P(None, "model", None), "q_a": P(None, None)}),
+                        ({"data": 8, "model": 1}, {n: P(*(None,) * len(a.shape)) for n, (a, _) in w.items()})):
+        mesh = mesh_lib.make_mesh(shape, jax.devices()[:8])  # the run's mesh: dcn, data, model
+        with jax.set_mesh(mesh):
+            for name, (a, axes) in w.items():
+                stored = jax.device_put(a, NamedSharding(mesh, P(*(("data" if x == "fsdp" else None) for x in axes))))
+                out = jax.jit(lambda x, axes=axes: lora_lib.as_applied(x, axes))(stored)
+                assert out.sharding.is_equivalent_to(NamedSharding(mesh, want[name]), a.ndim), (shape, name)
+                np.testing.assert_array_equal(np.asarray(out), np.asarray(a))
