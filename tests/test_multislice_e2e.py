@@ -44,8 +44,20 @@ def _free_port() -> int:
 def _plain(spot: LocalSpot, args: list[str], ckpt: str, slices: int) -> str:
     """Two plain trainer processes of 4 emulated devices each: two v4-8 slices (the environment `tpuctl run` gives
     their hosts: slice-major ids, MEGASCALE_*) or, with slices=1, one v4-16's two hosts. No SSH, no bundle.
-    Returns process 0's output."""
-    port = _free_port()
+    Returns process 0's output. The coordinator's port is picked free here and bound later by process 0: should
+    another process take it in between (a busy machine's ephemeral ports), the pair is started again on another."""
+    for attempt in range(3):
+        outs, codes = _plain_once(spot, args, ckpt, slices, _free_port())
+        if codes == [0, 0] or attempt == 2 or PORT_TAKEN not in outs[0]:
+            break
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    return outs[0]
+
+
+PORT_TAKEN = "Failed to add port to server"  # grpc's words when the coordinator cannot bind its port
+
+
+def _plain_once(spot: LocalSpot, args: list[str], ckpt: str, slices: int, port: int) -> tuple[list[str], list[int]]:
     procs = []
     for i in range(2):
         env = {**spot.env, **spot.emu.env, "JAX_PLATFORMS": "cpu", "TPUCTL_EMULATE_DEVICES": "4",
@@ -61,8 +73,7 @@ def _plain(spot: LocalSpot, args: list[str], ckpt: str, slices: int) -> str:
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    return outs[0]
+    return outs, [p.returncode for p in procs]
 
 
 READ = r"""
