@@ -15,13 +15,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from trainer.common import hlo_bytes
+
 # buffers kept per program: enough that a buffer of one mesh is found among another's (the 32 largest named nothing
 # of 26B-A4B's 128 MiB growth from data=4 to model=4 on v4-8: its largest buffers are GiB-sized)
 KEEP = 200
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^\s{>]+)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+) = .*?\s([a-z][\w\-]*)\((%[^\s,)]+)?")
 _LAYOUT = re.compile(r"\{[^{}]*\}")
 
 
@@ -67,40 +68,6 @@ def assigned(text: str) -> list[dict]:
     return out
 
 
-def _frames(program: str) -> dict[int, str]:
-    """stack_frame_id -> "file:line (function)" of that frame, from the program's frame tables."""
-    tables: dict[str, dict[int, str]] = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {},
-                                         "StackFrames": {}}
-    section = None
-    for line in program.splitlines():
-        if line in tables:
-            section = line
-            continue
-        if not line.strip() or line.startswith(("%", "ENTRY", "HloModule")):
-            if line.startswith(("%", "ENTRY")):
-                break
-            section = None if not line.strip() else section
-            continue
-        if section:
-            k, _, rest = line.partition(" ")
-            if k.isdigit():
-                tables[section][int(k)] = rest
-    names = {k: v.strip('"') for k, v in tables["FileNames"].items()}
-    funcs = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
-    loc = {}
-    for k, v in tables["FileLocations"].items():
-        f, fn, ln = (re.search(rf"{key}=(\d+)", v) for key in ("file_name_id", "function_name_id", "line"))
-        if f and ln:
-            loc[k] = f"{_short(names.get(int(f.group(1)), '?'))}:{ln.group(1)}" + (
-                f" ({funcs.get(int(fn.group(1)), '?')})" if fn else "")
-    out = {}
-    for k, v in tables["StackFrames"].items():
-        m = re.search(r"file_location_id=(\d+)", v)
-        if m and int(m.group(1)) in loc:
-            out[k] = loc[int(m.group(1))]
-    return out
-
-
 def _short(path: str) -> str:
     """A source path from the repository's packages on (trainer/models/gemma.py), else as given."""
     m = re.search(r"(?:^|/)((?:trainer|orchestrator|tests|bench)/.*)$", path)
@@ -109,20 +76,19 @@ def _short(path: str) -> str:
 
 def sources(program: str) -> dict[str, dict]:
     """instruction -> {op_name, source, opcode, operand}: the jax op and the innermost frame that made it (a
-    compiler-made instruction has none: its opcode and first operand name it)."""
-    frames = _frames(program)
+    compiler-made instruction has none: its opcode and first operand name it). The program is read by
+    hlo_bytes.parse, its frames by hlo_bytes.source_of."""
+    module = hlo_bytes.parse(program)
     out = {}
-    for line in program.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        op = re.search(r'op_name="([^"]*)"', line)
-        frame = re.search(r"stack_frame_id=(\d+)", line)
-        file = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
-        source = frames.get(int(frame.group(1)), "") if frame else (
-            f"{_short(file.group(1))}:{file.group(2)}" if file else "")
-        out[m.group(1)] = {"op_name": op.group(1) if op else "", "source": source, "opcode": m.group(2),
-                           "operand": (m.group(3) or "").lstrip("%")}
+    for comp in module.computations.values():
+        for ins in comp.instrs.values():
+            op = re.search(r'op_name="([^"]*)"', ins.attrs)
+            stack = hlo_bytes.source_of(module, ins)
+            file = re.search(r'source_file="([^"]*)" source_line=(\d+)', ins.attrs)
+            source = (f"{_short(stack[0][0])}:{stack[0][2]} ({stack[0][1]})" if stack else
+                      f"{_short(file.group(1))}:{file.group(2)}" if file else "")
+            out[ins.name] = {"op_name": op.group(1) if op else "", "source": source, "opcode": ins.opcode,
+                             "operand": ins.operands[0] if ins.operands else ""}
     return out
 
 
