@@ -59,7 +59,8 @@ def test_each_impl_gives_the_plain_adapters_loss_and_gradients(case, targets, im
         np.testing.assert_allclose(g_got[name], g_want[name], rtol=1e-3, atol=2e-4 * scale, err_msg=name)
 
 
-def test_an_unknown_impl_is_refused():
+def test_stacked_is_the_default_and_an_unknown_impl_is_refused():
+    assert LoraRun(weights="w", data="d", ckpt_dir="c").lora_impl == lora_lib.DEFAULT_IMPL == "stacked"
     with pytest.raises(UsageError, match="--lora-impl inside: choose beside or stacked"):
         LoraRun(weights="w", data="d", ckpt_dir="c", lora_impl="inside").check()
     with pytest.raises(UsageError, match="--lora-impl"):

@@ -107,8 +107,8 @@ def test_rows_are_chosen_by_name_and_the_plans_join_by_name(tmp_path):
     # the vocab rows variant is a Steps option forced on one chip: no trainer command (no flag) builds its step
     assert not any("vocab rows" in name for name in cmds) and "--vocab-parallel" not in str(cmds)
     # each size's variants are its own command plus the variant's flags; a twin is the whole size's command
-    assert cmds["gemma2-2b LoRA r8 all targets, 4 x 512, lora-impl stacked"] == [
-        *cmds["gemma2-2b LoRA r8 all targets, 4 x 512"], "--lora-impl", "stacked"]
+    assert cmds["gemma2-2b LoRA r8 all targets, 4 x 512, lora-impl beside"] == [
+        *cmds["gemma2-2b LoRA r8 all targets, 4 x 512"], "--lora-impl", "beside"]
     twin = cmds["gemma4-26b-a4b (6 layers) LoRA r8 all targets, 4 x 512"]
     assert twin[:3] == ["lora", "--model", "gemma4-26b-a4b"] and not any("(6 layers)," in n for n in cmds)
     work = {"matmul_flops": 12.2e12, "attention_flops": 1.86e12, "head_dim": 64, "attention_kernel": "resident",

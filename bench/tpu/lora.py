@@ -29,7 +29,7 @@ TWINS = {"gemma4-26b-a4b": (6, 4)}
 VOCAB_ROWS = "vocab_parallel"
 # (variant name, LoraRun fields, or VOCAB_ROWS): alternatives of how the step computes, each timed beside the default
 # (a remat variant that is the size's default here, --remat auto, is not timed twice)
-VARIANTS: dict[str, dict] = {"lora-impl stacked": {"lora_impl": "stacked"}, "remat full": {"remat": "full"},
+VARIANTS: dict[str, dict] = {"lora-impl beside": {"lora_impl": "beside"}, "remat full": {"remat": "full"},
                              "remat dots": {"remat": "dots"}, "remat none": {"remat": "none"},
                              "vocab rows": {VOCAB_ROWS: True}}
 PEER_SIZE = "gemma2-2b"  # the size tunix's step is timed at (its Gemma 2 config is Google's own)

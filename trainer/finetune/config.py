@@ -49,7 +49,7 @@ class LoraRun:
     remat: str = "auto"             # what each layer recomputes in the backward pass: auto, none, dots, full
     loss_chunk: int = 0             # positions whose logits exist at once in the loss (0: all)
     expert_capacity: float = 2.0    # rows a device's experts take, x the even share (trainer/models/moe.py; 0: dropless)
-    lora_impl: str = "beside"       # how paired projections' adapters are applied (trainer/models/lora.py IMPLS)
+    lora_impl: str = "stacked"      # how paired projections' adapters are applied (trainer/models/lora.py IMPLS)
     profile: str = ""               # START:END: steps every process traces (trainer/common/profiling.py)
 
     @property

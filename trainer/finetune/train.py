@@ -34,7 +34,7 @@ from trainer.models import attention, gemma, lora as lora_lib, vocab_parallel as
 
 def token_losses(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
                  dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
-                 lora_impl: str = "beside") -> jax.Array:
+                 lora_impl: str = lora_lib.DEFAULT_IMPL) -> jax.Array:
     """f32 next-token cross-entropy [B, T] of packed rows under base + adapters (unweighted), from the full
     logits (for inspection and checks: a step takes loss_sums).
     attention: resolved (trainer/models/attention.py); remat: a policy of trainer/models/remat.py."""
@@ -53,7 +53,7 @@ def loss_sums(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora:
 
 def loss_terms(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora: dict, batch: dict, *,
                dtype=jnp.float32, dropout_key=None, attention: str = "xla", remat: str = "none",
-               loss_chunk: int = 0, lora_impl: str = "beside", vocab_parallel: bool = False
+               loss_chunk: int = 0, lora_impl: str = lora_lib.DEFAULT_IMPL, vocab_parallel: bool = False
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(sum of weight x cross-entropy, sum of weights, moe.Drops summed over the layers) of packed rows under
     base + adapters: what a step differentiates, and what its experts dropped (none without experts). The output
@@ -82,7 +82,7 @@ def loss_terms(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora
     return total, jnp.sum(batch["weights"]), drops
 
 
-def _layer_adapter(lc: lora_lib.LoraConfig, dropout_key, lora_impl: str = "beside"):
+def _layer_adapter(lc: lora_lib.LoraConfig, dropout_key, lora_impl: str = lora_lib.DEFAULT_IMPL):
     """gemma.hidden's make_adapter: one layer's adapters (layer index i, maybe traced inside a scan) as the
     model's hook. Dropout draws from the key folded with the layer (other masks than the flat model's, the same
     distribution)."""
