@@ -10,7 +10,7 @@ import threading
 import click
 
 from orchestrator.cli.options import PassThrough
-from orchestrator.plan import step as P
+from orchestrator.plan import memory_watch, step as P
 from orchestrator.spec import UserError
 
 DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1)
@@ -111,7 +111,7 @@ def _time_spent(p: P.Plan) -> list[str]:
         parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
     if t["data_only"]:
         parts.append(f"comparing with {t['data_only']['mesh']} {t['data_only']['wall_s']:.0f}s")
-    peak = (f"; host memory: {t['peak_rss_bytes'] / 1e9:.1f} GB at the peak of a compile process"
+    peak = (f"; host memory: {memory_watch.gb(t['peak_rss_bytes'])} at the peak of a compile process"
             if t["peak_rss_bytes"] else "")
     out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts) + peak]
     settings = p.figures.get("settings", {})

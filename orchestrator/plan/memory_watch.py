@@ -71,7 +71,12 @@ def gb(b: float) -> str:
 
 
 class HostMemoryExceeded(Exception):
-    """The compile reached the machine's limit (the caller names the step and stops it)."""
+    """The compile reached the machine's limit (the caller names the step and stops it). by_cap: the user's own
+    MAX_RSS_ENV stopped it, not the machine's free memory (the fix differs: the cap is theirs to raise)."""
+
+    def __init__(self, message: str, by_cap: bool = False):
+        super().__init__(message)
+        self.by_cap = by_cap
 
 
 @dataclass
@@ -116,7 +121,7 @@ class Watch:
         machine = f"this machine has {gb(available)} of its {gb(total)} available" if available is not None else ""
         if self.max_rss is not None and rss > self.max_rss:
             raise HostMemoryExceeded(f"it reached {gb(rss)} of host memory, over the {gb(self.max_rss)} "
-                                     f"{MAX_RSS_ENV} allows" + (f" ({machine})" if machine else ""))
+                                     f"{MAX_RSS_ENV} allows" + (f" ({machine})" if machine else ""), by_cap=True)
         if available is not None and available < self.reserve:
             raise HostMemoryExceeded(f"it reached {gb(rss)} of host memory and {machine}, under the "
                                      f"{gb(self.reserve)} a plan leaves free ({RESERVE_ENV})")

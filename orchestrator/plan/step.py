@@ -359,8 +359,9 @@ def _trainer_error(stderr: str) -> str | None:
 
 
 WATCH_S = 0.25  # how often a compile's host memory is read: between two reads its growth comes out of the reserve
-MEMORY_FIX = ("close other programs, plan on a machine with more memory, or plan a smaller step (e.g. --remat full, "
-              "whose layers compile as one scan)")
+SMALLER_STEP = "plan a smaller step (e.g. --remat full, whose layers compile as one scan)"
+MEMORY_FIX = f"close other programs, plan on a machine with more memory, or {SMALLER_STEP}"
+CAP_FIX = f"raise {memory_watch.MAX_RSS_ENV} (or unset it) if this machine has the memory, or {SMALLER_STEP}"
 
 
 def _step_name(argv: list[str]) -> str:
@@ -403,7 +404,8 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
                 try:
                     watch.sample()
                 except memory_watch.HostMemoryExceeded as e:
-                    raise PlanError(f"stopped compiling {_step_name(argv)} for {a.name}: {e}; {MEMORY_FIX}") from None
+                    raise PlanError(f"stopped compiling {_step_name(argv)} for {a.name}: {e}; "
+                                    f"{CAP_FIX if e.by_cap else MEMORY_FIX}") from None
                 time.sleep(WATCH_S)
         finally:
             if proc.poll() is None:  # Ctrl-C, too much memory or an error here: the compile goes with us
