@@ -162,3 +162,16 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_step(capsys, corpus, tmp_
     assert kept == bad - 1, (err, kept)
     losses = [json.loads(l)["loss"] for l in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert all(abs(x) < float("inf") for x in losses)
+
+
+def test_every_commands_help_renders():
+    """argparse expands `%` in help texts: a stray one (say "5% faster") breaks `--help` with a TypeError."""
+    import argparse
+
+    from trainer.cli import parser
+    top = parser()
+    [sub] = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {"pretrain", "lora", "sample"} <= set(sub.choices)
+    for name, p in sub.choices.items():
+        text = p.format_help()
+        assert "usage: " in text and name in text, name
