@@ -43,3 +43,20 @@ def test_the_sweep_takes_model_1_from_the_default_row_and_a_one_row_plan_is_a_lo
     e4b, big = lines  # the sizes in gemma_plans.SIZES' order
     assert "13.10 GiB" in big and "the default command's row" in big, lines
     assert "5.45 GiB" in e4b and "the default command's row" not in e4b, lines
+
+
+def test_a_sweep_plans_model_1_first_against_its_own_cache_and_records_the_cold_command(tmp_path):
+    """Each slice's meshes from model=1 up (a model > 1 plan's data-only step is then in the sweep's cache); a row
+    runs without --no-cache with TPUCTL_HOME the sweep's, and records the command a user runs (with --no-cache)."""
+    assert gp.jobs(["gemma4-e2b"], ["v4-8", "v5litepod-8"], True, [1, 2, 4]) == [
+        ("gemma4-e2b", "v4-8", "data=4,model=1"), ("gemma4-e2b", "v4-8", "data=2,model=2"),
+        ("gemma4-e2b", "v4-8", "data=1,model=4"), ("gemma4-e2b", "v5litepod-8", "data=8,model=1"),
+        ("gemma4-e2b", "v5litepod-8", "data=4,model=2"), ("gemma4-e2b", "v5litepod-8", "data=2,model=4")]
+    assert gp.jobs(["gemma4-e2b"], ["v4-8"], False) == [("gemma4-e2b", "v4-8", "")]
+    # a real process standing in for tpuctl: it prints, as the plan's JSON, the cache it was given and its arguments
+    echo = ["sh", "-c", 'printf \'{"home": "%s", "args": "%s"}\' "$TPUCTL_HOME" "$*"', "sh", "--no-cache", "--json"]
+    row = gp.plan_one(echo, cache_home=str(tmp_path))
+    assert row["home"] == str(tmp_path) and row["args"] == "--json", row
+    assert "--no-cache" in row["command"] and "--no-cache" not in row["ran"], row
+    cold = gp.plan_one(echo)
+    assert cold["args"] == "--no-cache --json" and "ran" not in cold, cold

@@ -2,6 +2,12 @@
 --model-sweep, on each data x model mesh of the slice's devices), each compiled cold (--no-cache) in its own
 process, timed, and written to a JSON-lines file as it finishes (a run cut short keeps what it planned).
 
+A plan at model > 1 also compiles its step on data alone (its `mesh:` comparison), which is the sweep's model=1
+step: a sweep plans its meshes from model=1 up against a plan cache of its own (TPUCTL_HOME, a fresh temporary
+directory), so each mesh's own step is compiled cold and only that data-only step, after its first compile, is
+read from the sweep's cache. Each row keeps the command a user runs for the same figures (with --no-cache; its wall
+time then includes the data-only compile) and `ran`, how the sweep ran it.
+
     python -m bench.compiler.gemma_plans --out plans.jsonl [--sizes gemma4-e2b,...] [--accelerators v5litepod-8,v4-8]
         [--model-sweep [--models 2,4,8]] [-- EXTRA LORA FLAGS]
     python -m bench.compiler.gemma_plans --table plans.jsonl      # the markdown tables from a file
@@ -13,6 +19,7 @@ a wall time counts only at a load under 2 on the 2-core machine the goal names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -20,6 +27,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 SIZES = ("gemma4-e2b", "gemma4-e4b", "gemma4-31b", "gemma4-26b-a4b")
@@ -43,20 +51,29 @@ def command(accelerator: str, size: str, extra: list[str], mesh: str = "") -> li
             *(["--mesh", mesh] if mesh else []), *extra]
 
 
-def plan_one(argv: list[str]) -> dict:
-    """Run one plan; its JSON with what it cost."""
+def sweep_run(argv: list[str]) -> list[str]:
+    """A sweep's way to run a row's command: with the plan cache (the sweep's own, fresh) instead of --no-cache."""
+    return [a for a in argv if a != "--no-cache"]
+
+
+def plan_one(argv: list[str], cache_home: str | None = None) -> dict:
+    """Run one plan (argv: the command a user runs for it); its JSON with what it cost. cache_home: run it without
+    --no-cache against that TPUCTL_HOME's plan cache (a sweep's own) instead."""
+    run = argv if cache_home is None else sweep_run(argv)
+    env = None if cache_home is None else {**os.environ, "TPUCTL_HOME": cache_home}
     load0 = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     # the venv's own tpuctl (its bin beside this python), as the command in the table reads
-    exe = os.path.join(os.path.dirname(sys.executable), argv[0])
-    proc = subprocess.run([exe if os.path.exists(exe) else argv[0], *argv[1:]], capture_output=True, text=True)
+    exe = os.path.join(os.path.dirname(sys.executable), run[0])
+    proc = subprocess.run([exe if os.path.exists(exe) else run[0], *run[1:]], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cost = {"wall_s": round(wall, 1), "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime -
                                                       before.ru_stime, 1),
             "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
-            "command": shlex.join(argv)}
+            "command": shlex.join(argv),
+            **({} if cache_home is None else {"ran": "TPUCTL_HOME=(the sweep's fresh plan cache) " + shlex.join(run)})}
     try:
         return {**json.loads(proc.stdout), **cost}
     except json.JSONDecodeError:
@@ -195,18 +212,25 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.out:
         p.error("--out FILE (or --table FILE)")
     rows = []
-    for size in opts.sizes.split(","):
-        for acc in opts.accelerators.split(","):
-            wanted = {f"model={m}" for m in opts.models.split(",") if m}
-            for mesh in ([m for m in meshes(DEVICES[acc]) if not wanted or m.split(",")[1] in wanted]
-                         if opts.model_sweep else [""]):
-                row = {"size": size, "accelerator": acc, "sweep_mesh": mesh, **plan_one(command(acc, size, extra, mesh))}
-                rows.append(row)
-                with open(opts.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(f"{size} {acc} {mesh or 'default mesh'}: {_cell(row)}", flush=True)
+    with (tempfile.TemporaryDirectory(prefix="gemma-sweep-") if opts.model_sweep else contextlib.nullcontext()) as home:
+        for size, acc, mesh in jobs(opts.sizes.split(","), opts.accelerators.split(","), opts.model_sweep,
+                                    [int(m) for m in opts.models.split(",") if m]):
+            row = {"size": size, "accelerator": acc, "sweep_mesh": mesh,
+                   **plan_one(command(acc, size, extra, mesh), cache_home=home)}
+            rows.append(row)
+            with open(opts.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{size} {acc} {mesh or 'default mesh'}: {_cell(row)}", flush=True)
     print(table(rows))
     return 0
+
+
+def jobs(sizes: list[str], accelerators: list[str], sweep: bool, models: list[int] = ()) -> list[tuple[str, str, str]]:
+    """(size, accelerator, mesh) in the order planned: each slice's meshes from model=1 up ('' the default mesh),
+    so the data-only step a model > 1 plan compiles is the sweep's model=1 row (or its first plan's) already cached."""
+    return [(size, acc, mesh) for size in sizes for acc in accelerators
+            for mesh in ([m for m in meshes(DEVICES[acc]) if not models or int(m.split("model=")[1]) in models]
+                         if sweep else [""])]
 
 
 if __name__ == "__main__":
