@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not opts.out:
         p.error("--out FILE (or --table FILE)")
+    if not re.fullmatch(r"(\d+(,\d+)*)?", opts.models):
+        p.error(f"--models {opts.models}: give model sizes separated by commas, e.g. --models 2,4,8")
     rows = []
     with (tempfile.TemporaryDirectory(prefix="gemma-sweep-") if opts.model_sweep else contextlib.nullcontext()) as home:
         for size, acc, mesh in jobs(opts.sizes.split(","), opts.accelerators.split(","), opts.model_sweep,
