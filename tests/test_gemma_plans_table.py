@@ -60,3 +60,24 @@ def test_a_sweep_plans_model_1_first_against_its_own_cache_and_records_the_cold_
     assert "--no-cache" in row["command"] and "--no-cache" not in row["ran"], row
     cold = gp.plan_one(echo)
     assert cold["args"] == "--no-cache --json" and "ran" not in cold, cold
+
+
+def test_a_row_planned_when_beside_was_the_default_says_so_until_planned_again():
+    """Rows from before `--lora-impl stacked` was the default carry `--lora-impl beside` in their command and cell;
+    a row planned since (the plain command) replaces the one of the same size, flags, slice and mesh."""
+    before = [gp.planned_beside(r) for r in (
+        _row("gemma4-e2b", "v4-8", total=11.7), _row("gemma4-e2b", "v5litepod-8", total=10.1),
+        _row("gemma4-e2b", "v4-8", "data=2,model=2", 12.19), _row("gemma4-e2b", "v4-8", "data=1,model=4", 4.92))]
+    assert before[0]["command"].endswith("--lora-impl beside") and gp.lora_impl(before[0]) == "beside"
+    assert gp.planned_beside(before[0]) == before[0]  # said once
+    now = [_row("gemma4-e2b", "v4-8", total=11.5), _row("gemma4-e2b", "v4-8", "data=2,model=2", 11.0)]
+    text = gp.table(before + now)
+    # one line of the default table: --lora-impl is not a flag of the row's label
+    e2b, = (line for line in text.split("\n\n")[0].splitlines() if line.startswith("| gemma4-e2b |"))
+    v5, v4 = e2b.split(" | ")[1:3]
+    assert "10.10 of 16" in v5 and "planned with `--lora-impl beside`, the default before" in v5, v5
+    assert "11.50 of 16" in v4 and "beside" not in v4, v4
+    sweep = {line.split(" | ")[2]: line for line in text.splitlines() if line.startswith("| gemma4-e2b | v4-8 | data")}
+    assert "11.50 GiB" in sweep["data=4,model=1 (the default command's row)"]
+    assert "11.00 GiB" in sweep["data=2,model=2"] and "beside" not in sweep["data=2,model=2"]
+    assert "4.92 GiB" in sweep["data=1,model=4"] and "`--lora-impl beside`" in sweep["data=1,model=4"]

@@ -11,6 +11,7 @@ time then includes the data-only compile) and `ran`, how the sweep ran it.
     python -m bench.compiler.gemma_plans --out plans.jsonl [--sizes gemma4-e2b,...] [--accelerators v5litepod-8,v4-8]
         [--model-sweep [--models 2,4,8]] [-- EXTRA LORA FLAGS]
     python -m bench.compiler.gemma_plans --table plans.jsonl      # the markdown tables from a file
+        [--planned-beside OLDER.jsonl]    # and the rows planned when `--lora-impl beside` was the default
 
 The compiler's count (libtpu, no chip). Each row keeps its command, the plan's wall time, the CPU seconds the
 plan's processes used (user + sys: what a busier machine does not change) and the 1-minute load before and after:
@@ -122,17 +123,41 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
                             f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
                             f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
+    if _impl_note(p):
+        parts.append(_impl_note(p))
     return "; ".join(parts)
 
 
 def extra_flags(row: dict) -> str:
-    """The lora flags a row's command adds to the default command (e.g. '--batch-size 8'), '' for the default."""
+    """The lora flags a row's command adds to the default command (e.g. '--batch-size 8'), '' for the default;
+    not its --mesh (the sweep's column) nor its --lora-impl (said in its cell: the same row planned either way)."""
     argv = shlex.split(row.get("command", ""))
     tail = argv[argv.index("gs://b/l") + 1:] if "gs://b/l" in argv else []
-    if "--mesh" in tail:
-        i = tail.index("--mesh")
-        tail = tail[:i] + tail[i + 2:]
+    for flag in ("--mesh", IMPL):
+        while flag in tail:
+            i = tail.index(flag)
+            tail = tail[:i] + tail[i + 2:]
     return shlex.join(tail)
+
+
+IMPL = "--lora-impl"
+
+
+def lora_impl(row: dict) -> str | None:
+    """The --lora-impl a row's command names (None: the default of the commit it ran at)."""
+    argv = shlex.split(row.get("command", ""))
+    return argv[argv.index(IMPL) + 1] if IMPL in argv[:-1] else None
+
+
+def _impl_note(row: dict) -> str:
+    impl = lora_impl(row)
+    return "" if impl is None else f"planned with `{IMPL} {impl}`" + (", the default before" if impl == "beside" else "")
+
+
+def planned_beside(row: dict) -> dict:
+    """A row planned when `beside` was the default (before `stacked`): its command with `--lora-impl beside`, the
+    command that plans the same step now."""
+    return row if lora_impl(row) else {**row, "command": row["command"] + f" {IMPL} beside"}
 
 
 def _rows_label(row: dict) -> str:
@@ -188,7 +213,8 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['size']} | {r['accelerator']} | {r['sweep_mesh']} | "
                        + (f"error: {r['error']}" if "error" in r else
                           f"{d.get('total_bytes', 0) / GIB:.2f} GiB ({d.get('params_bytes', 0) / GIB:.2f}, "
-                          f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}")
+                          f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}"
+                          + (f"; {_impl_note(r)}" if _impl_note(r) else ""))
                        + f" | {'' if not step else f'{step * 1e3:.0f} ms'} |")
     return "\n".join(out)
 
@@ -205,9 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --model-sweep, only the meshes of these model sizes (model=1 is the default mesh's "
                         "step: the table takes the default row for it when the sweep has none)")
     p.add_argument("--table", metavar="FILE", help="print the tables of a JSON-lines file and exit")
+    p.add_argument("--planned-beside", metavar="FILE", action="append", default=[],
+                   help="with --table, also the rows of FILE, planned when `--lora-impl beside` was the default: "
+                        "their commands say it; a row of --table's FILE replaces the one of the same command")
     opts = p.parse_args(own)
     if opts.table:
-        print(table([json.loads(line) for line in open(opts.table) if line.strip()]))
+        old = [planned_beside(json.loads(line)) for f in opts.planned_beside for line in open(f) if line.strip()]
+        print(table(old + [json.loads(line) for line in open(opts.table) if line.strip()]))
         return 0
     if not opts.out:
         p.error("--out FILE (or --table FILE)")
