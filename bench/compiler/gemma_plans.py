@@ -57,6 +57,15 @@ def sweep_run(argv: list[str]) -> list[str]:
     return [a for a in argv if a != "--no-cache"]
 
 
+def _commit() -> str | None:
+    """The checkout's commit the plan ran at (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        return None
+
+
 def plan_one(argv: list[str], cache_home: str | None = None) -> dict:
     """Run one plan (argv: the command a user runs for it); its JSON with what it cost. cache_home: run it without
     --no-cache against that TPUCTL_HOME's plan cache (a sweep's own) instead."""
@@ -73,7 +82,7 @@ def plan_one(argv: list[str], cache_home: str | None = None) -> dict:
     cost = {"wall_s": round(wall, 1), "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime -
                                                       before.ru_stime, 1),
             "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
-            "command": shlex.join(argv),
+            "command": shlex.join(argv), "commit": _commit(),
             **({} if cache_home is None else {"ran": "TPUCTL_HOME=(the sweep's fresh plan cache) " + shlex.join(run)})}
     try:
         return {**json.loads(proc.stdout), **cost}
