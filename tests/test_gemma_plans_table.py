@@ -43,3 +43,41 @@ def test_the_sweep_takes_model_1_from_the_default_row_and_a_one_row_plan_is_a_lo
     e4b, big = lines  # the sizes in gemma_plans.SIZES' order
     assert "13.10 GiB" in big and "the default command's row" in big, lines
     assert "5.45 GiB" in e4b and "the default command's row" not in e4b, lines
+
+
+def test_a_sweep_plans_model_1_first_against_its_own_cache_and_records_the_cold_command(tmp_path):
+    """Each slice's meshes from model=1 up (a model > 1 plan's data-only step is then in the sweep's cache); a row
+    runs without --no-cache with TPUCTL_HOME the sweep's, and records the command a user runs (with --no-cache)."""
+    assert gp.jobs(["gemma4-e2b"], ["v4-8", "v5litepod-8"], True, [1, 2, 4]) == [
+        ("gemma4-e2b", "v4-8", "data=4,model=1"), ("gemma4-e2b", "v4-8", "data=2,model=2"),
+        ("gemma4-e2b", "v4-8", "data=1,model=4"), ("gemma4-e2b", "v5litepod-8", "data=8,model=1"),
+        ("gemma4-e2b", "v5litepod-8", "data=4,model=2"), ("gemma4-e2b", "v5litepod-8", "data=2,model=4")]
+    assert gp.jobs(["gemma4-e2b"], ["v4-8"], False) == [("gemma4-e2b", "v4-8", "")]
+    # a real process standing in for tpuctl: it prints, as the plan's JSON, the cache it was given and its arguments
+    echo = ["sh", "-c", 'printf \'{"home": "%s", "args": "%s"}\' "$TPUCTL_HOME" "$*"', "sh", "--no-cache", "--json"]
+    row = gp.plan_one(echo, cache_home=str(tmp_path))
+    assert row["home"] == str(tmp_path) and row["args"] == "--json", row
+    assert "--no-cache" in row["command"] and "--no-cache" not in row["ran"], row
+    cold = gp.plan_one(echo)
+    assert cold["args"] == "--no-cache --json" and "ran" not in cold, cold
+
+
+def test_a_row_planned_when_beside_was_the_default_says_so_until_planned_again():
+    """Rows from before `--lora-impl stacked` was the default carry `--lora-impl beside` in their command and cell;
+    a row planned since (the plain command) replaces the one of the same size, flags, slice and mesh."""
+    before = [gp.planned_beside(r) for r in (
+        _row("gemma4-e2b", "v4-8", total=11.7), _row("gemma4-e2b", "v5litepod-8", total=10.1),
+        _row("gemma4-e2b", "v4-8", "data=2,model=2", 12.19), _row("gemma4-e2b", "v4-8", "data=1,model=4", 4.92))]
+    assert before[0]["command"].endswith("--lora-impl beside") and gp.lora_impl(before[0]) == "beside"
+    assert gp.planned_beside(before[0]) == before[0]  # said once
+    now = [_row("gemma4-e2b", "v4-8", total=11.5), _row("gemma4-e2b", "v4-8", "data=2,model=2", 11.0)]
+    text = gp.table(before + now)
+    # one line of the default table: --lora-impl is not a flag of the row's label
+    e2b, = (line for line in text.split("\n\n")[0].splitlines() if line.startswith("| gemma4-e2b |"))
+    v5, v4 = e2b.split(" | ")[1:3]
+    assert "10.10 of 16" in v5 and "planned with `--lora-impl beside`, the default before" in v5, v5
+    assert "11.50 of 16" in v4 and "beside" not in v4, v4
+    sweep = {line.split(" | ")[2]: line for line in text.splitlines() if line.startswith("| gemma4-e2b | v4-8 | data")}
+    assert "11.50 GiB" in sweep["data=4,model=1 (the default command's row)"]
+    assert "11.00 GiB" in sweep["data=2,model=2"] and "beside" not in sweep["data=2,model=2"]
+    assert "4.92 GiB" in sweep["data=1,model=4"] and "`--lora-impl beside`" in sweep["data=1,model=4"]

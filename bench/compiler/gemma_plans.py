@@ -2,9 +2,16 @@
 --model-sweep, on each data x model mesh of the slice's devices), each compiled cold (--no-cache) in its own
 process, timed, and written to a JSON-lines file as it finishes (a run cut short keeps what it planned).
 
+A plan at model > 1 also compiles its step on data alone (its `mesh:` comparison), which is the sweep's model=1
+step: a sweep plans its meshes from model=1 up against a plan cache of its own (TPUCTL_HOME, a fresh temporary
+directory), so each mesh's own step is compiled cold and only that data-only step, after its first compile, is
+read from the sweep's cache. Each row keeps the command a user runs for the same figures (with --no-cache; its wall
+time then includes the data-only compile) and `ran`, how the sweep ran it.
+
     python -m bench.compiler.gemma_plans --out plans.jsonl [--sizes gemma4-e2b,...] [--accelerators v5litepod-8,v4-8]
         [--model-sweep [--models 2,4,8]] [-- EXTRA LORA FLAGS]
     python -m bench.compiler.gemma_plans --table plans.jsonl      # the markdown tables from a file
+        [--planned-beside OLDER.jsonl]    # and the rows planned when `--lora-impl beside` was the default
 
 The compiler's count (libtpu, no chip). Each row keeps its command, the plan's wall time, the CPU seconds the
 plan's processes used (user + sys: what a busier machine does not change) and the 1-minute load before and after:
@@ -13,6 +20,7 @@ a wall time counts only at a load under 2 on the 2-core machine the goal names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -20,6 +28,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 SIZES = ("gemma4-e2b", "gemma4-e4b", "gemma4-31b", "gemma4-26b-a4b")
@@ -43,20 +52,38 @@ def command(accelerator: str, size: str, extra: list[str], mesh: str = "") -> li
             *(["--mesh", mesh] if mesh else []), *extra]
 
 
-def plan_one(argv: list[str]) -> dict:
-    """Run one plan; its JSON with what it cost."""
+def sweep_run(argv: list[str]) -> list[str]:
+    """A sweep's way to run a row's command: with the plan cache (the sweep's own, fresh) instead of --no-cache."""
+    return [a for a in argv if a != "--no-cache"]
+
+
+def _commit() -> str | None:
+    """The checkout's commit the plan ran at (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def plan_one(argv: list[str], cache_home: str | None = None) -> dict:
+    """Run one plan (argv: the command a user runs for it); its JSON with what it cost. cache_home: run it without
+    --no-cache against that TPUCTL_HOME's plan cache (a sweep's own) instead."""
+    run = argv if cache_home is None else sweep_run(argv)
+    env = None if cache_home is None else {**os.environ, "TPUCTL_HOME": cache_home}
     load0 = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     # the venv's own tpuctl (its bin beside this python), as the command in the table reads
-    exe = os.path.join(os.path.dirname(sys.executable), argv[0])
-    proc = subprocess.run([exe if os.path.exists(exe) else argv[0], *argv[1:]], capture_output=True, text=True)
+    exe = os.path.join(os.path.dirname(sys.executable), run[0])
+    proc = subprocess.run([exe if os.path.exists(exe) else run[0], *run[1:]], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cost = {"wall_s": round(wall, 1), "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime -
                                                       before.ru_stime, 1),
             "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
-            "command": shlex.join(argv)}
+            "command": shlex.join(argv), "commit": _commit(),
+            **({} if cache_home is None else {"ran": "TPUCTL_HOME=(the sweep's fresh plan cache) " + shlex.join(run)})}
     try:
         return {**json.loads(proc.stdout), **cost}
     except json.JSONDecodeError:
@@ -105,17 +132,41 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
                             f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
                             f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
+    if _impl_note(p):
+        parts.append(_impl_note(p))
     return "; ".join(parts)
 
 
 def extra_flags(row: dict) -> str:
-    """The lora flags a row's command adds to the default command (e.g. '--batch-size 8'), '' for the default."""
+    """The lora flags a row's command adds to the default command (e.g. '--batch-size 8'), '' for the default;
+    not its --mesh (the sweep's column) nor its --lora-impl (said in its cell: the same row planned either way)."""
     argv = shlex.split(row.get("command", ""))
     tail = argv[argv.index("gs://b/l") + 1:] if "gs://b/l" in argv else []
-    if "--mesh" in tail:
-        i = tail.index("--mesh")
-        tail = tail[:i] + tail[i + 2:]
+    for flag in ("--mesh", IMPL):
+        while flag in tail:
+            i = tail.index(flag)
+            tail = tail[:i] + tail[i + 2:]
     return shlex.join(tail)
+
+
+IMPL = "--lora-impl"
+
+
+def lora_impl(row: dict) -> str | None:
+    """The --lora-impl a row's command names (None: the default of the commit it ran at)."""
+    argv = shlex.split(row.get("command", ""))
+    return argv[argv.index(IMPL) + 1] if IMPL in argv[:-1] else None
+
+
+def _impl_note(row: dict) -> str:
+    impl = lora_impl(row)
+    return "" if impl is None else f"planned with `{IMPL} {impl}`" + (", the default before" if impl == "beside" else "")
+
+
+def planned_beside(row: dict) -> dict:
+    """A row planned when `beside` was the default (before `stacked`): its command with `--lora-impl beside`, the
+    command that plans the same step now."""
+    return row if lora_impl(row) else {**row, "command": row["command"] + f" {IMPL} beside"}
 
 
 def _rows_label(row: dict) -> str:
@@ -171,7 +222,8 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['size']} | {r['accelerator']} | {r['sweep_mesh']} | "
                        + (f"error: {r['error']}" if "error" in r else
                           f"{d.get('total_bytes', 0) / GIB:.2f} GiB ({d.get('params_bytes', 0) / GIB:.2f}, "
-                          f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}")
+                          f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}"
+                          + (f"; {_impl_note(r)}" if _impl_note(r) else ""))
                        + f" | {'' if not step else f'{step * 1e3:.0f} ms'} |")
     return "\n".join(out)
 
@@ -188,25 +240,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --model-sweep, only the meshes of these model sizes (model=1 is the default mesh's "
                         "step: the table takes the default row for it when the sweep has none)")
     p.add_argument("--table", metavar="FILE", help="print the tables of a JSON-lines file and exit")
+    p.add_argument("--planned-beside", metavar="FILE", action="append", default=[],
+                   help="with --table, also the rows of FILE, planned when `--lora-impl beside` was the default: "
+                        "their commands say it; a row of --table's FILE replaces the one of the same command")
     opts = p.parse_args(own)
     if opts.table:
-        print(table([json.loads(line) for line in open(opts.table) if line.strip()]))
+        old = [planned_beside(json.loads(line)) for f in opts.planned_beside for line in open(f) if line.strip()]
+        print(table(old + [json.loads(line) for line in open(opts.table) if line.strip()]))
         return 0
     if not opts.out:
         p.error("--out FILE (or --table FILE)")
+    if not re.fullmatch(r"(\d+(,\d+)*)?", opts.models):
+        p.error(f"--models {opts.models}: give model sizes separated by commas, e.g. --models 2,4,8")
     rows = []
-    for size in opts.sizes.split(","):
-        for acc in opts.accelerators.split(","):
-            wanted = {f"model={m}" for m in opts.models.split(",") if m}
-            for mesh in ([m for m in meshes(DEVICES[acc]) if not wanted or m.split(",")[1] in wanted]
-                         if opts.model_sweep else [""]):
-                row = {"size": size, "accelerator": acc, "sweep_mesh": mesh, **plan_one(command(acc, size, extra, mesh))}
-                rows.append(row)
-                with open(opts.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(f"{size} {acc} {mesh or 'default mesh'}: {_cell(row)}", flush=True)
+    with (tempfile.TemporaryDirectory(prefix="gemma-sweep-") if opts.model_sweep else contextlib.nullcontext()) as home:
+        for size, acc, mesh in jobs(opts.sizes.split(","), opts.accelerators.split(","), opts.model_sweep,
+                                    [int(m) for m in opts.models.split(",") if m]):
+            row = {"size": size, "accelerator": acc, "sweep_mesh": mesh,
+                   **plan_one(command(acc, size, extra, mesh), cache_home=home)}
+            rows.append(row)
+            with open(opts.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{size} {acc} {mesh or 'default mesh'}: {_cell(row)}", flush=True)
     print(table(rows))
     return 0
+
+
+def jobs(sizes: list[str], accelerators: list[str], sweep: bool, models: list[int] = ()) -> list[tuple[str, str, str]]:
+    """(size, accelerator, mesh) in the order planned: each slice's meshes from model=1 up ('' the default mesh),
+    so the data-only step a model > 1 plan compiles is the sweep's model=1 row (or its first plan's) already cached."""
+    return [(size, acc, mesh) for size in sizes for acc in accelerators
+            for mesh in ([m for m in meshes(DEVICES[acc]) if not models or int(m.split("model=")[1]) in models]
+                         if sweep else [""])]
 
 
 if __name__ == "__main__":
