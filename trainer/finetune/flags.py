@@ -85,8 +85,8 @@ LORA_HELP = {
                        "dropped; 0 = dropless (a static buffer of the worst case: 8x the even share on 8 devices)",
     "lora_impl": "stacked or beside: how the adapters of k and v, and of gate and up, are applied; stacked adds "
                  "each pair's in one batched matmul to the base's stacked output, beside each apart (the same "
-                 "arithmetic; stacked makes fewer passes over the MLP's activations: 2 to 5 percent faster in less memory on a "
-                 "v5e chip)",
+                 "arithmetic; stacked makes fewer passes over the MLP's activations: 2 to 5 percent faster in less "
+                 "memory on a v5e chip)",
     "profile": "START:END: every process records a jax.profiler trace of steps START to END-1 into "
                "<ckpt-dir>/profiles/<run id>/ (TensorBoard's profile layout; e.g. 5:8 traces steps 5, 6 and 7)",
 }
