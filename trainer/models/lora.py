@@ -198,11 +198,8 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
         if name in _PAIRS:
             if not paired(i, name) or y.shape[0] != 2:
                 return y
-            t = TARGETS[_PAIRS[name][0]]
-            a = as_applied(jnp.stack([lora[f"layers.{i}.{n}.a"] for n in _PAIRS[name]]),
-                           (None, *t.in_axes, None))  # [2, in, r]
-            b = as_applied(jnp.stack([lora[f"layers.{i}.{n}.b"] for n in _PAIRS[name]]),
-                           (None, None, *t.out_axes))  # [2, r, *out]
+            a, b = (jnp.stack([lora[f"layers.{i}.{n}.{w}"] for n in _PAIRS[name]]) for w in ("a", "b"))
+            a, b = pair_as_applied(TARGETS[_PAIRS[name][0]], a, b, lead=(None,))  # [2, in, r], [2, r, *out]
             h = jnp.einsum("btd,cdr->cbtr", x.astype(jnp.float32), a)
             d = jnp.einsum("cbtr,crf->cbtf", h, b) if b.ndim == 3 else jnp.einsum("cbtr,crkh->cbtkh", h, b)
             return y + (lc.scale * d).astype(y.dtype)
@@ -212,10 +209,8 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
         a = lora.get(f"layers.{i}.{name}.a")
         if a is None:
             return y
-        t = TARGETS[name]
-        lead = () if groups is None else (None,)  # an expert target's E dim
-        a = as_applied(a, (*lead, *t.in_axes, None))
-        b = as_applied(lora[f"layers.{i}.{name}.b"], (*lead, None, *t.out_axes))
+        a, b = pair_as_applied(TARGETS[name], a, lora[f"layers.{i}.{name}.b"],
+                               lead=() if groups is None else (None,))  # an expert target's E dim
         if dropout_key is not None and lc.dropout > 0:
             k = jax.random.fold_in(jax.random.fold_in(dropout_key, i), list(TARGETS).index(name))
             keep = jax.random.bernoulli(k, 1.0 - lc.dropout, x.shape)
@@ -246,6 +241,11 @@ def as_applied(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     # an axis of one device splits nothing: the same constraint as whole, so a data-only step is unchanged
     spec = [None if all(shape[n] == 1 for n in ((p,) if isinstance(p, str) else p or ())) else p for p in spec]
     return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec(*spec))
+
+
+def pair_as_applied(t: Target, a: jax.Array, b: jax.Array, lead: tuple = ()) -> tuple[jax.Array, jax.Array]:
+    """A and B of target t, each as_applied; lead: their leading dims' axes (an expert's E, a stacked pair's 2)."""
+    return as_applied(a, (*lead, *t.in_axes, None)), as_applied(b, (*lead, None, *t.out_axes))
 
 
 def delta(lc: LoraConfig, lora: dict[str, jax.Array], i: int, name: str) -> jax.Array:
