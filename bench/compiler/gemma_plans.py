@@ -36,6 +36,7 @@ ACCELERATORS = ("v5litepod-8", "v4-8")
 DEVICES = {"v5litepod-8": 8, "v4-8": 4}
 LORA = ["--rank", "8", "--targets", "all", "--weights", "gs://b/g", "--data", "gs://b/t.jsonl", "--ckpt-dir", "gs://b/l"]
 GIB = 2 ** 30
+IMPL = "--lora-impl"
 
 
 def meshes(devices: int) -> list[str]:
@@ -57,18 +58,10 @@ def sweep_run(argv: list[str]) -> list[str]:
     return [a for a in argv if a != "--no-cache"]
 
 
-def _commit() -> str | None:
-    """The checkout's commit the plan ran at (None outside a git checkout)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def plan_one(argv: list[str], cache_home: str | None = None) -> dict:
     """Run one plan (argv: the command a user runs for it); its JSON with what it cost. cache_home: run it without
     --no-cache against that TPUCTL_HOME's plan cache (a sweep's own) instead."""
+    from bench.tpu.plans import commit  # the commit a plan ran at, as the chip check's plans record theirs
     run = argv if cache_home is None else sweep_run(argv)
     env = None if cache_home is None else {**os.environ, "TPUCTL_HOME": cache_home}
     load0 = os.getloadavg()[0]
@@ -82,7 +75,7 @@ def plan_one(argv: list[str], cache_home: str | None = None) -> dict:
     cost = {"wall_s": round(wall, 1), "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime -
                                                       before.ru_stime, 1),
             "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
-            "command": shlex.join(argv), "commit": _commit(),
+            "command": shlex.join(argv), "commit": commit(),
             **({} if cache_home is None else {"ran": "TPUCTL_HOME=(the sweep's fresh plan cache) " + shlex.join(run)})}
     try:
         return {**json.loads(proc.stdout), **cost}
@@ -132,8 +125,9 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
                             f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
                             f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
-    if _impl_note(p):
-        parts.append(_impl_note(p))
+    note = _impl_note(p)
+    if note:
+        parts.append(note)
     return "; ".join(parts)
 
 
@@ -147,9 +141,6 @@ def extra_flags(row: dict) -> str:
             i = tail.index(flag)
             tail = tail[:i] + tail[i + 2:]
     return shlex.join(tail)
-
-
-IMPL = "--lora-impl"
 
 
 def lora_impl(row: dict) -> str | None:
@@ -219,11 +210,12 @@ def table(rows: list[dict]) -> str:
         for r in sweep:
             d = r.get("per_device", {})
             step = (r.get("timing") or {}).get("step_s")
+            note = _impl_note(r)
             out.append(f"| {r['size']} | {r['accelerator']} | {r['sweep_mesh']} | "
                        + (f"error: {r['error']}" if "error" in r else
                           f"{d.get('total_bytes', 0) / GIB:.2f} GiB ({d.get('params_bytes', 0) / GIB:.2f}, "
                           f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}"
-                          + (f"; {_impl_note(r)}" if _impl_note(r) else ""))
+                          + (f"; {note}" if note else ""))
                        + f" | {'' if not step else f'{step * 1e3:.0f} ms'} |")
     return "\n".join(out)
 
