@@ -39,14 +39,14 @@ def test_the_v5e_record_reads_back_with_the_plan_within_15_percent_of_every_meas
 
 def test_its_steps_lora_and_profile_sections_run_on_the_cpu_at_tiny_sizes(tmp_path):
     """The code a TPU host runs, at tiny sizes on the CPU (figures that mean nothing): our step beside the seed's,
-    the LoRA steps from random weights, a trace and its summary, the kernels against their references, one choice,
-    one table and the JSON."""
+    the LoRA steps from random weights (each traced, `--trace`, and its trace read by `--summarize`), a trace and its
+    summary, the kernels against their references, one choice, one table and the JSON."""
     import os
     out = tmp_path / "out"
     e = {**os.environ, "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-m", "bench.tpu", "--cpu", "--quick", "--out", str(out), "--only", "steps",
                         "--only", "lora", "--only", "profile", "--only", "kernels", "--only", "choices",
-                        "--choice", "resident, block 256"], cwd=REPO, env=e, capture_output=True, text=True,
+                        "--choice", "resident, block 256", "--trace"], cwd=REPO, env=e, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads((out / "tpu-check.json").read_text())
@@ -58,6 +58,16 @@ def test_its_steps_lora_and_profile_sections_run_on_the_cpu_at_tiny_sizes(tmp_pa
     assert prof["ok"] and prof["figures"]["summary"]["hardware"] == "CPU_ONLY"
     assert (out / "profile-gpt2-124m-b8.xplane.pb").exists() and not data["failed"]
     assert "[steps]" in p.stdout and "[lora]" in p.stdout and "ours / seed at batch 16" in p.stdout
+    lora_rows = [r for r in data["rows"] if r["section"] == "lora" and r["figures"].get("peer") != "tunix"]
+    assert all((out / r["figures"]["trace"]).exists() for r in lora_rows), lora_rows
+    read = subprocess.run([sys.executable, "-m", "bench.tpu", "--summarize", str(out)], cwd=REPO, env=e,
+                          capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr[-3000:]
+    summed = [r for r in json.loads((out / "tpu-check.json").read_text())["rows"]
+              if r["section"] == "lora" and r["figures"].get("trace")]
+    assert len(summed) == len(lora_rows) >= 2
+    assert all(r["figures"]["profile"]["top_ops"] for r in summed), summed
+    assert f"{lora_rows[0]['name']}:" in read.stdout and " 1. " in read.stdout
     # The kernels against their references (interpreted here), the resident attention kernel among them, and a
     # choice picked by name: the rows a chip's next run of `--choice resident` fills in.
     kernels = {r["name"]: r for r in data["rows"] if r["section"] == "kernels"}

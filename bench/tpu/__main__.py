@@ -31,6 +31,9 @@ def parse(argv):
     p.add_argument("--plan-ahead", metavar="FILE", help="on any machine with libtpu (no chip): compile each row's "
                                                         "step for one v5e chip and write its plan to FILE "
                                                         "(--rows chooses rows), then exit")
+    p.add_argument("--trace", action="store_true", help="the LoRA rows also trace two of their steps into OUT "
+                                                         "(trace-ROW.xplane.pb; read by --summarize where xprof "
+                                                         "is installed)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the sections run (no figures)")
     p.add_argument("--cpu", action="store_true", help="run on this host's CPU when it has no TPU (with --quick)")
     p.add_argument("--summarize", metavar="DIR", help="read a check's folder from a TPU host (its tpu-check.json, "
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
     from bench.tpu.common import Settings
     s = Settings(quick=args.quick, out=out, peak=chips.PEAK_FLOPS.get(dev.device_kind),
                  hbm=chips.HBM_BYTES_S.get(dev.device_kind), device_kind=dev.device_kind,
-                 pick=tuple(args.choice), rows=tuple(args.rows))
+                 pick=tuple(args.choice), rows=tuple(args.rows), trace=args.trace)
     about = {"device_kind": dev.device_kind, "devices": jax.device_count(), "backend": jax.default_backend(),
              "versions": versions(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
              "quick": args.quick, "commit": os.environ.get("TPUCTL_COMMIT", ""), "argv": sys.argv[1:]}
@@ -139,6 +142,11 @@ def summarize(folder: str, plans_path: str | None = None) -> int:
         row = dataclasses.asdict(profile.summarize(trace))
         data["rows"] = [r for r in data["rows"] if r["section"] != "profile"] + [row]
         changed = True
+    for r in data["rows"]:  # a row's own trace (--trace), read here where xprof is installed
+        kept = os.path.join(os.path.dirname(path), r.get("figures", {}).get("trace") or "-")
+        if os.path.exists(kept) and "profile" not in r["figures"]:
+            r["figures"]["profile"] = profile.summarize_ops(kept)
+            changed = True
     if plans_path:
         plans.join(data["rows"], plans.load(plans_path))
         changed = True
@@ -147,6 +155,9 @@ def summarize(folder: str, plans_path: str | None = None) -> int:
         with open(path, "w") as f:  # the summary and the plans join the record they were read beside
             json.dump(data, f, indent=1, default=float)
     print(report.render(data))
+    for r in data["rows"]:
+        if "profile" in r.get("figures", {}):
+            print(profile.describe_ops(r["name"], r["figures"]["profile"]))
     return 0
 
 

@@ -17,6 +17,8 @@ class Settings:
     pick: tuple = ()     # the choices section's alternatives whose names hold one of these (all when empty)
     rows: tuple = ()     # in every section, only the rows whose names hold one of these (all when empty; "=NAME":
     #                      that name exactly)
+    trace: bool = False  # the LoRA rows also trace two of their steps (profile.row_trace), read by --summarize
+
 
     def wants(self, name: str) -> bool:
         """Whether the row of this name is to be measured in this run (asked before it is built)."""

@@ -8,6 +8,7 @@ Each row says where it is while it works (drawing the base, compiling, timing): 
 time limit shows which row it was in and how far it got."""
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
@@ -85,6 +86,12 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
         return out["loss"]
     first = time_steps(one, 1, block)
     step_s = time_steps(one, reps_for(first), block)
+    traced = {}
+    if s.trace:
+        from bench.tpu import profile
+        say(f"  {name}: tracing two steps")
+        path = profile.trace_steps(one, profile.row_trace(s.out, name))
+        traced = {"trace": os.path.basename(path) if path else None}
     tokens = batch * seq_len
     fpt = aot.lora_flops_per_token(cfg, lora_lib.count(cfg, run.lora), seq_len)
     tps = tokens / step_s
@@ -93,7 +100,7 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
                note=f"attention {steps.attention}, random bf16 base" + (f"; {fields}" if fields else "")
                + ("; the embedding by its vocab rows" if vocab_rows else ""),
                figures={"batch": batch, "seq_len": seq_len, "fields": fields or {}, "loss": float(one()),
-                        "flops_per_token": fpt, **({"layers": layers} if layers else {})})
+                        "flops_per_token": fpt, **({"layers": layers} if layers else {}), **traced})
 
 
 def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
