@@ -4,7 +4,7 @@
 # WHEELS: the project's dependencies as wheels, less what the host has (jax, jaxlib, libtpu, numpy, scipy) and
 # less pandas, which tunix's import needs and the one-chip host's own index holds (12 MB of the 64 MiB a call
 # may carry). They are installed once into /tmp/tpuctl-site, after the host's own packages on PYTHONPATH.
-# RESULTS: where the JSON and the log go; the check's runs (checkpoints of 1.5 GB) stay in /tmp/tpuctl-check.
+# RESULTS: where the JSON, the log and the traces go; the check's runs (checkpoints of 1.5 GB) stay in /tmp/tpuctl-check.
 set -uo pipefail
 wheels=$1 results=$2
 shift 2
@@ -28,3 +28,7 @@ name=${CHECK_NAME:-check}
 python3 -m bench.tpu --out /tmp/tpuctl-check --json "$results/$name.json" "$@" 2>&1 \
   | grep --line-buffered -v "^WARNING: Logging before\|^E0000 .*TPU_WORKER_HOSTNAMES\|Source Location Trace\|libtpu_init_utils" \
   | tee "$results/$name.log"
+rc=${PIPESTATUS[0]}
+# the traces (--trace, the profile section) come back with the JSON, which names them
+for t in /tmp/tpuctl-check/*.xplane.pb; do [ -f "$t" ] && cp "$t" "$results/"; done
+exit "$rc"
