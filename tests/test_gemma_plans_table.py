@@ -53,6 +53,15 @@ def test_a_sweep_plans_model_1_first_against_its_own_cache_and_records_the_cold_
         ("gemma4-e2b", "v4-8", "data=1,model=4"), ("gemma4-e2b", "v5litepod-8", "data=8,model=1"),
         ("gemma4-e2b", "v5litepod-8", "data=4,model=2"), ("gemma4-e2b", "v5litepod-8", "data=2,model=4")]
     assert gp.jobs(["gemma4-e2b"], ["v4-8"], False) == [("gemma4-e2b", "v4-8", "")]
+    # a mesh of model >= 4 is compared with the one before it (half the model), model=2 with data alone (the plan's
+    # default): each doubling of `model` that holds more is explained by its own plan's `mesh:` note
+    assert gp.command("v4-8", "gemma4-e2b", [], "data=1,model=4")[5:9] == ["--no-cache", "--compare-mesh",
+                                                                           "data=2,model=2", "--"]
+    assert "--compare-mesh" not in gp.command("v4-8", "gemma4-e2b", [], "data=2,model=2")
+    assert "--compare-mesh" not in gp.command("v4-8", "gemma4-e2b", [])
+    noted = {**_row("gemma4-e2b", "v4-8", "data=1,model=4"), "mesh_note": "data=1,model=4 holds 0.10 GiB MORE"}
+    line, = (x for x in gp.table([noted]).splitlines() if x.startswith("| gemma4-e2b | v4-8 | data=1,model=4"))
+    assert line.endswith("| data=1,model=4 holds 0.10 GiB MORE |"), line
     # a real process standing in for tpuctl: it prints, as the plan's JSON, the cache it was given and its arguments
     echo = ["sh", "-c", 'printf \'{"home": "%s", "args": "%s"}\' "$TPUCTL_HOME" "$*"', "sh", "--no-cache", "--json"]
     row = gp.plan_one(echo, cache_home=str(tmp_path))

@@ -25,6 +25,7 @@ from _skips import needs_setup
 from orchestrator import catalog, state
 from orchestrator.cli import run_verbs as cli_run
 from orchestrator.plan import step as P
+from orchestrator.spec import UserError
 from orchestrator.cli.app import cli
 from orchestrator.cli.plan_verbs import render
 from trainer.common import aot
@@ -588,13 +589,13 @@ def test_a_model_mesh_that_holds_more_than_data_alone_names_what_grew(monkeypatc
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     p = P.plan("v4-8", [*TP_TINY, "--mesh", "data=2,model=2"], cpu_devices=True)
     d = P.plan("v4-8", [*TP_TINY, "--mesh", "data=4,model=1"], cpu_devices=True)
-    assert d.cached and p.data_only.figures == d.figures
+    assert d.cached and p.compared.figures == d.figures
     c = p.to_json()["mesh_check"]
-    assert (c["mesh"], c["data_only_mesh"]) == ("data=2,model=2", "data=4,model=1")
-    assert c["this"]["total_bytes"] == p.total_bytes and c["data_only"]["total_bytes"] == d.total_bytes
+    assert (c["mesh"], c["compared_mesh"]) == ("data=2,model=2", "data=4,model=1")
+    assert c["this"]["total_bytes"] == p.total_bytes and c["compared"]["total_bytes"] == d.total_bytes
     assert c["more_bytes"] == p.total_bytes - d.total_bytes > 0
-    assert c["this"]["params_bytes"] < c["data_only"]["params_bytes"] and c["this"]["temp_bytes"] > \
-        c["data_only"]["temp_bytes"]
+    assert c["this"]["params_bytes"] < c["compared"]["params_bytes"] and c["this"]["temp_bytes"] > \
+        c["compared"]["temp_bytes"]
     grown = c["grown"]
     assert 1 <= len(grown) <= P.GROWN_SHOWN and all(b["grown_bytes"] > 0 for b in grown)
     top = grown[0]
@@ -604,16 +605,16 @@ def test_a_model_mesh_that_holds_more_than_data_alone_names_what_grew(monkeypatc
     note = P.mesh_note(p)
     assert note.startswith(f"data=2,model=2 holds {P.gib(c['more_bytes'])} MORE per device than data=4,model=1 "
                            f"(data alone): {P.gib(p.total_bytes)} against {P.gib(d.total_bytes)}")
-    assert f"{top['shape']} {P.gib(top['bytes'])} ({P.gib(top['other_bytes'])} on data alone) at {top['source']}" \
-        in note
+    assert f"{top['shape']} {P.gib(top['bytes'])} ({P.gib(top['other_bytes'])} on data=4,model=1) at " \
+        f"{top['source']}" in note
     text = render(p)
     assert f"  mesh: {note}" in text
     spent = p.time_spent()
-    assert spent["data_only"]["mesh"] == "data=4,model=1" and spent["data_only"]["wall_s"] > 0
-    assert spent["total_s"] == round(spent["step_s"] + spent["data_only"]["wall_s"], 2)
-    assert f"comparing with data=4,model=1 {spent['data_only']['wall_s']:.0f}s" in text
+    assert spent["compared"]["mesh"] == "data=4,model=1" and spent["compared"]["wall_s"] > 0
+    assert spent["total_s"] == round(spent["step_s"] + spent["compared"]["wall_s"], 2)
+    assert f"comparing with data=4,model=1 {spent['compared']['wall_s']:.0f}s" in text
     gate = P.plan("v4-8", [*TP_TINY, "--mesh", "data=2,model=2"], cpu_devices=True, alternatives=False)
-    assert gate.cached and gate.data_only is None and P.mesh_note(gate) is None and "mesh:" not in render(gate)
+    assert gate.cached and gate.compared is None and P.mesh_note(gate) is None and "mesh:" not in render(gate)
 
 
 def test_a_model_mesh_that_holds_less_than_data_alone_says_so_and_names_nothing(monkeypatch):
@@ -653,8 +654,53 @@ def test_a_model_mesh_that_holds_less_than_data_alone_says_so_and_names_nothing(
 
     monkeypatch.setattr(P, "compile_figures", refuses)
     p = P.plan("v4-8", ["pretrain", "--mesh", "data=2,model=2"], cpu_devices=True)
-    assert p.data_only is None and P.mesh_check(p)["error"] == "--batch-size 6 does not split over data=4"
+    assert p.compared is None and P.mesh_check(p)["error"] == "--batch-size 6 does not split over data=4"
     assert P.mesh_note(p) == "not compared with data=4,model=1: --batch-size 6 does not split over data=4"
+
+
+def test_compare_mesh_sets_the_mesh_a_step_is_compared_with(monkeypatch):
+    """--compare-mesh: a model=4 step against the mesh with half the model (what one more doubling of `model`
+    costs: the model sweep's question), named as it is (not "data alone"), the grown buffers against it. A mesh
+    that is not data=D,model=M, or the step's own --mesh, is refused before anything compiles; the trainer's
+    default mesh named as the comparison compiles nothing more."""
+    asked = []
+    big = {"bytes": P.GIB, "shape": "f32[2,32,64,10240]", "instruction": "fusion.7", "op_name": "jit(f)/dot",
+           "source": "trainer/models/lora.py:204 (apply)"}
+
+    def fake(a, argv, **kw):
+        mesh = next((argv[i + 1] for i, x in enumerate(argv) if x == "--mesh"), "data=4,model=1")
+        asked.append(mesh)
+        model = int(mesh.split("model=")[1])
+        return _figures(mesh={"data": 4 // model, "model": model}, total_bytes=(10 + model) * P.GIB,
+                        temp_bytes=(6 + model) * P.GIB, params_bytes=2 * P.GIB,
+                        buffers=[{**big, "bytes": big["bytes"] * model}]), False
+
+    monkeypatch.setattr(P, "compile_figures", fake)
+    p = P.plan("v4-8", ["pretrain", "--mesh", "data=1,model=4"], cpu_devices=True, compare_mesh="data=2,model=2")
+    assert asked == ["data=1,model=4", "data=2,model=2"]
+    c = P.mesh_check(p)
+    assert (c["compared_mesh"], c["more_bytes"]) == ("data=2,model=2", 2 * P.GIB)
+    note = P.mesh_note(p)
+    assert note.startswith("data=1,model=4 holds 2.00 GiB MORE per device than data=2,model=2: 14.00 GiB against "
+                           "12.00 GiB"), note
+    assert "data alone" not in note and "f32[2,32,64,10240] 4.00 GiB (2.00 GiB on data=2,model=2) at " \
+        "trainer/models/lora.py:204 (apply)" in note
+    assert p.time_spent()["compared"]["mesh"] == "data=2,model=2"
+    for bad, says in (("2x4", "give a mesh of the slice as data=D,model=M"), ("data=1,model=4", "own --mesh")):
+        asked.clear()
+        with pytest.raises(UserError, match=says):
+            P.plan("v4-8", ["pretrain", "--mesh", "data=1,model=4"], cpu_devices=True, compare_mesh=bad)
+        assert asked == []
+    asked.clear()
+    p = P.plan("v4-8", ["pretrain"], cpu_devices=True, compare_mesh="data=4,model=1")
+    assert asked == ["data=4,model=1"] and p.compared is None and "own (default) mesh" in P.mesh_note(p)
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--compare-mesh", "2x4", "--", "pretrain"])
+    assert res.exit_code == 1 and _error_lines(res) == [
+        "Error: --compare-mesh 2x4: give a mesh of the slice as data=D,model=M, e.g. --compare-mesh data=4,model=2"]
+    res = CliRunner().invoke(cli, ["plan", "-a", "v4-8", "--compare-mesh", "data=4,model=1", "--num-slices", "2",
+                                   "--", "pretrain"])
+    assert res.exit_code == 1 and "--compare-mesh compares meshes of one slice" in res.output
+    assert asked == ["data=4,model=1"]  # neither compiled anything
 
 
 def test_the_buffers_that_grew_are_matched_by_jax_source_across_meshes():

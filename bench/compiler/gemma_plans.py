@@ -2,11 +2,13 @@
 --model-sweep, on each data x model mesh of the slice's devices), each compiled cold (--no-cache) in its own
 process, timed, and written to a JSON-lines file as it finishes (a run cut short keeps what it planned).
 
-A plan at model > 1 also compiles its step on data alone (its `mesh:` comparison), which is the sweep's model=1
-step: a sweep plans its meshes from model=1 up against a plan cache of its own (TPUCTL_HOME, a fresh temporary
-directory), so each mesh's own step is compiled cold and only that data-only step, after its first compile, is
-read from the sweep's cache. Each row keeps the command a user runs for the same figures (with --no-cache; its wall
-time then includes the data-only compile) and `ran`, how the sweep ran it.
+A plan at model > 1 also compiles its step on another mesh and compares the two (its `mesh:` note: which holds
+more a device, and what grew). In a sweep that is the mesh before it, with half the model (`--compare-mesh`; at
+model=2 data alone), so each step of `model`'s doubling that holds more is explained by the plan itself. A sweep
+plans its meshes from model=1 up against a plan cache of its own (TPUCTL_HOME, a fresh temporary directory), so
+each mesh's own step is compiled cold and the mesh it is compared with is read from the sweep's cache. Each row
+keeps the command a user runs for the same figures (with --no-cache; its wall time then includes the compared
+mesh's compile) and `ran`, how the sweep ran it.
 
     python -m bench.compiler.gemma_plans --out plans.jsonl [--sizes gemma4-e2b,...] [--accelerators v5litepod-8,v4-8]
         [--model-sweep [--models 2,4,8]] [-- EXTRA LORA FLAGS]
@@ -49,8 +51,17 @@ def meshes(devices: int) -> list[str]:
 
 
 def command(accelerator: str, size: str, extra: list[str], mesh: str = "") -> list[str]:
-    return ["tpuctl", "plan", "-a", accelerator, "--json", "--no-cache", "--", "lora", "--model", size, *LORA,
-            *(["--mesh", mesh] if mesh else []), *extra]
+    return ["tpuctl", "plan", "-a", accelerator, "--json", "--no-cache", *_compare(mesh), "--", "lora", "--model",
+            size, *LORA, *(["--mesh", mesh] if mesh else []), *extra]
+
+
+def _compare(mesh: str) -> list[str]:
+    """A sweep's mesh with model >= 4 is compared with the mesh of half its model (model=2's is data alone, the
+    plan's own default comparison)."""
+    m = re.fullmatch(r"data=(\d+),model=(\d+)", mesh)
+    if not m or int(m.group(2)) < 4:
+        return []
+    return ["--compare-mesh", f"data={2 * int(m.group(1))},model={int(m.group(2)) // 2}"]
 
 
 def sweep_run(argv: list[str]) -> list[str]:
@@ -206,7 +217,8 @@ def table(rows: list[dict]) -> str:
     sweep.sort(key=lambda r: (SIZES.index(r["size"]) if r["size"] in SIZES else 99, r["accelerator"],
                               int(re.search(r"model=(\d+)", r["sweep_mesh"]).group(1))))
     if sweep:
-        out += ["", "| size | slice | mesh | per device: total (params, temporaries) | step |", "|---|---|---|---|---|"]
+        out += ["", "| size | slice | mesh | per device: total (params, temporaries) | step | against the mesh before "
+                "(the plan's `mesh:` note) |", "|---|---|---|---|---|---|"]
         for r in sweep:
             d = r.get("per_device", {})
             step = (r.get("timing") or {}).get("step_s")
@@ -216,7 +228,7 @@ def table(rows: list[dict]) -> str:
                           f"{d.get('total_bytes', 0) / GIB:.2f} GiB ({d.get('params_bytes', 0) / GIB:.2f}, "
                           f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}"
                           + (f"; {note}" if note else ""))
-                       + f" | {'' if not step else f'{step * 1e3:.0f} ms'} |")
+                       + f" | {'' if not step else f'{step * 1e3:.0f} ms'} | {r.get('mesh_note') or ''} |")
     return "\n".join(out)
 
 

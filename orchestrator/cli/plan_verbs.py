@@ -33,10 +33,14 @@ DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1
               help="Multislice: N slices of ACCELERATOR joined by DCN (--mesh is one slice's): the step compiled "
                    "over the hybrid mesh (dcn=N), the collectives that cross slices and their bytes per step, and "
                    "the gradient all-reduce's time over DCN.")
+@click.option("--compare-mesh", metavar="data=D,model=M", default=None,
+              help="Also compile the same step on this mesh of the slice and say which holds more a device, naming "
+                   "the buffers that grew (default for a --mesh with model > 1: all devices on data; e.g. the mesh "
+                   "with half the model, to see what one more doubling of `model` costs).")
 @click.option("--dcn-gbps", type=float, default=None,
               help="With --num-slices: the DCN bandwidth per host assumed for the all-reduce's time (Gbit/s, "
                    "default 100).")
-def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, dcn_gbps):
+def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices, compare_mesh, dcn_gbps):
     """Compile the trainer's real train step for ACCELERATOR's TPU topology on this machine (no TPU, no
     weights, no data) and say whether it fits, what would, and what the run costs.
 
@@ -55,7 +59,8 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
     a lower bound (the FLOPs at the chip's peak or the bytes at its HBM bandwidth, whichever is longer: which
     one bounds the step, and their ratio r), and at --mfu; tokens/s, wall time and $ (list price, on-demand
     and spot) for both. A --mesh with model > 1 is compared with the same step compiled on data alone (one more
-    compile): which holds more a device, and where model > 1 does, the buffers that grew, by jax source.
+    compile; --compare-mesh names another mesh): which holds more a device, and where this mesh does, the
+    buffers that grew, by jax source.
     Exit 0: fits; 3: does not fit; 1: bad input.
     """
     from orchestrator.cli.options import StatusLine, TpuctlError
@@ -67,6 +72,9 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
         with StatusLine(quiet=False) as line:
             from orchestrator import provider  # the TPU API client: loaded by the verb that asks it
             cpu_devices = provider.chosen(local).cpu_devices
+            if compare_mesh is not None and (num_slices != 1 or dcn_gbps is not None):
+                raise UserError("--compare-mesh compares meshes of one slice: leave out --num-slices and "
+                                "--dcn-gbps, or --compare-mesh")
             if num_slices != 1 or dcn_gbps is not None:
                 from orchestrator.plan import dcn as plan_dcn
                 p = plan_dcn.plan(accelerator, list(command), num_slices, cpu_devices=cpu_devices, steps=steps,
@@ -75,7 +83,7 @@ def plan(command, accelerator, steps, mfu, local, no_cache, as_json, num_slices,
                 text = p.render
             else:
                 p = P.plan(accelerator, list(command), cpu_devices=cpu_devices, steps=steps, mfu=mfu, progress=line,
-                           use_cache=not no_cache)
+                           use_cache=not no_cache, compare_mesh=compare_mesh)
                 text = lambda: render(p)  # noqa: E731
     except UserError as e:
         raise TpuctlError(str(e)) from None
@@ -109,8 +117,8 @@ def _time_spent(p: P.Plan) -> list[str]:
     parts += [f"checking {c['change']} {c['wall_s']:.0f}s" for c in t["suggestion_checks"]]
     if t["next_size"]:
         parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
-    if t["data_only"]:
-        parts.append(f"comparing with {t['data_only']['mesh']} {t['data_only']['wall_s']:.0f}s")
+    if t["compared"]:
+        parts.append(f"comparing with {t['compared']['mesh']} {t['compared']['wall_s']:.0f}s")
     peak = (f"; host memory: {memory_watch.gb(t['peak_rss_bytes'])} at the peak of a compile process"
             if t["peak_rss_bytes"] else "")
     out = [f"  this plan took {t['total_s']:.0f}s: " + "; ".join(parts) + peak]

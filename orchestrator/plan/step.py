@@ -68,10 +68,12 @@ class Plan:
     cached: bool = False
     suggestions: list[Suggestion] = field(default_factory=list)
     alternative: "Plan | None" = None  # the next accelerator size that fits, compiled
-    # with model > 1: the same step compiled with all of the slice's devices on data (mesh_check); the PlanError's
-    # message when the trainer or compiler would not build it
-    data_only: "Plan | None" = None
-    data_only_error: str | None = None
+    # with model > 1: the same step compiled on another mesh of the slice (mesh_check): all of its devices on data,
+    # or the mesh asked for (compare_mesh); compared_mesh names it, compared_error is the PlanError's message when
+    # the trainer or compiler would not build it
+    compared: "Plan | None" = None
+    compared_mesh: str | None = None
+    compared_error: str | None = None
 
     # --- memory -------------------------------------------------------------------------------------------
     @property
@@ -220,7 +222,7 @@ class Plan:
         nxt = None if alt is None else {"accelerator": alt.accelerator.name,
                                         "wall_s": 0.0 if alt.cached else float(alt.figures.get("wall_s") or 0.0),
                                         "peak_rss_bytes": _peak_rss(alt)}
-        d = self.data_only
+        d = self.compared
         data = None if d is None else {"mesh": _mesh_text(d.figures["mesh"]),
                                        "wall_s": 0.0 if d.cached else float(d.figures.get("wall_s") or 0.0),
                                        "peak_rss_bytes": _peak_rss(d)}
@@ -230,7 +232,7 @@ class Plan:
                              nxt and nxt["peak_rss_bytes"], data and data["peak_rss_bytes"]) if b]
         return {"total_s": round(total, 2), "step_s": step, "step_phases": f.get("phases") or {},
                 "step_peak_rss_bytes": _peak_rss(self), "suggestion_checks": checks, "next_size": nxt,
-                "data_only": data,
+                "compared": data,
                 # the most host memory one of this plan's compile processes held (memory_watch; None: none ran)
                 "peak_rss_bytes": max(peaks) if peaks else None}
 
@@ -622,24 +624,29 @@ def _mesh_model(p: Plan) -> Iterator[Suggestion]:
 GROWN_SHOWN = 3  # the buffers a mesh note names: the ones that grew most
 
 
+def _data_only(mesh: str) -> bool:
+    return bool(re.search(r"\bmodel=1\b", mesh))
+
+
 def mesh_check(p: Plan) -> dict | None:
-    """A plan whose mesh has model > 1 against the same step compiled with all of the slice's devices on data
-    (p.data_only): both per-device figures as the compiler counts them, how much more (or less) model > 1 holds,
-    and when more, the buffers that grew most (the compiler's buffer assignment of each program, by jax source:
-    trainer/common/buffers.py). None without that compile."""
-    if p.data_only is None and p.data_only_error is None:
+    """A plan whose mesh has model > 1 against the same step compiled on another mesh of the slice (p.compared:
+    all of its devices on data, or the mesh `--compare-mesh` named, e.g. the one with half the model): both
+    per-device figures as the compiler counts them, how much more (or less) this mesh holds, and when more, the
+    buffers that grew most (the compiler's buffer assignment of each program, by jax source: trainer/common/buffers.py).
+    None without that compile."""
+    if p.compared is None and p.compared_error is None:
         return None
     f = p.figures
     keys = ("total_bytes", "params_bytes", "optimizer_bytes", "temp_bytes")
-    out = {"mesh": _mesh_text(f["mesh"]), "data_only_mesh": f"data={_slice_devices(f)},model=1",
-           "this": {k: f[k] for k in keys}, "data_only": None, "more_bytes": None, "grown": [],
-           "error": p.data_only_error,
+    out = {"mesh": _mesh_text(f["mesh"]), "compared_mesh": p.compared_mesh,
+           "this": {k: f[k] for k in keys}, "compared": None, "more_bytes": None, "grown": [],
+           "error": p.compared_error,
            "how": "the compiler's per-device count of both programs (not a chip measurement); the grown buffers "
                   "from each program's buffer assignment, matched by jax op and source"}
-    d = p.data_only
+    d = p.compared
     if d is None:
         return out
-    out["data_only"] = {**{k: d.figures[k] for k in keys}, "refused": d.refused, "cached": d.cached}
+    out["compared"] = {**{k: d.figures[k] for k in keys}, "refused": d.refused, "cached": d.cached}
     if d.refused:
         return out
     out["more_bytes"] = p.total_bytes - d.total_bytes
@@ -650,27 +657,28 @@ def mesh_check(p: Plan) -> dict | None:
     return out
 
 
-def _buffer_text(b: dict) -> str:
-    was = (f"{gib(b['other_bytes'])} on data alone" if b["other_bytes"] is not None else
-           f"not among data alone's {buffers.KEEP} largest")
+def _buffer_text(b: dict, other: str) -> str:
+    was = (f"{gib(b['other_bytes'])} on {other}" if b["other_bytes"] is not None else
+           f"not among {other}'s {buffers.KEEP} largest")
     op = re.sub(r"^jit\([^)]*\)/", "", b["op_name"]) or b["instruction"]  # the step's own name, on every op
     return (f"{op} {b['shape']} {gib(b['bytes'])} ({was})"
             + (f" at {b['source']}" if b["source"] else ""))
 
 
 def mesh_note(p: Plan) -> str | None:
-    """A model > 1 plan against the same step compiled on data alone (mesh_check), in words: which holds more a
-    device, by the compiler's count, and when model > 1 does (the exception to "more `model` on the same slice,
+    """A model > 1 plan against the same step compiled on another mesh (mesh_check), in words: which holds more a
+    device, by the compiler's count, and when this mesh does (the exception to "more `model` on the same slice,
     fewer bytes a device"), what grew."""
     c = mesh_check(p)
     if c is None:
         return None
-    other = c["data_only_mesh"]
-    if c["data_only"] is None:
+    other = c["compared_mesh"]
+    called = f"{other} (data alone)" if _data_only(other) else other
+    if c["compared"] is None:
         return f"not compared with {other}: {c['error']}"
-    d = c["data_only"]
+    d = c["compared"]
     if d["refused"]:
-        return (f"{other} (data alone) is refused by the compiler ({d['refused']['message']}); "
+        return (f"{called} is refused by the compiler ({d['refused']['message']}); "
                 f"{c['mesh']} is not")
     t = c["this"]
     more = c["more_bytes"]
@@ -678,14 +686,15 @@ def mesh_note(p: Plan) -> str | None:
                f"{gib(d['params_bytes'])}, temporaries {gib(t['temp_bytes'])} against {gib(d['temp_bytes'])}; "
                "compiled, the compiler's count)")
     if more <= 0:
-        return f"{c['mesh']} holds {gib(-more)} less per device than {other} (data alone): {figures}"
-    head = f"{c['mesh']} holds {gib(more)} MORE per device than {other} (data alone): {figures}"
+        return f"{c['mesh']} holds {gib(-more)} less per device than {called}: {figures}"
+    head = f"{c['mesh']} holds {gib(more)} MORE per device than {called}: {figures}"
     if c["grown"] is None:
         return (head + ". What grew is not named: a program came from jax's compilation cache "
                        "(JAX_COMPILATION_CACHE_DIR), which keeps no buffer assignment")
     if not c["grown"]:
         return head + ". None of its buffer assignment's largest buffers grew: the growth is in smaller ones"
-    return head + ". Grew most, in the compiler's buffer assignment: " + "; ".join(map(_buffer_text, c["grown"]))
+    return head + ". Grew most, in the compiler's buffer assignment: " + "; ".join(
+        _buffer_text(b, other) for b in c["grown"])
 
 
 def _remat(p: Plan) -> Iterator[Suggestion]:
@@ -800,11 +809,12 @@ def next_size(p: Plan, argv: list[str], *, num_slices: int = 1, progress=None, u
 
 def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_slices: int = 1,
          steps: int | None = None, mfu: float = 0.5, progress: Callable[[str], None] | None = None,
-         use_cache: bool = True, alternatives: bool = True) -> Plan:
+         use_cache: bool = True, alternatives: bool = True, compare_mesh: str | None = None) -> Plan:
     """Plan `python -m trainer ARGV` on ACCELERATOR. cpu_devices: the slice's devices are emulated CPU devices
     (its provider says so), planned with the CPU compiler on them. num_slices: that many slices joined by DCN,
     the step compiled over the hybrid mesh (the slices on `dcn`) as the run builds it; figures stay per device.
-    alternatives: when it does not fit, also compile the next accelerator size that does."""
+    alternatives: when it does not fit, also compile the next accelerator size that does. compare_mesh
+    ('data=D,model=M'): the mesh a model > 1 step is compared with (mesh_check; default all devices on data)."""
     try:
         a = catalog.lookup(accelerator)
     except catalog.UnknownAccelerator as e:
@@ -816,12 +826,21 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
         raise UserError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.5")
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")
+    if compare_mesh is not None and not re.fullmatch(r"data=\d+,model=\d+", compare_mesh):
+        raise UserError(f"--compare-mesh {compare_mesh}: give a mesh of the slice as data=D,model=M, "
+                        "e.g. --compare-mesh data=4,model=2")
+    if compare_mesh is not None and compare_mesh in _mesh_args(argv):
+        raise UserError(f"--compare-mesh {compare_mesh} is the step's own --mesh: name another mesh of the slice")
     figs, cached = compile_figures(a, argv, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
                                    use_cache=use_cache)
     p = Plan(a, _mode(figs, cpu_devices), figs, mfu=mfu, steps=steps, cached=cached)
-    if alternatives and not p.refused and figs["mesh"]["model"] > 1:
-        _compile_data_only(p, argv, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
-                           use_cache=use_cache)
+    if alternatives and not p.refused and (figs["mesh"]["model"] > 1 or compare_mesh is not None):
+        other = compare_mesh or f"data={_slice_devices(figs)},model=1"
+        if other == _mesh_text(figs["mesh"]):  # the trainer's default mesh: nothing else to compile
+            p.compared_mesh, p.compared_error = other, "it is the step's own (default) mesh"
+        else:
+            _compile_compared(p, argv, other, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
+                              use_cache=use_cache)
     if not p.fits:
         p.suggestions = suggest(p)
         if alternatives and p.suggestions:
@@ -841,6 +860,12 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
     return p
 
 
+def _mesh_args(argv: list[str]) -> list[str]:
+    """The --mesh values argv gives (either spelling)."""
+    return [argv[i + 1] for i, x in enumerate(argv[:-1]) if x == "--mesh"] + [
+        x.split("=", 1)[1] for x in argv if x.startswith("--mesh=")]
+
+
 def _mesh_argv(argv: list[str], mesh: str) -> list[str]:
     """argv with its --mesh (either spelling) set to `mesh`, or --mesh added where it has none."""
     out, i, found = [], 0, False
@@ -857,15 +882,15 @@ def _mesh_argv(argv: list[str], mesh: str) -> list[str]:
     return out if found else [*out, "--mesh", mesh]
 
 
-def _compile_data_only(p: Plan, argv: list[str], **kw) -> None:
-    """The same step with all of the slice's devices on data, compiled (or from the cache) for mesh_check."""
+def _compile_compared(p: Plan, argv: list[str], mesh: str, **kw) -> None:
+    """The same step on another mesh of the slice, compiled (or from the cache) for mesh_check."""
+    p.compared_mesh = mesh
     try:
-        figs, cached = compile_figures(p.accelerator, _mesh_argv(argv, f"data={_slice_devices(p.figures)},model=1"),
-                                       **kw)
+        figs, cached = compile_figures(p.accelerator, _mesh_argv(argv, mesh), **kw)
     except PlanError as e:
-        p.data_only_error = str(e)  # e.g. a batch that does not split over that many rows
+        p.compared_error = str(e)  # e.g. a batch that does not split over that many rows
         return
-    p.data_only = Plan(p.accelerator, p.compiler, figs, cached=cached)
+    p.compared = Plan(p.accelerator, p.compiler, figs, cached=cached)
 
 
 def _compile_suggestion(p: Plan, s: Suggestion, argv: list[str], **kw) -> None:
