@@ -136,14 +136,21 @@ def summarize(folder: str, plans_path: str | None = None) -> int:
     path = folder if folder.endswith(".json") else os.path.join(folder, "tpu-check.json")
     with open(path) as f:
         data = json.load(f)
-    trace = os.path.join(os.path.dirname(path), profile.TRACE)
+    here = os.path.dirname(path)
+    for gz in sorted(os.listdir(here or ".")):  # traces a TPU host sent back gzipped (bench/tpu/on_host.sh)
+        if gz.endswith(".xplane.pb.gz") and not os.path.exists(os.path.join(here, gz[:-3])):
+            import gzip
+            import shutil
+            with gzip.open(os.path.join(here, gz)) as src, open(os.path.join(here, gz[:-3]), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    trace = os.path.join(here, profile.TRACE)
     changed = False
     if os.path.exists(trace):
         row = dataclasses.asdict(profile.summarize(trace))
         data["rows"] = [r for r in data["rows"] if r["section"] != "profile"] + [row]
         changed = True
     for r in data["rows"]:  # a row's own trace (--trace), read here where xprof is installed
-        kept = os.path.join(os.path.dirname(path), r.get("figures", {}).get("trace") or "-")
+        kept = os.path.join(here, r.get("figures", {}).get("trace") or "-")
         if os.path.exists(kept) and "profile" not in r["figures"]:
             r["figures"]["profile"] = profile.summarize_ops(kept)
             changed = True

@@ -29,6 +29,7 @@ python3 -m bench.tpu --out /tmp/tpuctl-check --json "$results/$name.json" "$@" 2
   | grep --line-buffered -v "^WARNING: Logging before\|^E0000 .*TPU_WORKER_HOSTNAMES\|Source Location Trace\|libtpu_init_utils" \
   | tee "$results/$name.log"
 rc=${PIPESTATUS[0]}
-# the traces (--trace, the profile section) come back with the JSON, which names them
-for t in /tmp/tpuctl-check/*.xplane.pb; do [ -f "$t" ] && cp "$t" "$results/"; done
+# the traces (--trace, the profile section) come back with the JSON, which names them; gzipped (a written-out
+# step's trace is 33-37 MB, over what a lent chip's call brings back; ~5 MB gzipped), --summarize reads them so
+for t in /tmp/tpuctl-check/*.xplane.pb; do [ -f "$t" ] && gzip -c "$t" > "$results/$(basename "$t").gz"; done
 exit "$rc"
