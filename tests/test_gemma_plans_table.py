@@ -59,9 +59,17 @@ def test_a_sweep_plans_model_1_first_against_its_own_cache_and_records_the_cold_
                                                                            "data=2,model=2", "--"]
     assert "--compare-mesh" not in gp.command("v4-8", "gemma4-e2b", [], "data=2,model=2")
     assert "--compare-mesh" not in gp.command("v4-8", "gemma4-e2b", [])
-    noted = {**_row("gemma4-e2b", "v4-8", "data=1,model=4"), "mesh_note": "data=1,model=4 holds 0.10 GiB MORE"}
-    line, = (x for x in gp.table([noted]).splitlines() if x.startswith("| gemma4-e2b | v4-8 | data=1,model=4"))
-    assert line.endswith("| data=1,model=4 holds 0.10 GiB MORE |"), line
+    grew = {"op_name": "jit(_train_step)/transpose(jvp())/checkpoint/cbtr,crf->cbtf/dot_general",
+            "shape": "bf16[2,2560,16,1,512]", "bytes": 80 * 2 ** 20, "other_bytes": None,
+            "source": "trainer/models/lora.py:204 (apply)"}
+    noted = {**_row("gemma4-e2b", "v4-8", "data=1,model=4"),
+             "mesh_check": {"compared_mesh": "data=2,model=2", "more_bytes": 99 * 2 ** 20, "grown": [grew]}}
+    less = {**_row("gemma4-e2b", "v4-8", "data=2,model=2"),
+            "mesh_check": {"data_only_mesh": "data=4,model=1", "more_bytes": -52 * 2 ** 20, "grown": []}}
+    lines = [x for x in gp.table([noted, less]).splitlines() if x.startswith("| gemma4-e2b | v4-8 | data=")]
+    assert lines[0].endswith("| -52 MiB against data=4,model=1 |"), lines  # an older record's name of the mesh
+    assert lines[1].endswith("| +99 MiB against data=2,model=2; grew most: cbtr,crf->cbtf/dot_general "
+                             "bf16[2,2560,16,1,512] 80 MiB (new) at trainer/models/lora.py:204 (apply) |"), lines
     # a real process standing in for tpuctl: it prints, as the plan's JSON, the cache it was given and its arguments
     echo = ["sh", "-c", 'printf \'{"home": "%s", "args": "%s"}\' "$TPUCTL_HOME" "$*"', "sh", "--no-cache", "--json"]
     row = gp.plan_one(echo, cache_home=str(tmp_path))

@@ -228,8 +228,28 @@ def table(rows: list[dict]) -> str:
                           f"{d.get('total_bytes', 0) / GIB:.2f} GiB ({d.get('params_bytes', 0) / GIB:.2f}, "
                           f"{d.get('temp_bytes', 0) / GIB:.2f}){'' if r.get('fits') else ', does not fit'}"
                           + (f"; {note}" if note else ""))
-                       + f" | {'' if not step else f'{step * 1e3:.0f} ms'} | {r.get('mesh_note') or ''} |")
+                       + f" | {'' if not step else f'{step * 1e3:.0f} ms'} | {against(r)} |")
     return "\n".join(out)
+
+
+def against(row: dict) -> str:
+    """A sweep row's plan against the mesh it was compared with (its mesh_check), short enough for a table cell:
+    more or less a device, and where more, the buffer that grew most (the plan's `mesh:` note has up to three)."""
+    c = row.get("mesh_check")
+    if not c:
+        return ""
+    other = c.get("compared_mesh") or c.get("data_only_mesh")  # the older records' name
+    if c.get("more_bytes") is None:
+        return f"not compared with {other}: {c.get('error') or 'refused'}"
+    more = c["more_bytes"] / 2 ** 20
+    head = f"{'+' if more > 0 else '-'}{abs(more):,.0f} MiB against {other}"
+    if more <= 0 or not c.get("grown"):
+        return head + ("; what grew is not named" if more > 0 and c.get("grown") is None else "")
+    b = c["grown"][0]
+    op = "/".join(b["op_name"].replace("\\'", "'").split("/")[-2:]) or b["instruction"]  # the jax op, its holder
+    was = "new" if b.get("other_bytes") is None else f"{b['other_bytes'] / 2 ** 20:,.0f} MiB before"
+    return (f"{head}; grew most: {op} {b['shape']} {b['bytes'] / 2 ** 20:,.0f} MiB ({was})"
+            + (f" at {b['source']}" if b.get("source") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
