@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -138,11 +140,11 @@ def summarize(folder: str, plans_path: str | None = None) -> int:
         data = json.load(f)
     here = os.path.dirname(path)
     for gz in sorted(os.listdir(here or ".")):  # traces a TPU host sent back gzipped (bench/tpu/on_host.sh)
-        if gz.endswith(".xplane.pb.gz") and not os.path.exists(os.path.join(here, gz[:-3])):
-            import gzip
-            import shutil
-            with gzip.open(os.path.join(here, gz)) as src, open(os.path.join(here, gz[:-3]), "wb") as dst:
+        dest = os.path.join(here, gz[:-3])
+        if gz.endswith(".xplane.pb.gz") and not os.path.exists(dest):
+            with gzip.open(os.path.join(here, gz)) as src, open(dest + ".tmp", "wb") as dst:
                 shutil.copyfileobj(src, dst)
+            os.replace(dest + ".tmp", dest)  # a read cut short leaves no trace half written under its name
     trace = os.path.join(here, profile.TRACE)
     changed = False
     if os.path.exists(trace):
