@@ -81,14 +81,12 @@ def summarize(path: str) -> Row:
 
 
 def describe_ops(name: str, h: dict) -> str:
-    """summarize_ops' figures as lines of text: the device step, the categories, the top ops."""
+    """summarize_ops' figures as lines of text: the device step, the categories, the top ops (as a run's report
+    gives them, with each op's jax name)."""
+    from trainer.experiments import profiles
     if "error" in h:
         return f"{name}: trace not read here ({h['error']})"
     step = h.get("device_step_s")
-    lines = [f"{name}: device step {step * 1e3:.1f} ms" if step else f"{name}:",
-             "  " + ", ".join(f"{k or '?'} {100 * v:.1f}%" for k, v in h["categories"].items())]
-    for i, o in enumerate(h["top_ops"], 1):
-        rate = f", {o['flop_s'] / 1e12:.0f} TFLOP/s" if (o.get("flop_s") or 0) >= 0.5e12 else ""
-        lines.append(f"  {i:>2}. {o['op']} [{o['category']}] {o['self_s'] * 1e3:.2f} ms/step, "
-                     f"{100 * o['share']:.1f}%{rate}  {o.get('name') or ''}")
-    return "\n".join(lines)
+    return "\n".join([f"{name}: device step {step * 1e3:.1f} ms" if step else f"{name}:",
+                      *([profiles.category_line(h["categories"])] if h["categories"] else []),
+                      *profiles.top_op_lines(h["top_ops"], names=True)])

@@ -829,7 +829,7 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
     if compare_mesh is not None and not re.fullmatch(r"data=\d+,model=\d+", compare_mesh):
         raise UserError(f"--compare-mesh {compare_mesh}: give a mesh of the slice as data=D,model=M, "
                         "e.g. --compare-mesh data=4,model=2")
-    if compare_mesh is not None and compare_mesh in _mesh_args(argv):
+    if compare_mesh is not None and _mesh_argv(argv, compare_mesh) == argv:  # argv's own --mesh already
         raise UserError(f"--compare-mesh {compare_mesh} is the step's own --mesh: name another mesh of the slice")
     figs, cached = compile_figures(a, argv, cpu_devices=cpu_devices, num_slices=num_slices, progress=progress,
                                    use_cache=use_cache)
@@ -858,12 +858,6 @@ def plan(accelerator: str, argv: list[str], *, cpu_devices: bool = False, num_sl
         if alternatives and not cpu_devices:
             p.alternative = next_size(p, argv, num_slices=num_slices, progress=progress, use_cache=use_cache)
     return p
-
-
-def _mesh_args(argv: list[str]) -> list[str]:
-    """The --mesh values argv gives (either spelling)."""
-    return [argv[i + 1] for i, x in enumerate(argv[:-1]) if x == "--mesh"] + [
-        x.split("=", 1)[1] for x in argv if x.startswith("--mesh=")]
 
 
 def _mesh_argv(argv: list[str], mesh: str) -> list[str]:

@@ -342,14 +342,27 @@ def describe(win: dict) -> str:
                      f"input {_t(m.get('input_s', 0.0))} ({pct(m.get('input_s', 0.0))}) + "
                      f"host/idle {_t(m['idle_s'])} ({pct(m['idle_s'])}), mean of {len(h['steps'])} step(s)")
         if h.get("categories"):
-            lines.append("  op time by category: " + ", ".join(
-                f"{k or '?'} {100 * v:.1f}%" for k, v in list(h["categories"].items())[:6] if v >= 0.001))
+            lines.append(category_line(h["categories"]))
         if h["collectives"]:
             lines.append("  collectives per step: " + ", ".join(
                 f"{k} {_t(v)}" for k, v in sorted(h["collectives"].items(), key=lambda kv: -kv[1])))
-        for i, op in enumerate(h["top_ops"], 1):
-            rate = f", {op['flop_s'] / 1e12:.0f} TFLOP/s" if (op.get("flop_s") or 0) >= 0.5e12 else ""
-            lines.append(f"  {i:>2}. {op['op']} [{op['category']}] {_t(op['self_s'])}/step, "
-                         f"{100 * op['share']:.1f}% of op time{rate}")
+        lines += top_op_lines(h["top_ops"])
         lines.append(f"  source: {h['source']}")
     return "\n".join(lines)
+
+
+def category_line(categories: dict) -> str:
+    """summarize's op categories as a report line: the six largest shares of op time."""
+    return "  op time by category: " + ", ".join(
+        f"{k or '?'} {100 * v:.1f}%" for k, v in list(categories.items())[:6] if v >= 0.001)
+
+
+def top_op_lines(ops: list[dict], names: bool = False) -> list[str]:
+    """summarize's top ops as report lines, each with its achieved FLOP/s where xprof has it; names: each followed
+    by its jax op name (which says what in the model it computes)."""
+    lines = []
+    for i, op in enumerate(ops, 1):
+        rate = f", {op['flop_s'] / 1e12:.0f} TFLOP/s" if (op.get("flop_s") or 0) >= 0.5e12 else ""
+        lines.append(f"  {i:>2}. {op['op']} [{op['category']}] {_t(op['self_s'])}/step, "
+                     f"{100 * op['share']:.1f}% of op time{rate}" + (f"  {op.get('name') or ''}" if names else ""))
+    return lines
