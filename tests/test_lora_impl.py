@@ -89,25 +89,3 @@ def test_adapters_are_gathered_whole_where_a_mesh_applies_them():
     whole = re.findall(r"sdy.sharding_constraint %\S+ <@mesh, \[\{\}(?:, \{\})*\]>", text)
     assert len(whole) >= 2, "A and B not constrained whole"
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-
-
-def test_a_stacked_pairs_product_is_laid_out_as_the_base_output_it_adds_to():
-    """Under `model` > 1 the gate/up pair's adapter product is constrained to the stacked output's layout (rows over
-    `data`, the MLP's columns over `model`; the TPU compiler formed it whole over the columns: docs/gemma.md), with
-    the numbers of no mesh."""
-    from trainer.common import mesh as mesh_lib
-    cfg = CASES["gemma3"]
-    lc = lora_lib.LoraConfig(4, 8.0, 0.0, ("gate", "up"))
-    lora = _trained(cfg, lc)
-    apply = lora_lib.adapter(lc, lora, impl="stacked")
-    x = jax.random.normal(jax.random.key(0), (4, 16, cfg.d_model)).astype(jnp.bfloat16)
-    y = jax.random.normal(jax.random.key(1), (2, 4, 16, cfg.ff)).astype(jnp.bfloat16)
-    want = apply(0, "gating", x, y)
-    mesh = mesh_lib.make_mesh({"data": 2, "model": 4})
-    f = jax.jit(lambda lo, x, y: lora_lib.adapter(lc, lo, impl="stacked")(0, "gating", x, y))
-    with jax.set_mesh(mesh):
-        text = f.lower(lora, x, y).as_text()
-        got = f(lora, x, y)
-    assert re.search(r'sdy.sharding_constraint %\S+ <@mesh, \[\{\}, \{"dcn", "data"\}, \{\}, \{"model"\}\]> : '
-                     r'tensor<2x4x16x\d+xf32>', text), "the product not laid out as the stacked output"
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -194,8 +194,8 @@ def _gemma4_dims(shapes: dict[str, tuple[int, ...]], n: int) -> dict[str, Any]:
     if "ple_embed" in shapes:
         out["per_layer_dim"] = shapes["ple_embed"][2]
     if "layers.0.experts_gating" in shapes:
-        e, _, _, fe = shapes["layers.0.experts_gating"]
-        out.update(n_experts=e, expert_ff=fe)
+        e, _, f2 = shapes["layers.0.experts_gating"]
+        out.update(n_experts=e, expert_ff=f2 // 2)
     return out
 
 
@@ -268,8 +268,8 @@ def param_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str
             out.update({
                 p + "router": ((d, e), ("fsdp", None)), p + "router_scale": ((d,), (None,)),
                 p + "expert_scale": ((e,), (None,)),
-                # [E, D, 2, Fe], not the checkpoint's [E, 2, Fe, D]: module moe's docstring
-                p + "experts_gating": ((e, d, 2, fe), ("expert", "fsdp", None, "mlp")),
+                # [E, D, 2 Fe] (gate | up), not the checkpoint's [E, 2, Fe, D]: module moe's docstring
+                p + "experts_gating": ((e, d, 2 * fe), ("expert", "fsdp", None)),
                 p + "experts_linear": ((e, fe, d), ("expert", "mlp", "fsdp")),
             })
         if cfg.per_layer_dim:

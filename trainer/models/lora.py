@@ -36,7 +36,7 @@ class Target:
     out_axes: tuple[str, ...]    # its output dims (trailing dims of B)
     to_base: tuple[int, ...]     # transposes the [*in, *out] update into the base slice's layout
     hf: str                      # Hugging Face / PEFT module name
-    experts: bool = False        # one adapter per expert (a leading E dim; gating [E, D, 2, Fe] sliced on dim 2)
+    experts: bool = False        # one adapter per expert (a leading E dim; gating [E, D, 2 Fe]: gate | up on dim 2)
 
 
 TARGETS: dict[str, Target] = {
@@ -202,7 +202,7 @@ def adapter(lc: LoraConfig, lora: dict[str, jax.Array], dropout_key: jax.Array |
             a, b = pair_as_applied(TARGETS[_PAIRS[name][0]], a, b, lead=(None,))  # [2, in, r], [2, r, *out]
             h = jnp.einsum("btd,cdr->cbtr", x.astype(jnp.float32), a)
             d = jnp.einsum("cbtr,crf->cbtf", h, b) if b.ndim == 3 else jnp.einsum("cbtr,crkh->cbtkh", h, b)
-            return y + (lc.scale * like_output(d, TARGETS[_PAIRS[name][0]])).astype(y.dtype)
+            return y + (lc.scale * d).astype(y.dtype)
         pair = next((p for p, names in _PAIRS.items() if name in names), None)
         if pair is not None and paired(i, pair):
             return y  # added to the stacked output already
@@ -243,20 +243,6 @@ def as_applied(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec(*spec))
 
 
-def like_output(d: jax.Array, t: Target) -> jax.Array:
-    """A stacked pair's adapter product [2, B, T, *out] laid out as the base's stacked output it adds to (rows
-    over the batch's axes, t's output dims over `model`). Left to itself under `model` > 1 the partitioner formed
-    it whole over the columns `model` splits, in f32, and sliced it after (gemma4-e2b on v5litepod-8 at
-    data=1,model=8: its gate/up product f32[2, 32, 64, 12288], the MLP's whole width, 192 MiB a device), which
-    also moved a fifth of that step's HBM bytes (docs/gemma.md). On one device or a mesh of data alone the
-    constraint is the layout the product already had: the same program."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.manual_axes:
-        return d
-    axes = (None, "batch", "seq", *t.out_axes)
-    return jax.lax.with_sharding_constraint(d, fitted_spec(axes, d.shape, dict(mesh.shape)))
-
-
 def pair_as_applied(t: Target, a: jax.Array, b: jax.Array, lead: tuple = ()) -> tuple[jax.Array, jax.Array]:
     """A and B of target t, each as_applied; lead: their leading dims' axes (an expert's E, a stacked pair's 2)."""
     return as_applied(a, (*lead, *t.in_axes, None)), as_applied(b, (*lead, None, *t.out_axes))
@@ -286,8 +272,9 @@ def merge(cfg: gemma.GemmaConfig, lc: LoraConfig, base: dict[str, jax.Array],
             upd = w.astype(jnp.float32)
             if t.index is None:
                 upd = upd + d
-            elif t.experts:
-                upd = upd.at[:, :, t.index].add(d)
+            elif t.experts:  # [E, D, 2 Fe]: gate | up
+                fe = upd.shape[2] // 2
+                upd = upd.at[:, :, t.index * fe:(t.index + 1) * fe].add(d)
             else:
                 upd = upd.at[t.index].add(d)
             out[key] = jax.device_put(upd.astype(w.dtype), w.sharding) if hasattr(w, "sharding") else upd.astype(w.dtype)

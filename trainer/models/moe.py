@@ -18,11 +18,12 @@ Beside its output, a layer's experts count what they dropped (`Drops`): a run's 
 and logs the fraction of its assignments dropped (trainer/finetune/train.py).
 
 Parameters (our layout): router [D, E], router_scale [D], expert_scale [E], experts_linear [E, Fe, D] (Kaggle's
-flax layout), and experts_gating [E, D, 2, Fe] (gate, up), which the checkpoint holds as [E, 2, Fe, D]: the
+flax layout), and experts_gating [E, D, 2 Fe] (gate | up), which the checkpoint holds as [E, 2, Fe, D]: the
 grouped matmul's custom call takes its weights [E, D, 2 Fe] with the last dim minor, and read from the
 checkpoint's layout the TPU compiler copied them so in every layer, forward and again in the recompute (21% of
 the 26B-A4B twin's step on a v5e chip, docs/performance.md). Held so, only the backward (whose dx contracts the
-other dim) copies them. The loaders transpose them once (trainer/gemma/weights.py), the exports back.
+other dim) copies them. Not [E, D, 2, Fe]: in the TPU's tiled layout Fe = 704 pads to 768, and merging the two
+halves is a copy again. The loaders transpose them once (trainer/gemma/weights.py), the exports back.
 """
 from __future__ import annotations
 
@@ -83,9 +84,8 @@ def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Arra
     second [N, D] gradient of the rows and their sum; padding each half to a multiple of 128 lanes, so the split
     is a slice, moved a relayout copy of the stacked experts into the scan on v4: docs/gemma.md)."""
     dt = rows.dtype
-    n_exp, d, _, fe = gating.shape
-    w_in = gating.astype(dt).reshape(n_exp, d, 2 * fe)  # [E, D, 2 Fe]: gate | up
-    gu = jax.lax.ragged_dot(rows, w_in, group_sizes=groups).reshape(-1, 2, fe)
+    fe = gating.shape[2] // 2
+    gu = jax.lax.ragged_dot(rows, gating.astype(dt), group_sizes=groups).reshape(-1, 2, fe)  # gate | up
     gate = ad("expert_gate", rows, gu[:, 0], ad_groups)
     up = ad("expert_up", rows, gu[:, 1], ad_groups)
     hid = jax.nn.gelu(gate, approximate=True) * up
