@@ -39,7 +39,7 @@ def test_the_expert_rule_places_each_devices_share_whole():
     lay = gemma.param_layout(CFG)
     for shape in ({"data": 8, "model": 1}, {"data": 4, "model": 2}):
         spec = mesh_lib.fitted_spec(lay["layers.0.experts_gating"][1], lay["layers.0.experts_gating"][0], shape)
-        assert spec == jax.sharding.PartitionSpec(("data", "model"), None, None)  # 1 expert a device, whole
+        assert spec == jax.sharding.PartitionSpec(("data", "model"), None, None, None)  # 1 expert a device, whole
         assert moe.expert_axes(CFG.n_experts, shape) == ("data", "model")
     # experts that do not divide over the devices keep the fsdp / mlp sharding of their other dims
     spec = mesh_lib.fitted_spec(lay["layers.0.experts_linear"][1], (6, 24, 64), {"data": 4, "model": 2})
@@ -86,7 +86,7 @@ def test_expert_parallel_experts_equal_replicated_forward_and_gradients(shape, c
     mesh = mesh_lib.make_mesh(shape)
     sh = {n: s for n, s in gemma.shardings(cfg, mesh).items() if n.startswith("layers.0.")}
     placed = {n: jax.device_put(a, sh[f"layers.0.{n}"]) for n, a in p.items()}
-    assert placed["experts_gating"].addressable_shards[0].data.shape == (1, 64, 48)
+    assert placed["experts_gating"].addressable_shards[0].data.shape == (1, 2, 24, 64)
     lsh = lora_lib.shardings(cfg, LC, mesh)
     on_mesh = {n: jax.device_put(a, lsh[f"layers.0.{n}"]) for n, a in lora.items()}
     xs = jax.device_put(x, mesh_lib.sharding(mesh, ("batch", "residual_seq", None)))
@@ -116,8 +116,8 @@ def test_expert_parallel_step_equals_replicated_experts(shape):
     want, g_want = jax.jit(jax.value_and_grad(loss))(lora, stacked)
     mesh = mesh_lib.make_mesh(shape)
     placed = gemma.stack(cfg, base, gemma.stacked_shardings(cfg, mesh))
-    # [periods, the period's run of local layers, experts: one of 8 a device, D, gate | up]
-    assert placed["scan.0.0.experts_gating"].addressable_shards[0].data.shape == (2, 5, 1, 64, 48)
+    # [periods, the period's run of local layers, experts: one of 8 a device, gate|up, Fe, D]
+    assert placed["scan.0.0.experts_gating"].addressable_shards[0].data.shape == (2, 5, 1, 2, 24, 64)
     on_mesh = {k: jax.device_put(v, lora_lib.shardings(cfg, LC, mesh)[k]) for k, v in lora.items()}
     with jax.set_mesh(mesh):
         got, g_got = jax.jit(jax.value_and_grad(loss))(on_mesh, placed)

@@ -47,8 +47,6 @@ def flax_tree(cfg: gemma.GemmaConfig, flat: dict, fused: bool | None = None, gat
             continue  # written with q
         elif key.endswith("attn/k_einsum"):
             x = x[0]
-        elif ours.endswith(".experts_gating"):  # ours [E, D, 2 Fe] -> the checkpoint's [E, 2, Fe, D]
-            x = np.ascontiguousarray(x.reshape(x.shape[0], x.shape[1], 2, -1).transpose(0, 2, 3, 1))
         weights._at(t, key, leaf, nested, x)
     return t
 
@@ -121,7 +119,7 @@ def _hf_tensors4(cfg: gemma.GemmaConfig, flat: dict) -> dict[str, np.ndarray]:
                         p + "post_feedforward_layernorm_2.weight": a[s + "post_moe_norm"],
                         p + "router.proj.weight": a[s + "router"].T, p + "router.scale": a[s + "router_scale"],
                         p + "router.per_expert_scale": a[s + "expert_scale"],
-                        p + "experts.gate_up_proj": g.transpose(0, 2, 1),
+                        p + "experts.gate_up_proj": g.reshape(g.shape[0], -1, d),
                         p + "experts.down_proj": a[s + "experts_linear"].transpose(0, 2, 1)})
     return {name: np.ascontiguousarray(v) for name, v in out.items()}
 

@@ -329,8 +329,7 @@ def _flax_config(params_path: str, family: str | None, overrides: dict):
     if "per_layer_embeddings" in meta["transformer/embedder"]:
         shapes["ple_embed"] = shape("transformer/embedder", "per_layer_embeddings")
     if "transformer/layer_0/moe" in meta:
-        e, c, fe, dm = shape("transformer/layer_0/moe", "gating_einsum")  # [E, 2, Fe, D]: ours [E, D, 2 Fe]
-        shapes["layers.0.experts_gating"] = (e, dm, c * fe)
+        shapes["layers.0.experts_gating"] = shape("transformer/layer_0/moe", "gating_einsum")
     overrides = {**config_beside(params_path), **overrides}
     cfg = gemma.GemmaConfig.from_shapes(fam, shapes, **overrides)
     plain = gemma.GemmaConfig.from_shapes(fam, shapes)
@@ -398,9 +397,6 @@ def _load_flax(ck: Checkpoint, meta, fused: bool, paths: dict, mesh, dtype) -> d
             fix = (lambda x: x[0]) if ours.endswith(".q") else (lambda x: x[1:])
         elif key.endswith("attn/k_einsum"):  # Gemma 4's k=v projection: [K, D, hd]
             raw_axes, fix = axes[1:], lambda x: x[None]
-        elif ours.endswith(".experts_gating"):  # [E, 2, Fe, D] -> ours [E, D, 2 Fe] (module moe)
-            raw_axes = (axes[0], None, None, "fsdp")
-            fix = lambda x: x.transpose(0, 3, 1, 2).reshape(x.shape[0], x.shape[3], -1)  # noqa: E731
         sh = jax.sharding.NamedSharding(mesh, gemma.fitted_spec(raw_axes, raw_shape, mshape))
         dt = dtype or meta[key][leaf].dtype
         _put(target, paths[key, leaf], jax.ShapeDtypeStruct(raw_shape, dt, sharding=sh))
@@ -551,7 +547,7 @@ def _hf_gemma4_config(st: SafeTensors, pre: str, folder: str, overrides: dict):
         shapes["ple_embed"] = (v, n, st.shape(pre + "embed_tokens_per_layer.weight")[1] // n)
     if pre + "layers.0.experts.gate_up_proj" in st.index:
         e, f2, _ = st.shape(pre + "layers.0.experts.gate_up_proj")
-        shapes["layers.0.experts_gating"] = (e, d, f2)
+        shapes["layers.0.experts_gating"] = (e, 2, f2 // 2, d)
     conf = _hf_conf(folder)
     from_conf: dict = {}
     if conf.get("sliding_window"):
@@ -598,11 +594,11 @@ def _hf_block(st: SafeTensors, pre: str, cfg: gemma.GemmaConfig, ours: str, idx:
             name = {"ple_gate": "per_layer_input_gate.weight", "ple_proj": "per_layer_projection.weight",
                     "router": "router.proj.weight"}[kind]
             return st.read(lp + name, b, a).T
-        if kind == "experts_gating":  # [E, 2 Fe, D] -> [E, D, 2 Fe]
-            e, d, f = idx
-            f2 = 2 * cfg.expert_ff
-            raw = st.read(lp + "experts.gate_up_proj", slice(e.start * f2, e.stop * f2), d)
-            return raw.reshape(e.stop - e.start, f2, -1)[:, f].transpose(0, 2, 1)
+        if kind == "experts_gating":  # [E, 2 Fe, D] -> [E, 2, Fe, D]
+            e, c, f, d = idx
+            fe = cfg.expert_ff
+            raw = st.read(lp + "experts.gate_up_proj", slice(e.start * 2 * fe, e.stop * 2 * fe), d)
+            return raw.reshape(e.stop - e.start, 2, fe, -1)[:, c, f]
         if kind == "experts_linear":  # [E, D, Fe] -> [E, Fe, D]
             e, f, d = idx
             dm = cfg.d_model

@@ -4,8 +4,7 @@ What differs between generations is one row of FAMILIES; the sizes (layers, widt
 vocab) come from a checkpoint's array shapes (GemmaConfig.from_shapes) or from the named-size table
 SIZES, which also lets a caller build the model from abstract shapes without any weights.
 
-Parameter layout = Kaggle's flax layout (so a checkpoint restores without reshuffling), but for 26B-A4B's
-experts' gate/up weights (trainer/models/moe.py):
+Parameter layout = Kaggle's flax layout (so a checkpoint restores without reshuffling):
 embed [V, D], q [H, D, hd], kv [2, K, D, hd], o [H, hd, D], gating [2, F, D] (gate, up), linear [F, D],
 RMSNorm scales [D] (and [hd] for the QK-norm of Gemma 3 and 4), applied as x * (1 + scale) (Gemma 2, 3) or
 x * scale (Gemma 4).
@@ -194,8 +193,8 @@ def _gemma4_dims(shapes: dict[str, tuple[int, ...]], n: int) -> dict[str, Any]:
     if "ple_embed" in shapes:
         out["per_layer_dim"] = shapes["ple_embed"][2]
     if "layers.0.experts_gating" in shapes:
-        e, _, f2 = shapes["layers.0.experts_gating"]
-        out.update(n_experts=e, expert_ff=f2 // 2)
+        e, _, fe, _ = shapes["layers.0.experts_gating"]
+        out.update(n_experts=e, expert_ff=fe)
     return out
 
 
@@ -268,8 +267,7 @@ def param_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str
             out.update({
                 p + "router": ((d, e), ("fsdp", None)), p + "router_scale": ((d,), (None,)),
                 p + "expert_scale": ((e,), (None,)),
-                # [E, D, 2 Fe] (gate | up), not the checkpoint's [E, 2, Fe, D]: module moe's docstring
-                p + "experts_gating": ((e, d, 2 * fe), ("expert", "fsdp", None)),
+                p + "experts_gating": ((e, 2, fe, d), ("expert", None, "mlp", "fsdp")),
                 p + "experts_linear": ((e, fe, d), ("expert", "mlp", "fsdp")),
             })
         if cfg.per_layer_dim:

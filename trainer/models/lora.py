@@ -36,7 +36,7 @@ class Target:
     out_axes: tuple[str, ...]    # its output dims (trailing dims of B)
     to_base: tuple[int, ...]     # transposes the [*in, *out] update into the base slice's layout
     hf: str                      # Hugging Face / PEFT module name
-    experts: bool = False        # one adapter per expert (a leading E dim; gating [E, D, 2 Fe]: gate | up on dim 2)
+    experts: bool = False        # one adapter per expert (a leading E dim; the base sliced on its dim 1)
 
 
 TARGETS: dict[str, Target] = {
@@ -47,8 +47,8 @@ TARGETS: dict[str, Target] = {
     "gate": Target("gating", 0, ("fsdp",), ("mlp",), (1, 0), "mlp.gate_proj"),
     "up": Target("gating", 1, ("fsdp",), ("mlp",), (1, 0), "mlp.up_proj"),
     "down": Target("linear", None, ("mlp",), ("fsdp",), (0, 1), "mlp.down_proj"),
-    "expert_gate": Target("experts_gating", 0, ("fsdp",), ("mlp",), (0, 1, 2), "experts.gate_proj", True),
-    "expert_up": Target("experts_gating", 1, ("fsdp",), ("mlp",), (0, 1, 2), "experts.up_proj", True),
+    "expert_gate": Target("experts_gating", 0, ("fsdp",), ("mlp",), (0, 2, 1), "experts.gate_proj", True),
+    "expert_up": Target("experts_gating", 1, ("fsdp",), ("mlp",), (0, 2, 1), "experts.up_proj", True),
     "expert_down": Target("experts_linear", None, ("mlp",), ("fsdp",), (0, 1, 2), "experts.down_proj", True),
 }
 DENSE = tuple(n for n, t in TARGETS.items() if not t.experts)
@@ -272,9 +272,8 @@ def merge(cfg: gemma.GemmaConfig, lc: LoraConfig, base: dict[str, jax.Array],
             upd = w.astype(jnp.float32)
             if t.index is None:
                 upd = upd + d
-            elif t.experts:  # [E, D, 2 Fe]: gate | up
-                fe = upd.shape[2] // 2
-                upd = upd.at[:, :, t.index * fe:(t.index + 1) * fe].add(d)
+            elif t.experts:
+                upd = upd.at[:, t.index].add(d)
             else:
                 upd = upd.at[t.index].add(d)
             out[key] = jax.device_put(upd.astype(w.dtype), w.sharding) if hasattr(w, "sharding") else upd.astype(w.dtype)

@@ -17,13 +17,8 @@ the expert axes do not divide n (or there is no mesh), every device holds every 
 Beside its output, a layer's experts count what they dropped (`Drops`): a run's step sums them over its layers
 and logs the fraction of its assignments dropped (trainer/finetune/train.py).
 
-Parameters (our layout): router [D, E], router_scale [D], expert_scale [E], experts_linear [E, Fe, D] (Kaggle's
-flax layout), and experts_gating [E, D, 2 Fe] (gate | up), which the checkpoint holds as [E, 2, Fe, D]: the
-grouped matmul's custom call takes its weights [E, D, 2 Fe] with the last dim minor, and read from the
-checkpoint's layout the TPU compiler copied them so in every layer, forward and again in the recompute (21% of
-the 26B-A4B twin's step on a v5e chip, docs/performance.md). Held so, only the backward (whose dx contracts the
-other dim) copies them. Not [E, D, 2, Fe]: in the TPU's tiled layout Fe = 704 pads to 768, and merging the two
-halves is a copy again. The loaders transpose them once (trainer/gemma/weights.py), the exports back.
+Parameters (our layout, Kaggle's flax one): router [D, E], router_scale [D], expert_scale [E],
+experts_gating [E, 2, Fe, D] (gate, up), experts_linear [E, Fe, D].
 """
 from __future__ import annotations
 
@@ -80,12 +75,13 @@ def _mlp(rows: jax.Array, gating: jax.Array, linear: jax.Array, groups: jax.Arra
     ad_groups: the same rows' groups over the adapters' experts) -> [N, D], each row times row_weights [N] when
     given (applied to the hidden rows, [N, Fe], before the down projection and its adapter: both are linear in
     them, and the hidden rows are a quarter of the output's width).
-    Gate and up are one ragged dot (two dots over the [E, 2, Fe, D] halves, contracted on D, gave the backward a
+    Gate and up are one ragged dot (two dots over the weights as stored, contracted on D, gave the backward a
     second [N, D] gradient of the rows and their sum; padding each half to a multiple of 128 lanes, so the split
     is a slice, moved a relayout copy of the stacked experts into the scan on v4: docs/gemma.md)."""
     dt = rows.dtype
-    fe = gating.shape[2] // 2
-    gu = jax.lax.ragged_dot(rows, gating.astype(dt), group_sizes=groups).reshape(-1, 2, fe)  # gate | up
+    n_exp, _, fe, d = gating.shape
+    w_in = gating.astype(dt).transpose(0, 3, 1, 2).reshape(n_exp, d, 2 * fe)  # [E, D, 2 Fe]: gate | up
+    gu = jax.lax.ragged_dot(rows, w_in, group_sizes=groups).reshape(-1, 2, fe)
     gate = ad("expert_gate", rows, gu[:, 0], ad_groups)
     up = ad("expert_up", rows, gu[:, 1], ad_groups)
     hid = jax.nn.gelu(gate, approximate=True) * up
