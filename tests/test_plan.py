@@ -1050,7 +1050,9 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     """fixed 8 GiB + 32 GiB of activations for 16 rows a device (64 over data=4): 2 GiB a row, so 12 rows fill
     the 32 GiB of a v4 device; the line says it is extrapolated. The plan's time: the step's planner process with
     its phases inside, then each compiled suggestion."""
-    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=70.0, phases={"start": 5.0, "compile": 60.0}))
+    p = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(
+        wall_s=70.0, phases={"start": 5.0, "compile": 60.0},
+        compile_phases={"lowering": 2.0, "optimizations": 14.0, "code generation": 40.0, "the rest": 4.0}))
     big = P.largest_batch(p)
     assert (big["rows"], big["per"], big["batch_size"], big["estimate_bytes"]) == (12, "device", 48, 32 * P.GIB)
     assert "extrapolated" in big["how"] and "not compiled" in big["how"]
@@ -1059,7 +1061,12 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     assert spent["total_s"] == 120.0 and spent["step_phases"] == {"start": 5.0, "compile": 60.0}
     text = render(p)
     assert "largest batch that fits: 12 row(s) a device (--batch-size 48), about 32.00 GiB" in text
-    assert "this plan took 120s: the step's compile 70s (start 5s, compile 60s); checking --grad-accum 2 50s" in text
+    assert ("this plan took 120s: the step's compile 70s (start 5s, compile 60s [lowering 2s, optimizations 14s, code "
+            "generation 40s, the rest 4s]); checking --grad-accum 2 50s") in text
+    assert "most of the compile" not in text  # within the two minutes: nothing to explain
+    slow = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=130.0, phases={"compile": 120.0},
+                                                          compile_phases={"code generation": 90.0}))
+    assert "most of the compile is libtpu generating the TPU's code" in render(slow)
     assert P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(wall_s=70.0), cached=True).time_spent()["total_s"] == 0
     # one row a device compiled: that row is the figure, said to be a lower bound (nothing to extrapolate from)
     one = P.Plan(catalog.lookup("v4-8"), P.TPU, _figures(settings={**_figures()["settings"], "batch_size": 4},
@@ -1067,6 +1074,29 @@ def test_the_largest_batch_that_fits_and_where_the_plans_time_went():
     low = P.largest_batch(one)
     assert one.fits and (low["rows"], low["batch_size"], low["lower_bound"]) == (1, 4, True)
     assert "at least this" in low["how"] and "--batch-size 8" in low["how"]
+
+
+def test_a_compiles_phases_are_read_from_when_the_compiler_wrote_its_dump_files(tmp_path):
+    """lowering until the program was handed over, optimizations until its buffer assignment, code generation until
+    the TPU's program, the rest to the end; the step's files, not a small helper's compiled beside it; a file the
+    compiler did not write (the CPU compiler's generated program) gives its time to the next phase there."""
+    def write(name, at, size=1):
+        f = tmp_path / name
+        f.write_text("x" * size)
+        os.utime(f, (at, at))
+    began = 1000.0
+    step, helper = "module_0001.jit__train_step", "module_0000.jit_helper"
+    write(helper + ".before_optimizations.txt", 1001.0)
+    write(helper + ".after_optimizations-buffer-assignment.txt", 1001.5)
+    write(step + ".before_optimizations.txt", 1003.0)
+    write(step + ".after_optimizations-buffer-assignment.txt", 1020.0, size=100)
+    write(step + ".after_codegen.txt", 1070.0)
+    assert aot.compile_phases(str(tmp_path), began, 1076.0) == {
+        "lowering": 3.0, "optimizations": 17.0, "code generation": 50.0, "the rest": 6.0}
+    (tmp_path / (step + ".after_codegen.txt")).unlink()
+    assert aot.compile_phases(str(tmp_path), began, 1076.0) == {"lowering": 3.0, "optimizations": 17.0,
+                                                                "the rest": 56.0}
+    assert aot.compile_phases(str(tmp_path / "none"), began, 1076.0) == {}
 
 
 def test_the_largest_batch_counts_rows_over_what_holds_them_on_any_data_by_model_mesh():

@@ -211,7 +211,9 @@ class Plan:
     def time_spent(self) -> dict:
         """Where this plan's time went, in seconds of wall time: the step's compile (the planner process, and inside
         it its phases: start = python, jax and libtpu; build = the step's abstract inputs; compile = the TPU
-        compiler; count = reading the program's figures), each suggestion's check and the next slice size's; a
+        compiler, and inside it step_compile_phases, from when the compiler wrote its dump files (lowering,
+        optimizations, code generation, the rest: trainer/common/aot.py compile_phases); count = reading the
+        program's figures), each suggestion's check and the next slice size's; a
         figure taken from the cache took 0. Beside each, the host memory its compile process peaked at (*peak_rss_bytes,
         memory_watch; None from the cache), and the most of them."""
         f = self.figures
@@ -231,6 +233,7 @@ class Plan:
         peaks = [b for b in (_peak_rss(self), *(c["peak_rss_bytes"] for c in checks),
                              nxt and nxt["peak_rss_bytes"], data and data["peak_rss_bytes"]) if b]
         return {"total_s": round(total, 2), "step_s": step, "step_phases": f.get("phases") or {},
+                "step_compile_phases": f.get("compile_phases") or {},
                 "step_peak_rss_bytes": _peak_rss(self), "suggestion_checks": checks, "next_size": nxt,
                 "compared": data,
                 # the most host memory one of this plan's compile processes held (memory_watch; None: none ran)

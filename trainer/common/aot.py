@@ -23,6 +23,7 @@ import os
 import re
 import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -422,7 +423,7 @@ def plan(args: argparse.Namespace, target: Target, started: float | None = None)
     built = BUILDERS[args.cmd](args, target)
     t0 = time.perf_counter()
     phases = {"start": t_build - started if started is not None else None, "build": t0 - t_build}
-    compiled, refusal, largest = _compile(built)
+    compiled, refusal, largest, inside = _compile(built)
     if refusal and _falls_back(args, built):
         # as the run does (finetune.compile_fitting): --remat auto's written-out step refused, the scanned one
         phases["refused written out"] = time.perf_counter() - t0
@@ -431,28 +432,62 @@ def plan(args: argparse.Namespace, target: Target, started: float | None = None)
         from trainer.finetune.train import REFUSED_WRITTEN_OUT
         built.settings["remat_why"] = REFUSED_WRITTEN_OUT
         t0 = time.perf_counter()
-        compiled, refusal, largest = _compile(built)
+        compiled, refusal, largest, inside = _compile(built)
     if refusal:
         out = out_of_memory(built, target, refusal, time.perf_counter() - t0)
-        return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0})}
+        return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0}),
+                "compile_phases": _rounded(inside)}
     t1 = time.perf_counter()
     out = {**figures(built, compiled, target, t1 - t0), "buffers": largest}
-    return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1})}
+    return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1}),
+            "compile_phases": _rounded(inside)}
 
 
-def _compile(built: Built) -> tuple[Any, str | None, list | None]:
-    """(the compiled step, None, its largest buffers), or (None, the compiler's message, None) when it refuses the
-    step for want of HBM. The buffers are read from the compiler's buffer assignment, dumped for this compile
-    (trainer/common/buffers.py): what a plan names when one mesh holds more than another."""
+def _compile(built: Built) -> tuple[Any, str | None, list | None, dict]:
+    """(the compiled step, None, its largest buffers, compile_phases), or (None, the compiler's message, None,
+    compile_phases) when it refuses the step for want of HBM. The buffers are read from the compiler's buffer
+    assignment, dumped for this compile (trainer/common/buffers.py): what a plan names when one mesh holds more
+    than another; compile_phases from when the compiler wrote its dump files."""
     from trainer.common import buffers
     with tempfile.TemporaryDirectory(prefix="tpuctl-plan-") as dump:
+        began = time.time()  # the dump files' times are the wall clock's
         try:
             compiled = built.compile(buffers.options(dump))
         except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            return None, str(e), None
-        return compiled, None, buffers.largest(dump)
+            return None, str(e), None, compile_phases(dump, began, time.time())
+        return compiled, None, buffers.largest(dump), compile_phases(dump, began, time.time())
+
+
+# The files the compiler dumps as it goes (xla_dump_to), each suffix after the program's name: the program handed
+# to it, its program after the optimizations, that program's buffer assignment, the TPU's generated program.
+_HANDED, _ASSIGNED, _GENERATED = (".before_optimizations.txt", ".after_optimizations-buffer-assignment.txt",
+                                  ".after_codegen.txt")
+
+
+def compile_phases(dump_dir: str, began: float, ended: float) -> dict:
+    """Where a compile's wall time went, in seconds, from when the compiler wrote its dump files into dump_dir
+    (the largest program's, the step's: jax may compile small helpers too): `lowering` until it was handed the
+    program, `optimizations` until its buffer assignment was written (its HLO passes, the SPMD partitioner's
+    among them), `code generation` until the TPU's program was written (libtpu's LLO: on a TPU plan most of
+    the compile, e.g. 52 of 76 s for gemma4-26b-a4b on v4-8; the memory analysis a plan reads is final only after
+    it), `the rest` to the end. A phase whose file is not there (the CPU compiler writes no generated program;
+    a refused step none after its refusal) is left out and its time goes to the next one there."""
+    files = sorted(Path(dump_dir).glob("*" + _ASSIGNED), key=lambda p: p.stat().st_size)
+    module = files[-1].name[:-len(_ASSIGNED)] if files else None
+    marks = []
+    for name, suffix in (("lowering", _HANDED), ("optimizations", _ASSIGNED), ("code generation", _GENERATED)):
+        f = Path(dump_dir) / f"{module}{suffix}" if module else next(Path(dump_dir).glob("*" + suffix), None)
+        if f is not None and f.exists():
+            marks.append((name, f.stat().st_mtime))
+    out, last = {}, began
+    for name, at in marks:
+        out[name] = max(0.0, at - last)
+        last = max(last, at)
+    if marks:
+        out["the rest"] = max(0.0, ended - last)
+    return out
 
 
 def _falls_back(args: argparse.Namespace, built: Built) -> bool:
