@@ -115,6 +115,9 @@ def test_rows_are_chosen_by_name_and_the_plans_join_by_name(tmp_path):
     assert common.Settings(quick=True, out="", peak=None, hbm=None, device_kind="").wants("anything")
     exact = common.Settings(quick=True, out="", peak=None, hbm=None, device_kind="", rows=("=ours, batch 1",))
     assert exact.wants("ours, batch 1") and not exact.wants("ours, batch 16")
+    # --plan-ahead chooses rows as the check does ("=NAME" too), and says so when none is chosen
+    assert plans.plan_ahead(str(tmp_path / "none.json"), ("=no such row",)) == 2
+    assert not (tmp_path / "none.json").exists()
     cmds = plans.commands()
     assert cmds["ours, batch 16"] == ["pretrain", "--preset", "gpt2-124m", "--batch-size", "16"]
     assert "--base-dtype" in cmds["gemma4-e2b LoRA r8 all targets, 1 x 512"]

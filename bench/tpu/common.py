@@ -22,7 +22,13 @@ class Settings:
 
     def wants(self, name: str) -> bool:
         """Whether the row of this name is to be measured in this run (asked before it is built)."""
-        return not self.rows or any(name == w[1:] if w.startswith("=") else w in name for w in self.rows)
+        return wanted(name, self.rows)
+
+
+def wanted(name: str, rows: tuple) -> bool:
+    """Whether `--rows` (rows) choose the row of this name: all when none given; "=NAME" that name exactly, any
+    other word a row whose name holds it."""
+    return not rows or any(name == w[1:] if w.startswith("=") else w in name for w in rows)
 
 
 def version_of(dist: str) -> str | None:

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from bench.tpu import lora, steps
+from bench.tpu.common import wanted
 
 TPU = "v5e:1x1"
 
@@ -61,14 +62,19 @@ def commit() -> str:
 
 
 def plan_ahead(path: str, rows: tuple = ()) -> int:
-    """Plan every row (or those whose names hold one of `rows`) into `path`, keeping what it already holds for
-    rows of the same commit. Returns 0, or 1 when a plan failed (its error is written in its place)."""
+    """Plan every row (or those `rows` choose, as --rows chooses the rows a check measures) into `path`, keeping
+    what it already holds for rows of the same commit. Returns 0, 1 when a plan failed (its error is written in
+    its place), or 2 when `rows` choose no row (nothing planned, nothing written)."""
+    every = commands()
+    chosen = {name: argv for name, argv in every.items() if wanted(name, rows)}
+    if not chosen:
+        print(f"--plan-ahead: --rows {' '.join(map(repr, rows))} choose no row (a word a row's name holds, or "
+              "'=NAME' for that row exactly); the rows that have a plan:\n  " + "\n  ".join(every), file=sys.stderr)
+        return 2
     done = load(path) or {"tpu": TPU, "rows": {}}
     here = commit()
     bad = 0
-    for name, argv in commands().items():
-        if rows and not any(w in name for w in rows):
-            continue
+    for name, argv in chosen.items():
         if done["rows"].get(name, {}).get("work") and done["rows"][name].get("argv") == argv:
             continue  # planned already (at the commit it names: a row's program changes only with its code)
         t0 = time.perf_counter()

@@ -23,8 +23,8 @@ import os
 import re
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from trainer.common.config import UsageError
@@ -461,7 +461,7 @@ def _compile(built: Built) -> tuple[Any, str | None, list | None, dict]:
 
 
 # The files the compiler dumps as it goes (xla_dump_to), each suffix after the program's name: the program handed
-# to it, its program after the optimizations, that program's buffer assignment, the TPU's generated program.
+# to it, the buffer assignment of its program after the optimizations, the TPU's generated program.
 _HANDED, _ASSIGNED, _GENERATED = (".before_optimizations.txt", ".after_optimizations-buffer-assignment.txt",
                                   ".after_codegen.txt")
 
