@@ -112,8 +112,8 @@ def _time_spent(p: P.Plan) -> list[str]:
     if not t["total_s"]:
         return []
     ph, cp = t["step_phases"], t["step_compile_phases"]
-    parts_of = {"compile": " [" + ", ".join(f"{k} {v:.0f}s" for k, v in cp.items()) + "]"} if cp else {}
-    inside = ", ".join(f"{k} {v:.0f}s{parts_of.get(k, '')}" for k, v in ph.items())
+    within = " [" + ", ".join(f"{k} {v:.0f}s" for k, v in cp.items()) + "]" if cp else ""
+    inside = ", ".join(f"{k} {v:.0f}s" + (within if k == "compile" else "") for k, v in ph.items())
     parts = [f"the step's compile {t['step_s']:.0f}s" + (f" ({inside})" if inside else "")]
     parts += [f"checking {c['change']} {c['wall_s']:.0f}s" for c in t["suggestion_checks"]]
     if t["next_size"]:
@@ -126,8 +126,8 @@ def _time_spent(p: P.Plan) -> list[str]:
     settings = p.figures.get("settings", {})
     if t["total_s"] > SLOW_PLAN_S and cp.get("code generation", 0.0) > 0.5 * ph.get("compile", 0.0) > 0:
         out.append("  (most of the compile is libtpu generating the TPU's code for the step, after its memory is laid "
-                   "out: the plan waits for it, as the compiler's memory figures are final only then; it takes more cores where "
-                   "there are, e.g. a third of its time on 13 cores against 2)")
+                   "out: the plan waits for it, as the compiler's memory figures are final only then; it takes more "
+                   "cores where there are, e.g. a third of its time on 13 cores against 2)")
     if t["total_s"] > SLOW_PLAN_S and settings.get("remat") == "none" and "remat_why" in settings:
         out.append("  (the layers written out, one by one, are most of that: with --remat full they compile as scans "
                    "in about two minutes, for a step the chip ran 2.1x slower on gemma4-e2b)")
