@@ -117,6 +117,54 @@ def test_scanned_layers_equal_the_flat_model_forward_and_gradients(kind):
     assert set(back) == set(flat) and all(np.array_equal(back[n], flat[n]) for n in flat)
 
 
+@pytest.mark.parametrize("kind", ["e", "moe"])
+def test_a_scanned_step_holds_its_adapters_stacked_and_gives_the_per_layer_numbers(kind):
+    """The scanned LoRA step's train state holds the scanned layers' adapters stacked as their weights are
+    (lora.stacked_layout), so its optimizer updates a few arrays, not one per layer and target; the same loss and
+    adapter gradients as the per-layer adapters they stack, and lora.flat_of / stacked_of convert the adapters and
+    their optimizer moments between the two exactly (what a checkpoint of either layout resumes through)."""
+    cfg = _cfg(kind)
+    mesh = mesh_lib.make_mesh({"data": 4, "model": 2})
+    rows, t = 8, 16
+    targets = "all" + (",experts" if kind == "moe" else "")
+    run = LoraRun(weights="-", data="-", ckpt_dir="-", targets=targets, seq_len=t, batch_size=rows, remat="full")
+    steps = finetune.Steps(run, cfg, mesh, 10, rows)
+    lc = steps.lc
+    per_layer = lora_lib.param_layout(cfg, lc)
+    assert steps.scanned and set(steps.abstract_lora) == set(lora_lib.stacked_layout(cfg, lc))
+    assert len(steps.abstract_lora) * 4 < len(per_layer)
+    lora, opt = steps.init()
+    flat = lora_lib.flat_of(cfg, lc, lora, mesh)
+    drawn = lora_lib.init(cfg, lc, run.seed)  # per layer: the same draw
+    assert list(flat) == list(per_layer) and all(np.array_equal(flat[n], drawn[n]) for n in per_layer)
+    # B away from zero, so that every adapter has a gradient
+    flat = {n: 0.05 * jax.random.normal(jax.random.key(i), a.shape) if n.endswith(".b") else a
+            for i, (n, a) in enumerate(flat.items())}
+    stacked = lora_lib.stacked_of(cfg, lc, flat, mesh)
+    assert all(stacked[n].sharding == steps.lora_sh[n] for n in stacked)
+    moments = lora_lib.stacked_of(cfg, lc, steps.tx.init(flat), mesh)
+    assert jax.tree.structure(moments) == jax.tree.structure(opt)
+    back = lora_lib.flat_of(cfg, lc, (stacked, moments), mesh)
+    assert all(np.array_equal(back[0][n], flat[n]) for n in flat)
+    assert jax.tree.structure(back[1]) == jax.tree.structure(steps.tx.init(flat))
+    rng = np.random.RandomState(0)
+    batch = {"inputs": rng.randint(0, cfg.vocab, (rows, t)), "targets": rng.randint(0, cfg.vocab, (rows, t)),
+             "weights": (rng.rand(rows, t) < 0.7).astype(np.float32), "segments": np.ones((rows, t), np.int32),
+             "positions": np.broadcast_to(np.arange(t), (rows, t)).astype(np.int32)}
+    with jax.set_mesh(mesh):
+        base = steps.place_base(gemma.random_params(cfg, seed=3))
+        batch = {f: jax.device_put(a, steps.batch_sh) for f, a in batch.items()}
+        grad = jax.jit(jax.value_and_grad(lambda lo: finetune.loss_sums(
+            cfg, lc, base, lo, batch, attention=steps.attention, remat="full")[0]))
+        want, g_want = grad(flat)
+        got, g_got = grad(stacked)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    g_got = lora_lib.flat_of(cfg, lc, g_got, mesh)
+    for name in g_want:
+        np.testing.assert_allclose(g_got[name], g_want[name], rtol=1e-4,
+                                   atol=1e-5 * float(jnp.abs(g_want[name]).max()), err_msg=name)
+
+
 @pytest.mark.parametrize("scanned", [False, True])
 def test_the_embedding_by_its_vocab_rows_gives_the_gathered_tables_loss_and_adapter_gradients(scanned):
     """The LoRA step's tied embedding sharded by its vocab rows over the 8 devices (data=4,model=2): the lookup and

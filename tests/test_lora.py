@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -22,7 +23,7 @@ from trainer.finetune import train as finetune
 from trainer.finetune import data as sft_data
 from trainer.gemma import tokenizer as tok_lib
 from trainer.gemma import weights
-from trainer.common import mesh as mesh_lib
+from trainer.common import checkpoint, mesh as mesh_lib
 from trainer.cli import main
 from trainer.common.config import UsageError
 from trainer.finetune.config import LoraRun
@@ -220,7 +221,7 @@ def test_base_frozen_and_optimizer_state_holds_lora_shapes_only(bases, facts):
         lora, opt, _ = steps.step(lora, opt, base, batches.local_batch(s), s)
     for n, a in base.items():
         assert np.asarray(a).tobytes() == before[n].tobytes(), n  # bit-identical
-    shapes = {n: s for n, (s, _) in lora_lib.param_layout(cfg, steps.lc).items()}
+    shapes = {n: s for n, (s, _) in steps.lora_layout.items()}
     arrays = [x for x in jax.tree.leaves(opt) if x.ndim > 0]
     # Adam's two moments per adapter, nothing base-shaped; rank x (in + out) per target and layer.
     assert sorted(x.shape for x in arrays) == sorted(2 * list(shapes.values()))
@@ -262,6 +263,33 @@ def test_exact_resume_and_no_base_state_in_the_checkpoint(bases, facts, tmp_path
     names = {".".join(ast.literal_eval(k)) for k in meta["tree_metadata"]}
     assert names and all(n.endswith((".a", ".b")) for n in names), sorted(names)[:5]
     assert set(la) == {n for n, _ in lora_lib.param_layout(cfg, lc_a).items()}
+    # The written-out step's checkpoint (adapters per layer, as every checkpoint before the scanned step held them
+    # stacked) read by the scanned step (--remat full: lora.stacked_layout): the same adapters, stacked
+    assert json.load(open(split / "3" / "meta" / "metadata"))["config"]["adapter_layout"] == "layers"
+    full = _run(bases["gemma2"], facts, split, steps=6, dropout=0.1, remat="full")
+    steps = finetune.Steps(full, cfg, _mesh(), 6, full.batch_size)
+    ck = checkpoint.Checkpointer(str(split), 3, read_only=True)
+    try:
+        lo, opt = finetune.restore_state(ck, 3, steps, finetune.adapter_meta(ck, 3))
+    finally:
+        ck.close()
+    _, l3 = finetune.load_adapters(str(split), cfg, _mesh(), step=3)
+    want = gemma.stack(cfg, {n: np.asarray(a) for n, a in l3.items()})
+    assert steps.scanned and set(lo) == set(want) and any(n.startswith(gemma.SCANNED) for n in want)
+    assert all(np.array_equal(np.asarray(lo[n]), want[n]) for n in want)
+    assert jax.tree.structure(opt) == jax.tree.structure(steps.abstract_opt)
+    # ... and resumed by it: the run goes on from step 3 (its dropout masks are the scan's own, so near the straight
+    # run's losses, not equal); its checkpoint says stacked and loads per layer
+    mixed = tmp_path / "mixed"
+    shutil.copytree(split, mixed, ignore=lambda d, names: [n for n in names if n.isdigit() and n != "3"
+                                                           or n == "metrics.jsonl"])
+    assert finetune.finetune(dataclasses.replace(full, ckpt_dir=str(mixed))) == 0
+    c = _metrics(mixed)
+    assert [m["step"] for m in c] == [4, 5, 6]
+    np.testing.assert_allclose([m["loss"] for m in c], [m["loss"] for m in a[3:]], rtol=0.02)
+    assert json.load(open(mixed / "6" / "meta" / "metadata"))["config"]["adapter_layout"] == "stacked"
+    _, lm = finetune.load_adapters(str(mixed), cfg, _mesh())
+    assert list(lm) == list(la) and all(lm[n].shape == la[n].shape for n in la)
 
 
 @pytest.mark.slow

@@ -69,6 +69,8 @@ def loss_terms(cfg: gemma.GemmaConfig, lc: lora_lib.LoraConfig, base: dict, lora
                                         make_adapter=_layer_adapter(lc, dropout_key, lora_impl),
                                         attention=attention, remat=remat, lookup=lookup)
     else:
+        if gemma.is_stacked(lora):
+            lora = gemma.unstack(cfg, lora)
         model = gemma.from_flat(cfg, base)
         x, _, drops = model.forward(batch["inputs"], batch["positions"], dtype=dtype, segment_ids=batch["segments"],
                                     adapter=lora_lib.adapter(lc, lora, dropout_key, lora_impl), attention=attention,
@@ -173,7 +175,11 @@ class Steps:
             shape, axes = gemma.param_layout(cfg)["embed"]
             rows = mesh_lib.fitted_spec(axes, shape, dict(mesh.shape), mesh_lib.VOCAB_PARALLEL_RULES)
             self.base_sh = {**self.base_sh, "embed": jax.sharding.NamedSharding(mesh, rows)}
-        self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh)
+        # the adapters as the train state holds them: a scanned step's stacked as its layers' weights are
+        # (lora.stacked_layout: its optimizer then updates a few stacked arrays, not hundreds of per-layer ones, which
+        # the TPU compiler generates code for one by one), a written-out step's per layer (param_layout)
+        self.lora_layout = (lora_lib.stacked_layout if self.scanned else lora_lib.param_layout)(cfg, self.lc)
+        self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh, stacked=self.scanned)
         self.rep = mesh_lib.replicated(mesh)
         self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
         t = TrainConfig(lr=run.lr, warmup_steps=run.warmup_steps, decay_steps=max(total_steps, run.warmup_steps + 1),
@@ -183,7 +189,7 @@ class Steps:
         self.tx = optax.chain(optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
                               optax.adamw(self.lr, b1=t.beta1, b2=t.beta2, eps=1e-8, weight_decay=t.weight_decay))
         self.abstract_lora = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=self.lora_sh[n])
-                              for n, (s, _) in lora_lib.param_layout(cfg, self.lc).items()}
+                              for n, (s, _) in self.lora_layout.items()}
         self.opt_sh = optim.state_shardings(self.tx, self.abstract_lora, self.lora_sh, self.rep)
         self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                          jax.eval_shape(self.tx.init, self.abstract_lora), self.opt_sh)
@@ -281,7 +287,7 @@ class Steps:
         return float(tot[0] / max(tot[1], 1.0))
 
     def init(self):
-        lora = jax.block_until_ready(lora_lib.init(self.cfg, self.lc, self.run.seed, self.mesh))
+        lora = jax.block_until_ready(lora_lib.init(self.cfg, self.lc, self.run.seed, self.mesh, self.scanned))
         return lora, jax.block_until_ready(jax.jit(self.tx.init, out_shardings=self.opt_sh)(lora))
 
 
@@ -400,24 +406,46 @@ def check_resumable(cfg: gemma.GemmaConfig, run: LoraRun, meta: dict, where: str
                            f"--ckpt-dir {where}")
 
 
+# The meta's key naming how a checkpoint holds the adapters: lora.STACKED (a scanned step's train state), or
+# per layer (param_layout's names: a written-out step's, and every checkpoint written before the key was)
+LAYOUT = "adapter_layout"
+
+
+def _is_stacked(meta: dict) -> bool:
+    return meta.get("config", {}).get(LAYOUT) == lora_lib.STACKED
+
+
+def restore_state(ckpt: checkpoint.Checkpointer, step: int, steps: Steps, meta: dict):
+    """(adapters, optimizer state) of a checkpoint, in the layout the steps take (a checkpoint of the other layout,
+    e.g. written by a step with another --remat, is read as written and converted)."""
+    stacked = _is_stacked(meta)
+    if stacked == steps.scanned:
+        return ckpt.restore(step, steps.abstract_lora, steps.abstract_opt)
+    cfg, lc, mesh = steps.cfg, steps.lc, steps.mesh
+    sh = lora_lib.shardings(cfg, lc, mesh, stacked)
+    written = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
+               for n, (s, _) in (lora_lib.stacked_layout if stacked else lora_lib.param_layout)(cfg, lc).items()}
+    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       jax.eval_shape(steps.tx.init, written), optim.state_shardings(steps.tx, written, sh, steps.rep))
+    state = ckpt.restore(step, written, opt)
+    return (lora_lib.flat_of if stacked else lora_lib.stacked_of)(cfg, lc, state, mesh)
+
+
 class _Meta:
     """The run's config and adapter shapes, as stored in each checkpoint's `meta` item."""
 
-    def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig):
-        self.run, self.cfg = run, cfg
+    def __init__(self, run: LoraRun, cfg: gemma.GemmaConfig, stacked: bool):
+        self.run, self.cfg, self.stacked = run, cfg, stacked
 
     def to_dict(self) -> dict:
         shapes = {n: list(s) for n, (s, _) in lora_lib.param_layout(self.cfg, self.run.lora).items()}
-        return {**self.run.to_dict(), "base": dataclasses.asdict(self.cfg), "shapes": shapes}
+        return {**self.run.to_dict(), "base": dataclasses.asdict(self.cfg), "shapes": shapes,
+                LAYOUT: lora_lib.STACKED if self.stacked else "layers"}
 
 
 def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, data_msg) -> int:
     primary = jax.process_index() == 0
     lc = steps.lc
-    if start:
-        lora, opt_state = ckpt.restore(start, steps.abstract_lora, steps.abstract_opt)
-    else:
-        lora, opt_state = steps.init()
     if primary:
         (epath.Path(run.ckpt_dir) / "config.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
         n_lora, n_base = lora_lib.count(cfg, lc), gemma.count_params(cfg)
@@ -433,7 +461,12 @@ def _train(run, cfg, steps: Steps, ckpt, base, batches, val_rows, start, total, 
     steps, base, compile_s = compile_fitting(steps, base, total)
     if primary:
         metrics.say(f"compiled the train step in {compile_s:.1f} s")
-    meta = _Meta(run, cfg)
+    # after the compile: the step it settled on (compile_fitting) decides the state's layout
+    if start:
+        lora, opt_state = restore_state(ckpt, start, steps, adapter_meta(ckpt, start))
+    else:
+        lora, opt_state = steps.init()
+    meta = _Meta(run, cfg, steps.scanned)
     job = loop.Job(
         ckpt_dir=run.ckpt_dir, total=total, log_every=run.log_every, eval_every=run.eval_every,
         ckpt_every=run.ckpt_every, tokens_per_step=batches.global_batch * run.seq_len,
@@ -459,10 +492,11 @@ def load_adapters(directory: str, cfg: gemma.GemmaConfig, mesh, step: int | None
         lc = lora_lib.LoraConfig(saved["rank"], saved["alpha"], 0.0, lora_lib.resolve_targets(saved["targets"]))
         lora_lib.check_matches(cfg, lc, {k: tuple(v) for k, v in saved.get("shapes", {}).items()},
                                f"--adapters {directory}")
-        sh = lora_lib.shardings(cfg, lc, mesh)
-        abstract = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
-                    for n, (s, _) in lora_lib.param_layout(cfg, lc).items()}
-        lora, _ = ck.restore(step, abstract)
-        return lc, lora
+        stacked = _is_stacked(meta)
+        sh = lora_lib.shardings(cfg, lc, mesh, stacked)
+        layout = lora_lib.stacked_layout(cfg, lc) if stacked else lora_lib.param_layout(cfg, lc)
+        lora, _ = ck.restore(step, {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
+                                    for n, (s, _) in layout.items()})
+        return lc, lora_lib.flat_of(cfg, lc, lora, mesh) if stacked else lora
     finally:
         ck.close()

@@ -753,10 +753,12 @@ def _scanned_layers(cfg: GemmaConfig) -> dict[int, tuple[int, int, int, int]]:
             for g in range(seg.groups) for r, (j0, n) in enumerate(seg.runs) for k in range(n)}
 
 
-def stacked_layout(cfg: GemmaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
-    """param_layout with the scanned layers' weights stacked: 'scan.S.R.LEAF' [groups, run length, ...] (the
-    stacked dims unsharded); every other name as param_layout has it."""
-    flat = param_layout(cfg)
+def stacked_layout(cfg: GemmaConfig, flat: dict | None = None
+                   ) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """A per-layer layout (flat: name 'layers.I.LEAF' -> (shape, logical axes); param_layout's by default, or the
+    LoRA adapters') with the scanned layers' arrays stacked: 'scan.S.R.LEAF' [groups, run length, ...] (the stacked
+    dims unsharded); every other name as `flat` has it."""
+    flat = param_layout(cfg) if flat is None else flat
     where = _scanned_layers(cfg)
     segs = segments(cfg)
     out = {}
@@ -779,27 +781,36 @@ def stacked_shardings(cfg: GemmaConfig, mesh, rules: dict = RULES) -> dict[str, 
             for name, (shape, axes) in stacked_layout(cfg).items()}
 
 
-def _members(cfg: GemmaConfig) -> dict[str, list[list[str]]]:
-    """Stacked name -> the flat names it stacks, [group][index in the run]."""
+def _members(cfg: GemmaConfig, names=None) -> dict[str, list[list[str]]]:
+    """Stacked name -> the flat names it stacks (members), for the flat names given (param_layout's by default)."""
+    where = _scanned_layers(cfg)
     out: dict[str, list[list[str]]] = {}
-    for s, seg in enumerate(segments(cfg)):
-        for r, (j0, n) in enumerate(seg.runs):
-            prefix = f"layers.{seg.layer(0, j0)}."
-            for name in param_layout(cfg):
-                if name.startswith(prefix):
-                    leaf = name[len(prefix):]
-                    out[f"{SCANNED}{s}.{r}.{leaf}"] = [[f"layers.{seg.layer(g, j0 + k)}.{leaf}" for k in range(n)]
-                                                      for g in range(seg.groups)]
+    for name in (param_layout(cfg) if names is None else names):
+        if name.startswith("layers.") and int(name.split(".")[1]) in where:
+            _, i, leaf = name.split(".", 2)
+            s, _, r, _ = where[int(i)]
+            key = f"{SCANNED}{s}.{r}.{leaf}"
+            if key not in out:
+                out[key] = members(cfg, key)
     return out
+
+
+def members(cfg: GemmaConfig, stacked_name: str) -> list[list[str]]:
+    """The flat names a stacked name ('scan.S.R.LEAF') stacks, [group][index in the run]."""
+    _, s, r, leaf = stacked_name.split(".", 3)
+    seg = segments(cfg)[int(s)]
+    j0, n = seg.runs[int(r)]
+    return [[f"layers.{seg.layer(g, j0 + k)}.{leaf}" for k in range(n)] for g in range(seg.groups)]
 
 
 def stack(cfg: GemmaConfig, flat: dict[str, jax.Array], shardings: dict | None = None,
           free: bool = False) -> dict[str, jax.Array]:
-    """Flat params (param_layout's names) -> stacked_layout's, each stacked array placed by `shardings` when
-    given. free: delete each flat array once it is stacked, so a base is never held twice over (a loaded one)."""
-    out = {n: a for n, a in flat.items() if not n.startswith("layers.") or int(n.split(".")[1])
-           not in _scanned_layers(cfg)}
-    for name, parts in _members(cfg).items():
+    """Flat arrays ('layers.I.LEAF': the base's, or the adapters') -> stacked_layout's names, each stacked array
+    placed by `shardings` when given. free: delete each flat array once it is stacked, so a base is never held
+    twice over (a loaded one)."""
+    scanned = _scanned_layers(cfg)
+    out = {n: a for n, a in flat.items() if not n.startswith("layers.") or int(n.split(".")[1]) not in scanned}
+    for name, parts in _members(cfg, flat).items():
         arrays = [flat[p] for row in parts for p in row]
         groups, n = len(parts), len(parts[0])
         together = lambda *xs: jnp.stack(xs).reshape(groups, n, *xs[0].shape)  # noqa: E731
@@ -813,12 +824,13 @@ def stack(cfg: GemmaConfig, flat: dict[str, jax.Array], shardings: dict | None =
 
 
 def unstack(cfg: GemmaConfig, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """stacked_layout's names -> param_layout's (inside a jit: slices)."""
+    """stacked_layout's names -> the flat ones (inside a jit: slices)."""
     out = {n: a for n, a in stacked.items() if not n.startswith(SCANNED)}
-    for name, parts in _members(cfg).items():
-        for g, row in enumerate(parts):
-            for k, p in enumerate(row):
-                out[p] = stacked[name][g, k]
+    for name, a in stacked.items():
+        if name.startswith(SCANNED):
+            for g, row in enumerate(members(cfg, name)):
+                for k, flat in enumerate(row):
+                    out[flat] = a[g, k]
     return out
 
 
@@ -855,8 +867,8 @@ def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.A
     """(the final hidden states [B, T, D] (normalised), moe.Drops summed over the layers: the scans carry the sum)
     of int tokens [B, T], from stacked params (stacked_layout),
     the segments' layers in scans: the training forward of Gemma.__call__ (no cache) with its numerics.
-    adapters: flat arrays named 'layers.I.REST' (LoRA's), stacked here like the weights (they are small), each
-    layer's handed to make_adapter. unroll: the scans' unroll (True: written out, e.g. a twin for counting).
+    adapters: LoRA's arrays, a scanned run's as the train state holds them ('scan.S.R.REST', lora.stacked_layout)
+    or per layer ('layers.I.REST', stacked here like the weights), each layer's handed to make_adapter. unroll: the scans' unroll (True: written out, e.g. a twin for counting).
     lookup(table, tokens) -> rows: the embedding lookup (default a take; vocab_parallel.lookup for a table
     sharded by its rows)."""
     b, t = tokens.shape
@@ -914,9 +926,16 @@ def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, 
         if name.startswith(f"{SCANNED}{s}."):
             _, _, r, leaf = name.split(".", 3)
             weights[int(r)][leaf] = a
-    # the adapters of each run, stacked [groups, run length, ...] like the weights
-    ads = {}
+    # the adapters of each run, [groups, run length, ...] like the weights: as the train state holds them
+    # (lora.stacked_layout), or stacked here from per-layer arrays
+    ads = {r: {} for r in range(len(seg.runs))}
+    for name, a in adapters.items():
+        if name.startswith(f"{SCANNED}{s}."):
+            _, _, r, leaf = name.split(".", 3)
+            ads[int(r)][leaf] = a
     for r, (j0, m) in enumerate(seg.runs):
+        if ads[r]:
+            continue
         names: dict[str, list] = {}
         for g in range(n):
             for k in range(m):

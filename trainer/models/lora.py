@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trainer.common.config import UsageError
 from trainer.common.mesh import fitted_spec
@@ -142,12 +144,67 @@ def count(cfg: gemma.GemmaConfig, lc: LoraConfig) -> int:
     return sum(math.prod(s) for s, _ in param_layout(cfg, lc).values())
 
 
-def shardings(cfg: gemma.GemmaConfig, lc: LoraConfig, mesh) -> dict[str, jax.sharding.NamedSharding]:
+STACKED = "stacked"  # the train state's layout (stacked_layout), as a checkpoint's meta names it
+
+
+def stacked_layout(cfg: gemma.GemmaConfig, lc: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """param_layout with the adapters of the layers a step scans stacked as the base's weights are
+    ('scan.S.R.q.a': [groups, run length, *shape], gemma.stacked_layout): the train state's layout."""
+    return gemma.stacked_layout(cfg, param_layout(cfg, lc))
+
+
+def flat_of(cfg: gemma.GemmaConfig, lc: LoraConfig, tree, mesh):
+    """A tree holding stacked adapters (stacked_layout: the adapters, each of their optimizer moments) -> the same
+    tree with each such dict in param_layout's per-layer arrays on the mesh, outside a jit (inside one gemma.unstack
+    slices): one small program per stacked shape, called once per layer (a program with every layer's array as an
+    output costs the TPU compiler ~0.4 s an output)."""
+    names = set(stacked_layout(cfg, lc))
+    sh = shardings(cfg, lc, mesh)
+
+    def flat(stacked: dict) -> dict:
+        out = {n: a for n, a in stacked.items() if not n.startswith(gemma.SCANNED)}
+        for name, a in stacked.items():
+            if name.startswith(gemma.SCANNED):
+                for j, n in enumerate(n for row in gemma.members(cfg, name) for n in row):
+                    out[n] = _layer_of(sh[n])(a, np.int32(j))
+        return {n: out[n] for n in param_layout(cfg, lc)}
+    return _map_dicts(flat, names, tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_of(sharding):
+    """(stacked [groups, run, ...], j) -> its j-th layer [...] (groups major), placed by sharding."""
+    return jax.jit(lambda a, j: jax.lax.dynamic_index_in_dim(a.reshape(-1, *a.shape[2:]), j, keepdims=False),
+                   out_shardings=sharding)
+
+
+def stacked_of(cfg: gemma.GemmaConfig, lc: LoraConfig, tree, mesh):
+    """A tree holding per-layer adapters (param_layout: the adapters, each of their optimizer moments) -> the same
+    tree with each such dict in stacked_layout, placed on the mesh."""
+    sh = shardings(cfg, lc, mesh, stacked=True)
+
+    def stacked(flat: dict) -> dict:
+        out = gemma.stack(cfg, flat, sh)
+        return {n: a if n.startswith(gemma.SCANNED) else jax.device_put(a, sh[n]) for n, a in out.items()}
+    return _map_dicts(stacked, set(param_layout(cfg, lc)), tree)
+
+
+def _map_dicts(fn, names: set[str], tree):
+    """tree with fn applied to each dict in it whose keys are `names`."""
+    def match(d) -> bool:
+        return isinstance(d, dict) and set(d) == names
+    return jax.tree.map(lambda d: fn(d) if match(d) else d, tree, is_leaf=match)
+
+
+def shardings(cfg: gemma.GemmaConfig, lc: LoraConfig, mesh, stacked: bool = False
+              ) -> dict[str, jax.sharding.NamedSharding]:
+    layout = stacked_layout(cfg, lc) if stacked else param_layout(cfg, lc)
     return {n: jax.sharding.NamedSharding(mesh, fitted_spec(axes, shape, dict(mesh.shape)))
-            for n, (shape, axes) in param_layout(cfg, lc).items()}
+            for n, (shape, axes) in layout.items()}
 
 
-def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None) -> dict[str, jax.Array]:
+def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None, stacked: bool = False
+         ) -> dict[str, jax.Array]:
     """f32 adapters: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's Kaiming-uniform, a=sqrt(5)), B = 0.
     Each array comes from (seed, its name) alone, placed by the rules when a mesh is given; all of them from
     one compiled program (a model's hundreds of adapters, one compile)."""
@@ -163,8 +220,8 @@ def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None) -> dict[s
             fan_in = math.prod(shape[:-1]) // (cfg.n_experts if TARGETS[name.split(".")[2]].experts else 1)
             bound = 1.0 / math.sqrt(fan_in)
             out[name] = jax.random.uniform(jax.random.fold_in(key, j), shape, jnp.float32, -bound, bound)
-        return out
-    return jax.jit(make, out_shardings=shardings(cfg, lc, mesh) if mesh is not None else None)()
+        return gemma.stack(cfg, out) if stacked else out
+    return jax.jit(make, out_shardings=shardings(cfg, lc, mesh, stacked) if mesh is not None else None)()
 
 
 # How the adapters of projections that share an input and a matmul (k with v, gate with up) are applied:
