@@ -868,7 +868,8 @@ def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.A
     of int tokens [B, T], from stacked params (stacked_layout),
     the segments' layers in scans: the training forward of Gemma.__call__ (no cache) with its numerics.
     adapters: LoRA's arrays, a scanned run's as the train state holds them ('scan.S.R.REST', lora.stacked_layout)
-    or per layer ('layers.I.REST', stacked here like the weights), each layer's handed to make_adapter. unroll: the scans' unroll (True: written out, e.g. a twin for counting).
+    or per layer ('layers.I.REST', stacked here like the weights), each layer's handed to make_adapter.
+    unroll: the scans' unroll (True: written out, e.g. a twin for counting).
     lookup(table, tokens) -> rows: the embedding lookup (default a take; vocab_parallel.lookup for a table
     sharded by its rows)."""
     b, t = tokens.shape

@@ -165,8 +165,9 @@ def flat_of(cfg: gemma.GemmaConfig, lc: LoraConfig, tree, mesh):
         out = {n: a for n, a in stacked.items() if not n.startswith(gemma.SCANNED)}
         for name, a in stacked.items():
             if name.startswith(gemma.SCANNED):
-                for j, n in enumerate(n for row in gemma.members(cfg, name) for n in row):
-                    out[n] = _layer_of(sh[n])(a, np.int32(j))
+                layers = [flat_name for row in gemma.members(cfg, name) for flat_name in row]
+                for j, flat_name in enumerate(layers):
+                    out[flat_name] = _layer_of(sh[flat_name])(a, np.int32(j))
         return {n: out[n] for n in param_layout(cfg, lc)}
     return _map_dicts(flat, names, tree)
 
