@@ -178,8 +178,8 @@ class Steps:
         # the adapters as the train state holds them: a scanned step's stacked as its layers' weights are
         # (lora.stacked_layout: its optimizer then updates a few stacked arrays, not hundreds of per-layer ones, which
         # the TPU compiler generates code for one by one), a written-out step's per layer (param_layout)
-        self.lora_layout = (lora_lib.stacked_layout if self.scanned else lora_lib.param_layout)(cfg, self.lc)
-        self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh, stacked=self.scanned)
+        self.lora_layout = lora_lib.layout(cfg, self.lc, self.scanned)
+        self.lora_sh = lora_lib.shardings(cfg, self.lc, mesh, self.scanned)
         self.rep = mesh_lib.replicated(mesh)
         self.batch_sh = mesh_lib.sharding(mesh, ("batch", None))
         t = TrainConfig(lr=run.lr, warmup_steps=run.warmup_steps, decay_steps=max(total_steps, run.warmup_steps + 1),
@@ -188,15 +188,18 @@ class Steps:
         self.lr = optim.schedule(t)
         self.tx = optax.chain(optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
                               optax.adamw(self.lr, b1=t.beta1, b2=t.beta2, eps=1e-8, weight_decay=t.weight_decay))
-        self.abstract_lora = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=self.lora_sh[n])
-                              for n, (s, _) in self.lora_layout.items()}
-        self.opt_sh = optim.state_shardings(self.tx, self.abstract_lora, self.lora_sh, self.rep)
-        self.abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                         jax.eval_shape(self.tx.init, self.abstract_lora), self.opt_sh)
+        self.abstract_lora = lora_lib.abstract(cfg, self.lc, mesh, self.scanned)
+        self.opt_sh, self.abstract_opt = self.abstract_opt_of(self.abstract_lora)
         self.fields_sh = {f: self.batch_sh for f in sft_data.FIELDS}  # a batch dict's fields, each split so
         self._train = self._jit_train(self._train_step)
         self._eval = jax.jit(self._eval_step, in_shardings=(self.lora_sh, self.base_sh, self.fields_sh),
                              out_shardings=self.rep)
+
+    def abstract_opt_of(self, abstract_lora: dict):
+        """(shardings, abstract tree) of the optimizer's state for adapters laid out as abstract_lora."""
+        sh = optim.state_shardings(self.tx, abstract_lora, {n: a.sharding for n, a in abstract_lora.items()}, self.rep)
+        return sh, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                jax.eval_shape(self.tx.init, abstract_lora), sh)
 
     def _sums(self, lora, base, batch, key):
         return loss_terms(self.cfg, self.lc, base, lora, batch, dtype=self.dtype, dropout_key=key,
@@ -421,14 +424,9 @@ def restore_state(ckpt: checkpoint.Checkpointer, step: int, steps: Steps, meta: 
     stacked = _is_stacked(meta)
     if stacked == steps.scanned:
         return ckpt.restore(step, steps.abstract_lora, steps.abstract_opt)
-    cfg, lc, mesh = steps.cfg, steps.lc, steps.mesh
-    sh = lora_lib.shardings(cfg, lc, mesh, stacked)
-    written = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
-               for n, (s, _) in (lora_lib.stacked_layout if stacked else lora_lib.param_layout)(cfg, lc).items()}
-    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                       jax.eval_shape(steps.tx.init, written), optim.state_shardings(steps.tx, written, sh, steps.rep))
-    state = ckpt.restore(step, written, opt)
-    return (lora_lib.flat_of if stacked else lora_lib.stacked_of)(cfg, lc, state, mesh)
+    written = lora_lib.abstract(steps.cfg, steps.lc, steps.mesh, stacked)
+    state = ckpt.restore(step, written, steps.abstract_opt_of(written)[1])
+    return (lora_lib.flat_of if stacked else lora_lib.stacked_of)(steps.cfg, steps.lc, state, steps.mesh)
 
 
 class _Meta:
@@ -493,10 +491,7 @@ def load_adapters(directory: str, cfg: gemma.GemmaConfig, mesh, step: int | None
         lora_lib.check_matches(cfg, lc, {k: tuple(v) for k, v in saved.get("shapes", {}).items()},
                                f"--adapters {directory}")
         stacked = _is_stacked(meta)
-        sh = lora_lib.shardings(cfg, lc, mesh, stacked)
-        layout = lora_lib.stacked_layout(cfg, lc) if stacked else lora_lib.param_layout(cfg, lc)
-        lora, _ = ck.restore(step, {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
-                                    for n, (s, _) in layout.items()})
+        lora, _ = ck.restore(step, lora_lib.abstract(cfg, lc, mesh, stacked))
         return lc, lora_lib.flat_of(cfg, lc, lora, mesh) if stacked else lora
     finally:
         ck.close()

@@ -153,6 +153,17 @@ def stacked_layout(cfg: gemma.GemmaConfig, lc: LoraConfig) -> dict[str, tuple[tu
     return gemma.stacked_layout(cfg, param_layout(cfg, lc))
 
 
+def layout(cfg: gemma.GemmaConfig, lc: LoraConfig, stacked: bool) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """stacked_layout (a scanned step's train state) or param_layout (per layer)."""
+    return stacked_layout(cfg, lc) if stacked else param_layout(cfg, lc)
+
+
+def abstract(cfg: gemma.GemmaConfig, lc: LoraConfig, mesh, stacked: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    """The f32 adapters in `layout`, each with its sharding on the mesh: what a step or a restore takes."""
+    sh = shardings(cfg, lc, mesh, stacked)
+    return {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n]) for n, (s, _) in layout(cfg, lc, stacked).items()}
+
+
 def flat_of(cfg: gemma.GemmaConfig, lc: LoraConfig, tree, mesh):
     """A tree holding stacked adapters (stacked_layout: the adapters, each of their optimizer moments) -> the same
     tree with each such dict in param_layout's per-layer arrays on the mesh, outside a jit (inside one gemma.unstack
@@ -160,6 +171,7 @@ def flat_of(cfg: gemma.GemmaConfig, lc: LoraConfig, tree, mesh):
     output costs the TPU compiler ~0.4 s an output)."""
     names = set(stacked_layout(cfg, lc))
     sh = shardings(cfg, lc, mesh)
+    order = list(param_layout(cfg, lc))
 
     def flat(stacked: dict) -> dict:
         out = {n: a for n, a in stacked.items() if not n.startswith(gemma.SCANNED)}
@@ -168,7 +180,7 @@ def flat_of(cfg: gemma.GemmaConfig, lc: LoraConfig, tree, mesh):
                 layers = [flat_name for row in gemma.members(cfg, name) for flat_name in row]
                 for j, flat_name in enumerate(layers):
                     out[flat_name] = _layer_of(sh[flat_name])(a, np.int32(j))
-        return {n: out[n] for n in param_layout(cfg, lc)}
+        return {n: out[n] for n in order}
     return _map_dicts(flat, names, tree)
 
 
@@ -199,9 +211,8 @@ def _map_dicts(fn, names: set[str], tree):
 
 def shardings(cfg: gemma.GemmaConfig, lc: LoraConfig, mesh, stacked: bool = False
               ) -> dict[str, jax.sharding.NamedSharding]:
-    layout = stacked_layout(cfg, lc) if stacked else param_layout(cfg, lc)
     return {n: jax.sharding.NamedSharding(mesh, fitted_spec(axes, shape, dict(mesh.shape)))
-            for n, (shape, axes) in layout.items()}
+            for n, (shape, axes) in layout(cfg, lc, stacked).items()}
 
 
 def init(cfg: gemma.GemmaConfig, lc: LoraConfig, seed: int, mesh=None, stacked: bool = False
