@@ -103,16 +103,22 @@ def test_scanned_layers_equal_the_flat_model_forward_and_gradients(kind):
     flat = gemma.random_params(cfg, seed=3)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab, (2, 12)))
     ref = lambda p: gemma.from_flat(cfg, p)(tokens, logits=False)[0]  # noqa: E731
-    ours = lambda p, remat: gemma.hidden(cfg, gemma.stack(cfg, p), tokens, remat=remat)  # noqa: E731
+    # the layers' weights the scans' slices (as on a slice of devices), or sliced inside the rematerialised call
+    # (as on one device, which this test's unsharded arrays are on: the default here)
+    ours = lambda p, remat, inside=None: gemma.hidden(cfg, gemma.stack(cfg, p), tokens, remat=remat,  # noqa: E731
+                                                      sliced_in_call=inside)
+    assert gemma.sliced_in_call_by_mesh("full") and not gemma.sliced_in_call_by_mesh("none")
     want = jax.jit(ref)(flat)
-    for remat in ("none", "full"):
-        np.testing.assert_allclose(np.asarray(jax.jit(ours, static_argnums=1)(flat, remat)), np.asarray(want),
-                                   atol=1e-4)
+    for remat, inside in (("none", None), ("full", None), ("full", False)):
+        np.testing.assert_allclose(np.asarray(jax.jit(ours, static_argnums=(1, 2))(flat, remat, inside)),
+                                   np.asarray(want), atol=1e-4)
     g_ref = jax.jit(jax.grad(lambda p: jnp.sum(ref(p) ** 2)))(flat)
-    g_ours = jax.jit(jax.grad(lambda p: jnp.sum(ours(p, "full") ** 2)))(flat)
-    for name in g_ref:
-        scale = float(jnp.abs(g_ref[name]).max()) + 1.0
-        assert float(jnp.abs(g_ours[name] - g_ref[name]).max()) <= 1e-3 * scale, name  # f32 sums in another order
+    for inside in (True, False):
+        g_ours = jax.jit(jax.grad(lambda p: jnp.sum(ours(p, "full", inside) ** 2)))(flat)
+        for name in g_ref:
+            scale = float(jnp.abs(g_ref[name]).max()) + 1.0
+            # f32 sums in another order
+            assert float(jnp.abs(g_ours[name] - g_ref[name]).max()) <= 1e-3 * scale, (inside, name)
     back = gemma.unstack(cfg, gemma.stack(cfg, flat))
     assert set(back) == set(flat) and all(np.array_equal(back[n], flat[n]) for n in flat)
 
@@ -152,6 +158,7 @@ def test_a_scanned_step_holds_its_adapters_stacked_and_gives_the_per_layer_numbe
              "weights": (rng.rand(rows, t) < 0.7).astype(np.float32), "segments": np.ones((rows, t), np.int32),
              "positions": np.broadcast_to(np.arange(t), (rows, t)).astype(np.int32)}
     with jax.set_mesh(mesh):
+        assert not gemma.sliced_in_call_by_mesh("full")  # a slice's layers take the scans' slices
         base = steps.place_base(gemma.random_params(cfg, seed=3))
         batch = {f: jax.device_put(a, steps.batch_sh) for f, a in batch.items()}
         grad = jax.jit(jax.value_and_grad(lambda lo: finetune.loss_sums(

@@ -18,12 +18,13 @@ import sys
 import time
 
 
-def compile_text(tpu: str, devices: int, trainer_argv: list[str]) -> tuple[str, dict]:
-    """The optimized HLO of the command's train step for the topology, and the compiler's figures."""
+def compile_text(tpu: str, devices: int, trainer_argv: list[str], host_bounds: str = "") -> tuple[str, dict]:
+    """The optimized HLO of the command's train step for the topology, and the compiler's figures.
+    host_bounds: the chips a host holds ('' for the topology's own, as `python -m trainer.plan` takes it)."""
     from trainer import cli
     from trainer.common import aot
     opts = argparse.Namespace(devices=devices, processes=1, num_slices=1, tpu=tpu, chip_config="default",
-                              host_bounds="2,2,1", fallback_cpu=False, run_platform="tpu")
+                              host_bounds=host_bounds, fallback_cpu=False, run_platform="tpu")
     args = cli.parser().parse_args(trainer_argv)
     aot.check(args)
     target = aot.target(opts)
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compiler.tpu_bytes", description=__doc__.splitlines()[0])
     p.add_argument("--tpu", default="v5e:2x4", help="libtpu topology (default v5e:2x4)")
     p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--host-bounds", default="", metavar="X,Y,Z",
+                   help="chips a host holds (default: the topology's own; 1,1,1 for v5e:1x1)")
     p.add_argument("--json", help="also write the table and the compiler's figures to this file")
     p.add_argument("--hlo", help="also keep the optimized HLO text here")
     p.add_argument("--from-hlo", help="count this saved HLO text instead of compiling (no compiler figures)")
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from trainer.common.config import UsageError
         try:
-            text, compiler = compile_text(a.tpu, a.devices, trainer_argv)
+            text, compiler = compile_text(a.tpu, a.devices, trainer_argv, a.host_bounds)
         except UsageError as e:  # the trainer command's own refusal (a flag missing, a batch the mesh cannot split)
             print(f"error: {e}", file=sys.stderr)
             return 2

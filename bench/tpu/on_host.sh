@@ -25,6 +25,11 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site" JAX_PLATFORMS="${JAX_PLATFORMS:-tpu,cpu}" PYTHONUNBUFFERED=1
 mkdir -p "$results" /tmp/tpuctl-check
 name=${CHECK_NAME:-check}
+# A check cut by a call's time limit leaves libtpu's machine-wide lock file behind on a host kept warm for the
+# next call, which then cannot open the chip; with no check process left, nothing holds the chip.
+if [ -e /tmp/libtpu_lockfile ] && ! pgrep -f "python3 -m bench.tpu" >/dev/null; then
+  rm -f /tmp/libtpu_lockfile && echo "on_host: removed the lock file a cut check left (/tmp/libtpu_lockfile)"
+fi
 python3 -m bench.tpu --out /tmp/tpuctl-check --json "$results/$name.json" "$@" 2>&1 \
   | grep --line-buffered -v "^WARNING: Logging before\|^E0000 .*TPU_WORKER_HOSTNAMES\|Source Location Trace\|libtpu_init_utils" \
   | tee "$results/$name.log"

@@ -614,6 +614,39 @@ def _remat_layer(layer: Layer, policy: str, positions, segment_ids, adapter, att
     return lambda x, per_layer, shared: call(state, x, per_layer, shared)
 
 
+# The experts' weights stay the scans' slices: sliced inside the call, the TPU compiler laid the whole stacked
+# experts out again for the grouped matmul (gemma4-26b-a4b on v5litepod-8: +2.3 GiB of temporaries).
+_SLICED_BY_SCANS = ("experts_gating", "experts_linear")
+
+
+def sliced_in_call_by_mesh(remat: str) -> bool:
+    """Whether a scanned step's layers take their weights sliced inside the rematerialised call: on one device.
+    The scans' own slices of the stacked weights are copies (the outer scan's of a period's run, forward and
+    backward; the inner one's in the backward): on one device a copy of whole layers each (gemma4-e2b at 1 row
+    of 512 on a v5e chip: 67 GB a step, 46 sliced inside, by the compiler's count), on a slice of the shards the
+    layer then gathers. Sliced inside there, the compiler gathers the whole stacked arrays once instead
+    (gemma4-31b on v5litepod-8: 9.43 GiB of temporaries against 5.28), so a slice keeps the scans' slices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return remat != "none" and (mesh.empty or mesh.size == 1)
+
+
+def _remat_sliced(graphdef, abstract_state, policy: str, given: dict, stacked: dict, at, positions, segment_ids,
+                  adapter, attention: str):
+    """_remat_layer for a scanned layer: its weights the arrays given (the scans' slices) and the stacked
+    [groups, run length, ...] arrays sliced at (group, index in the run) inside the call, which the backward pass
+    then slices again rather than keep."""
+    def run(given, stacked, at, x, per_layer, shared):
+        g, k = at
+        sliced = {leaf: jax.lax.dynamic_slice(a, (g, k) + (0,) * (a.ndim - 2), (1, 1) + a.shape[2:])
+                  .reshape(a.shape[2:]) for leaf, a in stacked.items()}
+        lay = _layer_from(graphdef, abstract_state, {**given, **sliced})
+        out, _, kv, drops = lay.forward(x, positions, None, None, segment_ids, adapter, attention, per_layer, shared)
+        return out, kv, drops
+    remat_lib.check(policy)
+    call = jax.checkpoint(run, policy=remat_lib.POLICIES[policy])
+    return lambda x, per_layer, shared: call(given, stacked, at, x, per_layer, shared)
+
+
 def loss(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, dtype=jnp.float32, *,
          attention: str = attention_lib.XLA, remat: str = "none", loss_chunk: int = 0) -> jax.Array:
     """Mean next-token cross-entropy (f32) of int tokens [B, T+1] under flat params: what a train step
@@ -863,7 +896,8 @@ def hidden(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array, po
 def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.Array,
                    positions: jax.Array | None = None, *, dtype=jnp.float32, segment_ids: jax.Array | None = None,
                    adapters: dict | None = None, make_adapter: MakeAdapter = None, attention: str = attention_lib.XLA,
-                   remat: str = "none", unroll: int | bool = 1, lookup=None) -> tuple[jax.Array, moe_lib.Drops]:
+                   remat: str = "none", unroll: int | bool = 1, lookup=None,
+                   sliced_in_call: bool | None = None) -> tuple[jax.Array, moe_lib.Drops]:
     """(the final hidden states [B, T, D] (normalised), moe.Drops summed over the layers: the scans carry the sum)
     of int tokens [B, T], from stacked params (stacked_layout),
     the segments' layers in scans: the training forward of Gemma.__call__ (no cache) with its numerics.
@@ -871,7 +905,9 @@ def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.A
     or per layer ('layers.I.REST', stacked here like the weights), each layer's handed to make_adapter.
     unroll: the scans' unroll (True: written out, e.g. a twin for counting).
     lookup(table, tokens) -> rows: the embedding lookup (default a take; vocab_parallel.lookup for a table
-    sharded by its rows)."""
+    sharded by its rows).
+    sliced_in_call: whether the scanned layers take their weights sliced from the stacked arrays inside the
+    rematerialised call (None: by the mesh, sliced_in_call_by_mesh)."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
@@ -882,6 +918,7 @@ def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.A
     segs = {seg.start: (s, seg) for s, seg in enumerate(segments(cfg))}
     kvs: dict[int, tuple] = {}
     drops = moe_lib.no_drops()
+    inside = sliced_in_call_by_mesh(remat) if sliced_in_call is None else sliced_in_call and remat != "none"
     i = 0
 
     def layer_adapters(idx: int) -> dict:
@@ -908,7 +945,7 @@ def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.A
             continue
         s, seg = segs[i]
         x, carried, dropped = _scan_segment(cfg, s, seg, params, x, ple, positions, segment_ids, kvs, adapters,
-                                            adapter_of, attention, remat, unroll)
+                                            adapter_of, attention, remat, unroll, inside)
         drops = drops + dropped
         kvs.update(carried)
         i = seg.start + seg.groups * seg.period
@@ -916,17 +953,19 @@ def hidden_counted(cfg: GemmaConfig, params: dict[str, jax.Array], tokens: jax.A
 
 
 def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, kvs, adapters, adapter_of,
-                  attention, remat, unroll):
+                  attention, remat, unroll, inside: bool = False):
     """One segment's layers as a scan over its periods, each period's runs of one kind a scan over their layers
     -> (x, {layer: its (k, v)} of the last period's kv origins, carried out of the loops, moe.Drops summed over
-    its layers: carried too)."""
+    its layers: carried too). inside: the layers' weights (but the experts') sliced from the stacked arrays inside
+    the rematerialised call, not handed in by the scans (sliced_in_call_by_mesh says when)."""
     p, n = seg.period, seg.groups
     defs = [_layer_state(cfg, seg.layer(0, j0)) for j0, _ in seg.runs]
-    weights = {r: {} for r in range(len(seg.runs))}
+    weights = {r: {} for r in range(len(seg.runs))}  # each run's stacked arrays the scans slice
+    whole = {r: {} for r in range(len(seg.runs))}  # ... and those sliced inside the call
     for name, a in params.items():
         if name.startswith(f"{SCANNED}{s}."):
             _, _, r, leaf = name.split(".", 3)
-            weights[int(r)][leaf] = a
+            (whole if inside and leaf not in _SLICED_BY_SCANS else weights)[int(r)][leaf] = a
     # the adapters of each run, [groups, run length, ...] like the weights: as the train state holds them
     # (lora.stacked_layout), or stacked here from per-layer arrays
     ads = {r: {} for r in range(len(seg.runs))}
@@ -972,8 +1011,11 @@ def _scan_segment(cfg, s, seg: Segment, params, x, ple, positions, segment_ids, 
         shared = kvs.get(src) if shares else None
 
         def one(x, wk, adk, k, plk):
-            layer = _layer_from(graphdef, abstract_state, wk)
             idx = seg.start + g * p + j0 + k
+            if whole[r]:
+                return _remat_sliced(graphdef, abstract_state, remat, wk, whole[r], (g, k), positions, segment_ids,
+                                     adapter_of(idx, adk), attention)(x, plk, shared)
+            layer = _layer_from(graphdef, abstract_state, wk)
             return _remat_layer(layer, remat, positions, segment_ids, adapter_of(idx, adk), attention)(
                 x, plk, shared)
 
