@@ -25,15 +25,22 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site" JAX_PLATFORMS="${JAX_PLATFORMS:-tpu,cpu}" PYTHONUNBUFFERED=1
 mkdir -p "$results" /tmp/tpuctl-check
 name=${CHECK_NAME:-check}
-# A check cut by a call's time limit leaves libtpu's machine-wide lock file behind on a host kept warm for the
-# next call, which then cannot open the chip; with no check process left, nothing holds the chip.
-if [ -e /tmp/libtpu_lockfile ] && ! pgrep -f "python3 -m bench.tpu" >/dev/null; then
-  rm -f /tmp/libtpu_lockfile && echo "on_host: removed the lock file a cut check left (/tmp/libtpu_lockfile)"
+# A check killed mid-row leaves libtpu's machine-wide lock file behind on a host kept warm for the next call,
+# which then cannot open the chip; with no check process left, nothing holds the chip. (The pattern is anchored:
+# a shell whose command line merely names the check is not one.)
+if [ -e /tmp/libtpu_lockfile ] && ! pgrep -f "^python3 -m bench[.]tpu" >/dev/null; then
+  rm -f /tmp/libtpu_lockfile && echo "on_host: removed the lock file a killed check left (/tmp/libtpu_lockfile)"
 fi
-python3 -m bench.tpu --out /tmp/tpuctl-check --json "$results/$name.json" "$@" 2>&1 \
-  | grep --line-buffered -v "^WARNING: Logging before\|^E0000 .*TPU_WORKER_HOSTNAMES\|Source Location Trace\|libtpu_init_utils" \
-  | tee "$results/$name.log"
-rc=${PIPESTATUS[0]}
+python3 -m bench.tpu --out /tmp/tpuctl-check --json "$results/$name.json" "$@" > >(
+  grep --line-buffered -v "^WARNING: Logging before\|^E0000 .*TPU_WORKER_HOSTNAMES\|Source Location Trace\|libtpu_init_utils" \
+  | tee "$results/$name.log") 2>&1 &
+check=$!
+# Cut by `timeout` (a call's time limit), the check would finish its row on its own, holding the chip from the
+# next command: the trainer's code it runs takes SIGTERM as a preemption notice. Stop it, and free the lock.
+trap 'kill -KILL "$check" 2>/dev/null; wait "$check" 2>/dev/null; rm -f /tmp/libtpu_lockfile
+      echo "on_host: stopped by a signal; the check killed, the lock file removed"; exit 143' TERM INT
+wait "$check"
+rc=$?
 # the traces (--trace, the profile section) come back with the JSON, which names them; gzipped (a written-out
 # step's trace is 33-37 MB, over what a lent chip's call brings back; ~5 MB gzipped), --summarize reads them so
 for t in /tmp/tpuctl-check/*.xplane.pb; do [ -f "$t" ] && gzip -c "$t" > "$results/$(basename "$t").gz"; done
