@@ -25,6 +25,9 @@ SIZES = {"gemma3-1b": 8, "gemma2-2b": 4, "gemma4-e2b": 1}
 # step's work a layer is the whole size's, so the chip's time against the plan's for the same program says whether
 # the plan's roofline is the chip's (26B-A4B: its experts count as memory-bound, docs/gemma.md)
 TWINS = {"gemma4-26b-a4b": (6, 4)}
+# sizes at a batch whose step written out does not fit one chip (size -> rows of 512): --remat auto runs their layers
+# in scans with full recompute there, the one-chip default of a larger batch
+SCANNED = {"gemma4-e2b": 4}
 # The step's embedding by its vocab rows (what every multi-device slice runs: trainer/models/vocab_parallel.py), forced
 # on the one chip: its lookup and loss's compute beside the gathered table's, without the collectives.
 VOCAB_ROWS = "vocab_parallel"
@@ -173,7 +176,7 @@ def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
 
 
 def run(s: Settings):
-    """The defaults of every size first, then the twins (TWINS), then each variant of every size, then tunix's step,
+    """The defaults of every size first, then the twins (TWINS) and the scanned defaults (SCANNED), then each variant of every size, then tunix's step,
     then the steps with another remat policy than the size's default: a run cut short by the chip's time keeps what
     matters most."""
     sizes = {k: v for k, v in SIZES.items() if not k.startswith("gemma4")} if s.quick else SIZES  # one tiny config
@@ -184,6 +187,9 @@ def run(s: Settings):
     for size, (layers, batch) in ({} if s.quick else TWINS).items():
         if s.wants(name_of(size, batch, layers=layers)):
             yield step_row(s, size, batch, layers=layers)
+    for size, batch in ({} if s.quick else SCANNED).items():
+        if s.wants(name_of(size, batch)):
+            yield step_row(s, size, batch)
     later = {k: v for k, v in VARIANTS.items() if v.get("remat")}  # the scanned layers (remat): new, and slower
     for variant, fields in [*((k, v) for k, v in VARIANTS.items() if k not in later), (None, None),
                             *later.items()]:

@@ -48,6 +48,8 @@ def commands() -> dict[str, list[str]]:
                 out[lora.name_of(size, batch, variant=variant)] = [*base, *_flags(fields)]
     for size, (layers, batch) in lora.TWINS.items():  # the whole size's command: bench.tpu.twin cuts its layers
         out[lora.name_of(size, batch, layers=layers)] = _lora_argv(size, batch)
+    for size, batch in lora.SCANNED.items():
+        out[lora.name_of(size, batch)] = _lora_argv(size, batch)
     return out
 
 
