@@ -1184,3 +1184,9 @@ def test_a_step_counted_a_loop_body_once_takes_its_matmuls_from_the_arithmetic()
     assert low["matmul_flops"] == pytest.approx((1e9 - 1e8) * 1000 / 4) and "arithmetic" in low["matmul_flops_from"]
     whole = aot.work(built, {**figures, "counted": "program"}, "")
     assert whole["matmul_flops"] == 1e11 and "matmul_flops_from" not in whole
+    # under --remat full the layers' forward runs again: the arithmetic counts it (MFU's model flops do not)
+    again = dataclasses.replace(built, recomputed_flops_per_token=4e8, recomputed_kernel_attention_flops_per_token=3e7)
+    full = aot.work(again, figures, "")
+    assert full["attention_flops"] == pytest.approx((1e8 + 3e7) * 1000 / 4)
+    assert full["matmul_flops"] == pytest.approx((1e9 + 4e8 - 1e8 - 3e7) * 1000 / 4)
+    assert "recomputed" in full["matmul_flops_from"]
