@@ -330,7 +330,7 @@ def work(built: Built, figures: dict, hlo_text: str) -> dict:
     if figures.get("counted") == "loop bodies once":
         # the compiler's count has each loop body's matmuls once (a scanned Gemma step: one layer of a kind for
         # all of them): the model's arithmetic is the better count, with what full recompute runs again (gemma4-e2b
-        # on one v5e chip, 1 and 4 rows of 512: -21% and -26% against the chip without it, +4% and -1% with)
+        # on one v5e chip, 1 and 4 rows of 512: -21% and -26% against the chip without it, -0.2% and -5% with)
         arithmetic = (built.model_flops_per_token + built.recomputed_flops_per_token) * per_device - attention
         if arithmetic > matmul:
             matmul, extra = arithmetic, {"matmul_flops_from": "model arithmetic (the loops' bodies counted once)"
