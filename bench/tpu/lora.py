@@ -176,9 +176,9 @@ def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
 
 
 def run(s: Settings):
-    """The defaults of every size first, then the twins (TWINS) and the scanned defaults (SCANNED), then each variant of every size, then tunix's step,
-    then the steps with another remat policy than the size's default: a run cut short by the chip's time keeps what
-    matters most."""
+    """The defaults of every size first, then the twins (TWINS) and the scanned defaults (SCANNED), then each
+    variant of every size, then tunix's step, then the steps with another remat policy than the size's default: a
+    run cut short by the chip's time keeps what matters most."""
     sizes = {k: v for k, v in SIZES.items() if not k.startswith("gemma4")} if s.quick else SIZES  # one tiny config
     batches = {size: 2 if s.quick else batch for size, batch in sizes.items()}
     for size, batch in batches.items():

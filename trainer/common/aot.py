@@ -152,6 +152,14 @@ def lora_flops_per_token(cfg, n_adapter: int, seq_len: int) -> float:
     return 4.0 * gemma.matmul_params(cfg) + 6.0 * n_adapter + attention
 
 
+def lora_recomputed_flops_per_token(cfg, n_adapter: int, seq_len: int) -> float:
+    """What --remat full runs again of lora_flops_per_token's terms, each layer's forward: the base's matmuls but
+    the output layer's (2 of their 4), the adapters' (2 of 6) and attention's (4 of 12)."""
+    from trainer.models import gemma
+    return (2.0 * (gemma.matmul_params(cfg) - cfg.vocab * cfg.d_model) + 2.0 * n_adapter
+            + 4.0 * seq_len * gemma.attention_width(cfg))
+
+
 def _lora(args: argparse.Namespace, target: Target) -> Built:
     """`lora`: the frozen base held as the run holds it (fsdp over data, its --base-dtype), the adapters and
     their optimizer state; the base's size is --model SIZE (checked before jax starts: `_needs_size`)."""
@@ -167,11 +175,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     steps = finetune.Steps(run, cfg, mesh, max(run.steps, 1), batch)
     n_adapter = lora_lib.count(cfg, run.lora)
     kernel_attention = splash_flops_per_token(cfg.n_layers, run.seq_len, cfg.n_heads * cfg.head_dim, steps.attention)
-    # full recompute runs each layer's forward again: of lora_flops_per_token's terms, the base's matmuls but the
-    # output layer (2 of their 4), the adapters' (2 of 6) and attention's (4 of 12)
-    again = steps.remat == "full"
-    recomputed = (2.0 * (gemma.matmul_params(cfg) - cfg.vocab * cfg.d_model) + 2.0 * n_adapter
-                  + 4 * run.seq_len * gemma.attention_width(cfg)) if again else 0.0
+    again = steps.remat == "full"  # each layer's forward runs again in the backward pass
     base_dtype = mesh_lib.compute_dtype(run.base_dtype)
     base = {n: jax.ShapeDtypeStruct(s, base_dtype, sharding=steps.base_sh[n])
             for n, (s, _) in steps.base_layout.items()}
@@ -204,7 +208,8 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                  # frozen experts: forward and back to their input, as lora_flops_per_token counts every base weight
                  grouped_flops_per_token=4.0 * gemma.expert_matmul_params(cfg),
                  grouped_rows_per_expert=_rows_per_expert(cfg, mesh, batch * run.seq_len // target.slices),
-                 recomputed_flops_per_token=recomputed,
+                 recomputed_flops_per_token=lora_recomputed_flops_per_token(cfg, n_adapter, run.seq_len)
+                 if again else 0.0,
                  recomputed_grouped_flops_per_token=2.0 * gemma.expert_matmul_params(cfg) if again else 0.0,
                  recomputed_kernel_attention_flops_per_token=kernel_attention / 3 if again else 0.0)
 
@@ -324,7 +329,8 @@ def work(built: Built, figures: dict, hlo_text: str) -> dict:
     devices = max(1, figures["devices"])
     per_device = built.tokens_per_step / devices
     # the kernel's arithmetic, its forward again under full recompute
-    attention = (built.kernel_attention_flops_per_token + built.recomputed_kernel_attention_flops_per_token) * per_device
+    attention = (built.kernel_attention_flops_per_token
+                 + built.recomputed_kernel_attention_flops_per_token) * per_device
     matmul = max(0.0, figures["flops"] - kernel)
     extra = {}
     if figures.get("counted") == "loop bodies once":

@@ -599,12 +599,17 @@ def per_layer_inputs(cfg: GemmaConfig, ple_in, ple_in_norm, ple_embed, tokens: j
     return (proj + table * jnp.asarray(math.sqrt(cfg.per_layer_dim), dt)) * jnp.asarray(0.5 ** 0.5, dt)
 
 
+def _train_forward(lay: Layer, x, per_layer, shared, positions, segment_ids, adapter, attention: str):
+    """A layer's training forward (no cache) -> (its output, its kv, what its experts dropped)."""
+    out, _, kv, drops = lay.forward(x, positions, None, None, segment_ids, adapter, attention, per_layer, shared)
+    return out, kv, drops
+
+
 def _remat_layer(layer: Layer, policy: str, positions, segment_ids, adapter, attention: str):
     """(x, per-layer input, shared kv) -> (the layer's output, its kv, what its experts dropped) (no cache), under
     the remat policy; the other inputs are closed over."""
     def run(lay, x, per_layer, shared):
-        out, _, kv, drops = lay.forward(x, positions, None, None, segment_ids, adapter, attention, per_layer, shared)
-        return out, kv, drops
+        return _train_forward(lay, x, per_layer, shared, positions, segment_ids, adapter, attention)
     if policy == "none":
         return lambda x, per_layer, shared: run(layer, x, per_layer, shared)
     remat_lib.check(policy)
@@ -640,9 +645,8 @@ def _remat_sliced(graphdef, abstract_state, policy: str, given: dict, stacked: d
         g, k = at
         sliced = {leaf: jax.lax.dynamic_slice(a, (g, k) + (0,) * (a.ndim - 2), (1, 1) + a.shape[2:])
                   .reshape(a.shape[2:]) for leaf, a in stacked.items()}
-        lay = _layer_from(graphdef, abstract_state, {**given, **sliced})
-        out, _, kv, drops = lay.forward(x, positions, None, None, segment_ids, adapter, attention, per_layer, shared)
-        return out, kv, drops
+        return _train_forward(_layer_from(graphdef, abstract_state, {**given, **sliced}), x, per_layer, shared,
+                              positions, segment_ids, adapter, attention)
     remat_lib.check(policy)
     call = jax.checkpoint(run, policy=remat_lib.POLICIES[policy])
     return lambda x, per_layer, shared: call(given, stacked, at, x, per_layer, shared)
