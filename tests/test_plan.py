@@ -1171,6 +1171,35 @@ def test_remat_auto_writes_the_step_out_where_it_fits_and_scans_it_where_not():
     assert finetune.written_out_bytes(gemma.SIZES["gemma4-e2b"], 2048) / 2 ** 30 == pytest.approx(12.2, abs=0.1)
 
 
+@needs_libtpu
+def test_a_lora_step_on_a_tpu_slice_is_compiled_without_collective_matmuls():
+    """finetune.Steps.compile (the run's compile and the plan's) hands the compiler step_compiler's options: on
+    v5e:2x4 a tiny scanned Gemma 4 LoRA step (2 layers, 2 rows of 512 a device) has no windowed einsum, where the
+    same step with the partitioner's threshold at 0 has their loops (the proof the option is what keeps them
+    out). One device or the CPU compiler gets no libtpu flag."""
+    from jax.experimental import topologies
+    from _gemma_ckpt import TINY4
+    from trainer.common import step_compiler
+    assert step_compiler.options("cpu", 8) == {} and step_compiler.options("tpu", 1) == {}
+    desc = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4", chip_config_name="default",
+                                        chips_per_host_bounds=aot.host_bounds("v5e:2x4"), num_slices=1)
+    mesh = mesh_lib.make_mesh({"data": 8, "model": 1}, list(desc.devices))
+    cfg = dataclasses.replace(TINY4["dense"], d_model=64, ff=256, vocab=1024, n_layers=2)
+    run = LoraRun(weights="-", data="-", ckpt_dir="-", model="gemma4-31b", targets="all", rank=8, seq_len=512,
+                  batch_size=16, base_dtype="bfloat16", remat="full")
+
+    def windowed_loops(options):
+        steps = finetune.Steps(run, cfg, mesh, 10, 16)
+        base = {n: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=steps.base_sh[n])
+                for n, (s, _) in steps.base_layout.items()}
+        steps.compile(base, options)
+        return steps.compiler_options, steps.train_fn.as_text().count("windowed_dot_general")
+
+    own, none = windowed_loops(None)
+    assert own == step_compiler.NO_WINDOWED_EINSUM and none == 0
+    assert windowed_loops({step_compiler.WINDOWED_EINSUM_THRESHOLD_MIB: 0})[1] > 0
+
+
 def test_a_step_counted_a_loop_body_once_takes_its_matmuls_from_the_arithmetic():
     """A scanned step's compiler count has one layer of each kind's matmuls: the calibrated time's matmul work is
     then the model's arithmetic (less the splash kernel's share), and says so; a program counted whole keeps the

@@ -193,6 +193,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
                            "seq_len": run.seq_len,
                            "lora_impl": run.lora_impl,
                            "vocab": cfg.vocab,
+                           "compiler_options": steps.compiler_options,
                            "fsdp": True, "batch_per_device": not run.batch_size,
                            "gathered_share": gemma.gathered_share(
                                cfg, bool(cfg.n_experts and moe.expert_axes(cfg.n_experts, dict(mesh.shape)))),

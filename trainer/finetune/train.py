@@ -21,7 +21,7 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.common import checkpoint, chips, loop, metrics, optim, profiling, scans
+from trainer.common import checkpoint, chips, loop, metrics, optim, profiling, scans, step_compiler
 from trainer.finetune import data as sft_data
 from trainer.gemma import tokenizer as tok_lib
 from trainer.gemma import weights
@@ -157,6 +157,7 @@ class Steps:
         platform = mesh.devices.flat[0].platform  # of the devices compiled for (a TPU plan from a CPU host)
         self.dtype = compute_dtype(run.dtype, platform)
         self.attention = attention.resolve(run.attention, platform, run.seq_len, mesh.devices.flat[0].device_kind)
+        self.compiler_options = step_compiler.options(platform, mesh.size)
         self.global_batch = global_batch
         self.remat, self.remat_why = remat_of(run, cfg, mesh, global_batch)
         self.loss_chunk = run.loss_chunk
@@ -253,10 +254,11 @@ class Steps:
 
     def compile(self, base, options: dict | None = None) -> float:
         """Ahead-of-time compile of the train step, so no step's time includes compilation (options: the
-        compiler's, e.g. a plan's dump of its buffer assignment)."""
+        compiler's, e.g. a plan's dump of its buffer assignment), beside the step's own (step_compiler)."""
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self._train = self._train.lower(*self._train_args(base)).compile(compiler_options=options)
+            self._train = self._train.lower(*self._train_args(base)).compile(
+                compiler_options={**self.compiler_options, **(options or {})})
         took = time.perf_counter() - t0
         mesh_lib.meet("the compiled train step")
         return took
