@@ -106,6 +106,39 @@ def step_row(s: Settings, size: str, batch: int, seq_len: int = 512, variant: st
                         "flops_per_token": fpt, **({"layers": layers} if layers else {}), **traced})
 
 
+OPTIONS_ROW = "a slice's compiler options on the chip's own compiler (step_compiler), tiny LoRA step"
+
+
+def options_row(s: Settings) -> Row:
+    """The compiler options a LoRA step on a TPU slice is compiled with (trainer/common/step_compiler.py), handed
+    to this chip's own compiler: the runtime takes them (a plan compiles them ahead through libtpu, not through
+    the chip's client), and on one device, which partitions nothing, the step they compile takes the very step of
+    the default compile: the same loss and adapters to the bit. A check: ok or not."""
+    from trainer.common import mesh as mesh_lib, step_compiler
+    from trainer.finetune import train as finetune
+    from trainer.finetune.config import LoraRun
+    from trainer.models import gemma
+    cfg, seq_len, batch = gemma.GemmaConfig(**QUICK), 128, 2
+    mesh = mesh_lib.make_mesh({"data": 1, "model": 1}, jax.devices()[:1])
+    run = LoraRun(weights="-", data="-", ckpt_dir=tempfile.mkdtemp(dir=s.out), model=PEER_SIZE, targets="all",
+                  rank=RANK, alpha=ALPHA, seq_len=seq_len, batch_size=batch, steps=10, base_dtype="bfloat16")
+    local = _batch(cfg.vocab, batch, seq_len)
+    took = {}
+    for options in (None, step_compiler.NO_WINDOWED_EINSUM):
+        steps = finetune.Steps(run, cfg, mesh, 10, batch)
+        base = block(gemma.random_params(cfg, dtype=jnp.bfloat16, shardings=steps.base_sh, stacked=steps.scanned))
+        lora, opt = steps.init()
+        steps.compile(base, options)
+        lora, opt, out = steps.step(lora, opt, base, local, 1)
+        took[str(options)] = (float(out["loss"]), [np.asarray(a) for a in jax.tree.leaves(lora)])
+    (loss, lora), (loss_opt, lora_opt) = took.values()
+    same = loss == loss_opt and all(np.array_equal(a, b) for a, b in zip(lora, lora_opt))
+    return Row("lora", OPTIONS_ROW, ok=same,
+               note=f"compiled with {step_compiler.NO_WINDOWED_EINSUM} and without: "
+                    + ("the same loss and adapters to the bit" if same else "they differ"),
+               figures={"options": step_compiler.NO_WINDOWED_EINSUM, "losses": [loss, loss_opt]})
+
+
 def tunix_row(s: Settings, size: str, batch: int, seq_len: int = 512) -> Row:
     """tunix's PeftTrainer step (its own jitted train step, `jit_train_and_eval_step`) on its Gemma 2 with qwix's
     LoRA on the same projections, rank and alpha; the base's weights random in bf16, as ours; the same batch."""
@@ -180,6 +213,8 @@ def run(s: Settings):
     variant of every size, then tunix's step, then the steps with another remat policy than the size's default: a
     run cut short by the chip's time keeps what matters most."""
     sizes = {k: v for k, v in SIZES.items() if not k.startswith("gemma4")} if s.quick else SIZES  # one tiny config
+    if jax.default_backend() == "tpu" and s.wants(OPTIONS_ROW):  # libtpu's flags: no CPU compiler knows them
+        yield options_row(s)
     batches = {size: 2 if s.quick else batch for size, batch in sizes.items()}
     for size, batch in batches.items():
         if s.wants(name_of(size, batch)):
