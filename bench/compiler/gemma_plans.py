@@ -12,7 +12,7 @@ mesh's compile) and `ran`, how the sweep ran it.
 
     python -m bench.compiler.gemma_plans --out plans.jsonl [--sizes gemma4-e2b,...] [--accelerators v5litepod-8,v4-8]
         [--model-sweep [--models 2,4,8]] [-- EXTRA LORA FLAGS]
-    python -m bench.compiler.gemma_plans --table plans.jsonl      # the markdown tables from a file
+    python -m bench.compiler.gemma_plans --table plans.jsonl [--table newer.jsonl]   # the markdown tables
         [--planned-beside OLDER.jsonl]    # and the rows planned when `--lora-impl beside` was the default
 
 The compiler's count (libtpu, no chip). Each row keeps its command, the plan's wall time, the CPU seconds the
@@ -263,14 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="", metavar="M,...",
                    help="with --model-sweep, only the meshes of these model sizes (model=1 is the default mesh's "
                         "step: the table takes the default row for it when the sweep has none)")
-    p.add_argument("--table", metavar="FILE", help="print the tables of a JSON-lines file and exit")
+    p.add_argument("--table", metavar="FILE", action="append", default=[],
+                   help="print the tables of JSON-lines files and exit (repeatable: a later file's rows are newer)")
     p.add_argument("--planned-beside", metavar="FILE", action="append", default=[],
                    help="with --table, also the rows of FILE, planned when `--lora-impl beside` was the default: "
                         "their commands say it; a row of --table's FILE replaces the one of the same command")
     opts = p.parse_args(own)
     if opts.table:
         old = [planned_beside(json.loads(line)) for f in opts.planned_beside for line in open(f) if line.strip()]
-        print(table(old + [json.loads(line) for line in open(opts.table) if line.strip()]))
+        print(table(old + [json.loads(line) for f in opts.table for line in open(f) if line.strip()]))
         return 0
     if not opts.out:
         p.error("--out FILE (or --table FILE)")
