@@ -11,14 +11,17 @@ weights instead. By the TPU compiler's count (libtpu 0.0.42.1, jax 0.10.2; `pyth
 matmul reaches:
 - gemma4-e2b with --remat dots (its layers in scans): 409 -> 182 GB a step (the MLP's projections 171 -> 27 GB,
   the ring's collective-permutes 48 -> 0), temporaries 9.68 -> 9.56 GiB;
+- gemma4-31b's default step on v5litepod-8: 1,830 -> 1,153 GB by the plan's count (its roofline 2235 -> 1408 ms),
+  and at --mesh data=1,model=8 4,166 -> 1,340 GB (12.80 -> 12.51 GiB a device);
 - gemma4-26b-a4b's default step (scans, full recompute): 535 -> 472 GB, temporaries 2.90 GiB either way.
 gpt2-124m's default pretraining step on v5e-8 forms no windowed einsum either way (38.64 GB, 2.45 GiB), so
-pretraining keeps the compiler's default. One device partitions nothing: the one-chip step is unchanged.
+pretraining keeps the compiler's default. One device partitions nothing: the one-chip step is unchanged (the chip
+check's options row: the same step to the bit). The eval step is not a plan's and keeps the default.
 """
 from __future__ import annotations
 
-# MiB a matmul's operands must reach before the partitioner makes it a windowed einsum (libtpu's flag; MaxText
-# turns collective matmuls off the same way)
+# MiB a matmul's operands must reach before the partitioner makes it a windowed einsum (libtpu's flag, which
+# MaxText's and MaxDiffusion's TPU scripts set this high to turn collective matmuls off)
 WINDOWED_EINSUM_THRESHOLD_MIB = "xla_jf_spmd_threshold_for_windowed_einsum_mib"
 NO_WINDOWED_EINSUM = {WINDOWED_EINSUM_THRESHOLD_MIB: 1_000_000}
 
