@@ -103,6 +103,22 @@ def test_stop_from_another_process_kills_everything_started_on_the_hosts(tmp_pat
     assert not LocalSlice.stop_by_name("lsstop", tmp_path)  # second stop: nothing to do
 
 
+def _still_there(host) -> str:
+    """What a killed host's namespace still held (its init waits for every member to be reaped, zombies too): a
+    failure's reading, as (pid, state, parent, command)."""
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            if not p.isdigit() or os.readlink(f"/proc/{p}/ns/pid") != host.pidns:
+                continue
+            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:80]
+        except OSError:
+            continue
+        out.append((int(p), fields[0], int(fields[1]), cmd))
+    return f"init {host.init_pid}; its namespace's processes: {sorted(out)}"
+
+
 def test_a_stale_record_is_replaced(tmp_path):
     s = start("lsstale", 1, tmp_path)
     os.kill(s.hosts[0].init_pid, signal.SIGKILL)  # the host dies behind tpuctl's back
@@ -110,7 +126,7 @@ def test_a_stale_record_is_replaced(tmp_path):
     deadline = time.monotonic() + 60  # waits for the event (no measure): a loaded machine's room
     while stale.alive() != [False] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert stale.alive() == [False]
+    assert stale.alive() == [False], _still_there(stale.hosts[0])
     fresh = start("lsstale", 1, tmp_path)
     try:
         assert fresh.alive() == [True] and fresh.hosts[0].init_pid != s.hosts[0].init_pid
