@@ -36,8 +36,7 @@ def _device_bytes(cfg, model: int, remat: str, rows: int) -> int:
     mesh = mesh_lib.make_mesh({"data": 8 // model, "model": model})
     run = LoraRun(weights="-", data="-", ckpt_dir="-", targets="all", seq_len=64, batch_size=rows, remat=remat)
     steps = finetune.Steps(run, cfg, mesh, 10, rows)
-    base = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=steps.base_sh[n]) for n, (s, _) in
-            steps.base_layout.items()}
+    base = steps.abstract_base(jnp.float32)
     with jax.set_mesh(mesh):  # as Steps.compile lowers it
         m = steps.train_fn.lower(*steps._train_args(base)).compile(compiler_options=aot.MEMORY_ONLY).memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes

@@ -38,8 +38,7 @@ def count(size: str, batch: int, sets: dict, tpu: str = "v5e:1x1", seq_len: int 
     cfg = gemma.SIZES[size]
     mesh = target.mesh(run.mesh)
     steps = finetune.Steps(run, cfg, mesh, 1000, batch)
-    base = {n: jax.ShapeDtypeStruct(s, jax.numpy.bfloat16, sharding=steps.base_sh[n])
-            for n, (s, _) in gemma.param_layout(cfg).items()}
+    base = steps.abstract_base(jax.numpy.bfloat16)
     t0 = time.perf_counter()
     steps.compile(base)
     compiled = steps.train_fn

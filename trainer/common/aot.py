@@ -177,8 +177,7 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     kernel_attention = splash_flops_per_token(cfg.n_layers, run.seq_len, cfg.n_heads * cfg.head_dim, steps.attention)
     again = steps.remat == "full"  # each layer's forward runs again in the backward pass
     base_dtype = mesh_lib.compute_dtype(run.base_dtype)
-    base = {n: jax.ShapeDtypeStruct(s, base_dtype, sharding=steps.base_sh[n])
-            for n, (s, _) in steps.base_layout.items()}
+    base = steps.abstract_base(base_dtype)
     return Built(compile=lambda opts=None: (steps.compile(base, opts), steps.train_fn)[1],
                  params={"base": base, "adapters": steps.abstract_lora}, opt_state=steps.abstract_opt,
                  trained=steps.abstract_lora, tokens_per_step=batch * run.seq_len,

@@ -245,6 +245,11 @@ class Steps:
         return jax.jit(fn, in_shardings=(self.lora_sh, self.opt_sh, self.base_sh, self.fields_sh, self.rep),
                        out_shardings=(self.lora_sh, self.opt_sh, self.rep), donate_argnums=(0, 1))
 
+    def abstract_base(self, dtype) -> dict:
+        """The base as the step takes it (its layout and shardings), each array abstract in `dtype`: what a plan or
+        a test compiles the step for, no weights drawn."""
+        return {n: jax.ShapeDtypeStruct(s, dtype, sharding=self.base_sh[n]) for n, (s, _) in self.base_layout.items()}
+
     def _train_args(self, base):
         shape = jax.ShapeDtypeStruct((self.global_batch, self.run.seq_len), jnp.int32, sharding=self.batch_sh)
         batch = {f: shape if f != "weights" else shape.update(dtype=jnp.float32) for f in sft_data.FIELDS}
