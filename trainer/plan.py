@@ -11,7 +11,7 @@ import sys
 import time
 
 from trainer import cli
-from trainer.common import aot
+from trainer.common import aot, program_counts
 from trainer.common.config import UsageError
 from trainer.common.process import ArgParser
 
@@ -34,6 +34,11 @@ def _options() -> argparse.ArgumentParser:
                    help="with --tpu: without libtpu, compile for N CPU devices instead (flagged as an estimate)")
     p.add_argument("--run-platform", default="cpu", choices=("cpu", "tpu"),
                    help="without --tpu: the platform the run will have (its --dtype auto follows it)")
+    p.add_argument("--counts-dir", metavar="DIR",
+                   help="where this machine keeps the figures of each program it compiled, found by the program "
+                        "(trainer/common/program_counts.py); without it only tpuctl's own records are read")
+    p.add_argument("--recount", action="store_true",
+                   help="compile even when a record of the program is found (and record it again)")
     return p
 
 
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = _options().parse_args(own)
         args = cli.parser().parse_args(trainer_argv)
         aot.check(args)  # before jax starts: a command with nothing to plan is answered at once
-        out = aot.plan(args, aot.target(opts), STARTED)
+        counts = program_counts.Store(opts.counts_dir, recount=opts.recount)
+        out = aot.plan(args, aot.target(opts), STARTED, counts)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return aot.NOTHING_TO_PLAN if isinstance(e, aot.NotPlannable) else 2

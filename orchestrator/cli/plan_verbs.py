@@ -27,7 +27,9 @@ DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1
 @click.option("--local", is_flag=True, help="Plan for a local slice of that type: the CPU compiler on its emulated "
                                             "devices, what `tpuctl run` on a local slice checks.")
 @click.option("--no-cache", is_flag=True, help="Compile again even when this exact plan is cached "
-                                               "($TPUCTL_HOME/plans).")
+                                               "($TPUCTL_HOME/plans) or its program was counted before "
+                                               "($TPUCTL_HOME/plans/programs, and tpuctl's own records of the "
+                                               "default Gemma 4 steps whose layers are written out).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout (for scripts).")
 @click.option("--num-slices", type=int, default=1, show_default=True,
               help="Multislice: N slices of ACCELERATOR joined by DCN (--mesh is one slice's): the step compiled "
@@ -114,7 +116,8 @@ def _time_spent(p: P.Plan) -> list[str]:
     ph, cp = t["step_phases"], t["step_compile_phases"]
     within = " [" + ", ".join(f"{k} {v:.0f}s" for k, v in cp.items()) + "]" if cp else ""
     inside = ", ".join(f"{k} {v:.0f}s" + (within if k == "compile" else "") for k, v in ph.items())
-    parts = [f"the step's compile {t['step_s']:.0f}s" + (f" ({inside})" if inside else "")]
+    what = "its program's record read" if p.figures.get("counted_earlier") else "the step's compile"
+    parts = [f"{what} {t['step_s']:.0f}s" + (f" ({inside})" if inside else "")]
     parts += [f"checking {c['change']} {c['wall_s']:.0f}s" for c in t["suggestion_checks"]]
     if t["next_size"]:
         parts.append(f"compiling for {t['next_size']['accelerator']} {t['next_size']['wall_s']:.0f}s")
@@ -137,13 +140,29 @@ def _time_spent(p: P.Plan) -> list[str]:
 SLOW_PLAN_S = 120  # a plan a user waits for before paying: longer says why
 
 
+def _how_counted(p: P.Plan) -> str:
+    """Whether the step was compiled for this plan, taken from the plan cache, or counted from a record of the very
+    program it lowers to (trainer/common/program_counts.py)."""
+    f = p.figures
+    if p.cached:
+        return " [cached]"
+    earlier = f.get("counted_earlier")
+    if not earlier:
+        return f" [compiled in {f['compile_s']:.0f}s]"
+    whose = "tpuctl's record" if earlier["where"] == "tpuctl" else "this machine's record"
+    versions = earlier.get("versions", {})
+    by = f"libtpu {versions['libtpu']}" if versions.get("libtpu", "-") != "-" else "the same compiler"
+    return (f" [the very program this step lowers to was counted by {by} on {earlier['recorded']} ({whose}; its "
+            f"compile took {earlier.get('compile_s') or 0:.0f}s): not compiled again; --no-cache compiles it]")
+
+
 def _render(p: P.Plan) -> str:
     f, a = p.figures, p.accelerator
     mesh = ",".join(f"{k}={v}" for k, v in f["mesh"].items())
     other = f["total_bytes"] - f["temp_bytes"] - f["params_bytes"] - f["optimizer_bytes"]
     lines = [f"plan for {a.name}: {a.chips} chips, {a.hosts} host(s), {f['devices']} devices, mesh {mesh}, "
              f"{f['dtype']} compute",
-             f"  compiler: {p.label}" + (" [cached]" if p.cached else f" [compiled in {f['compile_s']:.0f}s]"),
+             f"  compiler: {p.label}" + _how_counted(p),
              *([f"  step: remat {f['settings']['remat']} ({f['settings']['remat_why']})"]
                if f.get("settings", {}).get("remat_why") else []),
              "  per device:",

@@ -210,7 +210,9 @@ class Plan:
 
     def time_spent(self) -> dict:
         """Where this plan's time went, in seconds of wall time: the step's compile (the planner process, and inside
-        it its phases: start = python, jax and libtpu; build = the step's abstract inputs; compile = the TPU
+        it its phases: start = python, jax and libtpu; build = the step's abstract inputs; lower = tracing and
+        lowering it; found = its program's figures read from a record of that program instead of compiling
+        (trainer/common/program_counts.py); compile = the TPU
         compiler, and inside it step_compile_phases, from when the compiler wrote its dump files (lowering,
         optimizations, code generation, the rest: trainer/common/aot.py compile_phases); count = reading the
         program's figures), each suggestion's check and the next slice size's; a
@@ -260,6 +262,8 @@ class Plan:
                "suggestions": [s.__dict__ for s in self.suggestions],
                "time_spent": self.time_spent(), "largest_batch": largest_batch(self),
                "alternative": self.alternative.to_json() if self.alternative else None}
+        if f.get("counted_earlier"):  # the figures of this very program, read from a record of it (not compiled)
+            out["counted_earlier"] = f["counted_earlier"]
         if f.get("settings", {}).get("experts"):  # where the experts are, and how a device's rows are bounded
             out["experts"] = f["settings"]["experts"]
         return out
@@ -395,8 +399,9 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
     watch = memory_watch.Watch.from_env()
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([*_aot_argv(a, cpu_devices, num_slices), "--", *argv], stdout=out, stderr=err, env=env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        counts = ["--counts-dir", str(_cache_dir() / "programs"), *([] if use_cache else ["--recount"])]
+        proc = subprocess.Popen([*_aot_argv(a, cpu_devices, num_slices), *counts, "--", *argv], stdout=out, stderr=err,
+                                env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             watch.attach(proc.pid)  # its own session: the group is the compile and what it starts
             said = None

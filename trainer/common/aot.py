@@ -53,7 +53,8 @@ class Target:
 @dataclass(frozen=True)
 class Built:
     """A command's train step, ready to compile, with what the plan reports beside the compiler's figures."""
-    compile: Callable[[dict | None], Any]  # compiler options -> the compiled step (jax.stages.Compiled)
+    # (compiler options, the step as `lower` gave it or None) -> the compiled step (jax.stages.Compiled)
+    compile: Callable[..., Any]
     params: Any                 # abstract params: ShapeDtypeStructs carrying their shardings
     opt_state: Any              # abstract optimizer state, likewise
     tokens_per_step: int
@@ -63,6 +64,7 @@ class Built:
     settings: dict              # the flags the plan's suggestions change, as the run has them
     levers: tuple[str, ...]     # suggestions this command can take (orchestrator/plan/step.py knows each kind)
     trained: Any = None         # the abstract params that get gradients, when not all of them do (LoRA)
+    lower: Callable[[], Any] | None = None  # -> the step lowered (jax.stages.Lowered): the program compile takes
     # -> the step with its loops unrolled, compiled only to be counted (trainer/common/scans.py); None: the command
     # has no loop of its own
     compile_unrolled: Callable[[], Any] | None = None
@@ -112,7 +114,8 @@ def _pretrain(args: argparse.Namespace, target: Target) -> Built:
     train.check_fits(cfg, dict(mesh.shape), target.processes)
     steps = train.Steps(cfg, mesh)
     t, m = cfg.train, cfg.model
-    return Built(compile=lambda opts=None: (steps.compile(opts), steps.train_fn)[1], params=steps.abstract_params,
+    return Built(compile=lambda opts=None, lowered=None: (steps.compile(opts, lowered), steps.train_fn)[1],
+                 lower=steps.lower, params=steps.abstract_params,
                  opt_state=steps.abstract_opt, tokens_per_step=t.batch_size * m.seq_len,
                  model_flops_per_token=metrics.flops_per_token(m), mesh=mesh_lib.shape_of(mesh), dtype=t.dtype,
                  settings={"batch_size": t.batch_size, "grad_accum": t.grad_accum, "steps": t.steps,
@@ -178,7 +181,8 @@ def _lora(args: argparse.Namespace, target: Target) -> Built:
     again = steps.remat == "full"  # each layer's forward runs again in the backward pass
     base_dtype = mesh_lib.compute_dtype(run.base_dtype)
     base = steps.abstract_base(base_dtype)
-    return Built(compile=lambda opts=None: (steps.compile(base, opts), steps.train_fn)[1],
+    return Built(compile=lambda opts=None, lowered=None: (steps.compile(base, opts, lowered), steps.train_fn)[1],
+                 lower=lambda: steps.lower(base),
                  params={"base": base, "adapters": steps.abstract_lora}, opt_state=steps.abstract_opt,
                  trained=steps.abstract_lora, tokens_per_step=batch * run.seq_len,
                  model_flops_per_token=lora_flops_per_token(cfg, n_adapter, run.seq_len),
@@ -439,46 +443,67 @@ def check(args: argparse.Namespace) -> None:
     PRECHECKS.get(args.cmd, lambda a: None)(args)
 
 
-def plan(args: argparse.Namespace, target: Target, started: float | None = None) -> dict:
+def plan(args: argparse.Namespace, target: Target, started: float | None = None, counts=None) -> dict:
     """Build the command's step for the target, compile it, and return the figures (jax already set up).
     started: time.perf_counter() when the planner started (its imports and the target before this): the figures'
-    `phases` say where the plan's time went, in seconds (start, build, compile, count); `buffers` are the step's
-    largest, from the compiler's buffer assignment (trainer/common/buffers.py; None when jax's compilation cache
-    served the program)."""
+    `phases` say where the plan's time went, in seconds (start, build, lower, then compile and count, or found: the
+    program's figures read from a record of it); `buffers` are the step's largest, from the compiler's buffer
+    assignment (trainer/common/buffers.py). counts: a program_counts.Store, where a program counted before is
+    found and one compiled now is recorded (None: none)."""
     t_build = time.perf_counter()
     built = BUILDERS[args.cmd](args, target)
-    t0 = time.perf_counter()
-    phases = {"start": t_build - started if started is not None else None, "build": t0 - t_build}
-    compiled, refusal, largest, inside = _compile(built)
-    if refusal and _falls_back(args, built):
+    phases = {"start": t_build - started if started is not None else None, "build": time.perf_counter() - t_build}
+    out, own = _counted(built, target, counts)
+    if "oom" in out and _falls_back(args, built):
         # as the run does (finetune.compile_fitting): --remat auto's written-out step refused, the scanned one
-        phases["refused written out"] = time.perf_counter() - t0
+        phases["refused written out"] = sum(own.values())
         args = argparse.Namespace(**{**vars(args), "remat": "full"})
         built = BUILDERS[args.cmd](args, target)
         from trainer.finetune.train import REFUSED_WRITTEN_OUT
         built.settings["remat_why"] = REFUSED_WRITTEN_OUT
-        t0 = time.perf_counter()
-        compiled, refusal, largest, inside = _compile(built)
-    if refusal:
-        out = out_of_memory(built, target, refusal, time.perf_counter() - t0)
-        return {**out, "phases": _rounded({**phases, "compile": time.perf_counter() - t0}),
-                "compile_phases": _rounded(inside)}
+        out, own = _counted(built, target, counts)
+    return {**out, "phases": _rounded({**phases, **own})}
+
+
+def _counted(built: Built, target: Target, counts) -> tuple[dict, dict]:
+    """(the step's figures, or its refusal's (out_of_memory), and the phases of getting them: lower, then compile
+    and count, or found). A program with a record in counts is not compiled; one compiled is recorded there."""
+    from trainer.common import program_counts
+    t0 = time.perf_counter()
+    lowered = built.lower() if built.lower is not None else None
+    key = None
+    if counts is not None and lowered is not None:
+        key = counts.key(lowered.as_text(), target.devices, built.settings, target.processes, target.slices,
+                         target.run_platform)
+        found = counts.find(key)
+        if found is not None:
+            t1 = time.perf_counter()
+            return program_counts.answer(found), {"lower": t1 - t0, "found": 0.0}
     t1 = time.perf_counter()
-    out = {**figures(built, compiled, target, t1 - t0), "buffers": largest}
-    return {**out, "phases": _rounded({**phases, "compile": t1 - t0, "count": time.perf_counter() - t1}),
-            "compile_phases": _rounded(inside)}
+    compiled, refusal, largest, inside = _compile(built, lowered)
+    t2 = time.perf_counter()
+    if refusal:
+        out = {**out_of_memory(built, target, refusal, t2 - t1), "compile_phases": _rounded(inside)}
+        own = {"lower": t1 - t0, "compile": t2 - t1}
+    else:
+        out = {**figures(built, compiled, target, t2 - t1), "buffers": largest, "compile_phases": _rounded(inside)}
+        own = {"lower": t1 - t0, "compile": t2 - t1, "count": time.perf_counter() - t2}
+    if key is not None:
+        counts.save(key, out, _rounded(own))
+    return out, own
 
 
-def _compile(built: Built) -> tuple[Any, str | None, list | None, dict]:
+def _compile(built: Built, lowered=None) -> tuple[Any, str | None, list | None, dict]:
     """(the compiled step, None, its largest buffers, compile_phases), or (None, the compiler's message, None,
-    compile_phases) when it refuses the step for want of HBM. The buffers are read from the compiler's buffer
-    assignment, dumped for this compile (trainer/common/buffers.py): what a plan names when one mesh holds more
-    than another; compile_phases from when the compiler wrote its dump files."""
+    compile_phases) when it refuses the step for want of HBM. lowered: the step as built.lower() gave it (None:
+    compiled from the start). The buffers are read from the compiler's buffer assignment, dumped for this compile
+    (trainer/common/buffers.py): what a plan names when one mesh holds more than another; compile_phases from
+    when the compiler wrote its dump files."""
     from trainer.common import buffers
     with tempfile.TemporaryDirectory(prefix="tpuctl-plan-") as dump:
         began = time.time()  # the dump files' times are the wall clock's
         try:
-            compiled = built.compile(buffers.options(dump))
+            compiled = built.compile(buffers.options(dump), lowered)
         except Exception as e:  # noqa: BLE001  (jax raises its runtime error type for a compiler's refusal)
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise

@@ -257,13 +257,19 @@ class Steps:
         abstract_base = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in base.items()}
         return self.abstract_lora, self.abstract_opt, abstract_base, batch, step
 
-    def compile(self, base, options: dict | None = None) -> float:
-        """Ahead-of-time compile of the train step, so no step's time includes compilation (options: the
-        compiler's, e.g. a plan's dump of its buffer assignment), beside the step's own (step_compiler)."""
-        t0 = time.perf_counter()
+    def lower(self, base):
+        """The train step traced and lowered for base's shapes and shardings (jax.stages.Lowered), not compiled."""
         with jax.set_mesh(self.mesh):
-            self._train = self._train.lower(*self._train_args(base)).compile(
-                compiler_options={**self.compiler_options, **(options or {})})
+            return self._train.lower(*self._train_args(base))
+
+    def compile(self, base, options: dict | None = None, lowered=None) -> float:
+        """Ahead-of-time compile of the train step, so no step's time includes compilation (options: the
+        compiler's, e.g. a plan's dump of its buffer assignment), beside the step's own (step_compiler).
+        lowered: the step as lower(base) gave it (a plan lowers first, to know the program it compiles)."""
+        t0 = time.perf_counter()
+        lowered = lowered if lowered is not None else self.lower(base)
+        with jax.set_mesh(self.mesh):
+            self._train = lowered.compile(compiler_options={**self.compiler_options, **(options or {})})
         took = time.perf_counter() - t0
         mesh_lib.meet("the compiled train step")
         return took

@@ -164,12 +164,18 @@ class Steps:
 
     # --- compiled ---------------------------------------------------------------------------------
 
-    def compile(self, options: dict | None = None) -> float:
-        """Ahead-of-time compile of the train step, so no step's time includes compilation (options: the
-        compiler's, e.g. a plan's dump of its buffer assignment)."""
-        t0 = time.perf_counter()
+    def lower(self):
+        """The train step traced and lowered (jax.stages.Lowered), not compiled."""
         with jax.set_mesh(self.mesh):
-            self.train_fn = self._train.lower(*self._train_args()).compile(compiler_options=options)
+            return self._train.lower(*self._train_args())
+
+    def compile(self, options: dict | None = None, lowered=None) -> float:
+        """Ahead-of-time compile of the train step, so no step's time includes compilation (options: the
+        compiler's, e.g. a plan's dump of its buffer assignment; lowered: the step as lower() gave it)."""
+        t0 = time.perf_counter()
+        lowered = lowered if lowered is not None else self.lower()
+        with jax.set_mesh(self.mesh):
+            self.train_fn = lowered.compile(compiler_options=options)
         took = time.perf_counter() - t0
         mesh_lib.meet("the compiled train step")
         return took

@@ -1,0 +1,109 @@
+"""A plan's figures found by the program it compiles, so that a program counted once is not compiled again.
+
+The compiler's figures of a step (its memory and cost analyses, the optimized program a plan reads) follow from
+what the compiler is handed and what it is: the lowered step (StableHLO: its shapes, shardings and donations),
+the devices, the options, and the compiler's version. A plan lowers its step first (seconds), keys it by all of
+these (`Store.key`), and answers from a record of that very program where one is found; otherwise it compiles,
+and records what it counted.
+
+Two places hold records:
+- this machine's: the planner's --counts-dir (`tpuctl plan` gives it the `programs` folder of its plan cache), one
+  file a program, written by every plan that compiled one. Unlike the plan cache, which is keyed by the command
+  and the trainer's code, a record outlives an edit that leaves the program as it was.
+- tpuctl's own (`shipped/` beside this module): the default Gemma 4 LoRA steps whose layers are written out, which
+  libtpu takes 3 to 5 minutes to compile on 2 cores (docs/gemma.md), recorded by
+  `python -m bench.compiler.ship_counts`. A record whose program the code no longer builds is never found (its key
+  is the program's), so such a plan compiles; tests/test_program_counts.py fails when a shipped record no longer
+  matches the step its command builds.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1  # a record's layout: a new one makes every older key miss
+SHIPPED = Path(__file__).with_name("shipped")
+VERSIONED = ("jax", "jaxlib", "libtpu")
+ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")  # the compiler's flags a process can be given beside its options
+THIS_MACHINE, TPUCTL = "this machine", "tpuctl"  # where a record was found
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "-"
+    return {**out, **{k: os.environ.get(k, "") for k in ENV}}
+
+
+class Store:
+    """Where a planner looks for records and writes them. folder: this machine's (None: it keeps none);
+    recount: look nowhere (a plan that must compile, e.g. `tpuctl plan --no-cache`), still recording."""
+
+    def __init__(self, folder: str | os.PathLike | None = None, recount: bool = False, shipped: Path = SHIPPED):
+        self.folder = Path(folder) if folder else None
+        self.recount = recount
+        self.shipped = shipped
+
+    @staticmethod
+    def key(program_text: str, devices: list, settings: dict, processes: int, slices: int,
+            run_platform: str) -> str:
+        """The program's key: its lowered text, the devices it is compiled for (each as jax names it: id and
+        coordinates on a TPU topology), the step's settings (its compiler options among them), the hosts and
+        slices it spans and the compiler's versions and flags."""
+        h = hashlib.sha256()
+        about = {"format": FORMAT, "versions": versions(), "devices": [str(d) for d in devices],
+                 "device_kind": devices[0].device_kind if devices else "", "processes": processes, "slices": slices,
+                 "run_platform": run_platform, "settings": settings}
+        h.update(json.dumps(about, sort_keys=True, default=str).encode())
+        h.update(b"\0")
+        h.update(program_text.encode())
+        return h.hexdigest()[:40]
+
+    def find(self, key: str) -> dict | None:
+        """The record of the program keyed `key`, with `where` it was found, or None."""
+        if self.recount:
+            return None
+        for where, folder in ((THIS_MACHINE, self.folder), (TPUCTL, self.shipped)):
+            path = folder / f"{key}.json" if folder else None
+            if path is None or not path.exists():
+                continue
+            try:
+                record = json.loads(path.read_text())
+            except ValueError:
+                continue  # a damaged record: compiled again, and written over
+            if record.get("format") == FORMAT and record.get("key") == key and "figures" in record:
+                return {**record, "where": where}
+        return None
+
+    def save(self, key: str, figures: dict, phases: dict) -> Path | None:
+        """Record what compiling the program counted (phases: its lowering, compile and count, in seconds)."""
+        if self.folder is None:
+            return None
+        record = {"format": FORMAT, "key": key, "recorded": datetime.date.today().isoformat(),
+                  "versions": versions(), "phases": phases, "figures": figures}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{key}.json"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two plans of one program may finish at once
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)
+        return path
+
+
+def answer(record: dict) -> dict[str, Any]:
+    """A plan's figures from a record: the program's as counted then, with `counted_earlier` saying where the record
+    was found, when it was made and what its compile took (the plan's own phases are the caller's)."""
+    figures = dict(record["figures"])
+    figures["counted_earlier"] = {"where": record["where"], "recorded": record["recorded"],
+                                  "versions": record.get("versions", {}), "compile_s": figures.get("compile_s"),
+                                  "phases": record.get("phases", {}),
+                                  "compile_phases": figures.get("compile_phases", {})}
+    figures["compile_phases"] = {}
+    return figures
