@@ -1176,7 +1176,7 @@ def test_a_lora_step_on_a_tpu_slice_is_compiled_without_collective_matmuls():
     """finetune.Steps.compile (the run's compile and the plan's) hands the compiler step_compiler's options: on
     v5e:2x4 a tiny scanned Gemma 4 LoRA step (2 layers, 2 rows of 512 a device) has no windowed einsum, where the
     same step with the partitioner's threshold at 0 has their loops (the proof the option is what keeps them
-    out). One device or the CPU compiler gets no libtpu flag."""
+    out); the eval step too. One device or the CPU compiler gets no libtpu flag."""
     from jax.experimental import topologies
     from _gemma_ckpt import TINY4
     from trainer.common import step_compiler
@@ -1196,6 +1196,14 @@ def test_a_lora_step_on_a_tpu_slice_is_compiled_without_collective_matmuls():
     own, none = windowed_loops(None)
     assert own == step_compiler.NO_WINDOWED_EINSUM and none == 0
     assert windowed_loops({step_compiler.WINDOWED_EINSUM_THRESHOLD_MIB: 0})[1] > 0
+    # the eval step (jit-compiled at its first call) takes the same options: its forward formed 40 such loops
+    steps = finetune.Steps(run, cfg, mesh, 10, 16)
+    lora, _, base, batch, _ = steps._train_args(steps.abstract_base(jnp.bfloat16))
+    with jax.set_mesh(mesh):
+        lowered = steps._eval.lower(lora, base, batch)
+        assert lowered.compile().as_text().count("windowed_dot_general") == 0
+        assert lowered.compile({step_compiler.WINDOWED_EINSUM_THRESHOLD_MIB: 0}).as_text().count(
+            "windowed_dot_general") > 0
 
 
 def test_a_step_counted_a_loop_body_once_takes_its_matmuls_from_the_arithmetic():

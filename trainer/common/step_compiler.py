@@ -16,7 +16,7 @@ matmul reaches:
 - gemma4-26b-a4b's default step (scans, full recompute): 535 -> 472 GB, temporaries 2.90 GiB either way.
 gpt2-124m's default pretraining step on v5e-8 forms no windowed einsum either way (38.64 GB, 2.45 GiB), so
 pretraining keeps the compiler's default. One device partitions nothing: the one-chip step is unchanged (the chip
-check's options row: the same step to the bit). The eval step is not a plan's and keeps the default.
+check's options row: the same step to the bit). The LoRA eval step, the train step's forward, takes them too.
 """
 from __future__ import annotations
 

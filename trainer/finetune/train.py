@@ -193,8 +193,9 @@ class Steps:
         self.opt_sh, self.abstract_opt = self.abstract_opt_of(self.abstract_lora)
         self.fields_sh = {f: self.batch_sh for f in sft_data.FIELDS}  # a batch dict's fields, each split so
         self._train = self._jit_train(self._train_step)
+        # the eval step's projections are the train step's forward: the same compiler options (no collective matmuls)
         self._eval = jax.jit(self._eval_step, in_shardings=(self.lora_sh, self.base_sh, self.fields_sh),
-                             out_shardings=self.rep)
+                             out_shardings=self.rep, compiler_options=self.compiler_options or None)
 
     def abstract_opt_of(self, abstract_lora: dict):
         """(shardings, abstract tree) of the optimizer's state for adapters laid out as abstract_lora."""
