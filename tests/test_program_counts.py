@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from _skips import needs_setup
 from bench.compiler import ship_counts
 from orchestrator.cli.app import cli
+from orchestrator.cli.plan_verbs import render
+from orchestrator.plan import step as P
 from trainer.common import program_counts
 from trainer.common.aot import has_libtpu
 
@@ -32,29 +34,26 @@ def test_a_program_counted_once_is_read_from_its_record(tmp_path, monkeypatch):
     (lowered, not compiled), and the text says so; --no-cache compiles it again."""
     home = tmp_path / "home"
     monkeypatch.setenv("TPUCTL_HOME", str(home))
-    first = _plan(["-a", "v5litepod-8", "--", *TINY])
-    assert "counted_earlier" not in first and "compile" in first["time_spent"]["step_phases"]
+    first = P.plan("v5litepod-8", TINY, alternatives=False)
+    assert "counted_earlier" not in first.figures and "compile" in first.time_spent()["step_phases"]
     records = list((home / "plans" / "programs").glob("*.json"))
     assert len(records) == 1, records
     rec = json.loads(records[0].read_text())
     assert rec["key"] == records[0].stem and rec["versions"]["libtpu"] != "-"
 
-    def uncached():  # the plan cache's entries gone: only the program's record left
-        for entry in (home / "plans").glob("*.json"):
-            entry.unlink()
-    uncached()
-    again = _plan(["-a", "v5litepod-8", "--", *TINY])
-    earlier = again["counted_earlier"]
-    assert earlier["where"] == program_counts.THIS_MACHINE and earlier["compile_s"] == first["compile_s"]
-    assert again["per_device"] == first["per_device"] and again["timing"] == first["timing"]
-    phases = again["time_spent"]["step_phases"]
+    for entry in (home / "plans").glob("*.json"):  # the plan cache's entry gone: only the program's record left
+        entry.unlink()
+    again = P.plan("v5litepod-8", TINY, alternatives=False)
+    earlier = again.to_json()["counted_earlier"]
+    assert earlier["where"] == program_counts.THIS_MACHINE and earlier["compile_s"] == first.figures["compile_s"]
+    assert again.to_json()["per_device"] == first.to_json()["per_device"]
+    assert again.timing() == first.timing()
+    phases = again.time_spent()["step_phases"]
     assert "found" in phases and "lower" in phases and "compile" not in phases, phases
-    uncached()
-    res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--", *TINY])
-    assert "this machine's record" in res.output and "not compiled again" in res.output, res.output
-    assert "its program's record read" in res.output, res.output
-    res = CliRunner().invoke(cli, ["plan", "-a", "v5litepod-8", "--no-cache", "--", *TINY])
-    assert res.exit_code == 0 and "[compiled in" in res.output and "not compiled again" not in res.output, res.output
+    text = render(again)
+    assert "this machine's record" in text and "not compiled again" in text and "its program's record read" in text
+    recompiled = P.plan("v5litepod-8", TINY, alternatives=False, use_cache=False)  # --no-cache
+    assert "counted_earlier" not in recompiled.figures and "[compiled in" in render(recompiled)
 
 
 def test_a_record_is_found_only_under_its_own_key(tmp_path):
@@ -68,8 +67,9 @@ def test_a_record_is_found_only_under_its_own_key(tmp_path):
                                                  "figures": {"compile_s": 9.0, "compile_phases": {"x": 1}}}))
     found = store.find("k1")
     assert found["where"] == program_counts.TPUCTL
-    answer = program_counts.answer(found)
+    answer = program_counts.answer(found, {"settings": {"batch_size": 8}, "compile_s": 0.0})
     assert answer["compile_phases"] == {} and answer["counted_earlier"]["compile_phases"] == {"x": 1}
+    assert answer["settings"] == {"batch_size": 8} and answer["compile_s"] == 9.0  # the step's own, the record's
     store.save("k1", {"compile_s": 2.0}, {"compile": 2.0})
     assert store.find("k1")["where"] == program_counts.THIS_MACHINE
     assert program_counts.Store(mine, recount=True, shipped=shipped).find("k1") is None

@@ -473,12 +473,12 @@ def _counted(built: Built, target: Target, counts) -> tuple[dict, dict]:
     lowered = built.lower() if built.lower is not None else None
     key = None
     if counts is not None and lowered is not None:
-        key = counts.key(lowered.as_text(), target.devices, built.settings, target.processes, target.slices,
-                         target.run_platform)
+        key = counts.key(lowered.as_text(), target.devices, built.settings.get("compiler_options") or {},
+                         target.processes, target.slices, target.run_platform)
         found = counts.find(key)
         if found is not None:
             t1 = time.perf_counter()
-            return program_counts.answer(found), {"lower": t1 - t0, "found": 0.0}
+            return program_counts.answer(found, _about(built, target, 0.0)), {"lower": t1 - t0, "found": 0.0}
     t1 = time.perf_counter()
     compiled, refusal, largest, inside = _compile(built, lowered)
     t2 = time.perf_counter()

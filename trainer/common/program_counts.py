@@ -53,15 +53,17 @@ class Store:
         self.shipped = shipped
 
     @staticmethod
-    def key(program_text: str, devices: list, settings: dict, processes: int, slices: int,
+    def key(program_text: str, devices: list, compiler_options: dict, processes: int, slices: int,
             run_platform: str) -> str:
-        """The program's key: its lowered text, the devices it is compiled for (each as jax names it: id and
-        coordinates on a TPU topology), the step's settings (its compiler options among them), the hosts and
-        slices it spans and the compiler's versions and flags."""
+        """The program's key: what the compiler is handed (the lowered text, the devices it is compiled for, each
+        as jax names it: id and coordinates on a TPU topology, and the step's compiler options), the hosts and
+        slices it spans, and the compiler's versions and flags. Not the command: `--mesh data=8,model=1` on
+        v5litepod-8 builds the program the default mesh builds, and is found by it (a model > 1 plan compares
+        with it)."""
         h = hashlib.sha256()
         about = {"format": FORMAT, "versions": versions(), "devices": [str(d) for d in devices],
                  "device_kind": devices[0].device_kind if devices else "", "processes": processes, "slices": slices,
-                 "run_platform": run_platform, "settings": settings}
+                 "run_platform": run_platform, "compiler_options": compiler_options}
         h.update(json.dumps(about, sort_keys=True, default=str).encode())
         h.update(b"\0")
         h.update(program_text.encode())
@@ -97,10 +99,12 @@ class Store:
         return path
 
 
-def answer(record: dict) -> dict[str, Any]:
-    """A plan's figures from a record: the program's as counted then, with `counted_earlier` saying where the record
-    was found, when it was made and what its compile took (the plan's own phases are the caller's)."""
-    figures = dict(record["figures"])
+def answer(record: dict, own: dict) -> dict[str, Any]:
+    """A plan's figures from a record: the compiler's as counted then, the step's own (own: its settings, mesh,
+    state bytes and work, as this command builds them: the same program under another spelling) over them, with
+    `counted_earlier` saying where the record was found, when it was made and what its compile took (the plan's
+    own phases are the caller's)."""
+    figures = {**record["figures"], **{k: v for k, v in own.items() if k != "compile_s"}}
     figures["counted_earlier"] = {"where": record["where"], "recorded": record["recorded"],
                                   "versions": record.get("versions", {}), "compile_s": figures.get("compile_s"),
                                   "phases": record.get("phases", {}),
