@@ -78,6 +78,9 @@ def test_a_record_is_found_only_under_its_own_key(tmp_path):
     (shipped / "k5.json").write_text("{not json")  # a damaged record: not found (compiled, and written over)
     assert store.find("k2") is None and store.find("k3") is None and store.find("k5") is None
     assert program_counts.Store(None, shipped=shipped).save("k4", {}, {}) is None  # no folder: nothing kept
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert program_counts.Store(blocked / "programs").save("k4", {}, {}) is None  # unwritable: the plan goes on
 
 
 def _shipped() -> dict[str, dict]:

@@ -18,6 +18,7 @@ Two places hold records:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import importlib.metadata
@@ -79,23 +80,29 @@ class Store:
                 continue
             try:
                 record = json.loads(path.read_text())
-            except ValueError:
-                continue  # a damaged record: compiled again, and written over
+            except (ValueError, OSError):
+                continue  # a damaged or unreadable record: compiled again, and written over where it can be
             if record.get("format") == FORMAT and record.get("key") == key and "figures" in record:
                 return {**record, "where": where}
         return None
 
     def save(self, key: str, figures: dict, phases: dict) -> Path | None:
-        """Record what compiling the program counted (phases: its lowering, compile and count, in seconds)."""
+        """Record what compiling the program counted (phases: its lowering, compile and count, in seconds); the path,
+        or None where nothing could be kept (no folder, or one that cannot be written: the plan goes on without)."""
         if self.folder is None:
             return None
         record = {"format": FORMAT, "key": key, "recorded": datetime.date.today().isoformat(),
                   "versions": versions(), "phases": phases, "figures": figures}
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{key}.json"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two plans of one program may finish at once
-        tmp.write_text(json.dumps(record))
-        tmp.replace(path)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record))
+            tmp.replace(path)
+        except OSError:
+            with contextlib.suppress(OSError):  # no half-written record left behind
+                tmp.unlink(missing_ok=True)
+            return None
         return path
 
 
