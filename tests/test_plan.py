@@ -1196,7 +1196,7 @@ def test_a_lora_step_on_a_tpu_slice_is_compiled_without_collective_matmuls():
     own, none = windowed_loops(None)
     assert own == step_compiler.NO_WINDOWED_EINSUM and none == 0
     assert windowed_loops({step_compiler.WINDOWED_EINSUM_THRESHOLD_MIB: 0})[1] > 0
-    # the eval step (jit-compiled at its first call) takes the same options: its forward formed 40 such loops
+    # the eval step (jit-compiled at its first call) takes the same options (its forward has such loops without)
     steps = finetune.Steps(run, cfg, mesh, 10, 16)
     lora, _, base, batch, _ = steps._train_args(steps.abstract_base(jnp.bfloat16))
     with jax.set_mesh(mesh):
