@@ -43,6 +43,11 @@ def test_the_sweep_takes_model_1_from_the_default_row_and_a_one_row_plan_is_a_lo
     e4b, big = lines  # the sizes in gemma_plans.SIZES' order
     assert "13.10 GiB" in big and "the default command's row" in big, lines
     assert "5.45 GiB" in e4b and "the default command's row" not in e4b, lines
+    # a plan answered from a record of its program (trainer/common/program_counts.py) says its time was no compile's
+    read = {**_row("gemma4-e2b", "v4-8"), "counted_earlier": {"where": "tpuctl", "recorded": "2026-12-07"}}
+    assert "planned in 100 s (150 CPU s, load 1.0-1.2), its figures read from tpuctl's record of the program " \
+           "(compiled 2026-12-07)" in gp.table([read])
+    assert "read from" not in gp.table([_row("gemma4-e2b", "v4-8")])
 
 
 def test_a_sweep_plans_model_1_first_against_its_own_cache_and_records_the_cold_command(tmp_path):

@@ -135,7 +135,9 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
                          + (f"fits, {d.get('total_bytes', 0) / GIB:.2f} GiB, headroom "
                             f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
                             f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
-    parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})")
+    parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})"
+                 + (f", its figures read from {p['counted_earlier']['where']}'s record of the program (compiled "
+                    f"{p['counted_earlier']['recorded']})" if p.get("counted_earlier") else ""))
     note = _impl_note(p)
     if note:
         parts.append(note)
