@@ -15,6 +15,7 @@ from bench.compiler import ship_counts
 from orchestrator.cli.app import cli
 from orchestrator.cli.plan_verbs import render
 from orchestrator.plan import step as P
+from trainer import plan as tplan
 from trainer.common import program_counts
 from trainer.common.aot import has_libtpu
 
@@ -31,7 +32,7 @@ def _plan(args: list[str]) -> dict:
 @needs_libtpu
 def test_a_program_counted_once_is_read_from_its_record(tmp_path, monkeypatch):
     """The same program under a new plan cache entry is answered from this machine's record with the same figures
-    (lowered, not compiled), and the text says so; --no-cache compiles it again."""
+    (lowered, not compiled), and the text says so; --no-cache has the planner compile it again."""
     home = tmp_path / "home"
     monkeypatch.setenv("TPUCTL_HOME", str(home))
     first = P.plan("v5litepod-8", TINY, alternatives=False)
@@ -52,8 +53,10 @@ def test_a_program_counted_once_is_read_from_its_record(tmp_path, monkeypatch):
     assert "found" in phases and "lower" in phases and "compile" not in phases, phases
     text = render(again)
     assert "this machine's record" in text and "not compiled again" in text and "its program's record read" in text
-    recompiled = P.plan("v5litepod-8", TINY, alternatives=False, use_cache=False)  # --no-cache
-    assert "counted_earlier" not in recompiled.figures and "[compiled in" in render(recompiled)
+    # --no-cache: the planner reads no record (Store's recount, below) and records the compile again
+    assert P._counts_argv(False) == ["--counts-dir", str(home / "plans" / "programs"), "--recount"]
+    assert "--recount" not in P._counts_argv(True)
+    assert tplan._options().parse_args(["--devices", "8", *P._counts_argv(False)]).recount
 
 
 def test_a_record_is_found_only_under_its_own_key(tmp_path):

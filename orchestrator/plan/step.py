@@ -362,6 +362,12 @@ def _aot_argv(a: catalog.AcceleratorType, cpu_devices: bool, num_slices: int = 1
             "--host-bounds", a.aot_host_bounds, "--fallback-cpu"]
 
 
+def _counts_argv(use_cache: bool) -> list[str]:
+    """The planner's records of programs it counted (trainer/common/program_counts.py): this plan cache's, and
+    without the cache (--no-cache) none read, the compile recorded again."""
+    return ["--counts-dir", str(_cache_dir() / "programs"), *([] if use_cache else ["--recount"])]
+
+
 def _trainer_error(stderr: str) -> str | None:
     lines = [ln[len("error: "):] for ln in stderr.splitlines() if ln.startswith("error: ")]
     return lines[-1] if lines else None
@@ -399,9 +405,8 @@ def compile_figures(a: catalog.AcceleratorType, argv: list[str], *, cpu_devices:
     watch = memory_watch.Watch.from_env()
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        counts = ["--counts-dir", str(_cache_dir() / "programs"), *([] if use_cache else ["--recount"])]
-        proc = subprocess.Popen([*_aot_argv(a, cpu_devices, num_slices), *counts, "--", *argv], stdout=out, stderr=err,
-                                env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen([*_aot_argv(a, cpu_devices, num_slices), *_counts_argv(use_cache), "--", *argv],
+                                stdout=out, stderr=err, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             watch.attach(proc.pid)  # its own session: the group is the compile and what it starts
             said = None
