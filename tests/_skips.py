@@ -30,6 +30,15 @@ def needs_setup(missing: bool, what: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(missing, reason=SETUP + what)
 
 
+def _has_libtpu() -> bool:
+    from trainer.common.aot import has_libtpu
+    return has_libtpu()
+
+
+# the TPU compiler for ahead-of-time compiles (a plan's), which the `plan` extra installs
+needs_libtpu = needs_setup(not _has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
+
+
 def skip_setup(what: str, *, allow_module_level: bool = False):
     pytest.skip(SETUP + what, allow_module_level=allow_module_level)
 

@@ -7,16 +7,13 @@ import json
 
 import pytest
 
-from _skips import needs_setup
+from _skips import needs_libtpu
 from _tpu_fixtures import PROJECT, ZONE, env, fake, fake_server, live, make_spec  # noqa: F401
 from orchestrator.jobs import launch as L
 from orchestrator import slices, state
 from orchestrator.jobs import supervise
 from orchestrator.spec import SliceSpec, UserError, slice_spec_from_mapping
 from orchestrator.state import Worker
-from trainer.common.aot import has_libtpu
-
-needs_libtpu = needs_setup(not has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
 
 
 def _short(names):

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from flax import nnx
 
 from _local_hosts import TEST_CACHE, local_mode, needs_hosts
-from _skips import needs_setup
+from _skips import needs_libtpu
 from orchestrator import catalog, state
 from orchestrator.cli import run_verbs as cli_run
 from orchestrator.plan import step as P
@@ -33,14 +33,12 @@ from trainer.common import config
 from trainer.pretrain import train as loop
 from trainer.common import mesh as mesh_lib
 from trainer.cli import parser
-from trainer.common.aot import has_libtpu
 from trainer.finetune import train as finetune
 from trainer.finetune import data as sft_data
 from trainer.finetune.config import LoraRun
 from trainer.models import gemma, gpt2
 from trainer.models import lora as lora_lib
 
-needs_libtpu = needs_setup(not has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
 TINY = ["pretrain", "--preset", "gpt2-tiny", "--ckpt-dir", "/tmp/plan-ckpt"]
 # --weights need not exist: a plan takes the model's size from --model and never reads them
 LORA = ["lora", "--weights", "gs://b/gemma", "--data", "gs://b/train.jsonl", "--ckpt-dir", "gs://b/lora", "--rank", "8"]

@@ -10,16 +10,14 @@ import shlex
 import pytest
 from click.testing import CliRunner
 
-from _skips import needs_setup
+from _skips import needs_libtpu
 from bench.compiler import ship_counts
 from orchestrator.cli.app import cli
 from orchestrator.cli.plan_verbs import render
 from orchestrator.plan import step as P
 from trainer import plan as tplan
 from trainer.common import program_counts
-from trainer.common.aot import has_libtpu
 
-needs_libtpu = needs_setup(not has_libtpu(), "libtpu (the `plan` extra, which `make setup` installs)")
 TINY = ["pretrain", "--preset", "gpt2-tiny", "--ckpt-dir", "gs://b/run"]
 
 

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench.compiler import gemma_plans
@@ -37,13 +34,9 @@ def record(accelerator: str, size: str, shipped: Path = program_counts.SHIPPED, 
     """Plan the default step cold in a fresh plan cache and ship its program's record; the path written."""
     argv = command(accelerator, size)
     with tempfile.TemporaryDirectory(prefix="tpuctl-ship-") as home:
-        t0 = time.perf_counter()
-        exe = os.path.join(os.path.dirname(sys.executable), argv[0])
-        proc = subprocess.run([exe if os.path.exists(exe) else argv[0], *argv[1:]], capture_output=True, text=True,
-                              env={**os.environ, "TPUCTL_HOME": home})
-        if proc.returncode != 0:
-            raise SystemExit(f"{shlex.join(argv)} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-        plan = json.loads(proc.stdout)
+        plan = gemma_plans.plan_one(argv, cache_home=home)
+        if "error" in plan or not plan.get("fits"):
+            raise SystemExit(f"{shlex.join(argv)} failed: {plan.get('error') or plan.get('verdict')}")
         if plan.get("counted_earlier"):
             raise SystemExit(f"{shlex.join(argv)} was answered from a record, not compiled: nothing new to ship")
         found = list(Path(home, "plans", "programs").glob("*.json"))
@@ -60,7 +53,7 @@ def record(accelerator: str, size: str, shipped: Path = program_counts.SHIPPED, 
     # the buffers' jax sources name this machine's installs: written from the package on, as any machine has them
     text = re.sub(r'"/[^"]*?/site-packages/', '"', json.dumps(rec, indent=1, sort_keys=True))
     path.write_text(text + "\n")
-    say(f"{accelerator} {size}: planned in {time.perf_counter() - t0:.0f}s, "
+    say(f"{accelerator} {size}: planned in {plan['wall_s']:.0f}s, "
         f"{rec['figures']['total_bytes'] / 2 ** 30:.2f} GiB a device; {path}")
     return path
 

@@ -11,7 +11,6 @@ argv, compiler, package versions, trainer code); the verdict is recomputed from 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -28,7 +27,7 @@ from typing import Callable, Iterator
 
 from orchestrator import catalog
 from orchestrator.plan import memory_watch
-from trainer.common import buffers, calibration
+from trainer.common import buffers, calibration, program_counts
 from orchestrator.spec import UserError
 
 GIB = 2 ** 30
@@ -294,13 +293,7 @@ def gib(b: float) -> str:
 # ---- running the trainer's compile --------------------------------------------------------------------------
 
 def _versions() -> dict[str, str]:
-    out = {}
-    for name in VERSIONED:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "-"
-    return out
+    return program_counts.package_versions(VERSIONED)
 
 
 def _trainer_code_hash() -> str:

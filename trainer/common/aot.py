@@ -475,10 +475,11 @@ def _counted(built: Built, target: Target, counts) -> tuple[dict, dict]:
     if counts is not None and lowered is not None:
         key = counts.key(lowered.as_text(), target.devices, built.settings.get("compiler_options") or {},
                          target.processes, target.slices, target.run_platform)
+        t_key = time.perf_counter()
         found = counts.find(key)
         if found is not None:
-            t1 = time.perf_counter()
-            return program_counts.answer(found, _about(built, target, 0.0)), {"lower": t1 - t0, "found": 0.0}
+            return program_counts.answer(found, _about(built, target, 0.0)), {
+                "lower": t_key - t0, "found": time.perf_counter() - t_key}
     t1 = time.perf_counter()
     compiled, refusal, largest, inside = _compile(built, lowered)
     t2 = time.perf_counter()

@@ -34,14 +34,19 @@ ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")  # the compiler's flags a process can be
 THIS_MACHINE, TPUCTL = "this machine", "tpuctl"  # where a record was found
 
 
-def versions() -> dict[str, str]:
+def package_versions(names) -> dict[str, str]:
+    """Each installed package's version ("-": not installed)."""
     out = {}
-    for name in VERSIONED:
+    for name in names:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = "-"
-    return {**out, **{k: os.environ.get(k, "") for k in ENV}}
+    return out
+
+
+def versions() -> dict[str, str]:
+    return {**package_versions(VERSIONED), **{k: os.environ.get(k, "") for k in ENV}}
 
 
 class Store:
