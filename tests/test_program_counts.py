@@ -57,6 +57,49 @@ def test_a_program_counted_once_is_read_from_its_record(tmp_path, monkeypatch):
     assert tplan._options().parse_args(["--devices", "8", *P._counts_argv(False)]).recount
 
 
+KERNEL = """
+import jax
+from jax.experimental import pallas as pl
+
+
+def _scaled(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * FACTOR
+
+
+def scaled(x):
+    return pl.pallas_call(_scaled, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+"""
+
+
+def test_a_kernel_is_keyed_by_its_program_not_by_where_its_python_is_installed(tmp_path):
+    """A Pallas kernel lowered for TPU carries its Mosaic module with the source paths of the install that traced
+    it (the splash kernel: this venv's site-packages). The same kernel traced from another folder (a CI clone,
+    another venv) is the same program and key; a kernel that computes otherwise is not."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+
+    def lowered(folder: str, factor: int) -> str:
+        src = tmp_path / folder / "kernel.py"
+        src.parent.mkdir()
+        src.write_text(KERNEL.replace("FACTOR", str(factor)))
+        spec = importlib.util.spec_from_file_location("kernel", src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        return jax.jit(mod.scaled).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+
+    here, there, other = lowered("here", 2), lowered("there", 2), lowered("other", 3)
+    assert program_counts.KERNEL_BODY.search(here), "the kernel's module is no longer where a key reads it"
+    assert here != there  # the paths the compiler is handed differ ...
+
+    def key(text):
+        return program_counts.Store.key(text, [], {}, 1, 1, "tpu")
+    assert key(here) == key(there)  # ... the program does not
+    assert key(other) != key(here)
+
+
 def test_a_record_is_found_only_under_its_own_key(tmp_path):
     """A record is read from this machine's folder first, then tpuctl's; one whose key or format is not the one
     asked for, or a recount, finds nothing."""

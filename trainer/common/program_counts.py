@@ -18,12 +18,14 @@ Two places hold records:
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import hashlib
 import importlib.metadata
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,38 @@ SHIPPED = Path(__file__).with_name("shipped")
 VERSIONED = ("jax", "jaxlib", "libtpu")
 ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")  # the compiler's flags a process can be given beside its options
 THIS_MACHINE, TPUCTL = "this machine", "tpuctl"  # where a record was found
+# A Pallas kernel reaches the compiler as a custom call whose backend_config carries the kernel's Mosaic module as
+# base64 MLIR bytecode, with the source locations of its Python: the path of the install that traced it
+# (.../site-packages/jax/experimental/pallas/ops/tpu/splash_attention/...). The compiler reads no location, so
+# the same kernel installed elsewhere (another venv, a CI clone) is the same program: a key reads each kernel as
+# its module printed without locations.
+KERNEL_BODY = re.compile(r'(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)')
+
+
+def portable(program_text: str) -> str:
+    """The lowered program with each kernel's module read without its source locations (see KERNEL_BODY). A kernel
+    that cannot be read so is kept as lowered: its key then also names where it was traced, a record missed, never
+    a wrong one found."""
+    if "tpu_custom_call" not in program_text:
+        return program_text
+    try:  # jax's own reader of Mosaic modules (jax._src.tpu_custom_call reads them so to downgrade one)
+        from jax._src.interpreters import mlir
+        from jax._src.lib import tpu
+        from jaxlib.mlir import ir
+        ctx = mlir.make_ir_context()
+        tpu.register_dialect(ctx)
+        ctx.allow_unregistered_dialects = True
+    except Exception:  # noqa: BLE001 - any jax without that reader
+        return program_text
+
+    def body(m: re.Match) -> str:
+        try:
+            with ctx:
+                module = ir.Module.parse(base64.b64decode(m.group(2), validate=True))
+                return m.group(1) + module.operation.get_asm(enable_debug_info=False) + m.group(3)
+        except Exception:  # noqa: BLE001 - not a module this jax reads
+            return m.group(0)
+    return KERNEL_BODY.sub(body, program_text)
 
 
 def package_versions(names) -> dict[str, str]:
@@ -63,7 +97,8 @@ class Store:
             run_platform: str) -> str:
         """The program's key: what the compiler is handed (the lowered text, the devices it is compiled for, each
         as jax names it: id and coordinates on a TPU topology, and the step's compiler options), the hosts and
-        slices it spans, and the compiler's versions and flags. Not the command: `--mesh data=8,model=1` on
+        slices it spans, and the compiler's versions and flags; not where the program's Python is installed
+        (`portable`). Not the command: `--mesh data=8,model=1` on
         v5litepod-8 builds the program the default mesh builds, and is found by it (a model > 1 plan compares
         with it)."""
         h = hashlib.sha256()
@@ -72,7 +107,7 @@ class Store:
                  "run_platform": run_platform, "compiler_options": compiler_options}
         h.update(json.dumps(about, sort_keys=True, default=str).encode())
         h.update(b"\0")
-        h.update(program_text.encode())
+        h.update(portable(program_text).encode())
         return h.hexdigest()[:40]
 
     def find(self, key: str) -> dict | None:
