@@ -1,7 +1,12 @@
 """Test-wide setup. Runs before any test module imports jax."""
 import glob
 import os
+import re
 import signal
+import time
+import warnings
+
+import pytest
 
 # A suite started as a background job of a non-interactive shell (`make test &`, a script's `nohup ... &`) inherits
 # SIGINT ignored, and so would every process it starts: the tests of what Ctrl-C does would see it lost. Python
@@ -51,6 +56,39 @@ LONGEST_FIRST = (
     "test_attention.py", "test_trainer_train.py", "test_demo.py", "test_sweep_e2e.py", "test_bench.py",
     "test_trainer_multiproc.py", "test_fresh_vm_e2e.py", "test_access.py", "test_tpu_check.py",
 )
+
+
+# The TPU compiler's figures of the programs the `recorded_plans` tests plan, recorded (trainer/common/
+# program_counts.py) so that the suite does not compile, on CI's 2 cores, the same large programs at every run
+# (gemma2-27b's refused written-out step and its scanned one alone are minutes): those tests read them as shared
+# records ($TPUCTL_PLAN_RECORDS), keyed by the program the code lowers today, so a changed program is compiled
+# (and a note says which test to record again), never answered by an older one. Every other test reads none.
+# `TPUCTL_TESTS_RECORD=1 pytest -m recorded_plans` writes them.
+PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
+
+
+@pytest.fixture(autouse=True)
+def _recorded_programs(request, monkeypatch, tmp_path_factory):
+    if request.node.get_closest_marker("recorded_plans") is None:
+        monkeypatch.delenv("TPUCTL_PLAN_RECORDS", raising=False)
+        yield
+        return
+    monkeypatch.setenv("TPUCTL_PLAN_RECORDS", PROGRAMS)
+    began = time.time()
+    yield
+    base = tmp_path_factory.getbasetemp()
+    new = [p for p in glob.glob(os.path.join(base, "**", "plans", "programs", "*.json"), recursive=True)
+           if os.path.getmtime(p) >= began]
+    if os.environ.get("TPUCTL_TESTS_RECORD"):
+        os.makedirs(PROGRAMS, exist_ok=True)
+        for path in new:  # the buffers' jax sources named from the package on, as any machine has them
+            with open(path) as f:
+                text = re.sub(r'"/[^"]*?/site-packages/', '"', f.read())
+            with open(os.path.join(PROGRAMS, os.path.basename(path)), "w") as f:
+                f.write(text)
+    elif new:
+        warnings.warn(f"{request.node.nodeid} compiled {len(new)} program(s) tests/programs has no record of: "
+                      f"`TPUCTL_TESTS_RECORD=1 pytest {request.node.nodeid}` records them")
 
 
 # A skip fails the run on CI unless it is one no setup can cure (tests/_skips.py): the hook that decides.

@@ -85,6 +85,7 @@ def _state_bytes(p: P.Plan, argv: list[str]) -> int:
 
 # ---- must-show 1: the TPU compiler's parameter and optimizer bytes against the arithmetic ----------------------
 
+@pytest.mark.recorded_plans
 @needs_libtpu
 @pytest.mark.slow
 def test_gpt2_124m_on_v4_8_state_bytes_match_the_arithmetic():
@@ -110,6 +111,7 @@ def test_gpt2_124m_on_v4_8_state_bytes_match_the_arithmetic():
     assert p.fits and 0 < f["temp_bytes"] < p.hbm_bytes and 0.5 < f["flops"] / p.model_flops < 2
 
 
+@pytest.mark.recorded_plans
 @needs_libtpu
 def test_tiny_sharded_over_the_model_axis_state_bytes_match_the_arithmetic():
     """The same check with most tensors split over model=2 (heads, MLP, vocab): the divisor comes from the rules."""
@@ -188,6 +190,7 @@ def gemma_plans(tmp_path_factory):
     return tmp_path_factory.mktemp("gemma-plans")
 
 
+@pytest.mark.recorded_plans
 @needs_libtpu
 @pytest.mark.slow
 def test_gemma2_2b_lora_rank_8_fits_on_v5litepod_8(monkeypatch, gemma_plans):
@@ -230,6 +233,7 @@ def test_a_plan_is_cached_by_the_step_it_compiles():
     assert key(pre) != key([*pre, "--batch-size", "16"])
 
 
+@pytest.mark.recorded_plans
 @needs_libtpu
 @pytest.mark.slow
 def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
@@ -250,6 +254,7 @@ def test_the_run_gate_plans_lora_from_the_cache(monkeypatch, gemma_plans):
         P.gate("v5litepod-8", argv, cpu_devices=False)
 
 
+@pytest.mark.recorded_plans
 @needs_libtpu
 @pytest.mark.slow
 def test_gemma2_27b_lora_on_v5litepod_8_fits_with_its_layers_in_scans():
@@ -938,6 +943,7 @@ def test_the_tpu_compilers_out_of_memory_refusal_becomes_a_plan():
 
 # ---- must-show 4: `tpuctl run` on a local slice, refused by the plan; --no-plan overrides ----------------------
 
+@pytest.mark.recorded_plans
 @pytest.mark.e2e
 @needs_hosts
 def test_run_on_a_local_slice_refused_by_the_plan_and_no_plan_overrides(tmp_path, monkeypatch, home):

@@ -5,6 +5,7 @@ cold plan of them lowers the step and reads the record instead of compiling for 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 import pytest
@@ -100,8 +101,8 @@ def test_a_kernel_is_keyed_by_its_program_not_by_where_its_python_is_installed(t
     assert key(other) != key(here)
 
 
-def test_a_record_is_found_only_under_its_own_key(tmp_path):
-    """A record is read from this machine's folder first, then tpuctl's; one whose key or format is not the one
+def test_a_record_is_found_only_under_its_own_key(tmp_path, monkeypatch):
+    """A record is read from this machine's folder first, then the shared ones, then tpuctl's; one whose key or format is not the one
     asked for, or a recount, finds nothing."""
     mine, shipped = tmp_path / "mine", tmp_path / "shipped"
     store = program_counts.Store(mine, shipped=shipped)
@@ -114,8 +115,14 @@ def test_a_record_is_found_only_under_its_own_key(tmp_path):
     answer = program_counts.answer(found, {"settings": {"batch_size": 8}, "compile_s": 0.0})
     assert answer["compile_phases"] == {} and answer["counted_earlier"]["compile_phases"] == {"x": 1}
     assert answer["settings"] == {"batch_size": 8} and answer["compile_s"] == 9.0  # the step's own, the record's
+    team = tmp_path / "team"  # a shared folder ($TPUCTL_PLAN_RECORDS): read before tpuctl's, never written
+    team.mkdir()
+    (team / "k1.json").write_text((shipped / "k1.json").read_text())
+    monkeypatch.setenv(program_counts.SHARED_ENV, f"{tmp_path / 'none'}{os.pathsep}{team}")
+    assert program_counts.Store(mine, shipped=shipped).find("k1")["where"] == program_counts.SHARED
     store.save("k1", {"compile_s": 2.0}, {"compile": 2.0})
     assert store.find("k1")["where"] == program_counts.THIS_MACHINE
+    assert sorted(p.name for p in team.iterdir()) == ["k1.json"]
     assert program_counts.Store(mine, recount=True, shipped=shipped).find("k1") is None
     (shipped / "k2.json").write_text(json.dumps({"format": program_counts.FORMAT, "key": "k1", "figures": {}}))
     (shipped / "k3.json").write_text(json.dumps({"format": program_counts.FORMAT + 1, "key": "k3", "figures": {}}))

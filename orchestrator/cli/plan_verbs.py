@@ -149,7 +149,8 @@ def _how_counted(p: P.Plan) -> str:
     earlier = f.get("counted_earlier")
     if not earlier:
         return f" [compiled in {f['compile_s']:.0f}s]"
-    whose = "tpuctl's record" if earlier["where"] == "tpuctl" else "this machine's record"
+    whose = {"tpuctl": "tpuctl's record", "shared": "a shared record, $TPUCTL_PLAN_RECORDS"}.get(
+        earlier["where"], "this machine's record")
     versions = earlier.get("versions", {})
     by = f"libtpu {versions['libtpu']}" if versions.get("libtpu", "-") != "-" else "the same compiler"
     return (f" [the very program this step lowers to was counted by {by} on {earlier['recorded']} ({whose}; its "

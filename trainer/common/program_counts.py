@@ -6,10 +6,12 @@ the devices, the options, and the compiler's version. A plan lowers its step fir
 these (`Store.key`), and answers from a record of that very program where one is found; otherwise it compiles,
 and records what it counted.
 
-Two places hold records:
+Three places hold records, read in this order:
 - this machine's: the planner's --counts-dir (`tpuctl plan` gives it the `programs` folder of its plan cache), one
   file a program, written by every plan that compiled one. Unlike the plan cache, which is keyed by the command
   and the trainer's code, a record outlives an edit that leaves the program as it was.
+- shared ones, read only: the folders in $TPUCTL_PLAN_RECORDS (os.pathsep between them), e.g. a team's copy of
+  the records its machines wrote, on a drive they all mount; the test suite's own (tests/programs/).
 - tpuctl's own (`shipped/` beside this module): the default Gemma 4 LoRA steps whose layers are written out, which
   libtpu takes 3 to 5 minutes to compile on 2 cores (docs/gemma.md), recorded by
   `python -m bench.compiler.ship_counts`. A record whose program the code no longer builds is never found (its key
@@ -33,7 +35,8 @@ FORMAT = 1  # a record's layout: a new one makes every older key miss
 SHIPPED = Path(__file__).with_name("shipped")
 VERSIONED = ("jax", "jaxlib", "libtpu")
 ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")  # the compiler's flags a process can be given beside its options
-THIS_MACHINE, TPUCTL = "this machine", "tpuctl"  # where a record was found
+THIS_MACHINE, SHARED, TPUCTL = "this machine", "shared", "tpuctl"  # where a record was found
+SHARED_ENV = "TPUCTL_PLAN_RECORDS"
 # A Pallas kernel reaches the compiler as a custom call whose backend_config carries the kernel's Mosaic module as
 # base64 MLIR bytecode, with the source locations of its Python: the path of the install that traced it
 # (.../site-packages/jax/experimental/pallas/ops/tpu/splash_attention/...). The compiler reads no location, so
@@ -85,12 +88,16 @@ def versions() -> dict[str, str]:
 
 class Store:
     """Where a planner looks for records and writes them. folder: this machine's (None: it keeps none);
-    recount: look nowhere (a plan that must compile, e.g. `tpuctl plan --no-cache`), still recording."""
+    recount: look nowhere (a plan that must compile, e.g. `tpuctl plan --no-cache`), still recording; shared:
+    folders read, never written (None: $TPUCTL_PLAN_RECORDS's)."""
 
-    def __init__(self, folder: str | os.PathLike | None = None, recount: bool = False, shipped: Path = SHIPPED):
+    def __init__(self, folder: str | os.PathLike | None = None, recount: bool = False, shipped: Path = SHIPPED,
+                 shared: list[Path] | None = None):
         self.folder = Path(folder) if folder else None
         self.recount = recount
         self.shipped = shipped
+        self.shared = shared if shared is not None else [
+            Path(p) for p in os.environ.get(SHARED_ENV, "").split(os.pathsep) if p]
 
     @staticmethod
     def key(program_text: str, devices: list, compiler_options: dict, processes: int, slices: int,
@@ -114,7 +121,8 @@ class Store:
         """The record of the program keyed `key`, with `where` it was found, or None."""
         if self.recount:
             return None
-        for where, folder in ((THIS_MACHINE, self.folder), (TPUCTL, self.shipped)):
+        for where, folder in ((THIS_MACHINE, self.folder), *((SHARED, f) for f in self.shared),
+                              (TPUCTL, self.shipped)):
             path = folder / f"{key}.json" if folder else None
             if path is None or not path.exists():
                 continue
