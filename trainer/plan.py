@@ -52,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         args = cli.parser().parse_args(trainer_argv)
         aot.check(args)  # before jax starts: a command with nothing to plan is answered at once
         counts = program_counts.Store(opts.counts_dir, recount=opts.recount)
-        out = aot.plan(args, aot.target(opts), STARTED, counts)
+        target = aot.target(opts)
+        if any(d.platform == "tpu" for d in target.devices):
+            # A program compiled for a topology without its devices cannot be loaded back from jax's persistent
+            # cache ("PjRtCompiler must be constructed with a Client"), yet one inherited from the environment
+            # (JAX_COMPILATION_CACHE_DIR) would still serialize and write each: 100+ MB for a written-out Gemma step.
+            import jax
+            jax.config.update("jax_enable_compilation_cache", False)
+        out = aot.plan(args, target, STARTED, counts)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return aot.NOTHING_TO_PLAN if isinstance(e, aot.NotPlannable) else 2

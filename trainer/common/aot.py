@@ -631,12 +631,7 @@ def target(opts: argparse.Namespace) -> Target:
     # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for a real TPU's owner; compiling only,
     # several plans at once are fine.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    import jax
     from jax.experimental import topologies
-    # A program compiled for a topology without its devices cannot be loaded back from jax's persistent cache
-    # ("PjRtCompiler must be constructed with a Client"), yet one inherited from the environment
-    # (JAX_COMPILATION_CACHE_DIR) would still serialize and write each, 100+ MB for a written-out Gemma step.
-    jax.config.update("jax_enable_compilation_cache", False)
     bounds = host_bounds(opts.tpu, opts.host_bounds)
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=opts.tpu,
