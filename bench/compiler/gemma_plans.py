@@ -136,8 +136,8 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
                             f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
                             f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})"
-                 + (f", its figures read from {p['counted_earlier']['where']}'s record of the program (compiled "
-                    f"{p['counted_earlier']['recorded']})" if p.get("counted_earlier") else ""))
+                 + (f", its figures read from {_whose(p['counted_earlier']['where'])} record of the program "
+                    f"(compiled {p['counted_earlier']['recorded']})" if p.get("counted_earlier") else ""))
     note = _impl_note(p)
     if note:
         parts.append(note)
@@ -160,6 +160,11 @@ def lora_impl(row: dict) -> str | None:
     """The --lora-impl a row's command names (None: the default of the commit it ran at)."""
     argv = shlex.split(row.get("command", ""))
     return argv[argv.index(IMPL) + 1] if IMPL in argv[:-1] else None
+
+
+def _whose(where: str) -> str:
+    """A record's owner as a table says it (program_counts' `where`)."""
+    return {"tpuctl": "tpuctl's", "shared": "a shared", "this machine": "this machine's"}.get(where, f"{where}'s")
 
 
 def _impl_note(row: dict) -> str:
