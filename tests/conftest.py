@@ -1,7 +1,6 @@
 """Test-wide setup. Runs before any test module imports jax."""
 import glob
 import os
-import re
 import signal
 import time
 import warnings
@@ -81,9 +80,10 @@ def _recorded_programs(request, monkeypatch, tmp_path_factory):
            if os.path.getmtime(p) >= began]
     if os.environ.get("TPUCTL_TESTS_RECORD"):
         os.makedirs(PROGRAMS, exist_ok=True)
-        for path in new:  # the buffers' jax sources named from the package on, as any machine has them
+        from trainer.common.program_counts import shareable
+        for path in new:
             with open(path) as f:
-                text = re.sub(r'"/[^"]*?/site-packages/', '"', f.read())
+                text = shareable(f.read())
             with open(os.path.join(PROGRAMS, os.path.basename(path)), "w") as f:
                 f.write(text)
     elif new:

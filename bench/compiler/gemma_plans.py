@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from trainer.common.program_counts import OWNER
+
 SIZES = ("gemma4-e2b", "gemma4-e4b", "gemma4-31b", "gemma4-26b-a4b")
 ACCELERATORS = ("v5litepod-8", "v4-8")
 DEVICES = {"v5litepod-8": 8, "v4-8": 4}
@@ -136,7 +138,7 @@ def _cell(p: dict, same: list[dict] = ()) -> str:
                             f"{check.get('headroom_bytes', 0) / GIB:.2f})" if check.get("fits") else
                             f"does not fit, {d.get('total_bytes', 0) / GIB:.2f} GiB)"))
     parts.append(f"planned in {p['wall_s']:.0f} s ({p['cpu_s']:.0f} CPU s, load {p['load_before']:.1f}-{p['load_after']:.1f})"
-                 + (f", its figures read from {_whose(p['counted_earlier']['where'])} record of the program "
+                 + (f", its figures read from {_owner(p['counted_earlier']['where'])} record of the program "
                     f"(compiled {p['counted_earlier']['recorded']})" if p.get("counted_earlier") else ""))
     note = _impl_note(p)
     if note:
@@ -162,9 +164,8 @@ def lora_impl(row: dict) -> str | None:
     return argv[argv.index(IMPL) + 1] if IMPL in argv[:-1] else None
 
 
-def _whose(where: str) -> str:
-    """A record's owner as a table says it (program_counts' `where`)."""
-    return {"tpuctl": "tpuctl's", "shared": "a shared", "this machine": "this machine's"}.get(where, f"{where}'s")
+def _owner(where: str) -> str:
+    return OWNER.get(where, f"{where}'s")
 
 
 def _impl_note(row: dict) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import sys
 import tempfile
@@ -50,9 +49,7 @@ def record(accelerator: str, size: str, shipped: Path = program_counts.SHIPPED, 
             old.unlink()
     shipped.mkdir(parents=True, exist_ok=True)
     path = shipped / f"{rec['key']}.json"
-    # the buffers' jax sources name this machine's installs: written from the package on, as any machine has them
-    text = re.sub(r'"/[^"]*?/site-packages/', '"', json.dumps(rec, indent=1, sort_keys=True))
-    path.write_text(text + "\n")
+    path.write_text(program_counts.shareable(json.dumps(rec, indent=1, sort_keys=True)) + "\n")
     say(f"{accelerator} {size}: planned in {plan['wall_s']:.0f}s, "
         f"{rec['figures']['total_bytes'] / 2 ** 30:.2f} GiB a device; {path}")
     return path

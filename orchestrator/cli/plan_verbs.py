@@ -12,6 +12,7 @@ import click
 from orchestrator.cli.options import PassThrough
 from orchestrator.plan import memory_watch, step as P
 from orchestrator.spec import UserError
+from trainer.common import program_counts
 
 DOES_NOT_FIT = 3  # exit code: planned, and the step does not fit (errors exit 1)
 
@@ -149,8 +150,9 @@ def _how_counted(p: P.Plan) -> str:
     earlier = f.get("counted_earlier")
     if not earlier:
         return f" [compiled in {f['compile_s']:.0f}s]"
-    whose = {"tpuctl": "tpuctl's record", "shared": "a shared record, $TPUCTL_PLAN_RECORDS"}.get(
-        earlier["where"], "this machine's record")
+    where = earlier["where"]
+    owner = program_counts.OWNER.get(where, program_counts.OWNER[program_counts.THIS_MACHINE])
+    whose = f"{owner} record" + (f", ${program_counts.SHARED_ENV}" if where == program_counts.SHARED else "")
     versions = earlier.get("versions", {})
     by = f"libtpu {versions['libtpu']}" if versions.get("libtpu", "-") != "-" else "the same compiler"
     return (f" [the very program this step lowers to was counted by {by} on {earlier['recorded']} ({whose}; its "

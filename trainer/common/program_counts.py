@@ -36,6 +36,7 @@ SHIPPED = Path(__file__).with_name("shipped")
 VERSIONED = ("jax", "jaxlib", "libtpu")
 ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")  # the compiler's flags a process can be given beside its options
 THIS_MACHINE, SHARED, TPUCTL = "this machine", "shared", "tpuctl"  # where a record was found
+OWNER = {THIS_MACHINE: "this machine's", SHARED: "a shared", TPUCTL: "tpuctl's"}  # a record's, as a plan says it
 SHARED_ENV = "TPUCTL_PLAN_RECORDS"
 # A Pallas kernel reaches the compiler as a custom call whose backend_config carries the kernel's Mosaic module as
 # base64 MLIR bytecode, with the source locations of its Python: the path of the install that traced it
@@ -69,6 +70,12 @@ def portable(program_text: str) -> str:
         except Exception:  # noqa: BLE001 - not a module this jax reads
             return m.group(0)
     return KERNEL_BODY.sub(body, program_text)
+
+
+def shareable(record_text: str) -> str:
+    """A record's text as another machine reads it: the buffers' jax sources named from the package on
+    (`jax/...`), not from this machine's site-packages."""
+    return re.sub(r'"/[^"]*?/site-packages/', '"', record_text)
 
 
 def package_versions(names) -> dict[str, str]:
